@@ -1,0 +1,3 @@
+"""specscope: fast, lossless and explainable speculative decoding."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,63 @@
+"""A preallocated key/value cache.
+
+Storage is [layers, batch, kv_heads, max_len, head_dim]; tokens are written at explicit slots, so a whole draft
+tree can occupy slots past the committed length, and `compact` moves the accepted ones into place. Keeping the
+storage static (never reallocated) is what later lets a fixed-size step be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specscope.errors import SpecscopeError
+
+
+class KVCache:
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, max_len: int,
+                 batch: int = 1, device="cpu", dtype=torch.float32):
+        shape = (num_layers, batch, num_kv_heads, max_len, head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        # position id held by each slot (-1 = empty); used for sliding-window masks
+        self.pos = torch.full((batch, max_len), -1, dtype=torch.long, device=device)
+        self.max_len = max_len
+        self.length = 0  # committed tokens (batch row 0; batched callers track their own lengths)
+
+    @classmethod
+    def for_model(cls, cfg, max_len: int, batch: int = 1, device="cpu", dtype=torch.float32) -> "KVCache":
+        return cls(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, max_len, batch, device, dtype)
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """k, v: [B, Hkv, T, D] written at slots [B, T]."""
+        if k.shape[0] == 1:
+            self.k[layer, 0].index_copy_(1, slots[0], k[0])
+            self.v[layer, 0].index_copy_(1, slots[0], v[0])
+        else:
+            b = torch.arange(k.shape[0], device=k.device)[:, None]
+            self.k[layer][b, :, slots] = k.transpose(1, 2)
+            self.v[layer][b, :, slots] = v.transpose(1, 2)
+
+    def check_room(self, needed: int):
+        if needed > self.max_len:
+            raise SpecscopeError(
+                f"sequence needs {needed} KV slots but the cache holds {self.max_len}; "
+                f"shorten the prompt or lower --max-new-tokens")
+
+    def compact(self, keep_slots, row: int = 0):
+        """Move the entries at `keep_slots` (ascending, all >= length) to length.., drop the rest."""
+        keep = torch.as_tensor(keep_slots, dtype=torch.long, device=self.k.device)
+        n = int(keep.numel())
+        dst = torch.arange(self.length, self.length + n, device=self.k.device)
+        if n and not torch.equal(keep, dst):
+            self.k[:, row, :, self.length:self.length + n] = self.k[:, row, :, keep]
+            self.v[:, row, :, self.length:self.length + n] = self.v[:, row, :, keep]
+            self.pos[row, self.length:self.length + n] = self.pos[row, keep]
+        self.length += n
+        self.pos[row, self.length:] = -1
+
+    def truncate(self, length: int):
+        self.length = length
+        self.pos[:, length:] = -1
+
+    def nbytes(self) -> int:
+        return self.k.numel() * self.k.element_size() * 2

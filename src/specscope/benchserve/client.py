@@ -1,0 +1,116 @@
+"""One streaming request, timed: TTFT (first content chunk), inter-chunk gaps, end-to-end latency, tokens."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+
+@dataclass
+class RequestResult:
+    index: int
+    ok: bool = False
+    error: str | None = None
+    ttft_s: float | None = None
+    e2e_s: float | None = None
+    itl_s: list[float] = field(default_factory=list)   # gaps between content chunks
+    completion_tokens: int = 0
+    prompt_tokens: int | None = None
+    chunks: int = 0
+    text: str = ""
+    finish_reason: str | None = None
+    spec: dict | None = None                            # specscope's per-request verify count, if sent
+
+    @property
+    def tpot_s(self) -> float | None:
+        if self.e2e_s is None or self.ttft_s is None or self.completion_tokens < 2:
+            return None
+        return (self.e2e_s - self.ttft_s) / (self.completion_tokens - 1)
+
+    def to_dict(self) -> dict:
+        d = {k: v for k, v in self.__dict__.items() if k != "itl_s"}
+        d["tpot_s"] = self.tpot_s
+        d["itl_s"] = [round(x, 6) for x in self.itl_s]
+        return d
+
+
+def request_body(endpoint: str, model: str, prompt: str, max_tokens: int, temperature: float) -> dict:
+    body = {"model": model, "max_tokens": max_tokens, "temperature": temperature, "stream": True,
+            "stream_options": {"include_usage": True}}
+    if endpoint == "chat":
+        body["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        body["prompt"] = prompt
+    return body
+
+
+def _content(obj: dict, endpoint: str) -> tuple[str | None, str | None]:
+    ch = obj.get("choices") or []
+    if not ch:
+        return None, None
+    c = ch[0]
+    text = (c.get("delta") or {}).get("content") if endpoint == "chat" else c.get("text")
+    return text, c.get("finish_reason")
+
+
+async def stream_one(client: httpx.AsyncClient, url: str, body: dict, endpoint: str, index: int,
+                     headers: dict) -> RequestResult:
+    r = RequestResult(index)
+    parts: list[str] = []
+    t0 = time.perf_counter()
+    last = None
+    try:
+        async with client.stream("POST", url, json=body, headers=headers) as resp:
+            if resp.status_code != 200:
+                raw = (await resp.aread()).decode(errors="replace")
+                try:
+                    msg = json.loads(raw)["error"]["message"]
+                except (ValueError, KeyError, TypeError):
+                    msg = raw[:200]
+                r.error = f"HTTP {resp.status_code}: {msg}"
+                return r
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    r.ok = r.error is None
+                    break
+                try:
+                    obj = json.loads(data)
+                except ValueError:
+                    r.error = f"bad SSE chunk {data[:80]!r}"
+                    continue
+                if "error" in obj:
+                    r.error = str((obj["error"] or {}).get("message", obj["error"]))
+                    continue
+                text, finish = _content(obj, endpoint)
+                if text:
+                    now = time.perf_counter()
+                    if r.ttft_s is None:
+                        r.ttft_s = now - t0
+                    else:
+                        r.itl_s.append(now - last)
+                    last = now
+                    parts.append(text)
+                    r.chunks += 1
+                if finish:
+                    r.finish_reason = finish
+                u = obj.get("usage")
+                if u:
+                    r.completion_tokens = int(u.get("completion_tokens") or 0)
+                    r.prompt_tokens = u.get("prompt_tokens")
+                if obj.get("spec"):
+                    r.spec = obj["spec"]
+            else:
+                r.error = r.error or "the stream ended without [DONE]"
+    except httpx.HTTPError as e:
+        r.error = f"{type(e).__name__}: {e}"
+    r.e2e_s = time.perf_counter() - t0
+    r.text = "".join(parts)
+    if not r.completion_tokens:
+        r.completion_tokens = r.chunks  # server sent no usage: one token per chunk is the best guess
+    return r

@@ -1,0 +1,88 @@
+"""`specscope serve`: the OpenAI-compatible server (see specscope.server)."""
+
+from __future__ import annotations
+
+import click
+
+from specscope.errors import SpecscopeError
+
+
+def bind_socket(host: str, port: int):
+    """Bind before uvicorn starts so `--port 0` works and the real port can be printed."""
+    import socket
+
+    try:
+        family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+    except OSError as e:
+        raise SpecscopeError(f"cannot listen on {host}:{port} ({e.strerror or e}); pick another --port") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+@click.command()
+@click.option("--model", "model_name", default="smollm2-135m", show_default=True,
+              help="Target: a Hugging Face checkpoint directory or a known name.")
+@click.option("--served-model-name", default=None, help="Model id clients use (default: the directory name).")
+@click.option("--draft", default=None, help="Drafter: EAGLE-3 directory or name, 'ngram', or a small HF model.")
+@click.option("--steps", type=click.IntRange(min=1), default=None, help="Draft depth (tree) / chain length.")
+@click.option("--topk", type=click.IntRange(min=1), default=None, help="Tree branching; 1 = chain.")
+@click.option("--draft-tokens", type=click.IntRange(min=2), default=None, help="Tokens verified per cycle.")
+@click.option("--dtype", type=click.Choice(["fp32", "bf16", "fp16", "auto"]), default="auto", show_default=True)
+@click.option("--device", type=click.Choice(["cpu", "cuda", "auto"]), default="auto", show_default=True)
+@click.option("--threads", type=click.IntRange(min=1), default=None, help="CPU threads for torch.")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (loopback by default).")
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True, help="0 = any free port.")
+@click.option("--api-key", envvar="SPECSCOPE_API_KEY", default=None,
+              help="Require 'Authorization: Bearer KEY' on /v1 routes (env SPECSCOPE_API_KEY).")
+@click.option("--max-queue", type=click.IntRange(min=1), default=64, show_default=True,
+              help="Requests allowed to wait; more get 503.")
+@click.option("--max-prompt-tokens", type=click.IntRange(min=1), default=None,
+              help="Longest prompt accepted (default: the model's context - 1).")
+@click.option("--max-tokens-cap", type=click.IntRange(min=1), default=2048, show_default=True,
+              help="Largest max_tokens a request may ask for.")
+@click.option("--no-phase-profile", is_flag=True, help="Do not time draft/verify phases per cycle.")
+@click.option("--shutdown-timeout", type=click.FloatRange(min=0), default=30.0, show_default=True,
+              help="Seconds to let in-flight requests finish after SIGTERM.")
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="warning",
+              show_default=True)
+def serve(model_name, served_model_name, draft, steps, topk, draft_tokens, dtype, device, threads, host, port,
+          api_key, max_queue, max_prompt_tokens, max_tokens_cap, no_phase_profile, shutdown_timeout, log_level):
+    """Serve the model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /metrics)."""
+    import ipaddress
+
+    import uvicorn
+
+    from specscope.cli.common import setup_runtime
+    from specscope.server.app import create_app
+    from specscope.server.worker import Engine, ServeConfig
+
+    if draft is None and any(v is not None for v in (steps, topk, draft_tokens)):
+        raise SpecscopeError("--steps/--topk/--draft-tokens need --draft")
+    dev = setup_runtime(threads, device)
+    cfg = ServeConfig(model=model_name, served_name=served_model_name, draft=draft, steps=steps, topk=topk,
+                      draft_tokens=draft_tokens, dtype=dtype, device=str(dev), max_queue=max_queue,
+                      max_prompt_tokens=max_prompt_tokens, max_tokens_cap=max_tokens_cap, api_key=api_key or None,
+                      profile_phases=not no_phase_profile)
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = host == "localhost"
+    if not loopback and not cfg.api_key:
+        click.echo(f"warning: serving on {host} without --api-key; anyone who can reach it can use it", err=True)
+    sock = bind_socket(host, port)
+    engine = Engine(cfg)  # load before listening so /health means ready
+    app = create_app(engine)
+    real_port = sock.getsockname()[1]
+    shown = f"[{host}]" if ":" in host else host
+    click.echo(f"specscope serve: {engine.name} ({'draft ' + draft if draft else 'baseline'}) on "
+               f"http://{shown}:{real_port}", err=True)
+    click.echo(f"listening on http://{shown}:{real_port}")
+    import sys
+
+    sys.stdout.flush()
+    config = uvicorn.Config(app, log_level=log_level, access_log=log_level in ("debug", "info"),
+                            timeout_graceful_shutdown=shutdown_timeout, lifespan="on")
+    uvicorn.Server(config).run(sockets=[sock])

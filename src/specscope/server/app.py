@@ -1,0 +1,178 @@
+"""FastAPI app: OpenAI-compatible routes, /health, /metrics, API-key check, JSON errors everywhere."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import time
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from specscope.server import protocol as P
+from specscope.server.metrics import ServerMetrics
+from specscope.server.protocol import ApiError
+from specscope.server.worker import Engine, EngineWorker, Job
+
+
+def error_response(e: ApiError) -> JSONResponse:
+    headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
+    return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+
+class CancellingStream(StreamingResponse):
+    """A streaming response that cancels its job however it ends (done, client gone, server stopping)."""
+
+    def __init__(self, content, job: Job, **kw):
+        super().__init__(content, **kw)
+        self.job = job
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.job.cancel()
+
+
+class ApiKeyMiddleware:
+    """Pure ASGI (not BaseHTTPMiddleware, which gets in the way of streaming and disconnects).
+
+    Like vLLM: the OpenAI routes need `Authorization: Bearer KEY`; /health and /metrics stay open for probes.
+    """
+
+    def __init__(self, app, key: str):
+        self.app = app
+        self.expected = f"Bearer {key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            got = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(got, self.expected):
+                resp = error_response(ApiError(401, "missing or wrong API key; send 'Authorization: Bearer KEY'"))
+                return await resp(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
+def create_app(engine: Engine, metrics: ServerMetrics | None = None) -> FastAPI:
+    cfg = engine.cfg
+    metrics = metrics or ServerMetrics()
+    worker = EngineWorker(engine, metrics, cfg.max_queue)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        worker.start()
+        yield
+        # uvicorn has already drained in-flight requests (SIGTERM); now stop the engine thread
+        await asyncio.to_thread(worker.stop)
+
+    app = FastAPI(title="specscope", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.engine, app.state.worker, app.state.metrics = engine, worker, metrics
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request, e: ApiError):
+        return error_response(e)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request, e: StarletteHTTPException):
+        msg = {404: f"no route {request.url.path}", 405: f"{request.method} is not allowed on {request.url.path}"}
+        return error_response(ApiError(e.status_code, msg.get(e.status_code, str(e.detail))))
+
+    if cfg.api_key:
+        app.add_middleware(ApiKeyMiddleware, key=cfg.api_key)
+
+    @app.get("/health")
+    async def health():
+        if worker.stopping:
+            return error_response(ApiError(503, "shutting down"))
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prom():
+        return Response(metrics.render(), media_type=metrics.content_type)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": engine.name, "object": "model", "created": int(time.time()),
+                                            "owned_by": "specscope", "root": str(engine.path),
+                                            "max_model_len": engine.context}]}
+
+    async def read_body(request: Request) -> dict:
+        cl = request.headers.get("content-length")
+        if cl is not None and cl.isdigit() and int(cl) > cfg.max_body_bytes:
+            raise ApiError(413, f"the request body is over {cfg.max_body_bytes} bytes")
+        raw = b""
+        async for part in request.stream():
+            raw += part
+            if len(raw) > cfg.max_body_bytes:
+                raise ApiError(413, f"the request body is over {cfg.max_body_bytes} bytes")
+        return P.parse_json(raw)
+
+    async def handle(request: Request, kind: str):
+        body = await read_body(request)
+        parse = P.parse_chat if kind == "chat" else P.parse_completion
+        p = parse(body, cfg.max_tokens_cap)
+        if p.model is not None and p.model not in (engine.name, cfg.model, str(engine.path)):
+            raise ApiError(404, f"the model {p.model!r} does not exist; this server serves {engine.name!r}",
+                           "model")
+        ids = engine.encode(p)
+        job = Job(p, ids, asyncio.get_running_loop())
+        worker.submit(job)
+        rid = P.new_id(kind)
+        if p.stream:
+            return CancellingStream(stream_events(job, p, rid), job, media_type="text/event-stream",
+                                    headers={"Cache-Control": "no-cache"})
+        try:
+            while True:
+                ev = await job.events.get()
+                if ev[0] == "done":
+                    d = ev[1]
+                    return P.full_response(p, rid, engine.name, d["text"], d["finish"], d["prompt_tokens"],
+                                           d["token_ids"], d["spec"])
+                if ev[0] == "error":
+                    raise ev[1]
+                if ev[0] == "cancelled":
+                    raise ApiError(503, "the request was cancelled")
+        finally:
+            job.cancel()  # a non-streaming client that hangs up stops its decode too
+
+    async def stream_events(job: Job, p: P.GenParams, rid: str):
+        created = int(time.time())
+        if p.kind == "chat":
+            yield P.sse(P.chunk(p, rid, engine.name, created, role=True))
+        while True:
+            ev = await job.events.get()
+            if ev[0] == "tokens":
+                text, tids = ev[1], ev[2]
+                if text or (p.return_token_ids and tids):
+                    yield P.sse(P.chunk(p, rid, engine.name, created, text=text, token_ids=tids))
+            elif ev[0] == "done":
+                d = ev[1]
+                yield P.sse(P.chunk(p, rid, engine.name, created, text="" if p.kind == "completion" else None,
+                                    finish=d["finish"]))
+                if p.include_usage:
+                    last = {"id": rid, "object": "chat.completion.chunk" if p.kind == "chat" else "text_completion",
+                            "created": created, "model": engine.name, "choices": [],
+                            "usage": P.usage(d["prompt_tokens"], len(d["token_ids"]))}
+                    if d["spec"] is not None:
+                        last["spec"] = d["spec"]
+                    yield P.sse(last)
+                yield P.sse("[DONE]")
+                return
+            elif ev[0] == "error":
+                yield P.sse(ev[1].body())
+                yield P.sse("[DONE]")
+                return
+            else:  # cancelled: the client is gone, nothing to say
+                return
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await handle(request, "completion")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await handle(request, "chat")
+
+    return app

@@ -1,0 +1,64 @@
+"""Prometheus metrics of `specscope serve`.
+
+The speculative counters mirror vLLM's names with a `specscope:` prefix instead of `vllm:` (so a vLLM dashboard or
+`bench-serve` reads them the same way): num_drafts (verify cycles), num_draft_tokens, num_accepted_tokens and
+accepted tokens per draft position. specscope adds what mainline engines lack: per-phase time per cycle.
+Each server owns its registry, so several apps can live in one process (tests).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+P = "specscope:"
+LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96, 81.92)
+PHASE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class ServerMetrics:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self):
+        r = self.registry = CollectorRegistry()
+        self.num_drafts = Counter(P + "spec_decode_num_drafts", "Verify cycles (drafts proposed).", registry=r)
+        self.num_draft_tokens = Counter(P + "spec_decode_num_draft_tokens", "Draft tokens proposed.", registry=r)
+        self.num_accepted_tokens = Counter(P + "spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                                           registry=r)
+        self.accepted_per_pos = Counter(P + "spec_decode_num_accepted_tokens_per_pos",
+                                        "Accepted draft tokens by draft position.", ["position"], registry=r)
+        self.phase_seconds = Histogram(P + "cycle_phase_seconds", "Time per decode cycle spent in each phase.",
+                                       ["phase"], buckets=PHASE_BUCKETS, registry=r)
+        self.prompt_tokens = Counter(P + "prompt_tokens", "Prompt tokens processed.", registry=r)
+        self.generation_tokens = Counter(P + "generation_tokens", "Tokens generated.", registry=r)
+        self.request_success = Counter(P + "request_success", "Finished requests.", ["finished_reason"], registry=r)
+        self.request_failed = Counter(P + "request_failed", "Requests that ended in an error or were cancelled.",
+                                      ["reason"], registry=r)
+        self.requests_rejected = Counter(P + "requests_rejected", "Requests refused with 503 (queue full).",
+                                         registry=r)
+        self.running = Gauge(P + "num_requests_running", "Requests being decoded.", registry=r)
+        self.waiting = Gauge(P + "num_requests_waiting", "Requests in the queue.", registry=r)
+        self.ttft = Histogram(P + "time_to_first_token_seconds", "Time from enqueue to the first token.",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram(P + "e2e_request_latency_seconds", "Time from enqueue to the last token.",
+                             buckets=LATENCY_BUCKETS, registry=r)
+
+    def observe_spec(self, extra: dict) -> None:
+        """Count one finished speculative request from GenerationResult.extra."""
+        lens = extra.get("accept_lengths") or []
+        acc_pos = extra.get("accepted_per_pos") or []
+        drafts_pos = extra.get("drafts_per_pos") or []
+        self.num_drafts.inc(int(extra.get("cycles", len(lens))))
+        self.num_draft_tokens.inc(int(sum(drafts_pos)))
+        self.num_accepted_tokens.inc(int(sum(acc_pos)))
+        for i, n in enumerate(acc_pos):
+            self.accepted_per_pos.labels(position=str(i)).inc(int(n))
+
+    def observe_phases(self, cycle_ms: dict) -> None:
+        for phase, values in cycle_ms.items():
+            h = self.phase_seconds.labels(phase=phase)
+            for v in values:
+                h.observe(float(v) / 1e3)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

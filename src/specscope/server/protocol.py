@@ -1,0 +1,204 @@
+"""OpenAI request parsing and validation, and the response / SSE chunk shapes.
+
+Validation is hand-written (not pydantic) so every rejection is one clear message with the offending field,
+returned as an OpenAI-style error body: {"error": {"message", "type", "param", "code"}}.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, type_: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.type = type_ or {401: "authentication_error", 404: "not_found_error", 413: "invalid_request_error",
+                              503: "service_unavailable", 500: "server_error"}.get(status, "invalid_request_error")
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.status}}
+
+
+@dataclass
+class GenParams:
+    """What the engine needs from one request, validated."""
+    kind: str                      # "completion" | "chat"
+    prompt: str | None = None      # completions
+    prompt_ids: list[int] | None = None
+    messages: list[dict] | None = None
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stream: bool = False
+    include_usage: bool = False
+    return_token_ids: bool = False
+    model: str | None = None
+
+
+def _num(body, key, typ, lo=None, hi=None, default=None):
+    v = body.get(key, default)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (typ is int and not float(v).is_integer()):
+        raise ApiError(400, f"'{key}' must be {'an integer' if typ is int else 'a number'}, got {v!r}", key)
+    v = typ(v)
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        raise ApiError(400, f"'{key}' must be in [{lo}, {hi}], got {v}", key)
+    return v
+
+
+def _bool(body, key, default=False):
+    v = body.get(key, default)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise ApiError(400, f"'{key}' must be true or false, got {v!r}", key)
+    return v
+
+
+def parse_json(raw: bytes) -> dict:
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"the request body is not valid JSON ({e})") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    return body
+
+
+def _common(body: dict, kind: str, max_tokens_cap: int) -> GenParams:
+    p = GenParams(kind=kind)
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise ApiError(400, "'model' must be a string", "model")
+    p.model = model
+    mt = body.get("max_completion_tokens", body.get("max_tokens"))
+    key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+    p.max_tokens = _num({key: mt}, key, int, 1, max_tokens_cap, default=16 if kind == "completion" else max_tokens_cap)
+    p.temperature = _num(body, "temperature", float, 0.0, 2.0, default=1.0)
+    p.top_p = _num(body, "top_p", float, 0.0, 1.0, default=1.0)
+    if p.top_p == 0:
+        raise ApiError(400, "'top_p' must be > 0", "top_p")
+    p.top_k = _num(body, "top_k", int, -1, None, default=0)
+    p.top_k = max(p.top_k, 0)  # vLLM uses -1 for "off"
+    p.seed = _num(body, "seed", int, None, None, default=None)
+    n = _num(body, "n", int, 1, None, default=1)
+    if n != 1:
+        raise ApiError(400, "only 'n': 1 is supported", "n")
+    stop = body.get("stop")
+    if stop is None:
+        p.stop = []
+    elif isinstance(stop, str):
+        p.stop = [stop] if stop else []
+    elif isinstance(stop, list) and all(isinstance(s, str) and s for s in stop) and len(stop) <= 4:
+        p.stop = list(stop)
+    else:
+        raise ApiError(400, "'stop' must be a non-empty string or a list of at most 4 non-empty strings", "stop")
+    p.stream = _bool(body, "stream")
+    so = body.get("stream_options")
+    if so is not None:
+        if not isinstance(so, dict):
+            raise ApiError(400, "'stream_options' must be an object", "stream_options")
+        p.include_usage = _bool(so, "include_usage")
+    p.return_token_ids = _bool(body, "return_token_ids")
+    for unsupported in ("logprobs", "top_logprobs", "echo", "tools", "suffix"):
+        if body.get(unsupported):  # null / false / 0 / [] mean "off", which is what we do
+            raise ApiError(400, f"'{unsupported}' is not supported by this server", unsupported)
+    if body.get("best_of") not in (None, 1):
+        raise ApiError(400, "only 'best_of': 1 is supported", "best_of")
+    return p
+
+
+def parse_completion(body: dict, max_tokens_cap: int) -> GenParams:
+    p = _common(body, "completion", max_tokens_cap)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ApiError(400, "'prompt' is empty", "prompt")
+        p.prompt = prompt
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        p.prompt_ids = list(prompt)
+    elif prompt is None:
+        raise ApiError(400, "'prompt' is required", "prompt")
+    else:
+        raise ApiError(400, "'prompt' must be a string, a list of token ids, or a list with one of those", "prompt")
+    return p
+
+
+def parse_chat(body: dict, max_tokens_cap: int) -> GenParams:
+    p = _common(body, "chat", max_tokens_cap)
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise ApiError(400, "'messages' must be a non-empty list", "messages")
+    out = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "developer"):
+            raise ApiError(400, f"messages[{i}] needs a 'role' of system, user, assistant or developer", "messages")
+        c = m.get("content")
+        if isinstance(c, list):  # content parts: keep the text ones
+            if not all(isinstance(x, dict) and x.get("type") == "text" and isinstance(x.get("text"), str) for x in c):
+                raise ApiError(400, f"messages[{i}].content: only text parts are supported", "messages")
+            c = "".join(x["text"] for x in c)
+        if not isinstance(c, str):
+            raise ApiError(400, f"messages[{i}].content must be a string or a list of text parts", "messages")
+        out.append({"role": "system" if m["role"] == "developer" else m["role"], "content": c})
+    p.messages = out
+    return p
+
+
+# ---- responses ---------------------------------------------------------------------------------------------------
+
+def new_id(kind: str) -> str:
+    return ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def full_response(p: GenParams, rid: str, model: str, text: str, finish: str, prompt_tokens: int,
+                  token_ids: list[int], spec: dict | None) -> dict:
+    if p.kind == "chat":
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                  "finish_reason": finish}
+        obj = "chat.completion"
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        obj = "text_completion"
+    if p.return_token_ids:
+        choice["token_ids"] = token_ids
+    out = {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [choice],
+           "usage": usage(prompt_tokens, len(token_ids))}
+    if spec is not None:
+        out["spec"] = spec  # like SGLang's meta_info.spec_verify_ct: lets a client compute τ per request
+    return out
+
+
+def chunk(p: GenParams, rid: str, model: str, created: int, text: str | None = None, finish: str | None = None,
+          role: bool = False, token_ids: list[int] | None = None) -> dict:
+    if p.kind == "chat":
+        delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text is not None else {})
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        obj = "chat.completion.chunk"
+    else:
+        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        obj = "text_completion"
+    if p.return_token_ids and token_ids is not None:
+        choice["token_ids"] = token_ids
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
+
+
+def sse(obj) -> bytes:
+    return b"data: " + (obj if isinstance(obj, str) else json.dumps(obj, separators=(",", ":"))).encode() + b"\n\n"

@@ -1,0 +1,336 @@
+"""`specscope compare`: runs side by side, a noise-aware verdict per metric, what differs, and why it likely moved.
+
+The first run is the reference; every other run is compared against it:
+
+* rows: tok/s, ms/token, τ, ms/cycle and each phase's ms/cycle with the relative change, its bootstrap interval
+  and a verdict (`stats.py`), intervals Bonferroni-corrected over the rows;
+* config / env differences, only keys that differ (volatile fields such as the timestamp left out);
+* attribution: the change in ms/token split exactly into each phase's share plus acceptance (τ),
+  Δ(cyc/τ) = Σ_p (b_p − a_p)/τ_b + cyc_a·(1/τ_b − 1/τ_a); a phase that moved out of proportion to the others;
+  and the differing settings ranked as likely causes (`causes.py`).
+
+`matrix()` lays runs out along one or two keys (an env var × steps, say) with a metric per cell.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+
+from specscope.errors import SpecscopeError
+from specscope.profile.cycle import PHASE_LABELS, TOP_PHASES
+from specscope.registry import causes, stats
+from specscope.registry.fingerprint import VOLATILE, flatten
+
+OOP_MIN_SHARE = 0.03       # phases below 3 % of a cycle are too small to call "out of proportion"
+
+
+# ---- per-run numbers ----------------------------------------------------------------------------------------
+def _cycles(rec: dict):
+    """(per-phase ms dict, total ms per cycle, tokens per cycle) from a record's samples; None parts if absent."""
+    s = rec.get("samples") or {}
+    cm = s.get("cycle_ms") or {}
+    total = s.get("cycle_total_ms")
+    if total is None and cm:
+        cols = [v for k, v in cm.items() if "." not in k]
+        total = [sum(x) for x in zip(*cols)] if cols else None
+    acc = s.get("accept_lengths")
+    if acc is not None and total is not None and len(acc) != len(total):
+        acc = None
+    return cm, total, acc
+
+
+def _ones(x):
+    return [1.0] * len(x)
+
+
+def _metric_defs(runs: list[dict]) -> list[dict]:
+    """Rows to show: (key, label, higher_is_better, value(rec), samples(rec) -> (num, den) | None)."""
+    def res(rec, *path):
+        v = rec.get("results") or {}
+        for p in path:
+            v = v.get(p) if isinstance(v, dict) else None
+        return v
+
+    def tok_s(rec):
+        _, total, acc = _cycles(rec)
+        if total and acc:
+            return [a * 1000.0 for a in acc], total
+        pp = [p.get("tok_per_s") for p in (rec.get("samples") or {}).get("per_prompt") or []
+              if isinstance(p, dict) and p.get("tok_per_s") is not None]
+        return (pp, _ones(pp)) if pp else None
+
+    def ms_tok(rec):
+        _, total, acc = _cycles(rec)
+        return (total, acc) if total and acc else None
+
+    def tau(rec):
+        _, _, acc = _cycles(rec)
+        return (acc, _ones(acc)) if acc else None
+
+    def cyc(rec):
+        _, total, _ = _cycles(rec)
+        return (total, _ones(total)) if total else None
+
+    defs = [
+        dict(key="tok_per_s", label="tok/s", higher=True, value=lambda r: res(r, "tok_per_s"), samples=tok_s),
+        dict(key="ms_per_token", label="ms/token", higher=False, value=lambda r: res(r, "decode_ms_per_token"),
+             samples=ms_tok),
+    ]
+    taus = [res(r, "accept_length") for r in runs]
+    if any(t not in (None, 1, 1.0) for t in taus):
+        defs.append(dict(key="accept_length", label="τ (accept length)", higher=True,
+                         value=lambda r: res(r, "accept_length"), samples=tau))
+    defs.append(dict(key="cycle_ms", label="ms/cycle", higher=False, value=lambda r: res(r, "cycle_ms", "mean_ms"),
+                     samples=cyc))
+    phases = []
+    for r in runs:
+        for p in (res(r, "phases") or {}):
+            if p not in phases:
+                phases.append(p)
+    phases.sort(key=lambda p: (TOP_PHASES.index(p.split(".")[0]) if p.split(".")[0] in TOP_PHASES else 99, p))
+    for p in phases:
+        label = PHASE_LABELS.get(p, p) + " ms/cyc"
+
+        def samp(rec, p=p):
+            cm, _, _ = _cycles(rec)
+            col = cm.get(p)
+            return (col, _ones(col)) if col else None
+
+        defs.append(dict(key=f"phase.{p}", label=label, higher=False,
+                         value=lambda r, p=p: res(r, "phases", p, "mean_ms"), samples=samp))
+    if any(res(r, "baseline", "decode_ms_per_token") is not None for r in runs):
+        def base_samp(rec):
+            col = (rec.get("samples") or {}).get("baseline_step_ms")
+            return (col, _ones(col)) if col else None
+
+        defs.append(dict(key="baseline.decode", label="Baseline decode ms/token", higher=False,
+                         value=lambda r: res(r, "baseline", "decode_ms_per_token"), samples=base_samp))
+    return defs
+
+
+# ---- differences --------------------------------------------------------------------------------------------
+def _flat_settings(rec: dict) -> dict:
+    out = {f"config.{k}": v for k, v in flatten(rec.get("config") or {}).items()}
+    env = flatten(rec.get("env") or {})
+    for k, v in env.items():
+        if not any(k == vol or k.startswith(vol + ".") for vol in VOLATILE):
+            out[f"env.{k}"] = v
+    return out
+
+
+def _same(a, b) -> bool:
+    return json.dumps(a, sort_keys=True, default=str) == json.dumps(b, sort_keys=True, default=str)
+
+
+def settings_diff(runs: list[dict]) -> dict[str, list]:
+    """{flat key: [value per run]} for keys whose values are not all equal (a missing key counts as None)."""
+    flats = [_flat_settings(r) for r in runs]
+    keys = sorted(set().union(*flats))
+    return {k: [f.get(k) for f in flats] for k in keys if not all(_same(f.get(k), flats[0].get(k)) for f in flats)}
+
+
+# ---- comparison ---------------------------------------------------------------------------------------------
+def compare_runs(runs: list[dict], alpha: float = 0.05, min_effect: float = 0.02) -> dict:
+    if len(runs) < 2:
+        raise SpecscopeError("compare needs at least two runs")
+    defs = _metric_defs(runs)
+    tested = sum(1 for d in defs if any(d["samples"](r) for r in runs))
+    level = 1 - alpha / max(tested, 1)
+    rows = []
+    for d in defs:
+        ref_s = d["samples"](runs[0])
+        row = {"metric": d["key"], "label": d["label"], "better": "higher" if d["higher"] else "lower",
+               "values": [_round(d["value"](r)) for r in runs], "changes": [None], "verdicts": [None]}
+        for r in runs[1:]:
+            va, vb = d["value"](runs[0]), d["value"](r)
+            s = d["samples"](r)
+            if ref_s and s:
+                ch = stats.ratio_change(*ref_s, *s, level=level)
+            else:
+                change = (vb / va - 1) if isinstance(va, (int, float)) and isinstance(vb, (int, float)) and va \
+                    else None
+                ch = {"change": change, "lo": None, "hi": None, "reason": "no per-cycle samples"}
+            row["changes"].append({k: _round(v, 5) if isinstance(v, float) else v for k, v in ch.items()})
+            row["verdicts"].append(stats.verdict(ch, d["higher"], min_effect) if ch["change"] is not None
+                                   else "n/a (missing)")
+        rows.append(row)
+    diff = settings_diff(runs)
+    attributions = [_attribute(runs[0], runs[i], rows, i, runs) for i in range(1, len(runs))]
+    return {
+        "runs": [{"id": r.get("id"), "name": r.get("name"), "kind": r.get("kind"), "created_at": r.get("created_at")}
+                 for r in runs],
+        "reference": runs[0].get("id"),
+        "confidence": round(level, 5),
+        "min_effect": min_effect,
+        "rows": rows,
+        "config_diff": {k: v for k, v in diff.items() if k.startswith("config.")},
+        "env_diff": {k: v for k, v in diff.items() if k.startswith("env.")},
+        "attribution": attributions,
+    }
+
+
+def _round(v, nd=4):
+    return round(v, nd) if isinstance(v, float) else v
+
+
+def _changed(v: str | None) -> bool:
+    return v in ("better", "worse")
+
+
+def _attribute(a: dict, b: dict, rows: list[dict], i: int, runs: list[dict]) -> dict:
+    by = {r["metric"]: r for r in rows}
+    out = {"run": b.get("id"), "against": a.get("id")}
+    tok = by.get("tok_per_s")
+    if tok and tok["changes"][i] and tok["changes"][i].get("change") is not None:
+        out["tok_per_s_change"] = tok["changes"][i]["change"]
+        out["tok_per_s_verdict"] = tok["verdicts"][i]
+    # exact split of the ms/token change into phases + acceptance
+    pa = (a.get("results") or {}).get("phases") or {}
+    pb = (b.get("results") or {}).get("phases") or {}
+    ta = (a.get("results") or {}).get("accept_length") or 1.0
+    tb = (b.get("results") or {}).get("accept_length") or 1.0
+    top = [p for p in dict.fromkeys(list(pa) + list(pb)) if "." not in p]
+    contributions = []
+    if top:
+        ma = {p: (pa.get(p) or {}).get("mean_ms", 0.0) for p in top}
+        mb = {p: (pb.get(p) or {}).get("mean_ms", 0.0) for p in top}
+        total = sum(mb.values()) / tb - sum(ma.values()) / ta
+        for p in top:
+            contributions.append({"phase": p, "delta_ms_per_token": (mb[p] - ma[p]) / tb})
+        if abs(ta - tb) > 1e-9:
+            contributions.append({"phase": "acceptance (τ)",
+                                  "delta_ms_per_token": sum(ma.values()) * (1 / tb - 1 / ta)})
+        for c in contributions:
+            c["share"] = round(c["delta_ms_per_token"] / total, 4) if abs(total) > 1e-12 else None
+            c["delta_ms_per_token"] = round(c["delta_ms_per_token"], 5)
+        contributions.sort(key=lambda c: -abs(c["delta_ms_per_token"]))
+        out["delta_ms_per_token"] = round(total, 5)
+    out["contributions"] = contributions
+    changed_phases = {r["metric"][6:] for r in rows if r["metric"].startswith("phase.") and "." not in r["metric"][6:]
+                      and _changed(r["verdicts"][i])}
+    if by.get("baseline.decode") and _changed(by["baseline.decode"]["verdicts"][i]):
+        changed_phases.add("decode")
+    tau_row = by.get("accept_length")
+    tau_changed = bool(tau_row and _changed(tau_row["verdicts"][i]))
+    any_change = bool(changed_phases or tau_changed or any(_changed(r["verdicts"][i]) for r in rows))
+    oop = _out_of_proportion(rows, i, a, b)
+    out["out_of_proportion"] = oop
+    if not any_change:
+        out["explains"] = None
+        out["summary"] = "no significant change in any metric"
+    else:
+        lead = contributions[0] if contributions else None
+        out["explains"] = lead["phase"] if lead else None
+        parts = []
+        if "tok_per_s_change" in out:
+            parts.append(f"tok/s {out['tok_per_s_change'] * 100:+.1f}% ({out['tok_per_s_verdict']})")
+        if lead and lead["share"] is not None:
+            parts.append(f"{lead['phase']} explains {lead['share'] * 100:.0f}% of the ms/token change "
+                         f"({lead['delta_ms_per_token']:+.3f} ms/token)")
+        if oop:
+            parts.append(oop["message"])
+        out["summary"] = "; ".join(parts)
+    shape = {"out_of_proportion": oop["phase"] if oop else None, "tau_changed": tau_changed,
+             "changed_phases": changed_phases}
+    pair = settings_diff([a, b])
+    out["likely_causes"] = causes.rank({k: tuple(v) for k, v in pair.items()}, shape)
+    if not any_change and out["likely_causes"]:
+        out["note"] = "settings differ but no metric changed beyond noise"
+    return out
+
+
+def _out_of_proportion(rows, i, a, b) -> dict | None:
+    """The phase whose relative change stands apart from the others' (e.g. verify +53 % while decode +8 %)."""
+    cands = []
+    for r in rows:
+        m = r["metric"]
+        if not (m.startswith("phase.") and "." not in m[6:]) and m != "baseline.decode":
+            continue
+        ch = r["changes"][i]
+        if not ch or ch.get("change") is None:
+            continue
+        if m.startswith("phase."):
+            p = m[6:]
+            share = max(((x.get("results") or {}).get("phases") or {}).get(p, {}).get("share", 0.0) for x in (a, b))
+            if share < OOP_MIN_SHARE or p == "other":
+                continue
+            name = p
+        else:
+            name = "decode (baseline)"
+        cands.append((name, ch["change"] * 100, r["verdicts"][i]))
+    if len(cands) < 2:
+        return None
+    best = None
+    for name, pct, verdict in cands:
+        others = [c for c in cands if c[0] != name]
+        med = statistics.median(c[1] for c in others)
+        if not _changed(verdict) and not verdict.startswith("n/a"):
+            continue
+        gap = abs(pct - med)
+        if gap >= 10 and abs(pct) >= 2 * abs(med) + 5 and (best is None or gap > best[0]):
+            best = (gap, name, pct, others, med)
+    if best is None:
+        return None
+    _, name, pct, others, med = best
+    shown = ", ".join(f"{o[0]} {o[1]:+.0f}%" for o in sorted(others, key=lambda o: -abs(o[1]))[:3])
+    return {"phase": name, "change_pct": round(pct, 2), "others_median_pct": round(med, 2),
+            "message": f"{name} {pct:+.0f}% while {shown}"}
+
+
+# ---- matrix mode --------------------------------------------------------------------------------------------
+def lookup(rec: dict, key: str):
+    """A setting by a short or full key: "steps", "NCCL_PROTO", "config.steps", "env.gpu.sm_clock_max_mhz"."""
+    flat = _flat_settings(rec) | {f"results.{k}": v for k, v in flatten(rec.get("results") or {}).items()}
+    flat.update({"kind": rec.get("kind"), "name": rec.get("name")})
+    for cand in (key, f"config.{key}", f"env.vars.{key}", f"env.{key}", f"results.{key}"):
+        if cand in flat:
+            return flat[cand]
+    hits = [k for k in flat if k.endswith("." + key)]
+    return flat[hits[0]] if len(hits) == 1 else None
+
+
+def matrix(runs: list[dict], keys: list[str], metric: str = "tok_per_s") -> dict:
+    if not 1 <= len(keys) <= 2:
+        raise SpecscopeError("--by takes one or two keys, e.g. --by NCCL_PROTO,steps")
+    if not runs:
+        raise SpecscopeError("compare --by needs runs")
+
+    def label(v):
+        return "-" if v is None else (json.dumps(v) if isinstance(v, (list, dict)) else str(v))
+
+    def val(r):
+        v = lookup(r, metric)
+        return v if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+    if all(all(lookup(r, k) is None for r in runs) for k in keys):
+        raise SpecscopeError(f"none of the runs has {', '.join(keys)}; keys are config fields (steps), env vars "
+                             f"(NCCL_PROTO) or dotted paths (env.gpu.sm_clock_max_mhz)")
+    rows, cols, cells = [], [], {}
+    for r in runs:
+        rv = label(lookup(r, keys[0]))
+        cv = label(lookup(r, keys[1])) if len(keys) > 1 else ""
+        if rv not in rows:
+            rows.append(rv)
+        if cv not in cols:
+            cols.append(cv)
+        cells.setdefault((rv, cv), []).append(r)
+
+    def order(vs):
+        try:
+            return sorted(vs, key=float)
+        except ValueError:
+            return sorted(vs)
+
+    rows, cols = order(rows), order(cols)
+    grid = []
+    for rv in rows:
+        line = []
+        for cv in cols:
+            rs = cells.get((rv, cv), [])
+            vals = [val(r) for r in rs if val(r) is not None]
+            line.append({"value": round(statistics.fmean(vals), 4) if vals else None,
+                         "stdev": round(statistics.stdev(vals), 4) if len(vals) > 1 else None,
+                         "n": len(rs), "runs": [r.get("id") for r in rs]})
+        grid.append(line)
+    return {"by": keys, "metric": metric, "rows": rows, "cols": cols, "cells": grid}

@@ -1,0 +1,188 @@
+"""compare: planted regressions are found and attributed; same-distribution runs are not called different."""
+
+import numpy as np
+import pytest
+
+from specscope.errors import SpecscopeError
+from specscope.registry import open_registry
+from specscope.registry.causes import prior_for, rank
+from specscope.registry.compare import compare_runs, lookup, matrix, settings_diff
+from specscope.registry.stats import ratio_change, verdict
+
+PHASES = {"draft": 4.0, "verify": 20.0, "accept": 0.6, "commit": 0.9, "other": 0.3}
+
+
+def env(**over):
+    e = {"collected_at": "2026-01-01T00:00:00", "host": "gpu-1", "cpu": {"model": "EPYC 9654", "cores_usable": 16},
+         "memory": {"total_mib": 131072, "available_mib": 100000},
+         "packages": {"torch": "2.13.0", "specscope": "0.1.0"}, "git": {"commit": "a" * 40, "dirty": False},
+         "vars": {"NCCL_PROTO": "LL", "OMP_NUM_THREADS": "8"},
+         "gpu": {"name": "NVIDIA H200", "driver_version": "570.1", "sm_clock_mhz": 1980, "sm_clock_max_mhz": 1980,
+                 "mem_clock_max_mhz": 3201, "power_limit_w": 700.0, "temperature_c": 40, "pcie_gen": 5}}
+    for path, v in over.items():
+        d = e
+        *head, last = path.split("__")
+        for h in head:
+            d = d[h]
+        d[last] = v
+    return e
+
+
+def synth(seed, n=300, scale=None, decode=10.0, tau_p=0.6, env_over=None, config_over=None, name=""):
+    """A speculative run with per-cycle samples (lognormal noise, CV ~10 %) and a baseline measured alongside."""
+    rng = np.random.default_rng(seed)
+    scale = scale or {}
+    cm = {p: (m * scale.get(p, 1.0) * rng.lognormal(0, 0.1, n)).tolist() for p, m in PHASES.items()}
+    total = [sum(x) for x in zip(*cm.values())]
+    acc = (1 + rng.binomial(4, tau_p, n)).tolist()
+    base = (decode * scale.get("decode", 1.0) * rng.lognormal(0, 0.1, n)).tolist()
+    T = sum(total)
+    results = {
+        "tok_per_s": sum(acc) / T * 1e3, "accept_length": float(np.mean(acc)), "decode_ms_per_token": T / sum(acc),
+        "cycle_ms": {"mean_ms": T / n},
+        "phases": {p: {"mean_ms": float(np.mean(v)), "share": sum(v) / T} for p, v in cm.items()},
+        "baseline": {"decode_ms_per_token": float(np.mean(base)), "tok_per_s": 1e3 / float(np.mean(base))},
+    }
+    config = {"model": "/m/llama", "model_hash": "fast1:x", "steps": 4, "topk": 1, "draft_tokens": 5,
+              "dtype": "bf16", "device": "cuda", **(config_over or {})}
+    return {"kind": "bench", "name": name, "config": config, "env": env(**(env_over or {})), "results": results,
+            "samples": {"cycle_ms": cm, "cycle_total_ms": total, "accept_lengths": acc, "baseline_step_ms": base}}
+
+
+def rows_by(cmp):
+    return {r["metric"]: r for r in cmp["rows"]}
+
+
+def test_planted_nccl_regression_in_verify():
+    a = synth(1)
+    b = synth(2, scale={"verify": 1.53, "draft": 1.08, "accept": 1.08, "commit": 1.08, "decode": 1.08},
+              env_over={"vars__NCCL_PROTO": "Simple", "git__commit": "b" * 40, "gpu__sm_clock_mhz": 1965,
+                        "host": "gpu-2", "collected_at": "2026-01-02T00:00:00", "gpu__temperature_c": 60})
+    cmp = compare_runs([a, b])
+    rows = rows_by(cmp)
+    assert rows["phase.verify"]["verdicts"][1] == "worse"
+    assert rows["tok_per_s"]["verdicts"][1] == "worse"
+    assert rows["phase.other"]["verdicts"][1] == "no significant change"
+    att = cmp["attribution"][0]
+    assert att["explains"] == "verify"
+    assert att["out_of_proportion"]["phase"] == "verify"
+    assert "verify +5" in att["out_of_proportion"]["message"] and "decode (baseline) +" in \
+        att["out_of_proportion"]["message"]
+    assert att["likely_causes"][0]["key"] == "env.vars.NCCL_PROTO"
+    # differences only: volatile fields are left out, equal fields are not listed
+    assert "env.collected_at" not in cmp["env_diff"] and "env.gpu.temperature_c" not in cmp["env_diff"]
+    assert "env.gpu.name" not in cmp["env_diff"] and cmp["config_diff"] == {}
+    assert cmp["env_diff"]["env.vars.NCCL_PROTO"] == ["LL", "Simple"]
+    # the split of Δ ms/token is exact
+    assert sum(c["delta_ms_per_token"] for c in att["contributions"]) == pytest.approx(att["delta_ms_per_token"],
+                                                                                       abs=1e-3)
+
+
+def test_planted_clock_drop_slows_everything():
+    a = synth(3)
+    slow = {p: 1.25 for p in PHASES} | {"decode": 1.25, "other": 1.0}
+    b = synth(4, scale=slow, env_over={"gpu__sm_clock_max_mhz": 1500, "gpu__sm_clock_mhz": 1500,
+                                       "vars__NCCL_DEBUG": "INFO", "git__commit": "c" * 40})
+    att = compare_runs([a, b])["attribution"][0]
+    assert att["out_of_proportion"] is None
+    assert att["explains"] == "verify"
+    keys = [c["key"] for c in att["likely_causes"]]
+    assert keys[0] == "env.gpu.sm_clock_max_mhz"
+    assert keys.index("env.gpu.sm_clock_max_mhz") < keys.index("env.vars.NCCL_DEBUG")
+
+
+def test_planted_acceptance_drop_points_at_prompts():
+    a = synth(5, config_over={"prompt_set_hash": "sha256:aa"})
+    b = synth(6, tau_p=0.4, config_over={"prompt_set_hash": "sha256:bb"}, env_over={"git__commit": "d" * 40})
+    cmp = compare_runs([a, b])
+    rows = rows_by(cmp)
+    assert rows["accept_length"]["verdicts"][1] == "worse"
+    assert rows["phase.verify"]["verdicts"][1] == "no significant change"
+    att = cmp["attribution"][0]
+    assert att["explains"] == "acceptance (τ)"
+    assert att["likely_causes"][0]["key"] == "config.prompt_set_hash"
+
+
+def test_same_distribution_is_not_called_a_change():
+    flagged = []
+    for seed in range(20):
+        a, b = synth(100 + 2 * seed), synth(101 + 2 * seed)
+        cmp = compare_runs([a, b])
+        changed = [r["metric"] for r in cmp["rows"] if r["verdicts"][1] in ("better", "worse")]
+        if changed:
+            flagged.append((seed, changed))
+        else:
+            assert cmp["attribution"][0]["summary"] == "no significant change in any metric"
+    # Bonferroni over the rows keeps the family-wise false-alarm rate at 5 %: at most one pair in 20
+    assert len(flagged) <= 1, flagged
+
+
+def test_three_runs_and_runs_without_samples():
+    a, b, c = synth(7), synth(8, scale={"verify": 1.3}), synth(9)
+    c["samples"] = {}
+    cmp = compare_runs([a, b, c])
+    rows = rows_by(cmp)
+    assert len(rows["tok_per_s"]["values"]) == 3
+    assert rows["phase.verify"]["verdicts"][1] == "worse"
+    assert rows["phase.verify"]["verdicts"][2].startswith("n/a")
+    assert rows["phase.verify"]["changes"][2]["change"] == pytest.approx(
+        c["results"]["phases"]["verify"]["mean_ms"] / a["results"]["phases"]["verify"]["mean_ms"] - 1, abs=1e-4)
+    with pytest.raises(SpecscopeError, match="at least two"):
+        compare_runs([a])
+
+
+def test_stats_interval_and_verdict():
+    rng = np.random.default_rng(0)
+    x = rng.lognormal(0, 0.1, 400)
+    same = ratio_change(x, np.ones(400), rng.permutation(x), np.ones(400))
+    assert same["lo"] < 0 < same["hi"] and abs(same["change"]) < 1e-9
+    up = ratio_change(x, np.ones(400), x * 1.1, np.ones(400))
+    assert up["lo"] > 0.05 and verdict(up, higher_is_better=False) == "worse"
+    assert verdict(up, higher_is_better=True) == "better"
+    tiny = ratio_change(x, np.ones(400), x * 1.005, np.ones(400))
+    assert verdict(tiny, False) == "no significant change"      # below the 2 % floor even if "significant"
+    few = ratio_change([1.0, 2.0], [1, 1], [3.0, 4.0], [1, 1])
+    assert few["lo"] is None and verdict(few, True).startswith("n/a")
+
+
+def test_cause_priors_and_ranking():
+    assert prior_for("env.vars.NCCL_ALGO")[1] == frozenset({"verify"})
+    assert prior_for("env.gpu.sm_clock_max_mhz")[0] > prior_for("env.os.kernel")[0]
+    ranked = rank({"env.gpu.sm_clock_mhz": (1980, 1965), "env.gpu.sm_clock_max_mhz": (1980, 1410)},
+                  {"out_of_proportion": None, "tau_changed": False, "changed_phases": {"verify", "draft"}})
+    assert ranked[0]["key"] == "env.gpu.sm_clock_max_mhz"       # jitter in the current clock counts less
+
+
+def test_settings_diff_and_lookup():
+    a, b = synth(1), synth(1, config_over={"steps": 6}, env_over={"vars__NCCL_PROTO": "Simple"})
+    d = settings_diff([a, b])
+    assert set(d) == {"config.steps", "env.vars.NCCL_PROTO"}
+    assert lookup(b, "steps") == 6 and lookup(b, "NCCL_PROTO") == "Simple"
+    assert lookup(b, "env.gpu.sm_clock_max_mhz") == 1980 and lookup(b, "sm_clock_max_mhz") == 1980
+    assert lookup(b, "tok_per_s") == b["results"]["tok_per_s"]
+
+
+def test_matrix_by_env_var_and_steps():
+    runs = []
+    for proto in ("LL", "Simple"):
+        for steps in (2, 4):
+            for rep in range(2):
+                r = synth(10 + len(runs), n=50, config_over={"steps": steps}, env_over={"vars__NCCL_PROTO": proto})
+                r["id"] = f"run{len(runs)}"
+                runs.append(r)
+    m = matrix(runs, ["NCCL_PROTO", "steps"])
+    assert m["rows"] == ["LL", "Simple"] and m["cols"] == ["2", "4"]
+    cell = m["cells"][1][0]
+    assert cell["n"] == 2 and cell["runs"] == ["run4", "run5"]
+    assert cell["value"] == pytest.approx(np.mean([runs[4]["results"]["tok_per_s"], runs[5]["results"]["tok_per_s"]]),
+                                          abs=1e-3)
+    with pytest.raises(SpecscopeError, match="none of the runs"):
+        matrix(runs, ["NO_SUCH_KEY"])
+
+
+def test_compare_runs_from_the_registry():
+    with open_registry() as reg:
+        ids = [reg.add_run(synth(20)), reg.add_run(synth(21, scale={"verify": 1.5}))]
+        runs = [reg.get_run(i) for i in ids]
+    cmp = compare_runs(runs)
+    assert cmp["reference"] == ids[0] and cmp["attribution"][0]["explains"] == "verify"

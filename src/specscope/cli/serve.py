@@ -85,4 +85,10 @@ def serve(model_name, served_model_name, draft, steps, topk, draft_tokens, dtype
     sys.stdout.flush()
     config = uvicorn.Config(app, log_level=log_level, access_log=log_level in ("debug", "info"),
                             timeout_graceful_shutdown=shutdown_timeout, lifespan="on")
+    import signal
+
+    # uvicorn re-raises the signal it caught once it has shut down; with a no-op handler underneath, a SIGTERM
+    # that led to a clean drain ends the process with status 0 instead of "killed by SIGTERM"
+    signal.signal(signal.SIGTERM, lambda *_: None)
     uvicorn.Server(config).run(sockets=[sock])
+    click.echo("specscope serve: stopped", err=True)

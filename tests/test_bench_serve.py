@@ -1,0 +1,251 @@
+"""End to end: `specscope serve` subprocesses on loopback, `specscope bench-serve` against them, and the
+bench-serve pieces (datasets, Prometheus deltas)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+from tiny import make_hf_model, make_tiny_tokenizer
+
+PROMPTS = ["the quick brown fox", "what is the capital of france", "write a short poem about the sea",
+           "explain how a cache works", "a small model proposes"]
+
+
+class Server:
+    """`specscope serve` in a subprocess on 127.0.0.1 with a free port (read back from its stdout)."""
+
+    def __init__(self, args, env):
+        self.proc = subprocess.Popen([sys.executable, "-m", "specscope", "serve", "--port", "0", "--device", "cpu",
+                                      "--dtype", "fp32", "--threads", "1", *args], env=env, text=True,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        self.url = None
+        got = threading.Event()
+
+        def read():
+            for line in self.proc.stdout:
+                if line.startswith("listening on "):
+                    self.url = line.split()[-1]
+                    got.set()
+
+        threading.Thread(target=read, daemon=True).start()
+        if not got.wait(120):
+            self.stop()
+            raise RuntimeError(f"server did not start: {self.proc.stderr.read()[-2000:]}")
+        assert self.url.startswith("http://127.0.0.1:")
+
+    def metric(self, name, **labels):
+        from specscope.ingest.prometheus import parse_text
+
+        s = parse_text(httpx.get(self.url + "/metrics").text)
+        return s.total(name, **labels) or 0.0
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny_e2e")
+    make_hf_model(d, "llama", vocab=101, layers=2)
+    make_tiny_tokenizer(d, 101)
+    return d
+
+
+def _env(**extra):
+    env = dict(os.environ, **extra)
+    env.pop("SPECSCOPE_API_KEY", None)
+    env.update(extra)
+    return env
+
+
+def _offline_chat(model_dir, prompt, n):
+    from specscope.engine.generate import generate
+    from specscope.engine.sampling import SamplingParams
+    from specscope.engine.session import load_target, stop_ids_for
+
+    model, tok, _ = load_target(str(model_dir), "fp32", "cpu")
+    ids = tok.encode_messages([{"role": "user", "content": prompt}])
+    return tok.decode(generate(model, ids, n, SamplingParams(), stop_ids_for(model, tok)).token_ids)
+
+
+def test_serve_and_bench_serve_end_to_end(model_dir, tmp_path):
+    pytest.importorskip("specscope.spec.decode")
+    from specscope.registry import open_registry
+
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p, "category": "c"}) + "\n" for p in PROMPTS))
+    spec = Server(["--model", str(model_dir), "--draft", "ngram", "--steps", "3"], _env())
+    keyed = Server(["--model", str(model_dir), "--api-key", "k3y"], _env())
+    try:
+        # --- bench-serve at concurrency 1 and 4 against the speculative server -----------------------------
+        r = subprocess.run([sys.executable, "-m", "specscope", "bench-serve", "--url", spec.url, "--dataset",
+                            str(data), "--concurrency", "1,4", "--max-tokens", "24", "--json", "--tag", "e2e"],
+                           capture_output=True, text=True, timeout=300, env=_env())
+        assert r.returncode == 0, r.stderr
+        out = json.loads(r.stdout)
+        run = open_registry().get_run(out["run_id"])
+        assert run["kind"] == "bench_serve" and "e2e" in run["tags"]
+        per_req = run["samples"]["per_request"]
+        assert len(per_req) == 2 * len(PROMPTS) and all(x["ok"] for x in per_req)
+        want = {i: _offline_chat(model_dir, p, 24) for i, p in enumerate(PROMPTS)}
+        for x in per_req:  # greedy speculative output == offline greedy baseline, at every concurrency
+            assert x["text"] == want[x["index"]], (x["concurrency"], x["index"])
+        for lv in run["results"]["levels"]:
+            mine = [x for x in per_req if x["concurrency"] == lv["concurrency"]]
+            m = lv["server_metrics"]
+            assert lv["errors"] == 0 and lv["ttft_s"]["p50"] > 0 and lv["e2e_s"]["p99"] >= lv["e2e_s"]["p50"]
+            assert m["engine"] == "specscope" and m["window"] == "delta"
+            # the /metrics deltas agree with what the server told each client
+            assert m["generation_tokens"] == sum(x["completion_tokens"] for x in mine)
+            assert m["num_drafts"] == sum(x["spec"]["verify_ct"] for x in mine) > 0
+            assert m["num_accepted_tokens"] == sum(x["spec"]["accepted_tokens"] for x in mine)
+            assert m["num_draft_tokens"] == sum(x["spec"]["draft_tokens"] for x in mine)
+            assert sum(m["accepted_per_pos"]) == m["num_accepted_tokens"]
+            assert m["accept_length"] == pytest.approx(1 + m["num_accepted_tokens"] / m["num_drafts"])
+        assert run["results"]["accept_length"] > 1.0
+
+        # --- malformed requests get 4xx, and the server is fine afterwards -----------------------------------
+        for body in ({"messages": "hi"}, {"messages": [{"role": "user", "content": "x"}], "max_tokens": -1},
+                     {"messages": [{"role": "user", "content": "x"}], "top_p": 7}):
+            resp = httpx.post(spec.url + "/v1/chat/completions", json=body)
+            assert 400 <= resp.status_code < 500 and "error" in resp.json()
+        assert httpx.post(spec.url + "/v1/completions", content=b"{oops").status_code == 400
+
+        # --- API key: 401 without it, 200 with it ------------------------------------------------------------
+        body = {"prompt": "the quick", "max_tokens": 4}
+        assert httpx.post(keyed.url + "/v1/completions", json=body).status_code == 401
+        ok = httpx.post(keyed.url + "/v1/completions", json=body, headers={"Authorization": "Bearer k3y"})
+        assert ok.status_code == 200
+        auth = {"Authorization": "Bearer k3y"}
+
+        # --- a client that disconnects mid-stream cancels its decode; the server keeps serving ---------------
+        long = {"messages": [{"role": "user", "content": "the quick brown fox"}], "max_tokens": 220,
+                "temperature": 0, "stream": True}
+        with httpx.stream("POST", keyed.url + "/v1/chat/completions", json=long, headers=auth) as s:
+            for line in s.iter_lines():
+                if '"content":"' in line and '"content":""' not in line:
+                    break  # first real token: hang up
+        deadline = time.time() + 30
+        while keyed.metric("specscope:request_failed_total", reason="cancelled") < 1 and time.time() < deadline:
+            time.sleep(0.1)
+        assert keyed.metric("specscope:request_failed_total", reason="cancelled") == 1
+        after = httpx.post(keyed.url + "/v1/completions", json=body, headers=auth)
+        assert after.status_code == 200 and after.json()["usage"]["completion_tokens"] == 4
+
+        # --- SIGTERM: the in-flight stream finishes, then the process exits cleanly --------------------------
+        lines = []
+        with httpx.stream("POST", keyed.url + "/v1/chat/completions", json=dict(long, max_tokens=120),
+                          headers=auth, timeout=60) as s:
+            for line in s.iter_lines():
+                if not lines:
+                    keyed.proc.send_signal(signal.SIGTERM)
+                lines.append(line)
+        assert lines[-2:] == ["data: [DONE]", ""] or lines[-1] == "data: [DONE]"
+        assert keyed.proc.wait(30) == 0
+    finally:
+        spec.stop()
+        keyed.stop()
+
+
+def test_spec_delta_vllm_counters_and_reset():
+    from specscope.ingest.prometheus import parse_text, spec_delta
+
+    before = parse_text("""# TYPE vllm:spec_decode_num_drafts_total counter
+vllm:spec_decode_num_drafts_total{model_name="m",engine="0"} 100
+vllm:spec_decode_num_draft_tokens_total{model_name="m",engine="0"} 300
+vllm:spec_decode_num_accepted_tokens_total{model_name="m",engine="0"} 150
+vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",engine="0",position="0"} 80
+vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",engine="0",position="1"} 50
+vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",engine="0",position="2"} 20
+vllm:generation_tokens_total{model_name="m"} 1000
+""")
+    after = parse_text("""vllm:spec_decode_num_drafts_total{model_name="m",engine="0"} 140
+vllm:spec_decode_num_draft_tokens_total{model_name="m",engine="0"} 420
+vllm:spec_decode_num_accepted_tokens_total{model_name="m",engine="0"} 210
+vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",engine="0",position="0"} 110
+vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",engine="0",position="1"} 70
+vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",engine="0",position="2"} 30
+vllm:generation_tokens_total{model_name="m"} 1100
+""")
+    d = spec_delta(before, after)
+    assert d["engine"] == "vllm" and d["num_drafts"] == 40 and d["num_accepted_tokens"] == 60
+    assert d["accept_length"] == pytest.approx(2.5)
+    assert d["accepted_per_pos"] == [30, 20, 10]
+    assert d["per_position_acceptance"] == pytest.approx([0.75, 0.5, 0.25])
+    assert sum(d["per_position_acceptance"]) == pytest.approx(d["accept_length"] - 1)
+    assert d["draft_acceptance_rate"] == pytest.approx(0.5)
+    assert d["generation_tokens"] == 100
+    # a restarted server (counter went down) counts from zero, not negative
+    assert spec_delta(after, before)["num_drafts"] == 100
+    assert spec_delta(None, after)["window"] == "lifetime"
+
+
+def test_spec_delta_sglang_gauges_are_averaged():
+    from specscope.ingest.prometheus import parse_text, spec_delta
+
+    s = parse_text('sglang:spec_accept_length{tp_rank="0"} 2.0\nsglang:spec_accept_length{tp_rank="1"} 3.0\n'
+                   'sglang:gen_throughput{tp_rank="0"} 150.5\n')
+    d = spec_delta(None, s)
+    assert d["engine"] == "sglang" and d["accept_length"] == 2.5 and d["gen_throughput"] == 150.5
+
+
+def test_load_prompts_formats_and_categories(tmp_path):
+    from specscope.benchserve.dataset import load_prompts
+    from specscope.errors import SpecscopeError
+
+    f = tmp_path / "mixed.jsonl"
+    rows = [{"question_id": 1, "category": "math", "turns": ["one", "two"]},
+            {"category": "qa", "messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}]},
+            {"conversations": [{"from": "human", "value": "h"}, {"from": "gpt", "value": "g"}]},
+            {"prompt": "p", "category": "math"}]
+    f.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    ds = load_prompts(str(f))
+    assert [r["prompt"] for r in ds["prompts"]] == ["one", "q", "h", "p"]
+    assert [r["prompt"] for r in load_prompts(str(f), ("math",))["prompts"]] == ["one", "p"]
+    assert len(load_prompts(str(f), num_prompts=2)["prompts"]) == 2
+    with pytest.raises(SpecscopeError, match="unknown --category"):
+        load_prompts(str(f), ("poetry",))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "ok"}\n{broken\n')
+    with pytest.raises(SpecscopeError, match="bad.jsonl:2"):
+        load_prompts(str(bad))
+    txt = tmp_path / "p.txt"
+    txt.write_text("first\n\nsecond\n")
+    assert [r["prompt"] for r in load_prompts(str(txt))["prompts"]] == ["first", "second"]
+    with pytest.raises(SpecscopeError, match="does not exist"):
+        load_prompts(str(tmp_path / "nope.jsonl"))
+
+
+def test_spec_bench_dataset_resolves():
+    from specscope.benchserve.dataset import load_prompts, spec_bench_path
+    from specscope.errors import SpecscopeError
+
+    try:
+        spec_bench_path()
+    except SpecscopeError:
+        pytest.skip("the shared Spec-Bench file is not on this machine")
+    ds = load_prompts("spec_bench", ("writing",), 3)
+    assert ds["name"] == "spec_bench" and len(ds["prompts"]) == 3
+    assert all(r["category"] == "writing" for r in ds["prompts"])
+
+
+def test_bench_serve_cli_errors(tmp_path):
+    from specscope.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["bench-serve", "--url", "http://127.0.0.1:9", "--concurrency", "0,x"])
+    assert e.value.code == 2
+    f = tmp_path / "p.txt"
+    f.write_text("hello\n")
+    with pytest.raises(SystemExit) as e:  # nothing listens on the discard port
+        main(["bench-serve", "--url", "http://127.0.0.1:9", "--dataset", str(f), "--concurrency", "1"])
+    assert e.value.code == 2

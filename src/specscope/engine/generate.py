@@ -50,6 +50,9 @@ def check_context(model, prompt_len: int, max_new_tokens: int, extra: int = 0) -
         raise SpecscopeError(f"the prompt has {prompt_len} tokens but the model's context is {ctx}; shorten it")
     if max_new_tokens < 1:
         raise SpecscopeError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if prompt_len + max_new_tokens > ctx:  # fail before streaming anything, not halfway through
+        raise SpecscopeError(f"the prompt has {prompt_len} tokens; with max_new_tokens={max_new_tokens} that exceeds "
+                             f"the model's context of {ctx}; lower --max-new-tokens to at most {ctx - prompt_len}")
     need = prompt_len + max_new_tokens + extra
     return min(need, ctx + extra) if need > ctx else need
 

@@ -82,16 +82,67 @@ def read_safetensors(files: list[Path]) -> dict[str, torch.Tensor]:
     return state
 
 
-def hf_to_ours(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Rename HF keys to ours and fuse q/k/v and gate/up."""
-    out = {}
-    get = state.get
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], str]]:
+    """HF tensor name -> (shape config.json implies, the config fields behind it), for required tensors."""
+    H, I, V, D = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.head_dim
+    q, kv = cfg.num_attention_heads * D, cfg.num_key_value_heads * D
+    why_q = f"num_attention_heads={cfg.num_attention_heads}, head_dim={D}, hidden_size={H}"
+    why_kv = f"num_key_value_heads={cfg.num_key_value_heads}, head_dim={D}, hidden_size={H}"
+    why_mlp = f"intermediate_size={I}, hidden_size={H}"
+    out = {"model.embed_tokens.weight": ((V, H), f"vocab_size={V}, hidden_size={H}"),
+           "model.norm.weight": ((H,), f"hidden_size={H}")}
+    if not cfg.tie_word_embeddings:
+        out["lm_head.weight"] = ((V, H), f"vocab_size={V}, hidden_size={H}")
+    for i in range(cfg.num_hidden_layers):
+        a, m, p = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp.", f"model.layers.{i}."
+        out[a + "q_proj.weight"] = ((q, H), why_q)
+        out[a + "k_proj.weight"] = ((kv, H), why_kv)
+        out[a + "v_proj.weight"] = ((kv, H), why_kv)
+        out[a + "o_proj.weight"] = ((H, q), why_q)
+        if cfg.qkv_bias:
+            out[a + "q_proj.bias"] = ((q,), why_q)
+            out[a + "k_proj.bias"] = ((kv,), why_kv)
+            out[a + "v_proj.bias"] = ((kv,), why_kv)
+        if cfg.attention_bias:
+            out[a + "o_proj.bias"] = ((H,), why_q)
+        if cfg.mlp_bias:
+            out[m + "gate_proj.bias"] = out[m + "up_proj.bias"] = ((I,), why_mlp)
+            out[m + "down_proj.bias"] = ((H,), why_mlp)
+        if cfg.qk_norm:
+            out[a + "q_norm.weight"] = ((D,), f"head_dim={D}")
+            out[a + "k_norm.weight"] = ((D,), f"head_dim={D}")
+        out[m + "gate_proj.weight"] = ((I, H), why_mlp)
+        out[m + "up_proj.weight"] = ((I, H), why_mlp)
+        out[m + "down_proj.weight"] = ((H, I), why_mlp)
+        out[p + "input_layernorm.weight"] = ((H,), f"hidden_size={H}")
+        out[p + "post_attention_layernorm.weight"] = ((H,), f"hidden_size={H}")
+    return out
 
-    def need(key):
+
+def check_checkpoint(state: dict[str, torch.Tensor], cfg: ModelConfig):
+    """Every tensor config.json implies is present with the implied shape; no layers beyond num_hidden_layers."""
+    for key, (shape, why) in expected_shapes(cfg).items():
         if key not in state:
-            raise SpecscopeError(f"checkpoint is missing tensor {key!r}; is it a complete {cfg.architecture}?")
-        return state[key]
+            raise SpecscopeError(f"checkpoint is missing tensor {key!r}; is it a complete {cfg.architecture} "
+                                 f"with num_hidden_layers={cfg.num_hidden_layers}?")
+        if not state[key].is_floating_point():
+            raise SpecscopeError(f"tensor {key!r} has dtype {state[key].dtype}; expected floating-point weights "
+                                 f"(quantized checkpoints are not supported)")
+        if tuple(state[key].shape) != shape:
+            raise SpecscopeError(f"tensor {key!r} has shape {tuple(state[key].shape)} but config.json implies "
+                                 f"{shape} ({why}); the weights and config.json do not match")
+    extra = {int(k.split(".")[2]) for k in state if k.startswith("model.layers.") and k.split(".")[2].isdigit()}
+    extra = sorted(i for i in extra if i >= cfg.num_hidden_layers)
+    if extra:
+        raise SpecscopeError(f"checkpoint has weights for layer {extra[-1]} but config.json says "
+                             f"num_hidden_layers={cfg.num_hidden_layers}; the weights and config.json do not match")
 
+
+def hf_to_ours(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Rename HF keys to ours and fuse q/k/v and gate/up (shapes checked first, so errors name HF tensors)."""
+    check_checkpoint(state, cfg)
+    out = {}
+    need = state.__getitem__
     out["embed_tokens.weight"] = need("model.embed_tokens.weight")
     out["norm.weight"] = need("model.norm.weight")
     if not cfg.tie_word_embeddings:
@@ -105,7 +156,7 @@ def hf_to_ours(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, to
             out[f"layers.{i}.self_attn.qkv_proj.bias"] = torch.cat(
                 [need(a + "q_proj.bias"), need(a + "k_proj.bias"), need(a + "v_proj.bias")])
         out[f"layers.{i}.self_attn.o_proj.weight"] = need(a + "o_proj.weight")
-        if cfg.attention_bias and get(a + "o_proj.bias") is not None:
+        if cfg.attention_bias:
             out[f"layers.{i}.self_attn.o_proj.bias"] = need(a + "o_proj.bias")
         if cfg.qk_norm:
             out[f"layers.{i}.self_attn.q_norm.weight"] = need(a + "q_norm.weight")
@@ -113,6 +164,9 @@ def hf_to_ours(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, to
         m = p + "mlp."
         out[f"layers.{i}.mlp.gate_up_proj.weight"] = torch.cat([need(m + "gate_proj.weight"), need(m + "up_proj.weight")])
         out[f"layers.{i}.mlp.down_proj.weight"] = need(m + "down_proj.weight")
+        if cfg.mlp_bias:
+            out[f"layers.{i}.mlp.gate_up_proj.bias"] = torch.cat([need(m + "gate_proj.bias"), need(m + "up_proj.bias")])
+            out[f"layers.{i}.mlp.down_proj.bias"] = need(m + "down_proj.bias")
         out[f"layers.{i}.input_layernorm.weight"] = need(p + "input_layernorm.weight")
         out[f"layers.{i}.post_attention_layernorm.weight"] = need(p + "post_attention_layernorm.weight")
     return out

@@ -17,6 +17,8 @@ from specscope.errors import SpecscopeError
 COMMANDS = {
     "generate": "specscope.cli.generate:generate",
     "models": "specscope.cli.models:models",
+    "verify-curve": "specscope.cli.economics:verify_curve",
+    "breakeven": "specscope.cli.economics:breakeven",
     "serve": "specscope.cli.serve:serve",
     "bench-serve": "specscope.cli.bench_serve:bench_serve",
 }

@@ -1,0 +1,197 @@
+"""Break-even analysis: how much acceptance a configuration needs before speculation beats plain decoding.
+
+From numbers (`breakeven(...)`) or from stored runs (`inputs_from_runs(...)` then `breakeven(...)`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from specscope.economics.cost import CycleCost, check_positive, iid_alpha_for
+from specscope.errors import SpecscopeError
+
+
+@dataclass
+class BreakevenInputs:
+    decode_ms: float | None = None
+    verify_ms: float | None = None
+    draft_ms: float | None = None
+    steps: int | None = None
+    other_ms: float | None = None                    # None = not given (0 from numbers, the phases from a run)
+    measured_tok_s: float | None = None
+    measured_accept_length: float | None = None
+    measured_speedup: tuple | None = None            # (ratio, how it was measured), from two stored runs
+    sources: dict = field(default_factory=dict)   # which run (or the command line) each number came from
+    notes: list = field(default_factory=list)
+
+
+def breakeven(inp: BreakevenInputs) -> dict:
+    """The JSON result: cycle_ms, break_even_accept_length, break_even_alpha (None when impossible),
+    max_accept_length, and speedup when a measured τ or tok/s is given."""
+    missing = [flag for flag, v in (("--decode-ms", inp.decode_ms), ("--verify-ms", inp.verify_ms),
+                                    ("--draft-ms", inp.draft_ms), ("--steps", inp.steps)) if v is None]
+    if missing:
+        raise SpecscopeError(f"break-even needs {', '.join(missing)}" + _note_suffix(inp))
+    if inp.draft_ms <= 0 or not math.isfinite(inp.draft_ms):
+        raise SpecscopeError(f"draft time must be a positive number of milliseconds, got {inp.draft_ms}")
+    if inp.steps < 1:
+        raise SpecscopeError(f"steps must be >= 1, got {inp.steps}")
+    if inp.other_ms is None:
+        inp.other_ms = 0.0
+    cost = CycleCost(inp.decode_ms, inp.draft_ms, inp.verify_ms, inp.other_ms)
+    need = cost.break_even_tau
+    out = {
+        "cycle_ms": cost.cycle_ms,
+        "break_even_accept_length": need,
+        "break_even_alpha": iid_alpha_for(need, inp.steps),
+        "max_accept_length": float(inp.steps + 1),  # a cycle yields at most depth drafts + the bonus token
+    }
+    sp = (inp.measured_speedup[0] if inp.measured_speedup is not None
+          else achieved_speedup(cost, inp.measured_tok_s, inp.measured_accept_length))
+    if sp is not None:
+        out["speedup"] = sp
+    return out
+
+
+def achieved_speedup(cost: CycleCost, tok_s: float | None, tau: float | None) -> float | None:
+    """Measured throughput beats a τ-based estimate: it includes everything the cycle model leaves out."""
+    if tok_s is not None:
+        check_positive(tok_s, "measured tok/s")
+        return tok_s * cost.decode_ms / 1e3
+    if tau is not None:
+        if not (tau >= 1.0 and math.isfinite(tau)):
+            raise SpecscopeError(f"measured accept length τ must be >= 1 (accepted drafts + the bonus token), "
+                                 f"got {tau}")
+        return cost.speedup(tau)
+    return None
+
+
+def describe(res: dict, inp: BreakevenInputs) -> list[str]:
+    """The verdict in words."""
+    need, mx, a = res["break_even_accept_length"], res["max_accept_length"], res["break_even_alpha"]
+    lines = [f"cycle: draft {inp.draft_ms:.2f} + verify {inp.verify_ms:.2f} + other {inp.other_ms:.2f} "
+             f"= {res['cycle_ms']:.2f} ms; plain decoding: {inp.decode_ms:.2f} ms/token"]
+    if need > mx:
+        lines.append(f"break-even is impossible: it needs τ = {need:.2f} tokens per cycle, but {inp.steps} draft "
+                     f"step(s) yield at most {mx:.0f}. Make the cycle cheaper than {mx * inp.decode_ms:.2f} ms "
+                     f"(verify or draft) or draft deeper.")
+    elif need <= 1.0:
+        lines.append(f"break-even needs τ = {need:.2f}: the cycle costs no more than one decode step, "
+                     f"so any acceptance pays (max τ {mx:.0f}).")
+    else:
+        lines.append(f"break-even needs τ = {need:.2f} tokens per cycle (max {mx:.0f} with {inp.steps} step(s)), "
+                     f"i.e. a per-token acceptance α = {a:.3f} if acceptance were i.i.d.")
+    if "speedup" in res:
+        sp = res["speedup"]
+        if inp.measured_speedup is not None:
+            basis = inp.measured_speedup[1]
+        elif inp.measured_tok_s is not None:
+            basis = f"measured {inp.measured_tok_s:.2f} tok/s vs {1e3 / inp.decode_ms:.2f} tok/s plain"
+        else:
+            basis = f"measured τ = {inp.measured_accept_length:.2f}"
+        verdict = "faster" if sp > 1 else "slower"
+        lines.append(f"achieved speedup: {sp:.2f}x ({basis}): {verdict} than plain decoding")
+        if inp.measured_accept_length is not None and (inp.measured_speedup or inp.measured_tok_s):
+            tau_sp = inp.measured_accept_length / res["break_even_accept_length"]
+            lines.append(f"the cycle model gives {tau_sp:.2f}x from τ = {inp.measured_accept_length:.2f} "
+                         f"(decode loop only; the measured figure includes prefill and everything else)")
+    for n in inp.notes:
+        lines.append(f"note: {n}")
+    return lines
+
+
+def _note_suffix(inp: BreakevenInputs) -> str:
+    return ("; " + "; ".join(inp.notes)) if inp.notes else ""
+
+
+# ---------------------------------------------------------------------------------------------- from stored runs
+
+OTHER_PHASES = ("accept", "commit", "other")
+
+
+def phase_ms(results: dict, name: str) -> float | None:
+    ph = (results or {}).get("phases") or {}
+    v = ph.get(name)
+    if isinstance(v, dict):
+        v = v.get("mean_ms")
+    return float(v) if isinstance(v, (int, float)) else None
+
+
+def draft_ms_of(results: dict) -> float | None:
+    d = phase_ms(results, "draft")
+    if d is not None:
+        return d
+    # a profiler may record only the per-step sub-phases
+    steps = [phase_ms(results, k) for k in (results.get("phases") or {}) if k.startswith("draft.step")]
+    steps = [s for s in steps if s is not None]
+    return sum(steps) if steps else None
+
+
+def other_ms_of(results: dict) -> float | None:
+    vals = [phase_ms(results, k) for k in OTHER_PHASES]
+    vals = [v for v in vals if v is not None]
+    return sum(vals) if vals else None
+
+
+def decode_ms_of(results: dict) -> float | None:
+    v = (results or {}).get("decode_ms_per_token")
+    if isinstance(v, (int, float)) and v > 0:
+        return float(v)
+    return phase_ms(results, "decode")
+
+
+def inputs_from_runs(run: dict, baseline: dict | None, given: BreakevenInputs) -> BreakevenInputs:
+    """Fill what the command line left out from a speculative run (and a baseline run for T_decode).
+
+    Numbers given on the command line win, so a run lacking phases (e.g. ingested from SGLang/vLLM) can be
+    completed by hand."""
+    inp = BreakevenInputs(**{k: getattr(given, k) for k in ("decode_ms", "verify_ms", "draft_ms", "steps",
+                                                             "other_ms", "measured_tok_s", "measured_accept_length")})
+    inp.notes = list(given.notes)
+    rid = run.get("id") or run.get("run_id") or "?"
+    res, cfg = run.get("results") or {}, run.get("config") or {}
+    src = inp.sources
+
+    def take(attr, value, origin):
+        if getattr(inp, attr) is None and value is not None:
+            setattr(inp, attr, value)
+            src[attr] = origin
+
+    take("verify_ms", phase_ms(res, "verify"), f"run {rid}")
+    take("draft_ms", draft_ms_of(res), f"run {rid}")
+    take("other_ms", other_ms_of(res), f"run {rid} (accept + commit + other)")
+    steps = cfg.get("steps") if cfg.get("steps") is not None else (cfg.get("drafting") or {}).get("steps")
+    take("steps", int(steps) if steps is not None else None, f"run {rid}")
+    take("measured_accept_length", _num(res.get("accept_length")), f"run {rid}")
+    if baseline is not None:
+        bid = baseline.get("id") or baseline.get("run_id") or "?"
+        take("decode_ms", decode_ms_of(baseline.get("results") or {}), f"baseline run {bid}")
+        # tok/s is comparable only between a run and its baseline, so it is used as "measured" only with one
+        if given.measured_tok_s is None and given.measured_accept_length is None:
+            t_run, t_base = _num(res.get("tok_per_s")), _num((baseline.get("results") or {}).get("tok_per_s"))
+            if t_run and t_base:
+                inp.measured_speedup = (t_run / t_base, f"run {rid} {t_run:.2f} tok/s vs baseline {bid} "
+                                                        f"{t_base:.2f} tok/s")
+    elif inp.decode_ms is None:
+        # a speculative run may carry the baseline it was compared against
+        take("decode_ms", _num(res.get("baseline_decode_ms_per_token")), f"run {rid}")
+    missing = []
+    if inp.verify_ms is None or inp.draft_ms is None:
+        missing.append("per-phase timings (pass --verify-ms and --draft-ms)")
+    if inp.steps is None:
+        missing.append("the draft depth (pass --steps)")
+    if inp.decode_ms is None:
+        missing.append("the plain decode time per token (pass --baseline-run ID or --decode-ms)")
+    if missing:
+        kind = run.get("kind", "?")
+        have = [f"τ = {res['accept_length']:.2f}" if _num(res.get("accept_length")) else None,
+                f"{res['tok_per_s']:.2f} tok/s" if _num(res.get("tok_per_s")) else None]
+        have = ", ".join(h for h in have if h) or "no timings"
+        engine = cfg.get("engine") or kind
+        raise SpecscopeError(f"run {rid} ({engine}) has {have} but lacks {'; '.join(missing)}")
+    return inp
+
+
+def _num(v):
+    return float(v) if isinstance(v, (int, float)) and math.isfinite(v) else None

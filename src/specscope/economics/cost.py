@@ -1,0 +1,152 @@
+"""The cost model of speculative decoding (reference §6).
+
+τ (accept_length) counts the tokens one cycle yields: accepted drafts + the bonus token, so plain decoding has τ = 1.
+A configuration pays when τ · T_decode > T_draft + T_verify(n) + T_other; the ratio of the two is the speedup.
+
+Acceptance comes in two shapes:
+- per position (chain, or per depth of a tree): unconditional a_k = P(the first k drafts are all accepted),
+  conditional c_k = P(draft k accepted | drafts 1..k-1 accepted); a_k = Π_{j≤k} c_j and τ = 1 + Σ_k a_k.
+- per tree node: p(node) = P(node is the target's token | its parent was accepted). Under greedy verification
+  siblings are mutually exclusive (at most one equals the target's argmax), so P(node on the accepted path) is the
+  product of p along its path and τ = 1 + Σ_nodes Π_path p (the quantity EAGLE-2 and Sequoia maximise).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from specscope.errors import SpecscopeError
+
+
+def iid_expected_tokens(alpha: float, gamma: int) -> float:
+    """E = (1 - α^(γ+1)) / (1 - α): tokens per cycle with γ drafts each accepted independently with prob α."""
+    _check_prob(alpha, "alpha")
+    if gamma < 0:
+        raise SpecscopeError(f"the number of draft tokens must be >= 0, got {gamma}")
+    if alpha == 1.0:
+        return float(gamma + 1)  # the limit of the geometric sum
+    return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
+
+
+def iid_alpha_for(tau: float, gamma: int, tol: float = 1e-12) -> float | None:
+    """The per-token acceptance α at which the i.i.d. model yields τ tokens per cycle, or None if τ > γ + 1.
+
+    E(α) rises monotonically from 1 (α=0) to γ+1 (α=1), so bisection finds the unique root."""
+    if gamma < 1:
+        raise SpecscopeError(f"steps must be >= 1, got {gamma}")
+    if tau <= 1.0:
+        return 0.0
+    if tau > gamma + 1 + 1e-12:
+        return None
+    if tau >= gamma + 1 - 1e-12:
+        return 1.0
+    lo, hi = 0.0, 1.0
+    while hi - lo > tol:
+        mid = (lo + hi) / 2
+        # the plain sum: the closed form cancels catastrophically near α = 1
+        if sum(mid ** k for k in range(gamma + 1)) < tau:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+def conditional_from_unconditional(a: list[float]) -> list[float]:
+    """c_k = a_k / a_{k-1} (a_0 = 1); once a_{k-1} is 0 nothing further is reachable, c_k = 0."""
+    out, prev = [], 1.0
+    for x in a:
+        _check_prob(x, "per-position acceptance")
+        out.append(x / prev if prev > 0 else 0.0)
+        prev = x
+    return [min(1.0, c) for c in out]
+
+
+def unconditional_from_conditional(c: list[float]) -> list[float]:
+    out, run = [], 1.0
+    for x in c:
+        _check_prob(x, "conditional acceptance")
+        run *= x
+        out.append(run)
+    return out
+
+
+def chain_tau(conditional: list[float], steps: int | None = None) -> float:
+    """τ of a chain of `steps` drafts from per-position conditional acceptance.
+
+    Truncating is exact: draft k of a longer chain is the same token as draft k of a shorter one. Positions past
+    the measured ones reuse the last measured rate (a stated extrapolation; `extends_measurement` tells callers)."""
+    steps = len(conditional) if steps is None else steps
+    if steps < 0:
+        raise SpecscopeError(f"steps must be >= 0, got {steps}")
+    if steps > 0 and not conditional:
+        raise SpecscopeError("no per-position acceptance to predict τ from")
+    c = list(conditional[:steps]) + [conditional[-1]] * max(0, steps - len(conditional))
+    return 1.0 + sum(unconditional_from_conditional(c))
+
+
+def tree_tau(parents: list[int], p: list[float]) -> float:
+    """τ of a draft tree. parents[i] is node i's parent index (-1 = the root, i.e. the last committed token) and
+    must come before i; p[i] = P(node i accepted | parent accepted)."""
+    if len(parents) != len(p):
+        raise SpecscopeError(f"tree has {len(parents)} parents but {len(p)} acceptance values")
+    reach = []
+    for i, (par, pi) in enumerate(zip(parents, p)):
+        _check_prob(pi, "node acceptance")
+        if par >= i or par < -1:
+            raise SpecscopeError(f"tree node {i} has parent {par}; parents must be listed before children")
+        reach.append(pi * (reach[par] if par >= 0 else 1.0))
+    # siblings are exclusive events, so their reach probabilities may not exceed their parent's
+    for i in range(-1, len(p)):
+        kids = sum(reach[j] for j, par in enumerate(parents) if par == i)
+        if kids > (reach[i] if i >= 0 else 1.0) + 1e-9:
+            raise SpecscopeError(f"children of tree node {i} have acceptance summing above 1; greedy acceptance "
+                                 f"accepts at most one sibling")
+    return 1.0 + sum(reach)
+
+
+@dataclass
+class CycleCost:
+    """Per-cycle milliseconds of one configuration and the single-token decode time it competes with."""
+
+    decode_ms: float
+    draft_ms: float
+    verify_ms: float
+    other_ms: float = 0.0
+
+    def __post_init__(self):
+        check_positive(self.decode_ms, "decode time")
+        check_positive(self.verify_ms, "verify time")
+        check_nonneg(self.draft_ms, "draft time")
+        check_nonneg(self.other_ms, "other time")
+
+    @property
+    def cycle_ms(self) -> float:
+        return self.draft_ms + self.verify_ms + self.other_ms
+
+    @property
+    def break_even_tau(self) -> float:
+        return self.cycle_ms / self.decode_ms
+
+    def speedup(self, tau: float) -> float:
+        return tau * self.decode_ms / self.cycle_ms
+
+
+def predicted_speedup(tau: float, decode_ms: float, draft_ms: float, verify_ms: float, other_ms: float = 0.0) -> float:
+    """speedup = τ · T_decode / (T_draft + T_verify(n) + T_other)."""
+    return CycleCost(decode_ms, draft_ms, verify_ms, other_ms).speedup(tau)
+
+
+def check_positive(x: float, what: str):
+    if x is None or not math.isfinite(x) or x <= 0:
+        raise SpecscopeError(f"{what} must be a positive number of milliseconds, got {x}")
+
+
+def check_nonneg(x: float, what: str):
+    if x is None or not math.isfinite(x) or x < 0:
+        raise SpecscopeError(f"{what} must be >= 0 ms, got {x}")
+
+
+def _check_prob(x: float, what: str):
+    if not (0.0 <= x <= 1.0):
+        raise SpecscopeError(f"{what} must be a probability in [0, 1], got {x}")

@@ -1,0 +1,93 @@
+"""PNG plots of the economics (matplotlib, headless Agg backend)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, path) -> str:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    _plt().close(fig)
+    return str(path)
+
+
+def plot_verify_curve(result: dict, path, title: str = "") -> str:
+    """Median forward time (p10–p90 bars) vs query tokens, one line per context, with the piecewise fit."""
+    from specscope.economics.verify_curve import PiecewiseFit
+
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    contexts = sorted({p["context"] for p in result["points"]})
+    for i, L in enumerate(contexts):
+        pts = [p for p in result["points"] if p["context"] == L]
+        ns = [p["tokens"] for p in pts]
+        med = [p["median_ms"] for p in pts]
+        err = [[m - p["p10_ms"] for m, p in zip(med, pts)], [p["p90_ms"] - m for m, p in zip(med, pts)]]
+        color = f"C{i}"
+        ax.errorbar(ns, med, yerr=err, fmt="o", color=color, capsize=3, label=f"context {L}")
+        fit = PiecewiseFit.from_dict(result["fits"][str(L)])
+        lo, hi = min(ns), max(ns)
+        xs = [lo + (hi - lo) * j / 200 for j in range(201)]
+        ax.plot(xs, [fit(x) for x in xs], "-", color=color, alpha=0.7)
+        if fit.slope_ms > 0 and lo < fit.knee < hi:
+            ax.axvline(fit.knee, color=color, ls=":", alpha=0.6)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("query tokens n (verified per forward)")
+    ax.set_ylabel("target forward, ms (median, p10–p90)")
+    ax.set_title(title or "verify cost: flat while bandwidth-bound, then rising (dotted: knee)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    return _save(fig, path)
+
+
+def plot_tau_needed(rows: list[dict], path, title: str = "") -> str:
+    """rows: {draft_tokens, tau_needed, tau_predicted} — break-even τ vs what the drafter achieves."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    rows = sorted(rows, key=lambda r: r["draft_tokens"])
+    xs = [r["draft_tokens"] for r in rows]
+    ax.plot(xs, [r["tau_needed"] for r in rows], "o-", color="C3", label="τ needed to break even")
+    ax.plot(xs, [r["tau_predicted"] for r in rows], "s-", color="C0", label="τ achievable (predicted, best shape)")
+    ax.plot(xs, [r.get("tau_max", float("nan")) for r in rows], ":", color="gray", label="τ max (depth + 1)")
+    ax.set_xlabel("draft tokens verified per cycle (incl. root)")
+    ax.set_ylabel("tokens per cycle τ")
+    ax.set_title(title or "speculation pays where achievable τ is above needed τ")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    return _save(fig, path)
+
+
+def plot_pred_vs_measured(rows: list[dict], path, title: str = "") -> str:
+    """rows: {label, predicted, measured} speedups."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(5.5, 5.5))
+    pred = [r["predicted"] for r in rows]
+    meas = [r["measured"] for r in rows]
+    lo = min(pred + meas + [1.0]) * 0.9
+    hi = max(pred + meas + [1.0]) * 1.1
+    ax.plot([lo, hi], [lo, hi], "-", color="gray", alpha=0.6, label="predicted = measured")
+    ax.fill_between([lo, hi], [lo * 0.9, hi * 0.9], [lo * 1.1, hi * 1.1], color="gray", alpha=0.12, label="±10%")
+    ax.scatter(pred, meas, color="C0", zorder=3)
+    for r in rows:
+        ax.annotate(r["label"], (r["predicted"], r["measured"]), fontsize=7, xytext=(3, 3),
+                    textcoords="offset points")
+    ax.set_xlim(lo, hi)
+    ax.set_ylim(lo, hi)
+    ax.set_xlabel("predicted speedup")
+    ax.set_ylabel("measured speedup")
+    ax.set_title(title or "tuner: predicted vs measured speedup")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="upper left")
+    return _save(fig, path)

@@ -1,0 +1,212 @@
+"""The verify-cost curve: target forward time for n query tokens over a context of L cached tokens.
+
+Speculation assumes verifying n tokens costs about what decoding one does. That holds while the forward is
+bandwidth-bound (weights are read once whatever n is) and stops once n makes it compute-bound. We measure
+T(n, L) and fit `T = flat` for n <= knee, `flat + slope·(n - knee)` beyond, per context length.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import dataclass
+
+from specscope.errors import SpecscopeError
+
+DEFAULT_CONTEXTS = (256, 1024)
+DEFAULT_TOKENS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def parse_int_list(text: str, what: str) -> list[int]:
+    try:
+        vals = [int(x) for x in str(text).replace(" ", "").split(",") if x != ""]
+    except ValueError:
+        raise SpecscopeError(f"{what} must be a comma-separated list of integers, got {text!r}") from None
+    if not vals:
+        raise SpecscopeError(f"{what} is empty")
+    bad = [v for v in vals if v < 1]
+    if bad:
+        raise SpecscopeError(f"{what} must all be >= 1, got {bad[0]}")
+    return sorted(set(vals))
+
+
+def _sync(device):
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_forward(model, context: int, n: int, warmup: int, repeats: int) -> list[float]:
+    """Milliseconds of `repeats` forwards of n query tokens at positions context..context+n-1.
+
+    The cache contents do not change the arithmetic, so slots 0..context-1 are left as zeros instead of paying
+    for a prefill. n > 1 uses an explicit mask, as tree verification does; logits come out for every position."""
+    import torch
+
+    dev = model.device
+    cache = model.new_cache(context + n)
+    cache.length = context
+    ids = torch.randint(0, model.config.vocab_size, (1, n), device=dev)
+    pos = torch.arange(context, context + n, device=dev)[None]
+    mask = None
+    if n > 1:
+        mask = torch.arange(context + n, device=dev)[None, None, :] <= pos[:, :, None]
+    out = []
+    with torch.inference_mode():
+        for i in range(warmup + repeats):
+            _sync(dev)
+            t0 = time.perf_counter()
+            o = model(ids, pos, cache, slots=pos, mask=mask)
+            o.logits.argmax(-1).tolist()  # the engine reads the argmax back, which also syncs
+            _sync(dev)
+            if i >= warmup:
+                out.append((time.perf_counter() - t0) * 1e3)
+    return out
+
+
+def summarize(samples: list[float]) -> dict:
+    s = sorted(samples)
+    return {"median_ms": statistics.median(s), "p10_ms": _quantile(s, 0.1), "p90_ms": _quantile(s, 0.9),
+            "min_ms": s[0], "max_ms": s[-1]}
+
+
+def _quantile(sorted_vals: list[float], q: float) -> float:
+    if len(sorted_vals) == 1:
+        return sorted_vals[0]
+    x = q * (len(sorted_vals) - 1)
+    lo = int(math.floor(x))
+    hi = min(lo + 1, len(sorted_vals) - 1)
+    return sorted_vals[lo] + (sorted_vals[hi] - sorted_vals[lo]) * (x - lo)
+
+
+@dataclass
+class PiecewiseFit:
+    """T(n) = flat_ms for n <= knee, flat_ms + slope_ms·(n - knee) beyond."""
+
+    flat_ms: float
+    slope_ms: float
+    knee: float
+    rel_rmse: float
+
+    def __call__(self, n: float) -> float:
+        return self.flat_ms + self.slope_ms * max(0.0, n - self.knee)
+
+    def to_dict(self) -> dict:
+        return {"flat_ms": self.flat_ms, "slope_ms_per_token": self.slope_ms, "knee_tokens": self.knee,
+                "rel_rmse": self.rel_rmse}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "PiecewiseFit":
+        return cls(d["flat_ms"], d["slope_ms_per_token"], d["knee_tokens"], d.get("rel_rmse", 0.0))
+
+
+def fit_piecewise(ns: list[float], ts: list[float]) -> PiecewiseFit:
+    """Least squares in relative error (times span orders of magnitude) over a grid of knees; for a fixed knee the
+    model is linear in (flat, slope), solved in closed form, with slope >= 0."""
+    if len(ns) != len(ts) or not ns:
+        raise SpecscopeError("need at least one (tokens, ms) point to fit a verify curve")
+    if any(t <= 0 for t in ts):
+        raise SpecscopeError("verify times must be positive")
+    n_max, n_min = max(ns), min(ns)
+    w = [1.0 / t for t in ts]
+    knees = sorted(set([n_min + (n_max - n_min) * i / 400 for i in range(401)] + list(ns)))
+    best = None
+    for k in knees:
+        x = [max(0.0, n - k) for n in ns]
+        # weighted normal equations for t ≈ a + b·x with weights w² (relative residuals)
+        sw = sum(wi * wi for wi in w)
+        sx = sum(wi * wi * xi for wi, xi in zip(w, x))
+        sxx = sum(wi * wi * xi * xi for wi, xi in zip(w, x))
+        st = sum(wi * wi * ti for wi, ti in zip(w, ts))
+        sxt = sum(wi * wi * xi * ti for wi, xi, ti in zip(w, x, ts))
+        det = sw * sxx - sx * sx
+        if det > 1e-12 * max(1.0, sw * sxx):
+            b = (sw * sxt - sx * st) / det
+            a = (st - b * sx) / sw
+        else:
+            a, b = st / sw, 0.0
+        if b < 0:
+            a, b = st / sw, 0.0
+        err = sum(((a + b * xi) - ti) ** 2 * wi * wi for xi, ti, wi in zip(x, ts, w))
+        if best is None or err < best[0] - 1e-15:
+            best = (err, a, b, k)
+    err, a, b, k = best
+    if b == 0.0:
+        k = float(n_max)  # flat over the whole measured range
+    return PiecewiseFit(a, b, float(k), math.sqrt(err / len(ns)))
+
+
+class VerifyCurve:
+    """T_verify(n, L) from a stored verify_curve run: the fit at each measured context, linear in L between."""
+
+    def __init__(self, fits: dict[int, PiecewiseFit], run_id: str | None = None):
+        if not fits:
+            raise SpecscopeError("the verify curve has no fitted context lengths")
+        self.fits = dict(sorted(fits.items()))
+        self.run_id = run_id
+
+    @classmethod
+    def from_run(cls, run: dict) -> "VerifyCurve":
+        if run.get("kind") != "verify_curve":
+            raise SpecscopeError(f"run {run.get('id', '?')} is a {run.get('kind')!r} run, not a verify curve; "
+                                 f"make one with `specscope verify-curve`")
+        fits = (run.get("results") or {}).get("fits") or {}
+        return cls({int(L): PiecewiseFit.from_dict(f) for L, f in fits.items()}, run.get("id"))
+
+    def __call__(self, n: float, context: float) -> float:
+        Ls = list(self.fits)
+        if context <= Ls[0]:
+            return self.fits[Ls[0]](n)
+        if context >= Ls[-1]:
+            if len(Ls) == 1:
+                return self.fits[Ls[0]](n)
+            # extrapolate linearly in L: attention cost grows with the context
+            L0, L1 = Ls[-2], Ls[-1]
+        else:
+            L0 = max(L for L in Ls if L <= context)
+            L1 = min(L for L in Ls if L > context)
+        t0, t1 = self.fits[L0](n), self.fits[L1](n)
+        return max(1e-6, t0 + (t1 - t0) * (context - L0) / (L1 - L0))
+
+    def ratio(self, n: float, n_ref: float, context: float) -> float:
+        """T(n)/T(n_ref): scales a time measured in place at n_ref to n."""
+        return self(n, context) / self(n_ref, context)
+
+
+def measure_curve(model, contexts, tokens, warmup: int = 2, repeats: int = 5, progress=None) -> dict:
+    """Measure every (context, n) point and fit each context. Returns {"points", "fits", "samples"}."""
+    if warmup < 0:
+        raise SpecscopeError(f"--warmup must be >= 0, got {warmup}")
+    if repeats < 1:
+        raise SpecscopeError(f"--repeats must be >= 1, got {repeats}")
+    limit = model.config.max_position_embeddings
+    too_long = [L for L in contexts if L + max(tokens) > limit]
+    if too_long:
+        raise SpecscopeError(f"context {too_long[0]} + {max(tokens)} tokens exceeds the model's context of {limit}; "
+                             f"lower --context or --tokens")
+    points, samples, fits = [], {}, {}
+    for L in contexts:
+        meds = []
+        for n in tokens:
+            s = time_forward(model, L, n, warmup, repeats)
+            row = {"context": L, "tokens": n, **summarize(s)}
+            points.append(row)
+            samples[f"{L}:{n}"] = s
+            meds.append(row["median_ms"])
+            if progress:
+                progress(row)
+        fits[str(L)] = fit_piecewise(list(tokens), meds).to_dict()
+    return {"points": points, "fits": fits, "samples": samples}
+
+
+def knee_words(fit: dict, max_tokens: int) -> str:
+    """Say what the knee means: how many tokens verify for about the price of one."""
+    flat, slope, knee = fit["flat_ms"], fit["slope_ms_per_token"], fit["knee_tokens"]
+    if slope == 0.0 or slope * (max_tokens - knee) < 0.05 * flat:
+        return f"flat at {flat:.2f} ms up to {max_tokens} tokens (no knee in range: still bandwidth-bound)"
+    if knee <= 1.0 + 1e-9:
+        return (f"no flat region: rises from the first token, +{slope:.3f} ms per extra token "
+                f"(compute-bound already at n = 1)")
+    return (f"flat at {flat:.2f} ms up to a knee at n ≈ {knee:.1f} tokens, then +{slope:.3f} ms per extra token")

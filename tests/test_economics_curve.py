@@ -1,0 +1,82 @@
+"""Verify-cost curve: the piecewise fit on known curves, a real measurement on a tiny model, the CLI run + plot."""
+
+import json
+
+import pytest
+
+from specscope.cli import main
+from specscope.economics.verify_curve import PiecewiseFit, VerifyCurve, fit_piecewise, knee_words, parse_int_list
+from specscope.errors import SpecscopeError
+from tiny import make_hf_model
+
+
+def test_fit_recovers_flat_then_linear():
+    ns = [1, 2, 4, 8, 16, 32, 64]
+    truth = PiecewiseFit(10.0, 0.5, 8.0, 0.0)          # 10 ms up to 8 tokens, then +0.5 ms per token
+    fit = fit_piecewise(ns, [truth(n) for n in ns])
+    assert fit.flat_ms == pytest.approx(10.0, rel=1e-6)
+    assert fit.slope_ms == pytest.approx(0.5, rel=1e-3)
+    assert fit.knee == pytest.approx(8.0, abs=0.2)
+    assert "knee at n ≈ 8" in knee_words(fit.to_dict(), 64)
+
+
+def test_fit_flat_and_rising_from_start():
+    ns = [1, 2, 4, 8]
+    flat = fit_piecewise(ns, [5.0, 5.0, 5.0, 5.0])
+    assert flat.slope_ms == 0.0 and flat.knee == 8.0
+    assert "no knee in range" in knee_words(flat.to_dict(), 8)
+    lin = fit_piecewise(ns, [2.0 + 3.0 * (n - 1) for n in ns])
+    assert lin.knee == pytest.approx(1.0) and lin.slope_ms == pytest.approx(3.0)
+    assert "no flat region" in knee_words(lin.to_dict(), 8)
+
+
+def test_curve_interpolates_between_contexts():
+    vc = VerifyCurve({100: PiecewiseFit(10, 1, 4, 0), 300: PiecewiseFit(20, 1, 4, 0)})
+    assert vc(1, 100) == 10 and vc(8, 100) == 14
+    assert vc(1, 200) == pytest.approx(15)             # halfway in L
+    assert vc(1, 50) == 10                             # clamped below the first context
+    assert vc(1, 500) == pytest.approx(30)             # extrapolated linearly above the last
+    assert vc.ratio(8, 1, 100) == pytest.approx(1.4)
+
+
+def test_parse_int_list_errors():
+    assert parse_int_list("4, 1,2,2", "--tokens") == [1, 2, 4]
+    with pytest.raises(SpecscopeError, match="comma-separated"):
+        parse_int_list("1,x", "--tokens")
+    with pytest.raises(SpecscopeError, match=">= 1"):
+        parse_int_list("0,2", "--context")
+
+
+def test_verify_curve_cli_tiny_model(tmp_path, capsys):
+    model = tmp_path / "tiny"
+    make_hf_model(model)
+    png = tmp_path / "curve.png"
+    main(["verify-curve", "--model", str(model), "--context", "16,64", "--tokens", "1,4,8", "--repeats", "2",
+          "--warmup", "1", "--device", "cpu", "--plot", str(png), "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert png.exists() and png.stat().st_size > 5000 and out["plot"] == str(png)
+    assert {(p["context"], p["tokens"]) for p in out["points"]} == {(L, n) for L in (16, 64) for n in (1, 4, 8)}
+    assert all(p["p10_ms"] <= p["median_ms"] <= p["p90_ms"] for p in out["points"])
+    from specscope.registry import open_registry
+
+    with open_registry() as reg:
+        run = reg.get_run(out["run_id"])
+    assert run["kind"] == "verify_curve" and len(run["samples"]["verify_ms"]["16:8"]) == 2
+    vc = VerifyCurve.from_run(run)
+    assert vc(1, 16) > 0 and set(vc.fits) == {16, 64}
+    # the human table names the knee per context
+    main(["verify-curve", "--model", str(model), "--context", "16", "--tokens", "1,2", "--repeats", "1",
+          "--device", "cpu", "--no-plot", "--no-record"])
+    text = capsys.readouterr().out
+    assert "context 16:" in text and "one decode step" in text
+
+
+def test_verify_curve_cli_bad_input(tmp_path, capsys):
+    model = tmp_path / "tiny"
+    make_hf_model(model)
+    with pytest.raises(SystemExit):
+        main(["verify-curve", "--model", str(model), "--context", "250", "--tokens", "1,16", "--no-plot"])
+    assert "exceeds the model's context of 256" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["verify-curve", "--model", str(model), "--repeats", "0", "--no-plot"])
+    assert "--repeats must be >= 1" in capsys.readouterr().err

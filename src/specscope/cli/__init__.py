@@ -17,6 +17,8 @@ from specscope.errors import SpecscopeError
 COMMANDS = {
     "generate": "specscope.cli.generate:generate",
     "models": "specscope.cli.models:models",
+    "runs": "specscope.cli.runs:runs",
+    "compare": "specscope.cli.compare:compare",
     "verify-curve": "specscope.cli.economics:verify_curve",
     "breakeven": "specscope.cli.economics:breakeven",
     "serve": "specscope.cli.serve:serve",

@@ -63,10 +63,13 @@ def run_generate(req: GenerateRequest, on_text=None) -> dict:
     dec = StreamDecoder(tok)
     on_tokens = (lambda ids: on_text(dec.push(ids))) if on_text else None
     stop = stop_ids_for(model, tok)
+    from specscope.profile import CycleProfiler
+
+    prof = CycleProfiler(device=req.device)
     if req.draft is None:
         from specscope.engine.generate import generate
 
-        res = generate(model, prompt_ids, req.max_new_tokens, sp, stop, on_tokens=on_tokens)
+        res = generate(model, prompt_ids, req.max_new_tokens, sp, stop, on_tokens=on_tokens, profiler=prof)
         spec = None
     else:
         from specscope.spec.decode import build_drafter, speculative_generate, SpecConfig
@@ -74,7 +77,7 @@ def run_generate(req: GenerateRequest, on_text=None) -> dict:
         cfg = SpecConfig.from_knobs(req.steps, req.topk, req.draft_tokens)
         drafter = build_drafter(req.draft, model, req.dtype, req.device)
         res = speculative_generate(model, drafter, prompt_ids, req.max_new_tokens, sp, stop, cfg,
-                                   on_tokens=on_tokens)
+                                   on_tokens=on_tokens, profiler=prof)
         spec = cfg
     out = {
         "text": tok.decode(res.token_ids),
@@ -95,10 +98,40 @@ def run_generate(req: GenerateRequest, on_text=None) -> dict:
     if spec is not None:
         out.update({"draft": req.draft, "accept_length": round(res.extra["accept_length"], 4),
                     "cycles": res.extra["cycles"], "drafting": asdict(spec)})
-        lines.append(f"τ (accept length) {res.extra['accept_length']:.2f} over {res.extra['cycles']} cycles")
+    lines += prof.lines()           # per-phase ms/cycle, τ histogram, per-position acceptance
+    out["profile"] = prof.summary()
+    if req.record:
+        _record_run(req, path, model, spec, res, prof, out, lines)
     out["summary_lines"] = lines
     out["_result"] = res
     return _public(out)
+
+
+def _record_run(req: GenerateRequest, path, model, spec, res, prof, out: dict, lines: list[str]) -> None:
+    """Store this run in the registry; a failure to store warns instead of losing the generation."""
+    import torch
+
+    from specscope.registry import make_record, open_registry, prompt_set_hash
+
+    config = {"model": str(path), "draft": req.draft, "dtype": str(model.dtype).replace("torch.", ""),
+              "device": req.device, "threads": torch.get_num_threads(),
+              **(asdict(spec) if spec is not None else {"steps": None, "topk": None, "draft_tokens": None}),
+              "sampling": out["sampling"], "max_new_tokens": req.max_new_tokens, "chat": req.chat,
+              "prompt_set": "single prompt", "prompt_set_hash": prompt_set_hash([req.prompt]),
+              "engine": "baseline" if spec is None else "speculative"}
+    results = {"tok_per_s": out["tok_per_s"], "seconds": out["seconds"], "prefill_seconds": out["prefill_seconds"],
+               "num_tokens": out["num_tokens"], "prompt_tokens": out["prompt_tokens"],
+               "stop_reason": out["stop_reason"]}
+    try:
+        rec = make_record("generate", name=req.extra.get("name", ""), config=config, profiler=prof,
+                          results=results, tags=req.extra.get("tags", ()))
+        with open_registry(req.db) as reg:
+            out["run_id"] = reg.add_run(rec)
+        lines.append(f"Run stored: {out['run_id']}")
+    except SpecscopeError as e:
+        out["run_id"] = None
+        out["record_error"] = str(e)
+        lines.append(f"warning: run not stored: {e} (use --no-record to skip)")
 
 
 def _public(out: dict) -> dict:

@@ -141,9 +141,9 @@ def compare_runs(runs: list[dict], alpha: float = 0.05, min_effect: float = 0.02
     for d in defs:
         ref_s = d["samples"](runs[0])
         row = {"metric": d["key"], "label": d["label"], "better": "higher" if d["higher"] else "lower",
-               "values": [_round(d["value"](r)) for r in runs], "changes": [None], "verdicts": [None]}
+               "values": [_round(_value(d, r)) for r in runs], "changes": [None], "verdicts": [None]}
         for r in runs[1:]:
-            va, vb = d["value"](runs[0]), d["value"](r)
+            va, vb = _value(d, runs[0]), _value(d, r)
             s = d["samples"](r)
             if ref_s and s:
                 ch = stats.ratio_change(*ref_s, *s, level=level)
@@ -168,6 +168,15 @@ def compare_runs(runs: list[dict], alpha: float = 0.05, min_effect: float = 0.02
         "env_diff": {k: v for k, v in diff.items() if k.startswith("env.")},
         "attribution": attributions,
     }
+
+
+def _value(d: dict, rec: dict):
+    """The shown value comes from the same samples as its interval when there are samples (for a generate run
+    tok/s is then decode-only: the cycles, without prefill), else from the stored result."""
+    s = d["samples"](rec)
+    if s and sum(s[1]):
+        return sum(s[0]) / sum(s[1])
+    return d["value"](rec)
 
 
 def _round(v, nd=4):

@@ -65,6 +65,7 @@ def results_from_summary(summary: dict) -> dict:
     """The registry's `results` fields from a `CycleProfiler.summary()`."""
     return {
         "tok_per_s": summary.get("tok_per_s"),
+        "decode_tok_per_s": summary.get("tok_per_s"),      # cycles only; producers may set tok_per_s end to end
         "accept_length": summary.get("accept_length"),
         "decode_ms_per_token": summary.get("ms_per_token"),
         "cycles": summary.get("cycles"),

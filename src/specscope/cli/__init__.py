@@ -23,6 +23,7 @@ COMMANDS = {
     "breakeven": "specscope.cli.economics:breakeven",
     "serve": "specscope.cli.serve:serve",
     "bench-serve": "specscope.cli.bench_serve:bench_serve",
+    "ingest": "specscope.cli.ingest:ingest",
 }
 
 

@@ -150,3 +150,110 @@ def spec_delta(before: Scrape | None, after: Scrape) -> dict:
         if "accept_length" not in out and "spec_accept_length" in out:
             out["accept_length"] = out["spec_accept_length"]
     return out
+
+
+# ---- a file of scrapes (ingest) ------------------------------------------------------------------------------------
+
+def _is_counter(name: str) -> bool:
+    return name.endswith("_total")
+
+
+class PrometheusParser:
+    """Scrapes appended to one file (e.g. `while sleep 10; do curl -s host/metrics; done >> scrapes.txt`).
+
+    A sample whose series was already seen starts the next scrape. Counters become reset-aware increases over
+    the file; with a single scrape they are lifetime totals and flagged so. SGLang gauges are averaged over scrapes.
+    """
+
+    name = "prometheus"
+    description = "Prometheus text scrapes (vllm:/sglang:/specscope: metrics)"
+
+    def __init__(self):
+        self.data_lines = self.info_lines = 0
+        self.scrapes: list[Scrape] = []
+        self.cur: Scrape | None = None
+
+    def feed(self, piece: str, lineno: int):
+        from specscope.ingest.base import OK, Malformed
+
+        line = piece.strip()
+        if line.startswith("#"):
+            parts = line.split()
+            if len(parts) >= 3 and parts[1] in ("HELP", "TYPE") and _engine_name(parts[2]):
+                self.info_lines += 1
+                return OK
+            return None
+        if not _engine_name(line.split("{", 1)[0].split(" ", 1)[0]):
+            return None
+        try:
+            name, labels, value = parse_sample(line)
+        except ValueError as e:
+            raise Malformed(f"metric sample: {e}") from None
+        key = (name, tuple(sorted(labels.items())))
+        if self.cur is None or key in self.cur:
+            self.cur = Scrape()
+            self.scrapes.append(self.cur)
+        self.cur.add(name, labels, value)
+        ts = _SAMPLE.match(line).group(5)
+        if ts and self.cur.timestamp_ms is None:
+            self.cur.timestamp_ms = float(ts)
+        self.data_lines += 1
+        return OK
+
+    def has_data(self) -> bool:
+        return bool(self.scrapes)
+
+    def result(self) -> dict:
+        scrapes = self.scrapes
+        last = scrapes[-1]
+        warnings = []
+        if len(scrapes) == 1:
+            d = spec_delta(None, last)
+            if d.get("engine") in ("vllm", "specscope"):
+                warnings.append("one scrape only: counters are lifetime totals since the server started, not a run; "
+                                "scrape before and after a run for deltas")
+        else:
+            inc = Scrape()
+            keys = {k for s in scrapes for k in s.values}
+            for key in keys:
+                series = [s.values[key] for s in scrapes if key in s.values]
+                if _is_counter(key[0]):
+                    total, prev = 0.0, series[0]
+                    for v in series[1:]:
+                        total += v - prev if v >= prev else v
+                        prev = v
+                    inc.values[key] = total
+                else:
+                    inc.values[key] = series[-1]
+            d = spec_delta(Scrape(), inc)
+        engine = d.get("engine")
+        res = {k: v for k, v in d.items() if k not in ("engine", "window")}
+        res["window"] = d.get("window")
+        res["scrapes"] = len(scrapes)
+        samples: dict = {}
+        if engine == "sglang":
+            series = {g: [s.mean(f"sglang:{g}") for s in scrapes] for g in SGLANG_GAUGES}
+            samples["series"] = {k: v for k, v in series.items() if any(x is not None for x in v)}
+            for g, v in samples["series"].items():
+                vals = [x for x in v if x is not None]
+                res[g] = sum(vals) / len(vals)
+            if "spec_accept_length" in res:
+                res["accept_length"] = res["spec_accept_length"]
+            if "gen_throughput" in res:
+                res["tok_per_s"] = res["gen_throughput"]
+            warnings.append("SGLang gauges are averages over its last log interval; values are means over scrapes")
+        ts = [s.timestamp_ms for s in scrapes]
+        if engine in ("vllm", "specscope") and len(scrapes) > 1:
+            gen = [s.total(f"{engine}:generation_tokens_total") for s in scrapes]
+            samples["series"] = {"generation_tokens": gen, "t_ms": ts}
+            if all(t is not None for t in ts) and all(g is not None for g in gen) and ts[-1] > ts[0]:
+                res["tok_per_s"] = res.get("generation_tokens", 0.0) / ((ts[-1] - ts[0]) / 1e3)
+        return {"config": {"engine": engine}, "results": res, "samples": samples, "warnings": warnings,
+                "env": {"engine": engine}}
+
+
+def _engine_name(metric: str) -> str | None:
+    for e in ENGINES:
+        if metric.startswith(e + ":"):
+            return e
+    return None

@@ -1,0 +1,129 @@
+"""Stream a file through the format parsers and turn what they found into one registry run."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+from pathlib import Path
+
+from specscope.errors import SpecscopeError
+from specscope.ingest.base import MAX_EXAMPLES, Malformed
+from specscope.ingest.lines import split_records
+from specscope.ingest.profile_lines import ProfileParser
+from specscope.ingest.prometheus import PrometheusParser
+from specscope.ingest.sglang import SGLangParser
+from specscope.ingest.vllm import VLLMParser
+
+FORMATS = {"sglang": SGLangParser, "vllm": VLLMParser, "specscope": ProfileParser, "prometheus": PrometheusParser}
+MAX_LINE = 1 << 20  # longer physical lines are skipped (counted as malformed) rather than held in memory
+
+
+def iter_lines(path: Path, digest):
+    """(line number, text or None if overlong, terminated) without loading the file; .gz is read transparently."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rb") as f:
+        n = 0
+        while True:
+            raw = f.readline(MAX_LINE)
+            if not raw:
+                return
+            n += 1
+            digest.update(raw)
+            if len(raw) == MAX_LINE and not raw.endswith(b"\n"):
+                while True:  # drain the rest of the overlong line
+                    more = f.readline(MAX_LINE)
+                    digest.update(more)
+                    if not more or more.endswith(b"\n"):
+                        break
+                yield n, None, True
+                continue
+            yield n, raw.decode("utf-8", errors="replace").rstrip("\r\n"), raw.endswith(b"\n")
+
+
+def scan(path: Path, engine: str = "auto") -> dict:
+    """Parse a file; returns the parsers and the line accounting (no registry involved)."""
+    if engine != "auto" and engine not in FORMATS:
+        raise SpecscopeError(f"unknown engine {engine!r}; use one of auto, {', '.join(FORMATS)}")
+    if not path.is_file():
+        raise SpecscopeError(f"{path}: no such file")
+    parsers = [cls() for cls in FORMATS.values()] if engine == "auto" else [FORMATS[engine]()]
+    acc = {"lines": 0, "recognised": {p.name: 0 for p in parsers}, "malformed": 0,
+           "malformed_by_format": {p.name: 0 for p in parsers}, "other": 0, "malformed_examples": [],
+           "unterminated_last_line": False}
+    digest = hashlib.sha256()
+
+    def bad(lineno, fmt, why, text):
+        acc["malformed"] += 1
+        if fmt:
+            acc["malformed_by_format"][fmt] += 1
+        if len(acc["malformed_examples"]) < MAX_EXAMPLES:
+            acc["malformed_examples"].append({"line": lineno, "format": fmt, "reason": why,
+                                              "text": (text or "")[:160]})
+
+    try:
+        for lineno, text, terminated in iter_lines(path, digest):
+            acc["lines"] += 1
+            acc["unterminated_last_line"] = not terminated
+            if text is None:
+                bad(lineno, None, f"line longer than {MAX_LINE} bytes", "")
+                continue
+            for piece in split_records(text):
+                for p in parsers:
+                    try:
+                        got = p.feed(piece, lineno)
+                    except Malformed as e:
+                        bad(lineno, p.name, str(e), piece)
+                        break
+                    if got:
+                        acc["recognised"][p.name] += 1
+                        break
+                else:
+                    acc["other"] += 1
+    except (OSError, EOFError, gzip.BadGzipFile) as e:
+        raise SpecscopeError(f"{path}: cannot read ({type(e).__name__}: {e})") from None
+    acc["sha256"] = digest.hexdigest()
+    acc["parsers"] = parsers
+    return acc
+
+
+def ingest_file(path, engine: str = "auto", tags=(), name: str | None = None, record: bool = True,
+                db=None) -> dict:
+    """Parse one file into a registry run (kind "ingest"); returns a summary with the run id."""
+    path = Path(path)
+    acc = scan(path, engine)
+    parsers = acc.pop("parsers")
+    with_data = sorted((p for p in parsers if p.has_data()), key=lambda p: -p.data_lines)
+    if not with_data:
+        tried = "; ".join(f"{p.name}: {p.description}" for p in parsers)
+        hint = ""
+        if acc["malformed"]:
+            ex = acc["malformed_examples"][0]
+            hint = (f"; {acc['malformed']} line(s) looked like {ex['format'] or 'a record'} but did not parse "
+                    f"(line {ex['line']}: {ex['reason']})")
+        raise SpecscopeError(f"{path}: no recognisable line in {acc['lines']} line(s); formats tried: {tried}{hint}")
+    main = with_data[0]
+    out = main.result()
+    warnings = list(out.get("warnings", []))
+    for p in with_data[1:]:
+        warnings.append(f"also found {p.data_lines} {p.name} line(s); this run holds the {main.name} data only")
+    if acc["malformed"]:
+        warnings.append(f"{acc['malformed']} malformed line(s) skipped (corrupt, truncated or interleaved)")
+    ingest_info = {"format": main.name, "lines": acc["lines"], "recognised": acc["recognised"],
+                   "malformed": acc["malformed"], "malformed_by_format": acc["malformed_by_format"],
+                   "other": acc["other"], "malformed_examples": acc["malformed_examples"],
+                   "unterminated_last_line": acc["unterminated_last_line"], "warnings": warnings}
+    config = {k: v for k, v in out["config"].items() if v is not None}
+    config.update({"source_file": str(path.resolve()), "source_sha256": acc["sha256"],
+                   "source_bytes": path.stat().st_size})
+    results = dict(out["results"], ingest=ingest_info)
+    summary = {"file": str(path), "format": main.name, "engine": config.get("engine"), "run_id": None,
+               "config": config, "results": results}
+    if record:
+        from specscope.registry import make_record, store_record
+
+        env = {k: v for k, v in out.get("env", {}).items() if v is not None}
+        env["ingested"] = True  # the engine ran elsewhere: this is not the local machine's fingerprint
+        rec = make_record("ingest", name or f"{main.name} {path.name}", config=config, results=results,
+                          samples=out.get("samples", {}), tags=tags, env=env)
+        summary["run_id"] = store_record(rec, db)
+    return summary

@@ -113,17 +113,17 @@ def ingest_file(path, engine: str = "auto", tags=(), name: str | None = None, re
                    "other": acc["other"], "malformed_examples": acc["malformed_examples"],
                    "unterminated_last_line": acc["unterminated_last_line"], "warnings": warnings}
     config = {k: v for k, v in out["config"].items() if v is not None}
-    config.update({"source_file": str(path.resolve()), "source_sha256": acc["sha256"],
-                   "source_bytes": path.stat().st_size})
+    # where the numbers came from; kept out of config so `compare` does not list file names as causes
+    source = {"file": str(path.resolve()), "sha256": acc["sha256"], "bytes": path.stat().st_size}
     results = dict(out["results"], ingest=ingest_info)
     summary = {"file": str(path), "format": main.name, "engine": config.get("engine"), "run_id": None,
-               "config": config, "results": results}
+               "source": source, "config": config, "results": results}
     if record:
         from specscope.registry import make_record, store_record
 
         env = {k: v for k, v in out.get("env", {}).items() if v is not None}
         env["ingested"] = True  # the engine ran elsewhere: this is not the local machine's fingerprint
         rec = make_record("ingest", name or f"{main.name} {path.name}", config=config, results=results,
-                          samples=out.get("samples", {}), tags=tags, env=env)
+                          samples=out.get("samples", {}), tags=tags, env=env, source=source)
         summary["run_id"] = store_record(rec, db)
     return summary

@@ -136,7 +136,10 @@ class ProfileParser(FormatParser):
                 for i in range(depth)]
         samples = {"reports": [{"phases": b["phases"], "cycles": b.get("cycles"), "tokens": b.get("tokens"),
                                 "accept_length": b.get("tau")} for b in blocks]}
-        return {"config": {"engine": "specscope"}, "results": res, "samples": samples, "warnings": [],
+        config = {"engine": "specscope"}
+        if res.get("per_position_acceptance"):
+            config["steps"] = len(res["per_position_acceptance"])  # one acceptance per draft depth
+        return {"config": config, "results": res, "samples": samples, "warnings": [],
                 "env": {"engine": "specscope"}}
 
     def has_data(self) -> bool:

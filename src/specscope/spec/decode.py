@@ -1,0 +1,177 @@
+"""The speculative cycle: draft -> verify -> accept -> commit, and `speculative_generate` around it."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from specscope.engine.generate import GenerationResult, StopCriteria, check_context, sync
+from specscope.engine.sampling import SamplingParams, make_generator, next_token, probs_from_logits
+from specscope.errors import SpecscopeError
+from specscope.spec.acceptance import accept_greedy, accept_sampling
+from specscope.spec.drafters import Drafter, DraftModelDrafter, Eagle3TreeDrafter, NgramDrafter, _phase
+
+ASSETS = Path(__file__).resolve().parent.parent / "assets" / "drafters"
+DEFAULT_DRAFTER = "smollm2-135m-eagle3"
+
+
+@dataclass
+class SpecConfig:
+    """SGLang's knobs: steps = tree depth (drafter forwards per cycle), topk = branching, draft_tokens = tokens
+    verified per cycle including the root (with topk 1: steps + 1)."""
+
+    steps: int = 5
+    topk: int = 1
+    draft_tokens: int = 6
+
+    @classmethod
+    def from_knobs(cls, steps=None, topk=None, draft_tokens=None) -> "SpecConfig":
+        topk = topk or 1
+        steps = steps or (5 if topk == 1 else 4)
+        if draft_tokens is None:
+            draft_tokens = steps + 1 if topk == 1 else min(8 * topk, 1 + topk + (steps - 1) * topk * topk)
+        cfg = cls(steps, topk, draft_tokens)
+        cfg.validate()
+        return cfg
+
+    def validate(self):
+        if self.steps < 1:
+            raise SpecscopeError(f"--steps must be >= 1, got {self.steps}")
+        if self.topk < 1:
+            raise SpecscopeError(f"--topk must be >= 1, got {self.topk}")
+        if self.draft_tokens < 2:
+            raise SpecscopeError(f"--draft-tokens must be >= 2 (root + at least one draft), got {self.draft_tokens}")
+        max_nodes = self.topk + (self.steps - 1) * self.topk * self.topk
+        if self.draft_tokens - 1 > max_nodes:
+            raise SpecscopeError(f"--draft-tokens {self.draft_tokens} is more than steps={self.steps}, "
+                                 f"topk={self.topk} can propose ({max_nodes} + 1); lower it or raise --steps/--topk")
+
+    @property
+    def shape(self) -> str:
+        return "chain" if self.topk == 1 else "tree"
+
+
+def build_drafter(spec: str, target, dtype="auto", device=None) -> Drafter:
+    """'ngram', a shipped drafter name, an EAGLE-3 checkpoint directory, or a small HF model directory/name."""
+    if spec == "ngram":
+        return NgramDrafter(target.device)
+    path = ASSETS / spec
+    if not path.exists():
+        path = Path(spec).expanduser()
+    if not path.exists():
+        from specscope.models.hub import KNOWN_MODELS, resolve_model
+
+        if spec in KNOWN_MODELS:
+            path = resolve_model(spec)
+        else:
+            shipped = sorted(p.name for p in ASSETS.iterdir()) if ASSETS.exists() else []
+            raise SpecscopeError(f"drafter {spec!r} not found: not 'ngram', a shipped drafter ({', '.join(shipped) or 'none'}), "
+                                 f"nor an existing directory")
+    import json
+
+    cfg_file = path / "config.json"
+    if not cfg_file.exists():
+        raise SpecscopeError(f"drafter directory {str(path)!r} has no config.json")
+    try:
+        raw = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise SpecscopeError(f"{cfg_file} is not valid JSON ({e.msg})") from None
+    if _is_eagle3_config(raw):
+        from specscope.spec.formats import load_drafter, validate_drafter
+
+        d = load_drafter(path, target=target)
+        d = d.to(device=target.device, dtype=target.dtype)
+        validate_drafter(d, target)
+        return Eagle3TreeDrafter(d, target)
+    from specscope.models.loader import load_model
+
+    dm = load_model(path, dtype=target.dtype, device=target.device)
+    return DraftModelDrafter(dm, target)
+
+
+def _is_eagle3_config(raw: dict) -> bool:
+    archs = raw.get("architectures") or []
+    return ("draft_vocab_size" in raw or raw.get("speculators_model_type") == "eagle3"
+            or any("Eagle3" in a for a in archs))
+
+
+@torch.inference_mode()
+def speculative_generate(target, drafter: Drafter, prompt_ids: list[int], max_new_tokens: int = 128,
+                         sampling: SamplingParams | None = None, stop_ids=(), cfg: SpecConfig | None = None,
+                         on_tokens=None, profiler=None) -> GenerationResult:
+    """Speculative decoding with any drafter; greedy output equals `generate`'s, sampling keeps its distribution."""
+    sampling = sampling or SamplingParams()
+    cfg = cfg or SpecConfig.from_knobs()
+    cfg.validate()
+    if isinstance(drafter, NgramDrafter) and cfg.topk != 1:
+        raise SpecscopeError("n-gram drafting proposes a chain; use --topk 1")
+    device = target.device
+    T = len(prompt_ids)
+    max_len = check_context(target, T, max_new_tokens, extra=cfg.draft_tokens + 1)
+    cache = target.new_cache(max_len)
+    gen = make_generator(sampling, device)
+    stop = StopCriteria(max_new_tokens, stop_ids)
+    aux = drafter.aux_layers
+
+    sync(device)
+    t0 = time.perf_counter()
+    ids = torch.tensor([prompt_ids], device=device)
+    out = target(ids, torch.arange(T, device=device)[None], cache, logits_idx=[T - 1], aux_layers=aux)
+    cache.length = T
+    root = int(next_token(out.logits[:, -1], sampling, gen))
+    drafter.start(list(prompt_ids), root, out, max_len)
+    sync(device)
+    t1 = time.perf_counter()
+
+    produced: list[int] = []
+    kept, reason = stop.clip(produced, [root])
+    produced += kept
+    if on_tokens:
+        on_tokens(kept)
+    accept_lengths, cycle_ms = [], []
+    acc_pos = [0] * cfg.steps
+    drafts_pos = [0] * cfg.steps
+    while reason is None:
+        tc = time.perf_counter()
+        with _phase(profiler, "draft"):
+            tree = drafter.propose(cfg, sampling, gen, profiler)
+        with _phase(profiler, "verify"):
+            v_ids, v_pos, v_slots, v_mask = tree.verify_inputs(root, cache.length, cache.length)
+            vout = target(v_ids, v_pos, cache, v_slots, v_mask, aux_layers=aux)
+        with _phase(profiler, "accept"):
+            logits = vout.logits[0]
+            if sampling.greedy:
+                rows, bonus = accept_greedy(logits.argmax(-1).tolist(), tree)
+            else:
+                rows, bonus = accept_sampling(probs_from_logits(logits, sampling), tree, gen)
+            toks = tree.tokens.tolist()
+            new_tokens = [toks[r - 1] for r in rows[1:]] + [bonus]
+        with _phase(profiler, "commit"):
+            cache.compact(torch.tensor(rows, device=device) + cache.length)
+            drafter.commit(rows, vout, new_tokens)
+        with _phase(profiler, "other"):
+            kept, reason = stop.clip(produced, new_tokens)
+            produced += kept
+            if on_tokens:
+                on_tokens(kept)
+        n_acc = len(rows) - 1
+        depth = int(tree.depth.max()) if tree.size else 0
+        for i in range(min(depth, cfg.steps)):
+            drafts_pos[i] += 1
+            if i < n_acc:
+                acc_pos[i] += 1
+        accept_lengths.append(n_acc + 1)
+        if profiler is not None:
+            profiler.end_cycle(n_acc + 1, [i < n_acc for i in range(depth)], tree.size)
+        root = bonus
+        cycle_ms.append((time.perf_counter() - tc) * 1e3)
+    sync(device)
+    t2 = time.perf_counter()
+    cycles = len(accept_lengths)
+    extra = {"accept_length": (sum(accept_lengths) / cycles) if cycles else 0.0, "cycles": cycles,
+             "accept_lengths": accept_lengths, "accepted_per_pos": acc_pos, "drafts_per_pos": drafts_pos,
+             "drafter": drafter.kind, "steps": cfg.steps, "topk": cfg.topk, "draft_tokens": cfg.draft_tokens}
+    return GenerationResult(produced, T, t1 - t0, t2 - t1, reason, cycle_ms, extra)

@@ -1,0 +1,144 @@
+"""The EAGLE-3 draft model.
+
+fc fuses three target hidden states (low, mid, high) into one H-wide feature; one decoder layer ("midlayer") takes
+[input_layernorm(embed(token)), hidden_norm(h)] (2H wide, embedding first) and predicts the next token over a reduced
+draft vocabulary (`d2t` maps draft ids to target ids by offset). The target's embedding is shared, never stored here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, asdict
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specscope.engine.kv_cache import KVCache
+from specscope.errors import SpecscopeError
+from specscope.models.config import ModelConfig
+from specscope.models.llama import MLP, Attention, RMSNorm
+from specscope.models.rope import apply_rope, rope_table
+
+
+@dataclass
+class DrafterConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int                  # target vocabulary
+    draft_vocab_size: int
+    target_hidden_size: int
+    aux_layer_ids: list[int]         # canonical: hidden states *entering* these target layers (vLLM convention)
+    aux_convention_in_file: str = "input"   # how the checkpoint named them: "input" or "output" (SpecForge)
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 4096
+    norm_before_residual: bool = False
+    norm_output: bool = False
+    fc_norm: bool = False
+    attention_bias: bool = False
+    format: str = "sglang"           # the layout it was loaded from
+    extra: dict = field(default_factory=dict)
+
+    def layer_config(self) -> ModelConfig:
+        return ModelConfig(
+            vocab_size=self.vocab_size, hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+            num_hidden_layers=1, num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim, rms_norm_eps=self.rms_norm_eps,
+            rope_theta=self.rope_theta, rope_scaling=self.rope_scaling,
+            max_position_embeddings=self.max_position_embeddings, qkv_bias=self.attention_bias,
+            attention_bias=self.attention_bias)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @staticmethod
+    def default_aux_layers(num_target_layers: int) -> list[int]:
+        L = num_target_layers
+        return [2, L // 2, L - 3]
+
+
+class Eagle3Layer(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        lc = cfg.layer_config()
+        H = cfg.hidden_size
+        self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(H, cfg.rms_norm_eps)
+        self.self_attn = Attention(lc, in_dim=2 * H)
+        self.post_attention_layernorm = RMSNorm(H, cfg.rms_norm_eps)
+        self.mlp = MLP(lc)
+        self.norm_before_residual = cfg.norm_before_residual
+
+    def forward(self, embeds, hidden, cos, sin, cache, slots, mask, kv_len):
+        hn = self.hidden_norm(hidden)
+        residual = hn if self.norm_before_residual else hidden
+        x = torch.cat([self.input_layernorm(embeds), hn], dim=-1)
+        h = residual + self.self_attn(x, cos, sin, 0, cache, slots, mask, kv_len)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Eagle3Drafter(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        if len(cfg.aux_layer_ids) != 3:
+            raise SpecscopeError(f"EAGLE-3 drafters fuse exactly 3 target layers; this one names "
+                                 f"{len(cfg.aux_layer_ids)} ({cfg.aux_layer_ids}), which is not supported")
+        self.config = cfg
+        Ht, H = cfg.target_hidden_size, cfg.hidden_size
+        self.fc = nn.Linear(3 * Ht, H, bias=False)
+        self.fc_norm = nn.ModuleList(RMSNorm(Ht, cfg.rms_norm_eps) for _ in range(3)) if cfg.fc_norm else None
+        self.midlayer = Eagle3Layer(cfg)
+        self.norm = RMSNorm(H, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(H, cfg.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
+        self.register_buffer("rope", rope_table(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
+                                                cfg.rope_scaling), persistent=False)
+
+    @property
+    def device(self):
+        return self.fc.weight.device
+
+    @property
+    def dtype(self):
+        return self.fc.weight.dtype
+
+    @property
+    def aux_layers(self) -> tuple[int, ...]:
+        return tuple(self.config.aux_layer_ids)
+
+    def new_cache(self, max_len: int, batch: int = 1) -> KVCache:
+        c = self.config
+        return KVCache(1, c.num_key_value_heads, c.head_dim, max_len, batch, self.device, self.dtype)
+
+    def fuse(self, aux: list[torch.Tensor]) -> torch.Tensor:
+        """cat(low, mid, high) of the target's hidden states -> the drafter's H-wide input feature."""
+        if self.fc_norm is not None:
+            aux = [n(a) for n, a in zip(self.fc_norm, aux)]
+        return self.fc(torch.cat(aux, dim=-1).to(self.dtype))
+
+    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,
+                cache: KVCache | None = None, slots=None, mask=None, compute_logits: bool = True):
+        """embeds, hidden: [B, T, H]. Returns (draft-vocab logits [B, T, Vd] or None, next hidden [B, T, H])."""
+        kv_len = 0
+        if cache is not None:
+            if slots is None:
+                slots = position_ids
+            kv_len = mask.shape[-1] if mask is not None else int(slots.max()) + 1
+            if mask is None and embeds.shape[1] > 1:
+                mask = torch.arange(kv_len, device=slots.device)[None, None, :] <= slots[:, :, None]
+        elif mask is None:
+            mask = position_ids[:, None, :] <= position_ids[:, :, None]
+        cos = self.rope[0][position_ids].to(hidden.dtype)[:, None]
+        sin = self.rope[1][position_ids].to(hidden.dtype)[:, None]
+        h = self.midlayer(embeds.to(self.dtype), hidden, cos, sin, cache, slots, mask, kv_len)
+        hn = self.norm(h)
+        logits = self.lm_head(hn) if compute_logits else None
+        return logits, (hn if self.config.norm_output else h)

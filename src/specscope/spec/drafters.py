@@ -1,0 +1,280 @@
+"""Drafters behind one interface: EAGLE-3, a separate small draft model, and n-gram prompt lookup.
+
+Each keeps its own state in step with the target: `start` after the target's prefill, `propose` a DraftTree
+for the current root token, `commit` the accepted rows once the target has verified them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specscope.engine.sampling import SamplingParams, probs_from_logits
+from specscope.errors import SpecscopeError
+from specscope.spec.tree import DraftTree, select_nodes
+
+
+class Drafter:
+    kind = "none"
+    aux_layers: tuple[int, ...] = ()   # target hidden states the drafter needs from verify
+
+    def start(self, prompt_ids: list[int], root: int, target_out, max_len: int):
+        raise NotImplementedError
+
+    def propose(self, cfg, sampling: SamplingParams, gen, profiler=None) -> DraftTree:
+        raise NotImplementedError
+
+    def commit(self, rows: list[int], verify_out, new_tokens: list[int]):
+        raise NotImplementedError
+
+
+class _NullPhase:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+def _phase(profiler, name):
+    return profiler.phase(name) if profiler is not None else _NullPhase()
+
+
+class TreeDrafter(Drafter):
+    """Dynamic-tree drafting (EAGLE-2/3) over any model that can expand frontier nodes with a tree mask.
+
+    Level 1 comes from the catch-up forward; each further level expands the best `topk` frontier nodes in one
+    forward, each proposing `topk` children scored by cumulative log-probability. The best `draft_tokens - 1`
+    nodes overall form the tree. With topk = 1 this is chain drafting; when sampling a chain, tokens are sampled
+    from the draft distribution q and q is kept for the min(1, p/q) rule.
+    """
+
+    pos_offset = 0   # drafter position of the entry that expands a node = node's token position + pos_offset
+
+    def __init__(self, device):
+        self.device = device
+        self.cache = None
+        self.committed = 0       # drafter cache entries that belong to the committed sequence
+        self.root_pos = 0        # token position of the current root
+
+    # hooks -------------------------------------------------------------------------------------------------
+    def _catch_up(self):
+        """Run the pending committed inputs; return (logits [Vd] at the last one, its state)."""
+        raise NotImplementedError
+
+    def _expand(self, tokens, states, positions, slots, mask):
+        """Expand frontier nodes (target ids [K]) -> (logits [K, Vd], states [K, ...])."""
+        raise NotImplementedError
+
+    def _to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids
+
+    def _target_dist(self, probs_draft: torch.Tensor) -> torch.Tensor:
+        return probs_draft
+
+    # drafting ----------------------------------------------------------------------------------------------
+    def propose(self, cfg, sampling, gen, profiler=None) -> DraftTree:
+        K, steps = cfg.topk, cfg.steps
+        budget = cfg.draft_tokens - 1
+        sample_chain = (not sampling.greedy) and K == 1
+        with _phase(profiler, "draft.step0"):
+            logits, state = self._catch_up()
+        cand_tok, cand_par, cand_score, cand_depth, cand_q = [], [], [], [], []
+        # frontier: (candidate index, token, score, state, expansion slot row of its parent or None)
+        logp = torch.log_softmax(logits.float(), -1)
+        if sample_chain:
+            q = probs_from_logits(logits, sampling)
+            d = torch.multinomial(q, 1, generator=gen)
+            top_s, top_i = logp[d], d
+            cand_q.append(self._target_dist(q))
+        else:
+            top_s, top_i = torch.topk(logp, min(K, logp.shape[-1]))
+        toks = self._to_target(top_i).tolist()
+        scores = top_s.tolist()
+        frontier = []
+        for t, s in zip(toks, scores):
+            cand_tok.append(t); cand_par.append(-1); cand_score.append(s); cand_depth.append(1)
+            frontier.append((len(cand_tok) - 1, t, s, state))
+        # rows of the drafter-cache mask seen by each expanded candidate (committed prefix + ancestors + self)
+        base = self.committed
+        seen = {}
+        slot = base
+        for level in range(2, steps + 1):
+            with _phase(profiler, f"draft.step{level - 1}"):
+                n = len(frontier)
+                S = slot + n
+                mask = torch.zeros(n, S, dtype=torch.bool, device=self.device)
+                mask[:, :base] = True
+                slots = torch.arange(slot, slot + n, device=self.device)
+                for j, (ci, _, _, _) in enumerate(frontier):
+                    par = cand_par[ci]
+                    if par in seen:
+                        mask[j, :seen[par].shape[0]] |= seen[par]
+                    mask[j, slot + j] = True
+                for j, (ci, _, _, _) in enumerate(frontier):
+                    seen[ci] = mask[j].clone()
+                tokens = torch.tensor([f[1] for f in frontier], device=self.device)
+                positions = self.root_pos + (level - 1) + self.pos_offset + torch.zeros(n, dtype=torch.long,
+                                                                                       device=self.device)
+                states = [f[3] for f in frontier]
+                logits, new_states = self._expand(tokens, states, positions, slots, mask)
+                slot += n
+                logp = torch.log_softmax(logits.float(), -1)
+                nxt = []
+                if sample_chain:
+                    q = probs_from_logits(logits[0], sampling)
+                    d = torch.multinomial(q, 1, generator=gen)
+                    t = int(self._to_target(d))
+                    ci = frontier[0][0]
+                    cand_tok.append(t); cand_par.append(ci); cand_depth.append(level)
+                    cand_score.append(frontier[0][2] + float(torch.log(q[d].clamp_min(1e-30))))
+                    cand_q.append(self._target_dist(q))
+                    frontier = [(len(cand_tok) - 1, t, cand_score[-1], new_states[0])]
+                    continue
+                top_s, top_i = torch.topk(logp, min(K, logp.shape[-1]), dim=-1)   # [n, K]
+                cum = top_s + torch.tensor([f[2] for f in frontier], device=top_s.device)[:, None]
+                tok_t = self._to_target(top_i)
+                for j, (ci, _, _, _) in enumerate(frontier):
+                    for k in range(top_i.shape[1]):
+                        cand_tok.append(int(tok_t[j, k])); cand_par.append(ci)
+                        cand_score.append(float(cum[j, k])); cand_depth.append(level)
+                        nxt.append((len(cand_tok) - 1, int(tok_t[j, k]), float(cum[j, k]), new_states[j]))
+                nxt.sort(key=lambda f: -f[2])
+                frontier = nxt[:K]
+        if self.cache is not None:
+            self.cache.truncate(self.committed)   # speculative expansion entries are dropped
+        tree, kept = select_nodes(cand_tok, cand_par, cand_score, cand_depth, budget)
+        tree.tokens, tree.parents, tree.depth = (tree.tokens.to(self.device), tree.parents.to(self.device),
+                                                 tree.depth.to(self.device))
+        if sample_chain:
+            tree.q = torch.stack([cand_q[i] for i in kept]) if kept else None
+        return tree
+
+
+class Eagle3TreeDrafter(TreeDrafter):
+    kind = "eagle3"
+    pos_offset = -1   # the pair (feature at p, token at p+1) sits at drafter position p
+
+    def __init__(self, drafter, target):
+        super().__init__(target.device)
+        self.model = drafter
+        self.target = target
+        self.aux_layers = drafter.aux_layers
+        self.pending_aux = None
+        self.pending_tokens = None
+
+    def start(self, prompt_ids, root, target_out, max_len):
+        self.cache = self.model.new_cache(max_len)
+        self.committed = 0
+        self.pending_aux = target_out.aux_hidden               # [1, T, Ht] x3 for positions 0..T-1
+        self.pending_tokens = torch.tensor([prompt_ids[1:] + [root]], device=self.device)
+        self.root_pos = len(prompt_ids)
+
+    def _catch_up(self):
+        m = self.pending_tokens.shape[1]
+        emb = self.target.embed_tokens(self.pending_tokens)
+        hid = self.model.fuse(self.pending_aux)
+        pos = torch.arange(self.committed, self.committed + m, device=self.device)[None]
+        logits, h = self.model(emb, hid, pos, self.cache, pos)
+        self.committed += m
+        self.cache.length = self.committed
+        return logits[0, -1], h[0, -1]
+
+    def _expand(self, tokens, states, positions, slots, mask):
+        emb = self.target.embed_tokens(tokens)[None]
+        hid = torch.stack(states)[None]
+        logits, h = self.model(emb, hid, positions[None], self.cache, slots[None], mask[None])
+        return logits[0], list(h[0])
+
+    def _to_target(self, draft_ids):
+        return self.model.draft_to_target(draft_ids)
+
+    def _target_dist(self, probs_draft):
+        q = torch.zeros(self.model.config.vocab_size, device=probs_draft.device)
+        q[self.model.draft_to_target(torch.arange(probs_draft.shape[-1], device=probs_draft.device))] = probs_draft
+        return q
+
+    def commit(self, rows, verify_out, new_tokens):
+        idx = torch.tensor(rows, device=self.device)
+        self.pending_aux = [a[:, idx] for a in verify_out.aux_hidden]
+        self.pending_tokens = torch.tensor([new_tokens], device=self.device)
+        self.root_pos += len(rows)
+        self.cache.truncate(self.committed)
+
+
+class DraftModelDrafter(TreeDrafter):
+    """A separate small model with the target's tokenizer, drafting a chain or a dynamic tree."""
+
+    kind = "draft_model"
+
+    def __init__(self, model, target):
+        super().__init__(target.device)
+        V, Vd = target.config.vocab_size, model.config.vocab_size
+        if Vd < V and Vd < max(target.config.eos_token_id + [0]):
+            raise SpecscopeError(f"draft model vocab ({Vd}) does not cover the target vocab ({V}); "
+                                 f"use a draft model with the same tokenizer")
+        self.model = model
+        self.target_vocab = V
+        self.pending = None
+
+    def start(self, prompt_ids, root, target_out, max_len):
+        self.cache = self.model.new_cache(max_len)
+        self.committed = 0
+        self.pending = torch.tensor([prompt_ids + [root]], device=self.device)
+        self.root_pos = len(prompt_ids)
+
+    def _fit(self, logits):
+        V = self.target_vocab
+        if logits.shape[-1] > V:
+            return logits[..., :V]
+        if logits.shape[-1] < V:
+            pad = logits.new_full(logits.shape[:-1] + (V - logits.shape[-1],), float("-inf"))
+            return torch.cat([logits, pad], -1)
+        return logits
+
+    def _catch_up(self):
+        m = self.pending.shape[1]
+        pos = torch.arange(self.committed, self.committed + m, device=self.device)[None]
+        out = self.model(self.pending, pos, self.cache, logits_idx=[m - 1])
+        self.committed += m
+        self.cache.length = self.committed
+        return self._fit(out.logits[0, -1]), None
+
+    def _expand(self, tokens, states, positions, slots, mask):
+        out = self.model(tokens[None], positions[None], self.cache, slots[None], mask[None])
+        return self._fit(out.logits[0]), [None] * tokens.shape[0]
+
+    def commit(self, rows, verify_out, new_tokens):
+        self.pending = torch.tensor([new_tokens], device=self.device)
+        self.root_pos += len(rows)
+        self.cache.truncate(self.committed)
+
+
+class NgramDrafter(Drafter):
+    """Prompt lookup decoding: find the latest earlier occurrence of the context's last n-gram and propose what
+    followed it (n tried from max_ngram down to min_ngram). Chain only; drafts are deterministic."""
+
+    kind = "ngram"
+
+    def __init__(self, device, max_ngram: int = 3, min_ngram: int = 1):
+        self.device = device
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.context: list[int] = []
+
+    def start(self, prompt_ids, root, target_out, max_len):
+        self.context = list(prompt_ids) + [root]
+
+    def propose(self, cfg, sampling, gen, profiler=None) -> DraftTree:
+        ctx, k = self.context, cfg.draft_tokens - 1
+        for n in range(self.max_ngram, self.min_ngram - 1, -1):
+            if len(ctx) <= n:
+                continue
+            pat = ctx[-n:]
+            for s in range(len(ctx) - n - 1, -1, -1):  # latest match first
+                if ctx[s:s + n] == pat:
+                    cont = ctx[s + n:s + n + k]
+                    if cont:
+                        return DraftTree.chain(cont, device=self.device)
+        return DraftTree.empty(self.device)
+
+    def commit(self, rows, verify_out, new_tokens):
+        self.context.extend(new_tokens)

@@ -1,0 +1,96 @@
+"""Draft trees: the token tree a drafter proposes, its attention mask and positions for one verify forward.
+
+Rows of a verify forward are [root, node 0, node 1, ...]; nodes are ordered parents-before-children and
+`parents[i]` is the parent's node index (-1 = the root). A chain is the tree whose every parent is the previous node.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class DraftTree:
+    tokens: torch.Tensor          # [n] target-vocab ids of the draft nodes (root excluded)
+    parents: torch.Tensor         # [n] parent node index, -1 = root
+    depth: torch.Tensor           # [n] 1 = child of the root
+    q: torch.Tensor | None = None  # [n, V] distribution each node was sampled from (chain sampling); None = top-k
+
+    @property
+    def size(self) -> int:
+        return int(self.tokens.numel())
+
+    @classmethod
+    def empty(cls, device="cpu") -> "DraftTree":
+        z = torch.zeros(0, dtype=torch.long, device=device)
+        return cls(z, z.clone(), z.clone())
+
+    @classmethod
+    def chain(cls, tokens, q=None, device="cpu") -> "DraftTree":
+        t = torch.as_tensor(tokens, dtype=torch.long, device=device)
+        n = t.numel()
+        return cls(t, torch.arange(-1, n - 1, device=device), torch.arange(1, n + 1, device=device), q)
+
+    def children(self) -> list[list[int]]:
+        """children[row] = rows of its children; row 0 = root, row i+1 = node i."""
+        kids = [[] for _ in range(self.size + 1)]
+        for i, p in enumerate(self.parents.tolist()):
+            kids[p + 1].append(i + 1)
+        return kids
+
+    def ancestor_matrix(self) -> torch.Tensor:
+        """[n+1, n+1] bool: row r sees row c iff c is r or an ancestor of r (root = row 0)."""
+        n = self.size
+        anc = torch.eye(n + 1, dtype=torch.bool, device=self.tokens.device)
+        for i, p in enumerate(self.parents.tolist()):
+            anc[i + 1] |= anc[p + 1]
+        return anc
+
+    def verify_inputs(self, root: int, root_pos: int, prefix_len: int):
+        """ids [1, n+1], positions [1, n+1], cache slots [1, n+1], mask [1, n+1, prefix_len + n + 1]."""
+        dev = self.tokens.device
+        n = self.size
+        ids = torch.cat([torch.tensor([root], device=dev), self.tokens])[None]
+        pos = (root_pos + torch.cat([torch.zeros(1, dtype=torch.long, device=dev), self.depth]))[None]
+        slots = torch.arange(prefix_len, prefix_len + n + 1, device=dev)[None]
+        mask = torch.cat([torch.ones(n + 1, prefix_len, dtype=torch.bool, device=dev), self.ancestor_matrix()], 1)
+        return ids, pos, slots, mask[None]
+
+    def paths(self) -> list[list[int]]:
+        """Every root-to-leaf path as rows (EAGLE's retrieve_indices)."""
+        kids = self.children()
+        out, stack = [], [[0]]
+        while stack:
+            p = stack.pop()
+            if kids[p[-1]]:
+                stack.extend(p + [c] for c in reversed(kids[p[-1]]))
+            else:
+                out.append(p)
+        return out
+
+
+def select_nodes(cand_tokens, cand_parents, cand_scores, cand_depth, budget: int):
+    """Keep the `budget` best candidates by cumulative log-prob such that every kept node's parent is kept.
+
+    Candidates are indexed 0..m-1 with parents -1 (root) or an earlier candidate index. Since log-probs are <= 0 a
+    child never outscores its parent, so a score-ordered pass that skips orphans (possible only under ties) keeps
+    the tree closed. Returns a DraftTree ordered parents-before-children, plus the kept candidate indices.
+    """
+    order = sorted(range(len(cand_tokens)), key=lambda i: (-cand_scores[i], cand_depth[i], i))
+    kept: list[int] = []
+    kept_set = set()
+    for i in order:
+        if len(kept) >= budget:
+            break
+        p = cand_parents[i]
+        if p == -1 or p in kept_set:
+            kept.append(i)
+            kept_set.add(i)
+    kept.sort(key=lambda i: (cand_depth[i], -cand_scores[i], i))
+    index = {c: j for j, c in enumerate(kept)}
+    tokens = torch.tensor([cand_tokens[i] for i in kept], dtype=torch.long)
+    parents = torch.tensor([index[cand_parents[i]] if cand_parents[i] != -1 else -1 for i in kept], dtype=torch.long)
+    depth = torch.tensor([cand_depth[i] for i in kept], dtype=torch.long)
+    return DraftTree(tokens, parents, depth), kept

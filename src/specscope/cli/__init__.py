@@ -24,6 +24,8 @@ COMMANDS = {
     "serve": "specscope.cli.serve:serve",
     "bench-serve": "specscope.cli.bench_serve:bench_serve",
     "ingest": "specscope.cli.ingest:ingest",
+    "train": "specscope.cli.train:train",
+    "export": "specscope.cli.train:export",
 }
 
 

@@ -1,0 +1,324 @@
+"""The training loop: TTT loss, AdamW with warmup + cosine decay, grad clipping, fp32/bf16 autocast, held-out eval,
+atomic checkpoints (model, optimizer, scheduler, RNG) and exact resume, DDP through torchrun (gloo/NCCL).
+
+Determinism is by construction: the batch of optimizer step s is a function of (seed, s) only, so a run resumed
+from step s continues the very same curve, and N processes split each global batch into N slices.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import time
+from dataclasses import dataclass, asdict
+from pathlib import Path
+
+import torch
+
+from specscope.errors import SpecscopeError
+from specscope.train.ttt import TTTLoss, count_positions, summarise
+
+
+@dataclass
+class TrainConfig:
+    ttt_steps: int = 7               # K unrolled steps
+    decay: float = 0.8               # step weight decay^k
+    lr: float = 3e-4
+    weight_decay: float = 0.0
+    warmup: int = 20                 # optimizer steps
+    total_steps: int = 1000
+    min_lr_ratio: float = 0.1
+    batch_size: int = 8              # sequences per optimizer step (global, over all processes)
+    grad_clip: float = 0.5
+    dtype: str = "fp32"              # autocast dtype: fp32 | bf16
+    seed: int = 0
+    eval_every: int = 100
+    ckpt_every: int = 100
+    eval_fraction: float = 0.05
+    max_len: int = 1024
+
+    def to_dict(self):
+        return asdict(self)
+
+
+# ---------------------------------------------------------------- distributed
+
+def dist_info() -> tuple[int, int]:
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+def init_distributed(device: torch.device):
+    import torch.distributed as dist
+
+    rank, world = dist_info()
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return rank, world
+
+
+def all_reduce_(t: torch.Tensor) -> torch.Tensor:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(t)
+    return t
+
+
+# ---------------------------------------------------------------- data
+
+def split_indices(n: int, eval_fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    perm = torch.randperm(n, generator=g).tolist()
+    n_eval = max(1, int(round(n * eval_fraction))) if n > 1 and eval_fraction > 0 else 0
+    return sorted(perm[n_eval:]), sorted(perm[:n_eval])
+
+
+def batch_indices(train_idx: list[int], step: int, batch_size: int, seed: int) -> list[int]:
+    """Global batch of optimizer step `step`: epoch e's permutation is seeded with (seed, e)."""
+    per_epoch = max(1, len(train_idx) // batch_size)
+    epoch, i = divmod(step, per_epoch)
+    g = torch.Generator().manual_seed(seed * 100_003 + epoch + 1)
+    perm = torch.randperm(len(train_idx), generator=g).tolist()
+    return [train_idx[j] for j in perm[i * batch_size:(i + 1) * batch_size]]
+
+
+def collate(seqs: list[dict], device, max_len: int) -> dict:
+    T = min(max_len, max(len(s["input_ids"]) for s in seqs))
+    B = len(seqs)
+    Ht = seqs[0]["aux"].shape[-1]
+    H = seqs[0]["hidden"].shape[-1]
+    out = {"aux": torch.zeros(B, T, 3, Ht), "hidden": torch.zeros(B, T, H),
+           "input_ids": torch.zeros(B, T, dtype=torch.long), "argmax": torch.full((B, T), -1, dtype=torch.long),
+           "valid": torch.zeros(B, T, dtype=torch.bool)}
+    for i, s in enumerate(seqs):
+        n = min(T, len(s["input_ids"]))
+        out["aux"][i, :n] = s["aux"][:n].float()
+        out["hidden"][i, :n] = s["hidden"][:n].float()
+        out["input_ids"][i, :n] = s["input_ids"][:n].long()
+        out["argmax"][i, :n] = s["argmax"][:n].long()
+        # position p is counted when the token the target predicts there (p+1) is an assistant token
+        lm = s["loss_mask"][:n].bool()
+        out["valid"][i, :n - 1] = lm[1:n]
+    return {k: v.to(device) for k, v in out.items()}
+
+
+# ---------------------------------------------------------------- schedule / state
+
+def lr_lambda(cfg: TrainConfig):
+    def f(step):
+        if step < cfg.warmup:
+            return (step + 1) / cfg.warmup
+        prog = min(1.0, (step - cfg.warmup) / max(1, cfg.total_steps - cfg.warmup))
+        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * prog))
+    return f
+
+
+def rng_state() -> dict:
+    import numpy as np
+
+    return {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+
+def set_rng_state(s: dict):
+    import numpy as np
+
+    torch.set_rng_state(s["torch"])
+    random.setstate(s["python"])
+    np.random.set_state(s["numpy"])
+    if s.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(s["cuda"])
+
+
+def save_checkpoint(ckpt_dir: Path, step: int, drafter, opt, sched, cfg: TrainConfig, meta: dict):
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    state = {"step": step, "model": {k: v.detach().cpu() for k, v in drafter.state_dict().items()},
+             "drafter_config": drafter.config.to_dict(), "optimizer": opt.state_dict(),
+             "scheduler": sched.state_dict(), "rng": rng_state(), "train_config": cfg.to_dict(), "meta": meta}
+    tmp = ckpt_dir / f".ckpt-{step:07d}.pt.tmp"
+    torch.save(state, tmp)
+    os.replace(tmp, ckpt_dir / f"ckpt-{step:07d}.pt")
+    (ckpt_dir / "latest.tmp").write_text(f"ckpt-{step:07d}.pt")
+    os.replace(ckpt_dir / "latest.tmp", ckpt_dir / "latest")
+    # keep the two newest: a crash while writing one never loses the previous
+    for old in sorted(ckpt_dir.glob("ckpt-*.pt"))[:-2]:
+        old.unlink()
+
+
+def latest_checkpoint(ckpt_dir: Path) -> Path | None:
+    f = ckpt_dir / "latest"
+    if not f.exists():
+        return None
+    p = ckpt_dir / f.read_text().strip()
+    return p if p.exists() else None
+
+
+def load_checkpoint(path: Path) -> dict:
+    try:
+        return torch.load(str(path), map_location="cpu", weights_only=False)
+    except Exception as e:
+        raise SpecscopeError(f"cannot read checkpoint {path} ({type(e).__name__}: {e})") from None
+
+
+def drafter_from_checkpoint(state: dict):
+    from specscope.spec.drafter import DrafterConfig, Eagle3Drafter
+
+    d = Eagle3Drafter(DrafterConfig(**state["drafter_config"]))
+    d.load_state_dict(state["model"])
+    return d
+
+
+# ---------------------------------------------------------------- the loop
+
+def evaluate(loss_mod: TTTLoss, data, idx: list[int], cfg: TrainConfig, device, batch_size: int = 8) -> dict:
+    stats = []
+    loss_mod.eval()
+    with torch.no_grad(), _autocast(cfg, device):
+        for i in range(0, len(idx), batch_size):
+            b = collate([data.seqs[j] for j in idx[i:i + batch_size]], device, cfg.max_len)
+            stats.append(loss_mod(b)[1])
+    loss_mod.train()
+    return summarise(stats, cfg.ttt_steps)
+
+
+def _autocast(cfg: TrainConfig, device):
+    if cfg.dtype == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    import contextlib
+    return contextlib.nullcontext()
+
+
+def train(drafter, embed: torch.Tensor, lm_head_w: torch.Tensor, data, out_dir: Path, cfg: TrainConfig,
+          device: torch.device, resume: bool = False, progress: bool = True, log=print, stop_after: int | None = None,
+          meta: dict | None = None):
+    """Train `drafter` in place; metrics to out_dir/metrics.jsonl, checkpoints to out_dir/checkpoints.
+    `stop_after`: return after that many optimizer steps of this call (tests; kill simulation)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    rank, world = init_distributed(device)
+    if cfg.batch_size % world:
+        raise SpecscopeError(f"--batch-size {cfg.batch_size} must be a multiple of the process count {world}")
+    out_dir = Path(out_dir)
+    ckpt_dir = out_dir / "checkpoints"
+    metrics_path = out_dir / "metrics.jsonl"
+    torch.manual_seed(cfg.seed)
+    train_idx, eval_idx = split_indices(len(data), cfg.eval_fraction, cfg.seed)
+    if not train_idx:
+        raise SpecscopeError("not enough captured sequences to train (need at least 2)")
+
+    drafter.to(device).train()
+    drafter.requires_grad_(True)
+    loss_mod = TTTLoss(drafter, embed.to(device), lm_head_w.to(device), cfg.ttt_steps, cfg.decay)
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
+    step = 0
+    if resume:
+        ck = latest_checkpoint(ckpt_dir)
+        if ck is None:
+            log(f"--resume: no checkpoint in {ckpt_dir}; starting from step 0")
+        else:
+            st = load_checkpoint(ck)
+            drafter.load_state_dict(st["model"])
+            opt.load_state_dict(st["optimizer"])
+            sched.load_state_dict(st["scheduler"])
+            set_rng_state(st["rng"])
+            step = st["step"]
+            log(f"resumed from {ck.name} at step {step}")
+    if rank == 0:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        # drop metrics logged after the checkpoint we resume from: the resumed run re-logs those steps
+        if metrics_path.exists():
+            keep = [l for l in metrics_path.read_text().splitlines() if l.strip() and json.loads(l)["step"] <= step]
+            metrics_path.write_text("".join(l + "\n" for l in keep))
+    model = DDP(loss_mod) if world > 1 else loss_mod
+
+    def write_metrics(rec):
+        if rank == 0:
+            with open(metrics_path, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+
+    tokens_seen = step * _avg_tokens(data, train_idx, cfg.batch_size)
+    bar = _progress(progress and rank == 0, cfg.total_steps, step)
+    t0, done_here, last = time.time(), 0, None
+    try:
+        while step < cfg.total_steps:
+            idx = batch_indices(train_idx, step, cfg.batch_size, cfg.seed)
+            mine = idx[rank::world]
+            batch = collate([data.seqs[j] for j in mine], device, cfg.max_len)
+            denom = count_positions(batch, drafter.t2d, cfg.ttt_steps).to(torch.float32)
+            all_reduce_(denom)
+            with _autocast(cfg, device):
+                loss, stats = model(batch, denom)
+            # DDP averages gradients over ranks; the per-rank loss is a share of the global sum, so scale back
+            (loss * world).backward()
+            gn = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+            step += 1
+            done_here += 1
+            ntok = torch.tensor([float(batch["valid"].sum())])
+            all_reduce_(ntok)
+            tokens_seen += int(ntok)
+            s = summarise([stats], cfg.ttt_steps)
+            rec = {"step": step, "split": "train", "loss": float(loss) * world, "lr": sched.get_last_lr()[0],
+                   "grad_norm": float(gn), "tokens": tokens_seen, "acc": s["acc"], "loss_k": s["loss"],
+                   "sim_tau": s["sim_tau"], "time_s": round(time.time() - t0, 2)}
+            write_metrics(rec)
+            last = rec
+            if bar:
+                bar.update(step, loss=rec["loss"], acc0=s["acc"][0], tau=s["sim_tau"])
+            if eval_idx and (step % cfg.eval_every == 0 or step == cfg.total_steps) and rank == 0:
+                ev = evaluate(loss_mod, data, eval_idx, cfg, device)
+                write_metrics({"step": step, "split": "eval", "tokens": tokens_seen, "acc": ev["acc"],
+                               "loss_k": ev["loss"], "sim_tau": ev["sim_tau"], "chain_tau": ev["chain_tau"],
+                               "positions": ev["positions"]})
+                if bar:
+                    bar.note(f"step {step}: held-out acc_0 {ev['acc'][0]:.3f} sim τ {ev['sim_tau']:.2f} "
+                             f"chain τ {ev['chain_tau']:.2f}")
+            if step % cfg.ckpt_every == 0 or step == cfg.total_steps:
+                if rank == 0:
+                    save_checkpoint(ckpt_dir, step, drafter, opt, sched, cfg, {**(meta or {}), "tokens": tokens_seen})
+            if stop_after is not None and done_here >= stop_after:
+                break
+    finally:
+        if bar:
+            bar.close()
+    return last
+
+
+def _avg_tokens(data, idx, bs):
+    if not idx:
+        return 0
+    return int(sum(int(data.seqs[i]["loss_mask"].sum()) for i in idx) / len(idx) * bs)
+
+
+class _progress:
+    """A rich progress bar (stderr), or nothing when not wanted."""
+
+    def __new__(cls, enabled, total, start):
+        if not enabled:
+            return None
+        return super().__new__(cls)
+
+    def __init__(self, enabled, total, start):
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self.console = Console(stderr=True)
+        self.p = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                          TextColumn("{task.fields[info]}"), console=self.console)
+        self.p.start()
+        self.task = self.p.add_task("train", total=total, completed=start, info="")
+
+    def update(self, step, loss, acc0, tau):
+        self.p.update(self.task, completed=step, info=f"loss {loss:.3f} acc0 {acc0:.3f} τ {tau:.2f}")
+
+    def note(self, text):
+        self.p.console.print(text)
+
+    def close(self):
+        self.p.stop()

@@ -17,6 +17,7 @@ from specscope.errors import SpecscopeError
 COMMANDS = {
     "generate": "specscope.cli.generate:generate",
     "models": "specscope.cli.models:models",
+    "tune": "specscope.cli.economics:tune",
     "runs": "specscope.cli.runs:runs",
     "compare": "specscope.cli.compare:compare",
     "verify-curve": "specscope.cli.economics:verify_curve",

@@ -173,3 +173,264 @@ def breakeven(decode_ms, verify_ms, draft_ms, other_ms, steps, measured_tok_s, m
         click.echo(line)
     if inp.sources:
         click.echo("from runs: " + ", ".join(f"{k.replace('_ms', '')} ← {v}" for k, v in inp.sources.items()))
+
+
+# ------------------------------------------------------------------------------------------------ tune
+
+DEFAULT_PROMPTS = (
+    "Explain how a hash map works and when to use one.",
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "List five tips for staying productive when working from home, with one sentence each.",
+    "What causes the seasons on Earth? Answer in a short paragraph.",
+)
+
+
+def read_prompts(path: str | None, limit: int) -> list[str]:
+    """Prompts from a .jsonl (first of `turns`, or `prompt`/`text`) or a text file (one per line)."""
+    if path is None:
+        return list(DEFAULT_PROMPTS[:limit])
+    import json
+    from pathlib import Path
+
+    p = Path(path)
+    if not p.is_file():
+        raise SpecscopeError(f"prompt file {path!r} does not exist")
+    out = []
+    for i, line in enumerate(p.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        if p.suffix == ".jsonl":
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError:
+                raise SpecscopeError(f"{path}:{i} is not valid JSON") from None
+            text = (obj.get("turns") or [None])[0] or obj.get("prompt") or obj.get("text")
+            if not text:
+                raise SpecscopeError(f"{path}:{i} has no 'turns', 'prompt' or 'text'")
+            out.append(text)
+        else:
+            out.append(line)
+        if len(out) >= limit:
+            break
+    if not out:
+        raise SpecscopeError(f"prompt file {path!r} holds no prompts")
+    return out
+
+
+@click.command()
+@click.option("--run", "run_ref", default=None, help="A profiled speculative run to tune from (id, prefix or last).")
+@click.option("--baseline-run", "baseline_ref", default=None,
+              help="Baseline run for T_decode (default: the one recorded with the run).")
+@click.option("--verify-curve", "curve_ref", default=None, help="A verify_curve run to scale verify cost by n.")
+@click.option("--decode-ms", type=float, default=None, help="Plain decoding ms/token (instead of a baseline run).")
+@click.option("--profile", "do_profile", is_flag=True,
+              help="First make the profiled run (baseline + speculative with rank-wise acceptance) and store it.")
+@click.option("--model", "model_name", default="smollm2-135m", show_default=True, help="Target (with --profile).")
+@click.option("--draft", default=None, help="Drafter (with --profile; default: the run's).")
+@click.option("--steps", type=click.IntRange(min=1), default=5, show_default=True, help="Profiled depth.")
+@click.option("--topk", type=click.IntRange(min=1), default=4, show_default=True, help="Profiled branching.")
+@click.option("--draft-tokens", type=click.IntRange(min=2), default=24, show_default=True,
+              help="Profiled tokens per verify (a wide tree measures more ranks).")
+@click.option("--prompts", "prompts_file", default=None, help="Prompt file (.jsonl with turns, or one per line).")
+@click.option("--num-prompts", type=click.IntRange(min=1), default=3, show_default=True)
+@click.option("--max-new-tokens", type=click.IntRange(min=2), default=64, show_default=True)
+@click.option("--max-steps", type=click.IntRange(min=1), default=None, help="Deepest configuration to consider.")
+@click.option("--max-topk", type=click.IntRange(min=1), default=None)
+@click.option("--max-draft-tokens", type=click.IntRange(min=2), default=64, show_default=True)
+@click.option("--top", type=click.IntRange(min=1), default=10, show_default=True, help="Predictions to show.")
+@click.option("--validate", "n_validate", type=click.IntRange(min=0), default=0,
+              help="Measure the top N predictions with the real engine.")
+@click.option("--dtype", type=click.Choice(["fp32", "bf16", "fp16", "auto"]), default="auto", show_default=True)
+@click.option("--device", type=click.Choice(["cpu", "cuda", "auto"]), default="auto", show_default=True)
+@click.option("--threads", type=click.IntRange(min=1), default=None)
+@click.option("--plot-dir", default=None, help="Write tau-needed.png (and predicted-vs-measured.png) here.")
+@_DB
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def tune(run_ref, baseline_ref, curve_ref, decode_ms, do_profile, model_name, draft, steps, topk, draft_tokens,
+         prompts_file, num_prompts, max_new_tokens, max_steps, max_topk, max_draft_tokens, top, n_validate, dtype,
+         device, threads, plot_dir, db, as_json):
+    """Predict the best (steps, topk, draft_tokens) from one profiled run, without a sweep; --validate N measures
+    the top N predictions and reports predicted vs measured speedup."""
+    from specscope.economics import tune as T
+
+    if decode_ms is not None and not decode_ms > 0:
+        raise SpecscopeError(f"--decode-ms must be a positive number of milliseconds, got {decode_ms}")
+    if not do_profile and not run_ref:
+        raise SpecscopeError("pass --run ID (a profiled speculative run) or --profile to make one")
+    err = stderr_console()
+    say = (lambda m: None) if as_json else err.print
+    ctx = _TuneContext(model_name, draft, dtype, device, threads, prompts_file, num_prompts, max_new_tokens)
+    if do_profile:
+        run, base = ctx.profile(steps, topk, draft_tokens, db, say)
+    else:
+        with _open(db) as reg:
+            run = reg.get_run(run_ref, samples=False)
+            bref = baseline_ref or (run.get("config") or {}).get("baseline_run")
+            base = reg.get_run(bref, samples=False) if bref else None
+            curve_run = reg.get_run(curve_ref, samples=False) if curve_ref else None
+        if run.get("kind") not in ("speculative", "bench", "generate"):
+            raise SpecscopeError(f"run {run['id']} is a {run.get('kind')!r} run; tune needs a profiled speculative run")
+        ctx.adopt_run(run)
+    acc = T.AcceptanceModel.from_run(run)
+    from specscope.economics.verify_curve import VerifyCurve
+
+    curve = None
+    if curve_ref and not do_profile:
+        curve = VerifyCurve.from_run(curve_run)
+    elif do_profile or n_validate:
+        curve = ctx.quick_curve(run, max_draft_tokens, db, say)
+    cost = T.CostModel.from_runs(run, base, curve, decode_ms)
+    configs = T.candidate_configs(acc, max_steps, max_topk, max_draft_tokens)
+    rows = T.rank(acc, cost, configs)
+    out = {"run": run.get("id"), "baseline_run": (base or {}).get("id"), "verify_curve": getattr(curve, "run_id", None),
+           "acceptance": {"source": acc.source, "rates": acc.rates}, "cost_notes": cost.notes,
+           "decode_ms": cost.decode_ms, "predictions": rows[:top]}
+    validation = None
+    if n_validate:
+        picks = [(r["steps"], r["topk"], r["draft_tokens"]) for r in rows[:n_validate]]
+        measured = ctx.validate(picks, say)
+        validation = []
+        for r, m in zip(rows[:n_validate], measured):
+            validation.append({**m, "predicted": r["speedup"], "predicted_tau": r["tau"],
+                               "label": f"s{r['steps']} k{r['topk']} n{r['draft_tokens']}"})
+        out["validation"] = validation
+        out["validation_error"] = T.error_summary(validation)
+    if plot_dir:
+        from pathlib import Path
+
+        from specscope.economics.plots import plot_pred_vs_measured, plot_tau_needed
+
+        out["plots"] = [plot_tau_needed(T.best_by_draft_tokens(rows), Path(plot_dir) / "tau-needed.png")]
+        if validation:
+            out["plots"].append(plot_pred_vs_measured(validation, Path(plot_dir) / "predicted-vs-measured.png"))
+    if as_json:
+        emit_json(out)
+        return
+    _print_tune(out, rows[:top], acc, cost, validation)
+
+
+class _TuneContext:
+    """Loads the target, drafter and prompts once, on first need."""
+
+    def __init__(self, model_name, draft, dtype, device, threads, prompts_file, num_prompts, max_new_tokens):
+        self.model_name, self.draft, self.dtype, self.device, self.threads = model_name, draft, dtype, device, threads
+        self.prompts_file, self.num_prompts, self.max_new_tokens = prompts_file, num_prompts, max_new_tokens
+        self.prompts = None
+        self._loaded = None
+
+    def adopt_run(self, run):
+        cfg = run.get("config") or {}
+        self.model_name = cfg.get("model") or self.model_name
+        self.draft = self.draft or cfg.get("draft")
+        if cfg.get("prompts") and self.prompts_file is None:
+            self.prompts = list(cfg["prompts"])
+        if cfg.get("max_new_tokens"):
+            self.max_new_tokens = int(cfg["max_new_tokens"])
+        if cfg.get("dtype") and self.dtype == "auto":
+            self.dtype = cfg["dtype"]
+
+    def load(self):
+        if self._loaded is None:
+            from specscope.economics.probe import encode_prompts
+            from specscope.engine.session import load_target, stop_ids_for
+            from specscope.spec.decode import build_drafter
+
+            if not self.draft:
+                raise SpecscopeError("no drafter: pass --draft (e.g. smollm2-135m-eagle3 or ngram)")
+            dev = setup_runtime(self.threads, self.device)
+            target, tok, path = load_target(self.model_name, self.dtype, str(dev))
+            drafter = build_drafter(self.draft, target, self.dtype, str(dev))
+            prompts = self.prompts or read_prompts(self.prompts_file, self.num_prompts)
+            self.prompts = prompts
+            self._loaded = (target, drafter, encode_prompts(tok, prompts), stop_ids_for(target, tok), path)
+        return self._loaded
+
+    def profile(self, steps, topk, draft_tokens, db, say):
+        import torch
+
+        from specscope.economics.probe import profile
+        from specscope.registry import prompt_set_hash
+        from specscope.spec.decode import SpecConfig
+
+        cfg = SpecConfig.from_knobs(steps, topk, draft_tokens)
+        target, drafter, ids, stop, path = self.load()
+        say(f"profiling {len(ids)} prompt(s) × {self.max_new_tokens} tokens: baseline, then "
+            f"steps {cfg.steps} topk {cfg.topk} draft tokens {cfg.draft_tokens} ...")
+        config = {"model": str(path), "draft": self.draft, "dtype": str(target.dtype).replace("torch.", ""),
+                  "device": str(target.device), "threads": torch.get_num_threads(), "prompts": self.prompts,
+                  "prompt_set_hash": prompt_set_hash(self.prompts), "max_new_tokens": self.max_new_tokens,
+                  "sampling": {"temperature": 0.0}}
+        brec, srec = profile(target, drafter, ids, cfg, self.max_new_tokens, stop, config, db)
+        say(f"stored baseline run {brec['id']} and speculative run {srec['id']} "
+            f"(τ {srec['results']['accept_length']:.2f})")
+        return srec, brec
+
+    def quick_curve(self, run, max_tokens, db, say):
+        """A verify curve at the run's mean context, over the widths the candidates need."""
+        from specscope.economics.verify_curve import VerifyCurve, measure_curve
+        from specscope.registry import make_record, store_record
+
+        target = self.load()[0]
+        L = int((run.get("results") or {}).get("mean_context") or 256)
+        L = max(1, min(L, target.config.max_position_embeddings - max_tokens - 1))
+        toks = sorted({n for n in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64) if n <= max_tokens})
+        say(f"measuring the verify curve at context {L} for n = {', '.join(map(str, toks))} ...")
+        res = measure_curve(target, [L], toks, warmup=1, repeats=5)
+        rec = make_record("verify_curve", f"tune verify curve L{L}",
+                          config={"model": str(self.load()[4]), "dtype": str(target.dtype).replace("torch.", ""),
+                                  "device": str(target.device), "contexts": [L], "tokens": toks,
+                                  "warmup": 1, "repeats": 5},
+                          results={"points": res["points"], "fits": res["fits"]},
+                          samples={"verify_ms": res["samples"]})
+        rec["id"] = store_record(rec, db)
+        return VerifyCurve.from_run(rec)
+
+    def validate(self, picks, say):
+        from specscope.economics.probe import validate
+
+        target, drafter, ids, stop, _ = self.load()
+        return validate(target, drafter, ids, picks, self.max_new_tokens, stop,
+                        progress=lambda r: say(f"measured s{r['steps']} k{r['topk']} n{r['draft_tokens']}: "
+                                               f"{r['measured']:.2f}x (τ {r['measured_tau']:.2f})"))
+
+
+def _print_tune(out, rows, acc, cost, validation):
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console()
+    click.echo(f"acceptance: {acc.source}; depth-1 rates by rank: "
+               + ", ".join(f"{x:.2f}" for x in acc.rates[0]))
+    click.echo(f"plain decoding {cost.decode_ms:.2f} ms/token; measured at k={cost.k0}, n={cost.n0:.1f}: "
+               f"draft step0 {cost.step0_ms:.2f} ms, expansion {cost.expand_ms:.2f} ms/step, "
+               f"verify {cost.verify_ms:.2f} ms, other {cost.other_ms:.2f} ms")
+    for n in cost.notes:
+        click.echo(f"note: {n}")
+    t = Table(title="predicted configurations (best first)")
+    for c in ("steps", "topk", "draft tok", "τ pred", "τ needed", "draft ms", "verify ms", "cycle ms", "speedup"):
+        t.add_column(c, justify="right")
+    for r in rows:
+        t.add_row(str(r["steps"]), str(r["topk"]), str(r["draft_tokens"]), f"{r['tau']:.2f}",
+                  f"{r['tau_needed']:.2f}", f"{r['draft_ms']:.2f}", f"{r['verify_ms']:.2f}", f"{r['cycle_ms']:.2f}",
+                  f"{r['speedup']:.2f}x" + ("*" if r["extrapolated"] else ""))
+    con.print(t)
+    if any(r["extrapolated"] for r in rows):
+        click.echo("* deeper than the profiled run: acceptance past it repeats the deepest measured rate")
+    best = rows[0]
+    verdict = "beats" if best["speedup"] > 1 else "does not beat"
+    click.echo(f"best: --steps {best['steps']} --topk {best['topk']} --draft-tokens {best['draft_tokens']} "
+               f"(predicted {best['speedup']:.2f}x; it {verdict} plain decoding)")
+    if validation:
+        v = Table(title="predicted vs measured speedup")
+        for c in ("config", "predicted", "measured", "error", "τ pred", "τ measured"):
+            v.add_column(c, justify="right")
+        for r in validation:
+            v.add_row(r["label"], f"{r['predicted']:.2f}x", f"{r['measured']:.2f}x",
+                      f"{(r['predicted'] - r['measured']) / r['measured'] * 100:+.1f}%", f"{r['predicted_tau']:.2f}",
+                      f"{r['measured_tau']:.2f}")
+        con.print(v)
+        e = out["validation_error"]
+        click.echo(f"median |predicted − measured| / measured: {e['median_rel_error'] * 100:.1f}% over {e['n']} "
+                   f"configuration(s)")
+    for p in out.get("plots", []):
+        click.echo(f"plot: {p}")

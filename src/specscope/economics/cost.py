@@ -150,3 +150,44 @@ def check_nonneg(x: float, what: str):
 def _check_prob(x: float, what: str):
     if not (0.0 <= x <= 1.0):
         raise SpecscopeError(f"{what} must be a probability in [0, 1], got {x}")
+
+
+def expected_tree(rate, steps: int, topk: int, draft_tokens: int) -> tuple[list[int], list[float]]:
+    """The tree a dynamic-tree drafter (EAGLE-2/3, SGLang's knobs) builds when its confidence equals acceptance.
+
+    `rate(depth, rank)` = P(the rank-th child (1-based, by draft score) is accepted | its parent was accepted).
+    Mirrors the engine: level 1 is the root's top-k children; each further level expands the best `topk` frontier
+    nodes into `topk` children each, scored by the product along the path (the engine's cumulative draft
+    probability, under calibration); then the best `draft_tokens - 1` nodes overall are kept, parents first.
+    Returns (parents, p) for `tree_tau`."""
+    if steps < 1 or topk < 1 or draft_tokens < 2:
+        raise SpecscopeError(f"need steps >= 1, topk >= 1, draft_tokens >= 2; got {steps}, {topk}, {draft_tokens}")
+    # candidates: (score, depth, parent candidate index, conditional p)
+    cands: list[tuple[float, int, int, float]] = []
+    frontier = []
+    for r in range(1, topk + 1):
+        p = rate(1, r)
+        cands.append((p, 1, -1, p))
+        frontier.append(len(cands) - 1)
+    for level in range(2, steps + 1):
+        nxt = []
+        for f in frontier:
+            for r in range(1, topk + 1):
+                p = rate(level, r)
+                cands.append((cands[f][0] * p, level, f, p))
+                nxt.append(len(cands) - 1)
+        nxt.sort(key=lambda i: -cands[i][0])
+        frontier = nxt[:topk]
+    order = sorted(range(len(cands)), key=lambda i: (-cands[i][0], cands[i][1], i))
+    kept, kept_set = [], set()
+    for i in order:
+        if len(kept) >= draft_tokens - 1:
+            break
+        par = cands[i][2]
+        if par == -1 or par in kept_set:
+            kept.append(i)
+            kept_set.add(i)
+    kept.sort(key=lambda i: (cands[i][1], i))
+    index = {c: j for j, c in enumerate(kept)}
+    parents = [index[cands[i][2]] if cands[i][2] != -1 else -1 for i in kept]
+    return parents, [cands[i][3] for i in kept]

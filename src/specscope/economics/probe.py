@@ -1,0 +1,155 @@
+"""Measurements the tuner needs from the real engine: a profiled baseline, one profiled speculative run that also
+records acceptance by (depth, sibling rank), and the validation runs of predicted configurations."""
+
+from __future__ import annotations
+
+import time
+
+from specscope.errors import SpecscopeError
+
+
+class RankRecorder:
+    """Wraps a drafter: after each verify it sees the proposed tree and the accepted rows, and counts, along the
+    accepted path, which sibling ranks were offered and which one the target accepted.
+
+    A tree lists siblings in descending draft score, so a child's rank is its order among its parent's kept
+    children (kept siblings are always the top ranks: selection is by score)."""
+
+    def __init__(self, drafter, steps: int, topk: int):
+        self.inner = drafter
+        self.accepted = [[0] * topk for _ in range(steps)]
+        self.offered = [[0] * topk for _ in range(steps)]
+        self.tree_sizes: list[int] = []
+        self._tree = None
+
+    def __getattr__(self, name):          # kind, aux_layers, ... of the wrapped drafter
+        return getattr(self.inner, name)
+
+    def start(self, *a, **kw):
+        self._tree = None
+        return self.inner.start(*a, **kw)
+
+    def propose(self, cfg, sampling, gen, profiler=None):
+        self._tree = self.inner.propose(cfg, sampling, gen, profiler)
+        return self._tree
+
+    def commit(self, rows, verify_out, new_tokens):
+        if self._tree is not None:
+            self._record(list(rows))
+        return self.inner.commit(rows, verify_out, new_tokens)
+
+    def _record(self, rows):
+        tree = self._tree
+        self.tree_sizes.append(tree.size)
+        kids: dict[int, list[int]] = {}
+        for i, par in enumerate(tree.parents.tolist()):
+            kids.setdefault(par, []).append(i)
+        steps, topk = len(self.offered), len(self.offered[0])
+        for d in range(1, len(rows) + 1):             # parent at depth d-1 was accepted (row 0 = the root)
+            if d > steps:
+                break
+            children = kids.get(rows[d - 1] - 1, [])
+            if not children:
+                break
+            for r in range(min(len(children), topk)):
+                self.offered[d - 1][r] += 1
+            if d < len(rows):
+                node = rows[d] - 1
+                if node in children and children.index(node) < topk:
+                    self.accepted[d - 1][children.index(node)] += 1
+
+    def counts(self) -> dict:
+        return {"accepted": self.accepted, "offered": self.offered}
+
+
+def encode_prompts(tokenizer, prompts: list[str], chat: bool = True) -> list[list[int]]:
+    ids = [tokenizer.encode(p, chat=chat) for p in prompts]
+    if not ids or any(not x for x in ids):
+        raise SpecscopeError("a prompt is empty after tokenisation")
+    return ids
+
+
+def _decode(res) -> tuple[int, float]:
+    """(decode tokens, decode seconds): the first token comes from the prefill, which both sides pay alike."""
+    return res.num_tokens - 1, res.decode_s
+
+
+def run_pair(target, drafter, prompt_ids, max_new_tokens, stop_ids, cfg, base_prof=None, spec_prof=None,
+             baseline=True) -> dict:
+    """Plain and speculative decoding alternated prompt by prompt, so that a machine whose load drifts (shared
+    CPUs) slows both sides alike and their ratio stays meaningful. Returns ms/token of each side and τ."""
+    from specscope.engine.generate import generate
+    from specscope.spec.decode import speculative_generate
+
+    bt = bs = st = ss = 0.0
+    acc = cycles = 0
+    for ids in prompt_ids:
+        if baseline:
+            n, s = _decode(generate(target, ids, max_new_tokens, None, stop_ids, profiler=base_prof))
+            bt, bs = bt + n, bs + s
+        r = speculative_generate(target, drafter, ids, max_new_tokens, None, stop_ids, cfg, profiler=spec_prof)
+        n, s = _decode(r)
+        st, ss = st + n, ss + s
+        acc += sum(r.extra["accept_lengths"])
+        cycles += r.extra["cycles"]
+    if st <= 0 or (baseline and bt <= 0):
+        raise SpecscopeError("no decode tokens were produced; raise --max-new-tokens")
+    return {"baseline_ms_per_token": bs * 1e3 / bt if baseline else None, "ms_per_token": ss * 1e3 / st,
+            "tokens": int(st), "accept_length": acc / cycles if cycles else 0.0}
+
+
+def profile(target, drafter, prompt_ids, cfg, max_new_tokens, stop_ids, config: dict, db=None, record=True):
+    """One profiled baseline and one profiled speculative run (with rank-wise acceptance); stores both.
+    Returns (baseline_record, speculative_record) with ids filled in when recorded."""
+    from specscope.profile import CycleProfiler
+    from specscope.registry import make_record, store_record
+    from specscope.spec.drafters import NgramDrafter
+
+    if isinstance(drafter, NgramDrafter) and cfg.topk != 1:
+        raise SpecscopeError("n-gram drafting proposes a chain; use --topk 1")
+    dev = str(target.device)
+    rec = RankRecorder(drafter, cfg.steps, cfg.topk)
+    # one untimed pass warms caches and the allocator for both paths; then the recorder starts from zero
+    run_pair(target, rec, prompt_ids[:1], min(8, max_new_tokens), stop_ids, cfg)
+    rec = RankRecorder(drafter, cfg.steps, cfg.topk)
+    bprof, sprof = CycleProfiler(dev), CycleProfiler(dev)
+    t0 = time.perf_counter()
+    pair = run_pair(target, rec, prompt_ids, max_new_tokens, stop_ids, cfg, bprof, sprof)
+    brec = make_record("baseline", "tune baseline", config={**config, "draft": None, "steps": None, "topk": None,
+                                                            "draft_tokens": None},
+                       profiler=bprof, results={"decode_ms_per_token": pair["baseline_ms_per_token"]})
+    gen_per_prompt = pair["tokens"] / len(prompt_ids)
+    mean_prompt = sum(len(p) for p in prompt_ids) / len(prompt_ids)
+    srec = make_record("speculative", f"tune profile s{cfg.steps} k{cfg.topk} n{cfg.draft_tokens}",
+                       config={**config, "steps": cfg.steps, "topk": cfg.topk, "draft_tokens": cfg.draft_tokens},
+                       profiler=sprof,
+                       results={"acceptance_by_depth_rank": rec.counts(),
+                                "verify_tokens_mean": 1 + sum(rec.tree_sizes) / max(1, len(rec.tree_sizes)),
+                                "mean_context": mean_prompt + gen_per_prompt / 2,
+                                "spec_ms_per_token": pair["ms_per_token"],
+                                "baseline_decode_ms_per_token": pair["baseline_ms_per_token"],
+                                "wall_s": time.perf_counter() - t0})
+    if record:
+        brec["id"] = store_record(brec, db)
+        srec["config"]["baseline_run"] = brec["id"]
+        srec["id"] = store_record(srec, db)
+    return brec, srec
+
+
+def validate(target, drafter, prompt_ids, configs, max_new_tokens, stop_ids, progress=None):
+    """Run each (steps, topk, draft_tokens) for real, alternating with plain decoding prompt by prompt;
+    measured speedup = plain ms/token ÷ speculative ms/token."""
+    from specscope.spec.decode import SpecConfig
+
+    out = []
+    for steps, topk, n in configs:
+        cfg = SpecConfig(steps, topk, n)
+        cfg.validate()
+        r = run_pair(target, drafter, prompt_ids, max_new_tokens, stop_ids, cfg)
+        row = {"steps": steps, "topk": topk, "draft_tokens": n,
+               "measured": r["baseline_ms_per_token"] / r["ms_per_token"], "measured_tau": r["accept_length"],
+               "ms_per_token": r["ms_per_token"], "baseline_ms_per_token": r["baseline_ms_per_token"]}
+        out.append(row)
+        if progress:
+            progress(row)
+    return out

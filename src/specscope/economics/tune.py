@@ -1,0 +1,229 @@
+"""The tuner: predict the best (steps, topk, draft_tokens) from one profiled run, without a sweep.
+
+From the run it takes acceptance by (depth, sibling rank) — or, for a chain run, per-position acceptance — and the
+per-cycle phase costs; a verify curve scales the verify (and draft-expansion) cost to other widths. Every candidate
+configuration gets a predicted τ (the tree the engine would build, `cost.expected_tree`) and a predicted speedup
+τ·T_decode / (T_draft(steps, topk) + T_verify(n) + T_other). `validate` runs the top ones for real.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass, field
+
+from specscope.economics.cost import expected_tree, tree_tau
+from specscope.errors import SpecscopeError
+
+
+# ------------------------------------------------------------------------------------------------ acceptance
+
+@dataclass
+class AcceptanceModel:
+    """rates[d-1][r-1] = P(rank-r child at depth d accepted | parent accepted). Depths past the measured ones
+    reuse the deepest row; a rank a deep row lacks (never offered there) reuses the nearest shallower row's;
+    ranks never measured at depth 1 are unknown (configurations needing them are skipped)."""
+
+    rates: list[list[float]]
+    offered: list[list[int]] | None = None
+    source: str = ""
+
+    @property
+    def depth(self) -> int:
+        return len(self.rates)
+
+    @property
+    def max_topk(self) -> int:
+        return len(self.rates[0]) if self.rates else 0
+
+    def rate(self, d: int, r: int) -> float:
+        for row in reversed(self.rates[:min(d, self.depth)]):
+            if r - 1 < len(row):
+                return row[r - 1]
+        return 0.0
+
+    @classmethod
+    def from_counts(cls, accepted, offered, source="rank counts") -> "AcceptanceModel":
+        if not offered or not offered[0] or not offered[0][0]:
+            raise SpecscopeError("the run has no offered draft tokens to estimate acceptance from")
+        rates, offered_kept = [], []
+        for d, (acc_row, off_row) in enumerate(zip(accepted, offered)):
+            # ranks never offered at this depth are unknown; they end the row (ranks are offered as a prefix)
+            k = next((r for r, o in enumerate(off_row) if o == 0), len(off_row))
+            if k == 0:
+                break
+            row = [acc_row[r] / off_row[r] for r in range(k)]
+            s = sum(row)
+            if s > 1.0:   # siblings are exclusive; a sum above 1 is sampling noise of different denominators
+                row = [x / s for x in row]
+            rates.append(row)
+            offered_kept.append(list(off_row[:k]))
+        return cls(rates, offered_kept, source)
+
+    @classmethod
+    def from_conditional(cls, cond, source="per-position acceptance (chain)") -> "AcceptanceModel":
+        rates, last = [], None
+        for c in cond:
+            c = last if c is None else float(c)
+            if c is None:
+                break
+            rates.append([min(1.0, max(0.0, c))])
+            last = c
+        if not rates:
+            raise SpecscopeError("the run has no per-position acceptance")
+        return cls(rates, None, source)
+
+    @classmethod
+    def from_run(cls, run: dict) -> "AcceptanceModel":
+        res, cfg = run.get("results") or {}, run.get("config") or {}
+        rid = run.get("id", "?")
+        rank = res.get("acceptance_by_depth_rank")
+        if rank:
+            return cls.from_counts(rank["accepted"], rank["offered"], f"run {rid}: acceptance by depth and rank")
+        topk = cfg.get("topk") or (cfg.get("drafting") or {}).get("topk")
+        if topk not in (None, 1):
+            raise SpecscopeError(f"run {rid} is a tree run (topk {topk}) without acceptance by sibling rank, which "
+                                 f"tree predictions need; profile it with `specscope tune --profile ...` or pass a "
+                                 f"chain run (topk 1)")
+        cond = res.get("per_position_acceptance_conditional")
+        if cond:
+            return cls.from_conditional(cond, f"run {rid}: per-position acceptance")
+        acc, dr = res.get("accepted_per_pos"), res.get("drafts_per_pos")
+        if acc and dr:
+            uncond = [a / d if d else 0.0 for a, d in zip(acc, dr)]
+            cond = [u / p if p else None for u, p in zip(uncond, [1.0] + uncond[:-1])]
+            return cls.from_conditional(cond, f"run {rid}: accepted per position")
+        raise SpecscopeError(f"run {rid} has no per-position acceptance; it is not a profiled speculative run")
+
+
+# ------------------------------------------------------------------------------------------------ costs
+
+def _phase(res: dict, name: str) -> float | None:
+    v = ((res or {}).get("phases") or {}).get(name)
+    return float(v["mean_ms"]) if isinstance(v, dict) and v.get("mean_ms") is not None else None
+
+
+@dataclass
+class CostModel:
+    """Per-cycle costs measured in one run at (k0 frontier width, n0 verified tokens), scaled to other widths.
+
+    Expansion steps and verify are transformer forwards over k (n) query tokens, so both scale with the verify
+    curve's shape T(n)/T(n0); without a curve they are taken as flat (bandwidth-bound)."""
+
+    decode_ms: float
+    step0_ms: float            # draft.step0: the drafter's catch-up over the accepted tokens + the first top-k
+    expand_ms: float           # one further draft step at frontier width k0
+    select_ms: float           # draft time outside the steps (tree selection), per candidate node
+    verify_ms: float           # verify at n0 tokens
+    other_ms: float            # accept + commit + bookkeeping
+    k0: int
+    n0: float
+    context: float
+    curve: object = None       # VerifyCurve or None
+    notes: list = field(default_factory=list)
+
+    def _scale(self, n: float, n_ref: float) -> float:
+        return self.curve.ratio(n, n_ref, self.context) if self.curve is not None else 1.0
+
+    def draft_ms(self, steps: int, topk: int) -> float:
+        return (self.step0_ms + (steps - 1) * self.expand_ms * self._scale(topk, self.k0)
+                + self.select_ms * candidates(steps, topk))
+
+    def verify(self, n: float) -> float:
+        return self.verify_ms * self._scale(n, self.n0)
+
+    @classmethod
+    def from_runs(cls, run: dict, baseline: dict | None, curve=None, decode_ms: float | None = None) -> "CostModel":
+        res, cfg = run.get("results") or {}, run.get("config") or {}
+        rid = run.get("id", "?")
+        verify = _phase(res, "verify")
+        draft = _phase(res, "draft")
+        if verify is None or draft is None:
+            raise SpecscopeError(f"run {rid} has no per-phase timings (draft, verify); tune needs a profiled "
+                                 f"speculative run (e.g. `specscope tune --profile ...`)")
+        steps = int(cfg.get("steps") or 1)
+        topk = int(cfg.get("topk") or 1)
+        step0 = _phase(res, "draft.step0")
+        later = [_phase(res, f"draft.step{i}") for i in range(1, steps)]
+        later = [x for x in later if x is not None]
+        notes = []
+        if step0 is None:
+            # no sub-phases: split the draft time evenly over the steps
+            step0, later = draft / steps, [draft / steps] * (steps - 1)
+            notes.append("draft sub-phases missing: draft time split evenly over the steps")
+        expand = statistics.mean(later) if later else step0
+        select = max(0.0, draft - step0 - sum(later)) / candidates(steps, topk)
+        other = sum(v for v in (_phase(res, k) for k in ("accept", "commit", "other")) if v is not None)
+        if decode_ms is None and baseline is not None:
+            from specscope.economics.breakeven import decode_ms_of
+
+            decode_ms = decode_ms_of(baseline.get("results") or {})
+        if decode_ms is None:
+            raise SpecscopeError(f"no plain-decoding time for run {rid}: pass --baseline-run ID or --decode-ms")
+        n0 = res.get("verify_tokens_mean") or (steps + 1 if topk == 1 else cfg.get("draft_tokens") or steps + 1)
+        context = res.get("mean_context") or cfg.get("mean_context") or 256
+        if curve is None:
+            notes.append("no verify curve: verify and draft-step costs taken as flat in the number of tokens")
+        return cls(decode_ms, step0, expand, select, verify, other, topk, float(n0), float(context), curve, notes)
+
+
+def candidates(steps: int, topk: int) -> int:
+    """Candidate nodes a dynamic-tree drafter scores: topk at level 1, topk² at each further level."""
+    return topk + (steps - 1) * topk * topk
+
+
+# ------------------------------------------------------------------------------------------------ prediction
+
+def predict(acc: AcceptanceModel, cost: CostModel, steps: int, topk: int, draft_tokens: int) -> dict:
+    if topk == 1:
+        draft_tokens = steps + 1
+    parents, p = expected_tree(acc.rate, steps, topk, draft_tokens)
+    tau = tree_tau(parents, p)
+    n = len(parents) + 1
+    d, v, o = cost.draft_ms(steps, topk), cost.verify(n), cost.other_ms
+    cycle = d + v + o
+    return {"steps": steps, "topk": topk, "draft_tokens": draft_tokens, "shape": "chain" if topk == 1 else "tree",
+            "tau": tau, "verify_tokens": n, "draft_ms": d, "verify_ms": v, "other_ms": o, "cycle_ms": cycle,
+            "tau_needed": cycle / cost.decode_ms, "tau_max": steps + 1.0,
+            "speedup": tau * cost.decode_ms / cycle, "extrapolated": steps > acc.depth}
+
+
+DRAFT_TOKEN_GRID = (4, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)
+
+
+def candidate_configs(acc: AcceptanceModel, max_steps: int | None = None, max_topk: int | None = None,
+                      max_draft_tokens: int = 64) -> list[tuple[int, int, int]]:
+    max_steps = max_steps or acc.depth
+    max_topk = min(max_topk or acc.max_topk, acc.max_topk)
+    out = [(s, 1, s + 1) for s in range(1, max_steps + 1)]
+    for k in range(2, max_topk + 1):
+        for s in range(1, max_steps + 1):
+            cap = candidates(s, k) + 1
+            for n in DRAFT_TOKEN_GRID:
+                if n <= min(cap, max_draft_tokens) and n > k:
+                    out.append((s, k, n))
+    return out
+
+
+def rank(acc: AcceptanceModel, cost: CostModel, configs) -> list[dict]:
+    rows = [predict(acc, cost, *c) for c in configs]
+    rows.sort(key=lambda r: -r["speedup"])
+    return rows
+
+
+def best_by_draft_tokens(rows: list[dict]) -> list[dict]:
+    """For the 'τ needed vs draft tokens' plot: the best predicted configuration at each verified width."""
+    best = {}
+    for r in rows:
+        n = r["verify_tokens"]
+        if n not in best or r["speedup"] > best[n]["speedup"]:
+            best[n] = r
+    return [{"draft_tokens": n, "tau_needed": r["tau_needed"], "tau_predicted": r["tau"], "tau_max": r["tau_max"]}
+            for n, r in sorted(best.items())]
+
+
+def error_summary(rows: list[dict]) -> dict:
+    """rows with predicted and measured speedups -> per-row relative error and the median."""
+    errs = [abs(r["predicted"] - r["measured"]) / r["measured"] for r in rows if r["measured"] > 0]
+    return {"median_rel_error": statistics.median(errs) if errs else math.nan,
+            "max_rel_error": max(errs) if errs else math.nan, "n": len(errs)}

@@ -1,0 +1,212 @@
+"""The tuner: the expected tree by hand, acceptance from rank counts, the recorder on a real DraftTree, prediction
+logic on synthetic runs, and the profile -> predict -> validate loop on tiny real models."""
+
+import json
+
+import pytest
+import torch
+
+from specscope.cli import main
+from specscope.economics.cost import expected_tree, tree_tau
+from specscope.economics.probe import RankRecorder
+from specscope.economics.tune import AcceptanceModel, CostModel, candidate_configs, predict, rank
+from specscope.errors import SpecscopeError
+from tiny import make_hf_model, make_tiny_tokenizer
+
+RATES = {1: [0.6, 0.3], 2: [0.5, 0.2]}
+
+
+def rate(d, r):
+    return RATES[min(d, 2)][r - 1]
+
+
+def test_expected_tree_by_hand():
+    # steps 2, topk 2. Level 1: A .6, B .3 (root's top-2). Level 2 expands A and B:
+    #   A's children AC .6·.5 = .3, AD .6·.2 = .12; B's children BC .3·.5 = .15, BD .3·.2 = .06.
+    # 4 nodes (draft_tokens 5): A .6, B .3, AC .3, BC .15  ->  τ = 1 + .6 + .3 + .3 + .15 = 2.35
+    parents, p = expected_tree(rate, 2, 2, 5)
+    assert parents == [-1, -1, 0, 1] and p == pytest.approx([0.6, 0.3, 0.5, 0.5])
+    assert tree_tau(parents, p) == pytest.approx(2.35)
+    # 3 nodes: A, B, AC -> 1 + .6 + .3 + .3 = 2.2
+    assert tree_tau(*expected_tree(rate, 2, 2, 4)) == pytest.approx(2.2)
+    # topk 1 is the chain A -> AC: 1 + .6 + .3 = 1.9
+    assert tree_tau(*expected_tree(rate, 2, 1, 3)) == pytest.approx(1.9)
+
+
+def test_acceptance_from_rank_counts():
+    acc = AcceptanceModel.from_counts([[6, 2], [3, 1]], [[10, 10], [6, 5]])
+    assert acc.rates == [pytest.approx([0.6, 0.2]), pytest.approx([0.5, 0.2])]
+    assert acc.depth == 2 and acc.max_topk == 2
+    assert acc.rate(5, 1) == pytest.approx(0.5)          # deeper than measured: the deepest row
+    # exclusive siblings: a sum above 1 (different denominators) is scaled back to 1
+    acc = AcceptanceModel.from_counts([[9, 3]], [[10, 5]])
+    assert sum(acc.rates[0]) == pytest.approx(1.0)
+    # a rank never offered ends the row; deeper, it borrows the shallower row's rate
+    acc = AcceptanceModel.from_counts([[5, 0], [2, 0]], [[10, 3], [5, 0]])
+    assert acc.rates == [pytest.approx([0.5, 0.0]), pytest.approx([0.4])] and acc.max_topk == 2
+    assert acc.rate(2, 1) == pytest.approx(0.4) and acc.rate(2, 2) == 0.0 and acc.rate(1, 3) == 0.0
+
+
+def test_rank_recorder_on_a_real_tree():
+    from specscope.spec.tree import DraftTree
+
+    class Fixed:
+        kind, aux_layers = "fixed", ()
+
+        def __init__(self, tree):
+            self.tree, self.commits = tree, []
+
+        def start(self, *a):
+            pass
+
+        def propose(self, cfg, sampling, gen, profiler=None):
+            return self.tree
+
+        def commit(self, rows, out, toks):
+            self.commits.append(rows)
+
+    # root ─┬─ A(node 0) ─┬─ C(2)        rows are node + 1; accepted path root -> A -> D = rows [0, 1, 4]
+    #       │             └─ D(3)
+    #       └─ B(1) ─── E(4)
+    tree = DraftTree(torch.tensor([10, 11, 12, 13, 14]), torch.tensor([-1, -1, 0, 0, 1]),
+                     torch.tensor([1, 1, 2, 2, 2]))
+    rec = RankRecorder(Fixed(tree), steps=3, topk=2)
+    rec.start()
+    rec.propose(None, None, None)
+    rec.commit([0, 1, 4], None, [11, 13, 7])
+    # depth 1: A, B offered, A (rank 1) accepted; depth 2: C, D offered, D (rank 2) accepted; D has no children
+    assert rec.offered == [[1, 1], [1, 1], [0, 0]]
+    assert rec.accepted == [[1, 0], [0, 1], [0, 0]]
+    rec.propose(None, None, None)
+    rec.commit([0], None, [5])                     # nothing accepted: only depth 1 was offered
+    assert rec.offered[0] == [2, 2] and rec.accepted[0] == [1, 0] and rec.tree_sizes == [5, 5]
+    assert rec.inner.commits == [[0, 1, 4], [0]]   # the wrapped drafter still sees every commit
+
+
+def _phases(**ms):
+    return {k.replace("_", "."): {"mean_ms": v, "median_ms": v, "p90_ms": v, "share": 0.0} for k, v in ms.items()}
+
+
+def _tree_run():
+    return {"id": "spec1", "kind": "speculative",
+            "config": {"steps": 3, "topk": 2, "draft_tokens": 6},
+            "results": {"acceptance_by_depth_rank": {"accepted": [[60, 20], [40, 10], [20, 5]],
+                                                     "offered": [[100, 100], [80, 80], [50, 50]]},
+                        "phases": _phases(draft=5.0, draft_step0=2.0, draft_step1=1.2, draft_step2=1.0,
+                                          verify=30.0, accept=0.5, commit=0.4, other=0.1),
+                        "verify_tokens_mean": 6.0, "mean_context": 200}}
+
+
+def test_cost_model_reproduces_the_profiled_cycle():
+    run = _tree_run()
+    cost = CostModel.from_runs(run, {"results": {"decode_ms_per_token": 25.0}})
+    acc = AcceptanceModel.from_run(run)
+    r = predict(acc, cost, 3, 2, 6)
+    # without a verify curve the profiled configuration's cycle is exactly the measured one: 5 + 30 + 1
+    assert r["cycle_ms"] == pytest.approx(36.0) and r["verify_tokens"] == 6
+    assert r["speedup"] == pytest.approx(r["tau"] * 25.0 / 36.0)
+    # a chain drops the per-step width and the selection work with fewer candidates
+    c = predict(acc, cost, 2, 1, 99)
+    assert c["draft_tokens"] == 3 and c["tau"] == pytest.approx(1 + 0.6 + 0.6 * 0.5)
+    assert c["draft_ms"] == pytest.approx(2.0 + 1.1 + (5.0 - 4.2) / 10 * 2)
+    assert "no verify curve" in cost.notes[0]
+
+
+def test_verify_curve_scales_verify_cost():
+    from specscope.economics.verify_curve import PiecewiseFit, VerifyCurve
+
+    run = _tree_run()
+    curve = VerifyCurve({200: PiecewiseFit(20.0, 2.0, 4.0, 0.0)})     # T(6) = 24, T(3) = 20
+    cost = CostModel.from_runs(run, None, curve, decode_ms=25.0)
+    acc = AcceptanceModel.from_run(run)
+    assert predict(acc, cost, 2, 1, 3)["verify_ms"] == pytest.approx(30.0 * 20 / 24)
+    rows = rank(acc, cost, candidate_configs(acc))
+    assert rows[0]["speedup"] == max(r["speedup"] for r in rows)
+    assert {r["topk"] for r in rows} == {1, 2} and max(r["steps"] for r in rows) == 3
+
+
+def test_runs_the_tuner_cannot_use():
+    run = _tree_run()
+    del run["results"]["acceptance_by_depth_rank"]
+    with pytest.raises(SpecscopeError, match="without acceptance by sibling rank"):
+        AcceptanceModel.from_run(run)
+    chain = {"id": "c1", "config": {"steps": 3, "topk": 1},
+             "results": {"per_position_acceptance_conditional": [0.7, 0.5, None]}}
+    acc = AcceptanceModel.from_run(chain)
+    assert acc.rates == [[0.7], [0.5], [0.5]] and candidate_configs(acc) == [(1, 1, 2), (2, 1, 3), (3, 1, 4)]
+    with pytest.raises(SpecscopeError, match="--baseline-run ID or --decode-ms"):
+        CostModel.from_runs(_tree_run(), None)
+    with pytest.raises(SpecscopeError, match="no per-phase timings"):
+        CostModel.from_runs({"id": "x", "config": {}, "results": {}}, None, decode_ms=5.0)
+
+
+def test_tune_cli_errors(capsys):
+    with pytest.raises(SystemExit):
+        main(["tune"])
+    assert "pass --run ID" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["tune", "--run", "nosuchrun"])
+    assert "no run 'nosuchrun'" in capsys.readouterr().err
+
+
+def _perturbed_copy(src_model, path, noise=0.15, seed=1):
+    """A draft model that agrees with the target often but not always."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in src_model.parameters():
+            if p.dim() == 2:
+                p.add_(torch.randn(p.shape, generator=g) * noise * p.std())
+    src_model.save_pretrained(str(path))
+
+
+def test_profile_predict_validate_tiny(tmp_path, capsys):
+    target = tmp_path / "target"
+    make_hf_model(target)
+    make_tiny_tokenizer(target)
+    draft = tmp_path / "draft"
+    _perturbed_copy(make_hf_model(tmp_path / "scratch"), draft)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("the quick brown fox jumps\nwrite a short poem about the sea\n")
+    main(["tune", "--profile", "--model", str(target), "--draft", str(draft), "--prompts", str(prompts),
+          "--num-prompts", "1", "--max-new-tokens", "12", "--steps", "3", "--topk", "2", "--draft-tokens", "6",
+          "--max-draft-tokens", "6", "--validate", "2", "--device", "cpu", "--plot-dir", str(tmp_path / "plots"),
+          "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert out["run"] and out["baseline_run"] and out["verify_curve"]
+    assert "depth and rank" in out["acceptance"]["source"]
+    assert len(out["validation"]) == 2
+    for v in out["validation"]:
+        assert v["measured"] > 0 and v["predicted"] > 0 and 1.0 <= v["measured_tau"] <= v["steps"] + 1
+    assert all((tmp_path / "plots" / f).stat().st_size > 5000 for f in ("tau-needed.png",
+                                                                       "predicted-vs-measured.png"))
+    # the stored profiled run is enough to tune again later, from the registry alone
+    main(["tune", "--run", out["run"], "--top", "3"])
+    text = capsys.readouterr().out
+    assert "best: --steps" in text and "no verify curve" in text
+    main(["tune", "--run", out["run"], "--verify-curve", out["verify_curve"], "--json"])
+    again = json.loads(capsys.readouterr().out)
+    assert again["verify_curve"] == out["verify_curve"] and again["predictions"]
+
+
+def test_self_drafting_predicts_full_acceptance(tmp_path):
+    """Drafting with the target itself: every rank-1 draft is accepted, so predicted τ = steps + 1 and the
+    measured τ matches it (up to the last, length-clipped cycle)."""
+    from specscope.economics.probe import profile, validate
+    from specscope.models import load_model
+    from specscope.spec.decode import SpecConfig, build_drafter
+
+    path = tmp_path / "t"
+    make_hf_model(path)
+    tgt = load_model(path, dtype="fp32")
+    drafter = build_drafter(str(path), tgt)
+    ids = [[1, 5, 9, 14, 20, 7]]
+    brec, srec = profile(tgt, drafter, ids, SpecConfig(3, 2, 11), 17, [], {"model": str(path)}, record=False)
+    acc = AcceptanceModel.from_run(srec)
+    assert [row[0] for row in acc.rates] == [1.0, 1.0, 1.0] and acc.rates[0][1] == 0.0
+    cost = CostModel.from_runs(srec, brec)
+    chain = predict(acc, cost, 3, 1, 4)
+    assert chain["tau"] == pytest.approx(4.0)
+    (m,) = validate(tgt, drafter, ids, [(3, 1, 4)], 17, [])
+    assert m["baseline_ms_per_token"] > 0 and m["measured"] == pytest.approx(m["baseline_ms_per_token"]
+                                                                              / m["ms_per_token"])
+    assert m["measured_tau"] == pytest.approx(4.0)     # 16 decode tokens = 4 full cycles of 4

@@ -241,3 +241,17 @@ def test_speculative_engine_counts_match_response(model_dir):
                                         {"position": str(i)}) for i in range(3)]
         assert sum(per_pos) == spec["accepted_tokens"]
         assert reg.get_sample_value("specscope:cycle_phase_seconds_count", {"phase": "verify"}) == spec["verify_ct"]
+
+
+def test_chat_without_max_tokens_runs_to_the_context_end(engine):
+    from specscope.server.app import create_app
+
+    msgs = [{"role": "user", "content": "the quick brown fox"}]
+    with TestClient(create_app(engine)) as c:
+        r = c.post("/v1/chat/completions", json={"messages": msgs, "temperature": 0}).json()
+    n_prompt = len(engine.tokenizer.encode_messages(msgs))
+    u = r["usage"]
+    assert u["prompt_tokens"] == n_prompt
+    # either the model stopped on its own or it filled the 256-token context exactly
+    assert (r["choices"][0]["finish_reason"] == "length") == (u["total_tokens"] == engine.context)
+    assert u["total_tokens"] <= engine.context

@@ -32,7 +32,7 @@ class GenParams:
     prompt: str | None = None      # completions
     prompt_ids: list[int] | None = None
     messages: list[dict] | None = None
-    max_tokens: int = 16
+    max_tokens: int | None = 16
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -83,7 +83,8 @@ def _common(body: dict, kind: str, max_tokens_cap: int) -> GenParams:
     p.model = model
     mt = body.get("max_completion_tokens", body.get("max_tokens"))
     key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
-    p.max_tokens = _num({key: mt}, key, int, 1, max_tokens_cap, default=16 if kind == "completion" else max_tokens_cap)
+    # OpenAI: completions default to 16 tokens; chat runs to the end of the context (None, set after tokenizing)
+    p.max_tokens = _num({key: mt}, key, int, 1, max_tokens_cap, default=16 if kind == "completion" else None)
     p.temperature = _num(body, "temperature", float, 0.0, 2.0, default=1.0)
     p.top_p = _num(body, "top_p", float, 0.0, 1.0, default=1.0)
     if p.top_p == 0:

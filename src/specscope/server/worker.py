@@ -120,6 +120,8 @@ class Engine:
         if len(ids) > self.max_prompt:
             raise ApiError(400, f"the prompt has {len(ids)} tokens; this server accepts at most {self.max_prompt}",
                            "prompt")
+        if p.max_tokens is None:
+            p.max_tokens = min(self.cfg.max_tokens_cap, self.context - len(ids))
         if len(ids) + p.max_tokens > self.context:
             raise ApiError(400, f"this model's maximum context length is {self.context} tokens, but the request "
                                 f"asks for {len(ids)} prompt + {p.max_tokens} completion tokens; lower max_tokens",

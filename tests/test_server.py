@@ -255,3 +255,26 @@ def test_chat_without_max_tokens_runs_to_the_context_end(engine):
     # either the model stopped on its own or it filled the 256-token context exactly
     assert (r["choices"][0]["finish_reason"] == "length") == (u["total_tokens"] == engine.context)
     assert u["total_tokens"] <= engine.context
+
+
+def test_serve_cli_rejects_bad_setups_with_one_line_errors(model_dir, capsys):
+    import socket
+
+    from specscope.cli import main
+
+    def run(argv):
+        try:
+            main(argv)
+        except SystemExit as e:
+            return e.code
+        return 0
+
+    assert run(["serve", "--model", str(model_dir), "--steps", "3"]) == 2
+    assert "--draft" in capsys.readouterr().err
+    with socket.socket() as s:  # a port that is taken
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        port = s.getsockname()[1]
+        assert run(["serve", "--model", str(model_dir), "--port", str(port), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: cannot listen on 127.0.0.1") and err.count("\n") == 1

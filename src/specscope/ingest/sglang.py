@@ -152,6 +152,8 @@ class SGLangParser(FormatParser):
             res["duration_s"] = max(times) - min(times)
         if self.ranks:
             res["ranks"] = sorted(self.ranks)
+            if len({r.split()[0] for r in self.ranks}) > 1:
+                warnings.append(f"lines from {len(self.ranks)} ranks: tok/s and batch sizes are per logging rank")
         samples = {"series": {"t_s": [d["t"] for d in dec], "gen_tok_per_s": [d["gen_tok_s"] for d in dec],
                               "running": [d["running"] for d in dec],
                               "accept_length": [d.get("accept_len") for d in dec],

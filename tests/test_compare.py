@@ -186,3 +186,20 @@ def test_compare_runs_from_the_registry():
         runs = [reg.get_run(i) for i in ids]
     cmp = compare_runs(runs)
     assert cmp["reference"] == ids[0] and cmp["attribution"][0]["explains"] == "verify"
+
+
+def test_baseline_vs_speculative_names_offsets():
+    rng = np.random.default_rng(0)
+    n = 200
+    dec = (10.0 * rng.lognormal(0, 0.1, n)).tolist()
+    spec = synth(1, n=100, config_over={"engine": "speculative"})     # τ ≈ 3.4 at ~26 ms/cycle: faster
+    cfg = dict(spec["config"], engine="baseline", steps=None, topk=None, draft_tokens=None)
+    base = {"kind": "generate", "config": cfg, "env": env(),
+            "results": {"tok_per_s": 1e3 / np.mean(dec), "accept_length": 1.0,
+                        "phases": {"decode": {"mean_ms": float(np.mean(dec)), "share": 1.0}}},
+            "samples": {"cycle_ms": {"decode": dec}, "cycle_total_ms": dec, "accept_lengths": [1] * n}}
+    att = compare_runs([base, spec])["attribution"][0]
+    assert att["tok_per_s_verdict"] == "better"
+    assert att["explains"] in ("decode", "acceptance (τ)")
+    assert "offset by verify" in att["summary"]
+    assert att["likely_causes"][0]["key"] == "config.engine"

@@ -27,7 +27,7 @@ PRIORS: list[tuple[str, float, frozenset, str]] = [
     ("config.model_hash", 1.0, ALL, "different target weights"),
     ("config.model", 0.9, ALL, "different target model"),
     ("config.dtype", 0.95, ALL | {"tau"}, "dtype sets every matmul's cost (and rounding can flip near-tie argmaxes)"),
-    ("config.engine", 0.9, ALL, "different engine"),
+    ("config.engine", 1.0, ALL | {"tau"}, "different engine (baseline / speculative)"),
     ("config.draft_hash", 0.95, frozenset({"draft", "tau"}), "different drafter weights"),
     ("config.draft", 0.9, frozenset({"draft", "tau"}), "different drafter"),
     ("config.steps", 0.9, DRAFTING, "draft depth: more draft steps, a longer verify, a different τ"),

@@ -229,14 +229,22 @@ def _attribute(a: dict, b: dict, rows: list[dict], i: int, runs: list[dict]) -> 
         out["explains"] = None
         out["summary"] = "no significant change in any metric"
     else:
-        lead = contributions[0] if contributions else None
+        total = out.get("delta_ms_per_token") or 0.0
+        # the phase that moved most in the direction of the total change; opposite moves are named as offsets
+        same = [c for c in contributions if c["delta_ms_per_token"] * total > 0]
+        lead = same[0] if same else None
         out["explains"] = lead["phase"] if lead else None
         parts = []
         if "tok_per_s_change" in out:
             parts.append(f"tok/s {out['tok_per_s_change'] * 100:+.1f}% ({out['tok_per_s_verdict']})")
-        if lead and lead["share"] is not None:
-            parts.append(f"{lead['phase']} explains {lead['share'] * 100:.0f}% of the ms/token change "
-                         f"({lead['delta_ms_per_token']:+.3f} ms/token)")
+        if lead:
+            msg = (f"{lead['phase']} accounts for {lead['delta_ms_per_token']:+.3f} of the {total:+.3f} ms/token "
+                   f"change ({lead['share'] * 100:.0f}%)")
+            offsets = [c for c in contributions if c["delta_ms_per_token"] * total < 0
+                       and abs(c["delta_ms_per_token"]) > 0.25 * abs(total)]
+            if offsets:
+                msg += ", offset by " + ", ".join(f"{c['phase']} {c['delta_ms_per_token']:+.3f}" for c in offsets)
+            parts.append(msg)
         if oop:
             parts.append(oop["message"])
         out["summary"] = "; ".join(parts)

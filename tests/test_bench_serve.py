@@ -138,6 +138,15 @@ def test_serve_and_bench_serve_end_to_end(model_dir, tmp_path):
         while keyed.metric("specscope:request_failed_total", reason="cancelled") < 1 and time.time() < deadline:
             time.sleep(0.1)
         assert keyed.metric("specscope:request_failed_total", reason="cancelled") == 1
+        # the same for a non-streaming client that gives up (the server polls for the disconnect)
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(keyed.url + "/v1/completions", json={"prompt": "the quick", "max_tokens": 220},
+                       headers=auth, timeout=0.05)
+        deadline = time.time() + 30
+        while keyed.metric("specscope:request_failed_total", reason="cancelled") < 2 and time.time() < deadline:
+            time.sleep(0.1)
+        assert keyed.metric("specscope:request_failed_total", reason="cancelled") == 2
+        assert keyed.metric("specscope:request_success_total") == 1  # only the keyed 4-token request finished
         after = httpx.post(keyed.url + "/v1/completions", json=body, headers=auth)
         assert after.status_code == 200 and after.json()["usage"]["completion_tokens"] == 4
 

@@ -123,9 +123,20 @@ def create_app(engine: Engine, metrics: ServerMetrics | None = None) -> FastAPI:
         if p.stream:
             return CancellingStream(stream_events(job, p, rid), job, media_type="text/event-stream",
                                     headers={"Cache-Control": "no-cache"})
+        next_check = time.monotonic() + 0.1
         try:
             while True:
-                ev = await job.events.get()
+                try:
+                    ev = await asyncio.wait_for(job.events.get(), timeout=0.1)
+                except asyncio.TimeoutError:
+                    ev = None
+                if time.monotonic() >= next_check:
+                    next_check = time.monotonic() + 0.1
+                    if await request.is_disconnected():  # nobody will read the answer: stop decoding it
+                        job.cancel()
+                        return Response(status_code=499)
+                if ev is None:
+                    continue
                 if ev[0] == "done":
                     d = ev[1]
                     return P.full_response(p, rid, engine.name, d["text"], d["finish"], d["prompt_tokens"],

@@ -37,9 +37,9 @@ def test_phases_add_up_and_gap_goes_to_other():
     s = prof.summary()
     ph = s["phases"]
     assert s["cycles"] == 30 and s["tokens"] == sum(1 + c % 3 for c in range(30))
-    assert 2.0 <= ph["verify"]["mean_ms"] < 4.0
-    assert 0.5 <= ph["draft"]["mean_ms"] < 1.5
-    assert 0.3 <= ph["other"]["mean_ms"] < 1.5
+    # spins last at least their length; preemption on a loaded box only adds, so upper bounds would be flaky
+    assert ph["verify"]["median_ms"] >= 2.0 and ph["draft"]["median_ms"] >= 0.5 and ph["other"]["median_ms"] >= 0.3
+    assert ph["accept"]["median_ms"] < ph["draft"]["median_ms"] < ph["verify"]["median_ms"]
     # sub-phases live inside "draft" and are not counted twice
     top = sum(v["mean_ms"] for k, v in ph.items() if "." not in k)
     assert top == pytest.approx(s["cycle_ms"]["mean_ms"], rel=1e-3)
@@ -152,3 +152,16 @@ def test_cuda_events_agree_with_synchronised_wall_clock():
         s = prof.summary()
         assert s["timer"] == ("perf_counter" if sync else "cuda_events")
         assert s["phases"]["verify"]["share"] > 0.8
+
+
+@pytest.mark.slow
+def test_overhead_under_2_percent_on_smollm2():
+    from specscope.engine.generate import generate
+    from specscope.engine.session import load_target
+
+    model, tok, _ = load_target("smollm2-135m", "fp32", "cpu")
+    prof = CycleProfiler()
+    generate(model, tok.encode("Name three colours.", chat=True), max_new_tokens=16, profiler=prof)
+    oh = prof.summary()["profiler_overhead"]
+    assert oh["share"] < 0.02
+    assert oh["ms_per_cycle"] < 0.2      # even against an ~11 ms bandwidth-floor cycle this stays < 2 %

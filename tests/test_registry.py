@@ -191,3 +191,15 @@ def test_registry_import_does_not_pull_torch():
            "print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+def test_device_check_script_passes_here():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parent.parent / "bench" / "fingerprint.py"
+    p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    report = json.loads(p.stdout)
+    assert report["problems"] == [] and report["fingerprint"]["cpu"]["model"]

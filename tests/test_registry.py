@@ -203,3 +203,19 @@ def test_device_check_script_passes_here():
     assert p.returncode == 0, p.stderr
     report = json.loads(p.stdout)
     assert report["problems"] == [] and report["fingerprint"]["cpu"]["model"]
+
+
+def test_write_lock_held_too_long_is_a_clear_error(tmp_path):
+    db = tmp_path / "locked.db"
+    with open_registry(db) as reg:
+        reg.add_run(_rec())
+    other = sqlite3.connect(db, isolation_level=None)
+    other.execute("BEGIN IMMEDIATE")        # another writer holds the lock
+    try:
+        with open_registry(db, timeout=0.3) as reg:
+            with pytest.raises(SpecscopeError, match="cannot write to the run registry"):
+                reg.add_run(_rec())
+            assert reg.count() == 1          # reads still work under WAL
+    finally:
+        other.execute("ROLLBACK")
+        other.close()

@@ -110,16 +110,16 @@ def normalize_record(record: dict) -> dict:
 
 
 class Registry:
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, timeout: float = 60.0):
         self.path = Path(path)
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._conn = sqlite3.connect(str(self.path), timeout=60, isolation_level=None)
+            self._conn = sqlite3.connect(str(self.path), timeout=timeout, isolation_level=None)
         except (OSError, sqlite3.Error) as e:
             raise SpecscopeError(f"cannot open the run registry at {self.path}: {e}; "
                                  f"set --db or SPECSCOPE_DB to a writable path") from None
         try:
-            self._conn.execute("PRAGMA busy_timeout = 60000")
+            self._conn.execute(f"PRAGMA busy_timeout = {int(timeout * 1000)}")
             self._conn.execute("PRAGMA journal_mode = WAL")
             self._conn.execute("PRAGMA synchronous = NORMAL")
             self._conn.execute("PRAGMA foreign_keys = ON")
@@ -142,13 +142,19 @@ class Registry:
     @contextmanager
     def _write(self):
         """One write transaction; the write lock is taken up front so concurrent writers queue, not deadlock."""
-        self._conn.execute("BEGIN IMMEDIATE")
+        try:
+            self._conn.execute("BEGIN IMMEDIATE")
+        except sqlite3.OperationalError as e:       # locked past the timeout, read-only file, disk full
+            raise SpecscopeError(f"cannot write to the run registry {self.path}: {e}") from None
         try:
             yield self._conn
-        except BaseException:
-            self._conn.execute("ROLLBACK")
+            self._conn.execute("COMMIT")
+        except BaseException as e:
+            if self._conn.in_transaction:
+                self._conn.execute("ROLLBACK")
+            if isinstance(e, sqlite3.OperationalError):
+                raise SpecscopeError(f"cannot write to the run registry {self.path}: {e}") from None
             raise
-        self._conn.execute("COMMIT")
 
     def schema_version(self) -> int:
         return self._conn.execute("PRAGMA user_version").fetchone()[0]
@@ -302,6 +308,7 @@ def _s(v):
     return None if v is None else str(v)
 
 
-def open_registry(db_path=None) -> Registry:
-    """The registry at `db_path`, else $SPECSCOPE_DB, else $XDG_DATA_HOME/specscope/runs.db."""
-    return Registry(Path(db_path).expanduser() if db_path else default_db_path())
+def open_registry(db_path=None, timeout: float = 60.0) -> Registry:
+    """The registry at `db_path`, else $SPECSCOPE_DB, else $XDG_DATA_HOME/specscope/runs.db. `timeout`: seconds
+    to wait for another writer's lock."""
+    return Registry(Path(db_path).expanduser() if db_path else default_db_path(), timeout)

@@ -264,7 +264,7 @@ def train(drafter, embed: torch.Tensor, lm_head_w: torch.Tensor, data, out_dir: 
             all_reduce_(ntok)
             tokens_seen += int(ntok)
             s = summarise([stats], cfg.ttt_steps)
-            rec = {"step": step, "split": "train", "loss": float(loss) * world, "lr": sched.get_last_lr()[0],
+            rec = {"step": step, "split": "train", "loss": float(loss.detach()) * world, "lr": sched.get_last_lr()[0],
                    "grad_norm": float(gn), "tokens": tokens_seen, "acc": s["acc"], "loss_k": s["loss"],
                    "sim_tau": s["sim_tau"], "time_s": round(time.time() - t0, 2)}
             write_metrics(rec)

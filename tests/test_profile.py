@@ -49,6 +49,20 @@ def test_phases_add_up_and_gap_goes_to_other():
     assert ph["verify"]["median_ms"] <= ph["verify"]["p90_ms"]
 
 
+def test_time_between_cycles_is_not_counted():
+    # one profiler over two generations: the second prefill (here a 100 ms spin) must not land in any cycle
+    prof = CycleProfiler()
+    for _ in range(2):
+        _busy(100)
+        for _ in range(3):
+            with prof.phase("decode"):
+                _busy(0.5)
+            prof.end_cycle(1)
+    s = prof.summary()
+    assert s["cycles"] == 6
+    assert sum(prof.samples()["cycle_total_ms"]) < 100
+
+
 def test_samples_are_aligned_per_cycle():
     prof = CycleProfiler()
     with prof.phase("verify"):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -126,15 +127,17 @@ def generate(model, prompt_ids: list[int], max_new_tokens: int = 128, sampling: 
                 logits = decode_one_token(model, cache, tok.view(1, 1)).logits[:, -1]
                 tok = next_token(logits, sampling, gen)
                 t = int(tok)
-            profiler.end_cycle(1)
         else:
             logits = decode_one_token(model, cache, tok.view(1, 1)).logits[:, -1]
             tok = next_token(logits, sampling, gen)
             t = int(tok)  # .item() syncs, so the step time below is real on CUDA too
         step_ms.append((time.perf_counter() - ts) * 1e3)
-        kept, reason = stop.clip(out, [t])
-        out += kept
-        if on_tokens:
-            on_tokens(kept)
+        with profiler.phase("other") if profiler is not None else nullcontext():   # stop check + streaming
+            kept, reason = stop.clip(out, [t])
+            out += kept
+            if on_tokens:
+                on_tokens(kept)
+        if profiler is not None:
+            profiler.end_cycle(1)
     t2 = time.perf_counter()
     return GenerationResult(out, len(prompt_ids), t1 - t0, t2 - t1, reason, step_ms)

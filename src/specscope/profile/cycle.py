@@ -7,9 +7,10 @@ Timing: on CPU `perf_counter_ns` stamps; on CUDA a pair of CUDA events per phase
 and read back lazily (no synchronisation in the hot path unless `sync=True`, which synchronises at every phase
 boundary and times with the wall clock instead: host launch overhead included, the GPU queue drained).
 
-Cycles are contiguous: a cycle runs from the previous `end_cycle` (or its first phase) to its own `end_cycle`, and
-the time not inside any top-level phase (loop bookkeeping, stop checks, streaming callbacks) is added to "other",
-so the phases of a cycle add up to its wall time and tok/s = tokens / sum of cycle times.
+A cycle runs from its first phase's start to `end_cycle`; time between its phases that no phase covers is added
+to "other", so the phases of a cycle add up to its wall time and tok/s = tokens / sum of cycle times. Engines wrap
+their loop bookkeeping (stop checks, streaming callbacks) in "other" themselves. Time between `end_cycle` and the
+next phase is not counted, so one profiler can span several generations (prefills stay out of the cycles).
 Sub-phases ("draft.step0", ...) are nested in their parent and are not counted twice.
 """
 
@@ -150,16 +151,15 @@ class CycleProfiler:
             end = self._event()
             self._unresolved.append((self._cycle_t0, end, self._pending))
             self._pending = []
-            self._cycle_t0 = end          # contiguous cycles: this end is the next start
+            self._cycle_t0 = None
             if len(self._unresolved) >= 256:
                 self._resolve(block=False)
         else:
             if self._cuda:
                 self._torch.cuda.synchronize(self.device)
-            now = time.perf_counter_ns()
-            self._store((now - self._cycle_t0) * 1e-6, self._cur)
+            self._store((time.perf_counter_ns() - self._cycle_t0) * 1e-6, self._cur)
             self._cur = {}
-            self._cycle_t0 = now
+            self._cycle_t0 = None
         self._cycles += 1
 
     # ---- bookkeeping ----------------------------------------------------------------------------------------
@@ -191,7 +191,7 @@ class CycleProfiler:
                 self._pool += (e0, e1)
             self._store(start.elapsed_time(end), per)
             self._unresolved.pop(0)
-            self._pool.append(start)       # not `end`: it is the next cycle's start
+            self._pool += (start, end)
 
     def _calibrate(self) -> float:
         """Cost of one phase enter+exit, in microseconds, measured on a scratch profiler like this one."""

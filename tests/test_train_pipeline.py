@@ -126,6 +126,7 @@ def test_kill_resume_and_ddp_match(prepared, tmp_path):
     mb = [json.loads(l) for l in (b / "train" / "metrics.jsonl").read_text().splitlines()]
     assert [(m["step"], m["split"]) for m in ma] == [(m["step"], m["split"]) for m in mb]
     assert [round(m.get("loss", 0), 5) for m in ma] == [round(m.get("loss", 0), 5) for m in mb]
+    assert (a / "train" / "checkpoints" / "best.pt").exists()
     evals = [m for m in ma if m["split"] == "eval"]
     assert len(evals) == 2 and all(len(m["acc"]) == 3 for m in evals)
     train = [m for m in ma if m["split"] == "train"]

@@ -112,3 +112,16 @@ def test_summarise_formula():
     assert s["acc"] == [0.8, 0.4]
     assert s["sim_tau"] == pytest.approx(1 + 0.8 + 0.8 * 0.4)
     assert s["chain_tau"] == pytest.approx(1.9)
+
+
+def test_bf16_autocast_loss_close_to_fp32(target):
+    d = random_drafter(target)
+    d.requires_grad_(True)
+    m = TTTLoss(d, target.embed_tokens.weight, target.lm_head.weight, K=3)
+    batch = _toy_batch(target, T=12, B=2)
+    l32, _ = m(batch)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        l16, _ = m(batch)
+    l16.backward()
+    assert torch.isfinite(l16) and abs(float(l16) - float(l32)) < 0.05 * float(l32)
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in d.parameters())

@@ -203,3 +203,14 @@ def test_baseline_vs_speculative_names_offsets():
     assert att["explains"] in ("decode", "acceptance (τ)")
     assert "offset by verify" in att["summary"]
     assert att["likely_causes"][0]["key"] == "config.engine"
+
+
+def test_baseline_measured_alongside_under_a_flat_key():
+    a, b = synth(30), synth(31)
+    for r in (a, b):
+        r["results"]["baseline_decode_ms_per_token"] = r["results"].pop("baseline")["decode_ms_per_token"]
+        del r["samples"]["baseline_step_ms"]
+    row = rows_by(compare_runs([a, b]))["baseline.decode"]
+    assert row["values"] == [round(a["results"]["baseline_decode_ms_per_token"], 4),
+                             round(b["results"]["baseline_decode_ms_per_token"], 4)]
+    assert row["verdicts"][1].startswith("n/a")

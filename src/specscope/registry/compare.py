@@ -99,13 +99,17 @@ def _metric_defs(runs: list[dict]) -> list[dict]:
 
         defs.append(dict(key=f"phase.{p}", label=label, higher=False,
                          value=lambda r, p=p: res(r, "phases", p, "mean_ms"), samples=samp))
-    if any(res(r, "baseline", "decode_ms_per_token") is not None for r in runs):
+    def base_value(r):   # {"baseline": {...}} or the flat key some producers use
+        v = res(r, "baseline", "decode_ms_per_token")
+        return v if v is not None else res(r, "baseline_decode_ms_per_token")
+
+    if any(base_value(r) is not None for r in runs):
         def base_samp(rec):
             col = (rec.get("samples") or {}).get("baseline_step_ms")
             return (col, _ones(col)) if col else None
 
         defs.append(dict(key="baseline.decode", label="Baseline decode ms/token", higher=False,
-                         value=lambda r: res(r, "baseline", "decode_ms_per_token"), samples=base_samp))
+                         value=base_value, samples=base_samp))
     return defs
 
 

@@ -243,6 +243,17 @@ def test_streaming_gzip_and_overlong_lines(tmp_path):
     assert s["results"]["batch_size"]["max"] == 4
 
 
+def test_series_stay_bounded_however_long_the_log(tmp_path):
+    from specscope.ingest.lines import Series
+
+    ser = Series(("t", "v"), cap=64)
+    for i in range(10_000):
+        ser.add(float(i), 1.0 if i % 2 else None)
+    d = ser.to_dict()
+    assert len(d["t"]) <= 64 and d["points_per_sample"] == 256
+    assert d["t"][0] == pytest.approx(127.5) and all(v == 1.0 for v in d["v"])  # None-aware means
+
+
 def test_ingest_cli_stores_runs_that_compare_and_breakeven_read(tmp_path):
     from specscope.cli import main
     from specscope.registry import open_registry
@@ -259,6 +270,8 @@ def test_ingest_cli_stores_runs_that_compare_and_breakeven_read(tmp_path):
     rec = open_registry().get_run(ids[0])
     assert rec["kind"] == "ingest" and "prod" in rec["tags"] and rec["env"]["ingested"] is True
     assert rec["source"]["sha256"] and rec["results"]["ingest"]["format"] == "sglang"
+    series = rec["samples"]["series"]  # throughput over time
+    assert len(series["t_s"]) == 5 and series["gen_tok_per_s"][0] in (100.0, 120.0)
     assert _run_cli(main, ["compare", *ids, "--json"]) in (0, None)
     assert _run_cli(main, ["breakeven", "--run", ids[0], "--decode-ms", "12", "--verify-ms", "14",
                            "--draft-ms", "2", "--json"]) in (0, None)

@@ -36,6 +36,17 @@ class VLLMParser(FormatParser):
         self.graph_lines = 0
 
     def feed(self, piece: str, lineno: int) -> str | None:
+        # substring tests before any regex: this runs on every line of the file
+        if "metrics:" not in piece and "throughput:" not in piece:
+            if ("config" in piece or "num_spec" in piece) and (CONFIG.search(piece) or NUM_SPEC.search(piece)):
+                self._config(piece)
+                self.info_lines += 1
+                return OK
+            if "raph" in piece and CUDA_GRAPH.search(piece) and VLLM_LIKE.search(piece):
+                self.graph_lines += 1
+                self.info_lines += 1
+                return OK
+            return None
         for rx, fn in ((SPEC_V1, self._spec_v1), (SPEC_V0, self._spec_v0), (THROUGHPUT, self._throughput)):
             m = rx.search(piece)
             if m:
@@ -46,14 +57,6 @@ class VLLMParser(FormatParser):
                     raise Malformed(f"{rx.pattern.rstrip(':')} line: {e}") from None
                 self.data_lines += 1
                 return OK
-        if CONFIG.search(piece) or NUM_SPEC.search(piece):
-            self._config(piece)
-            self.info_lines += 1
-            return OK
-        if CUDA_GRAPH.search(piece) and VLLM_LIKE.search(piece):
-            self.graph_lines += 1
-            self.info_lines += 1
-            return OK
         return None
 
     def _spec_v1(self, kv: dict, t):
@@ -157,7 +160,7 @@ class VLLMParser(FormatParser):
                         pos_acc[i] += r * drafts
                     pos_drafts += drafts
         if self.v0:
-            a, dr, em = _increase([x["accepted"] for x in self.v0]), _increase([x["drafted"] for x in self.v0]), None
+            a, dr = _increase([x["accepted"] for x in self.v0]), _increase([x["drafted"] for x in self.v0])
             k = self.v0[-1]["k"]
             acc_all += a
             drafted_all += dr

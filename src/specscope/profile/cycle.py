@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import deque
 
 from specscope.errors import SpecscopeError
 
@@ -101,7 +102,7 @@ class CycleProfiler:
         self._cur: dict[str, float] = {}
         self._cycle_t0 = None                            # ns stamp or CUDA event of the current cycle's start
         self._pending: list = []                         # CUDA: (name, top, ev0, ev1) of the current cycle
-        self._unresolved: list = []                      # CUDA: cycles waiting for their events
+        self._unresolved: deque = deque()                # CUDA: cycles waiting for their events
         self._pool: list = []
         self._calls = 0
         self._cycles = 0
@@ -190,11 +191,11 @@ class CycleProfiler:
                 per[name] = per.get(name, 0.0) + e0.elapsed_time(e1)
                 self._pool += (e0, e1)
             self._store(start.elapsed_time(end), per)
-            self._unresolved.pop(0)
+            self._unresolved.popleft()
             self._pool += (start, end)
 
-    def _calibrate(self) -> float:
-        """Cost of one phase enter+exit, in microseconds, measured on a scratch profiler like this one."""
+    def _calibrate(self) -> tuple[float, float]:
+        """(µs per phase enter+exit, µs per end_cycle), measured once on a scratch profiler like this one."""
         if self._overhead_us is None:
             scratch = CycleProfiler(self.device, self.sync)
             n = 2000 if not self._cuda else 500

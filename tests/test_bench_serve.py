@@ -258,3 +258,21 @@ def test_bench_serve_cli_errors(tmp_path):
     with pytest.raises(SystemExit) as e:  # nothing listens on the discard port
         main(["bench-serve", "--url", "http://127.0.0.1:9", "--dataset", str(f), "--concurrency", "1"])
     assert e.value.code == 2
+
+
+@pytest.mark.slow  # another server start (~30 s on a busy 2-core box); the e2e test above covers the same paths
+def test_load_script_all_requests_ok_on_tiny_model(model_dir, tmp_path):
+    """bench/serve_load.py end to end, small: its checks (no errors, counters agree, SIGTERM exit 0) must hold."""
+    pytest.importorskip("specscope.spec.decode")
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "bench" / "serve_load.py"
+    out = tmp_path / "load.json"
+    r = subprocess.run([sys.executable, str(script), "--model", str(model_dir), "--clients", "3", "--requests", "6",
+                        "--max-tokens", "8", "--threads", "1", "--out", str(out)],
+                       capture_output=True, text=True, timeout=300, env=_env())
+    assert r.returncode == 0, r.stdout + r.stderr
+    res = json.loads(out.read_text())
+    assert all(res["checks"].values()) and res["results"]["completed"] == 6
+    assert res["results"]["e2e_s"]["p99"] >= res["results"]["e2e_s"]["p50"] > 0
+    assert res["server_metrics"]["num_drafts"] > 0

@@ -166,6 +166,7 @@ def test_full_queue_answers_503_then_drains(model_dir):
         time.sleep(0.02)
     r = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3})
     assert r.status_code == 503 and "queue is full" in r.json()["error"]["message"]
+    assert r.headers["retry-after"] == "1"
     assert "specscope:requests_rejected_total 1.0" in c.get("/metrics").text
     app.state.worker.start()
     t.join(20)

@@ -18,7 +18,7 @@ from specscope.server.worker import Engine, EngineWorker, Job
 
 
 def error_response(e: ApiError) -> JSONResponse:
-    headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
+    headers = {401: {"WWW-Authenticate": "Bearer"}, 503: {"Retry-After": "1"}}.get(e.status)
     return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
 
@@ -73,6 +73,10 @@ def create_app(engine: Engine, metrics: ServerMetrics | None = None) -> FastAPI:
     @app.exception_handler(ApiError)
     async def _api_error(request, e: ApiError):
         return error_response(e)
+
+    @app.exception_handler(Exception)
+    async def _bug(request, e: Exception):  # still a JSON body, and the reason, for a client's logs
+        return error_response(ApiError(500, f"internal error ({type(e).__name__}: {e})"))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request, e: StarletteHTTPException):

@@ -283,3 +283,20 @@ def _run_cli(main, argv):
     except SystemExit as e:
         return e.code
     return 0
+
+
+def test_reference_lines_verbatim(tmp_path):
+    """The two example lines of the reference (§5), exactly as printed."""
+    sg = ("[2025-10-22 10:27:57 TP0] Decode batch. #running-req: 1, #token: 186, token usage: 0.00, accept len: 1.95, "
+          "accept rate: 0.49, cuda graph: True, gen throughput (token/s): 178.86, #queue-req: 0,")
+    r = ingest_file(write(tmp_path, "sg.log", [sg]), record=False)["results"]
+    assert r["accept_length"] == 1.95 and r["tok_per_s"] == 178.86 and r["cuda_graph"] is True
+    assert r["ingest"]["malformed"] == 0
+    vl = ("SpecDecoding metrics: Mean acceptance length: 2.37, Accepted throughput: 8.90 tokens/s, Drafted throughput: "
+          "97.50 tokens/s, Accepted: 89 tokens, Drafted: 975 tokens, Per-position acceptance rate: 0.600, 0.385, "
+          "0.215, Avg Draft acceptance rate: 9.1%")
+    r = ingest_file(write(tmp_path, "vl.log", [vl]), record=False)["results"]
+    assert r["draft_acceptance_rate"] == pytest.approx(89 / 975)
+    assert r["accept_length"] == pytest.approx(1 + 89 / (975 / 3))  # from the counts (3 positions)
+    assert r["reported_mean_acceptance_length"] == 2.37
+    assert any("disagree" in w for w in r["ingest"]["warnings"])  # the printed 2.37 does not match its counts

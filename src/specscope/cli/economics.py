@@ -238,6 +238,8 @@ def read_prompts(path: str | None, limit: int) -> list[str]:
 @click.option("--max-topk", type=click.IntRange(min=1), default=None)
 @click.option("--max-draft-tokens", type=click.IntRange(min=2), default=64, show_default=True)
 @click.option("--top", type=click.IntRange(min=1), default=10, show_default=True, help="Predictions to show.")
+@click.option("--stat", type=click.Choice(["median", "mean"]), default="median", show_default=True,
+              help="Per-cycle phase statistic the costs come from (median resists scheduler stalls).")
 @click.option("--validate", "n_validate", type=click.IntRange(min=0), default=0,
               help="Measure the top N predictions with the real engine.")
 @click.option("--dtype", type=click.Choice(["fp32", "bf16", "fp16", "auto"]), default="auto", show_default=True)
@@ -247,7 +249,7 @@ def read_prompts(path: str | None, limit: int) -> list[str]:
 @_DB
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def tune(run_ref, baseline_ref, curve_ref, decode_ms, do_profile, model_name, draft, steps, topk, draft_tokens,
-         prompts_file, num_prompts, max_new_tokens, max_steps, max_topk, max_draft_tokens, top, n_validate, dtype,
+         prompts_file, num_prompts, max_new_tokens, max_steps, max_topk, max_draft_tokens, top, stat, n_validate, dtype,
          device, threads, plot_dir, db, as_json):
     """Predict the best (steps, topk, draft_tokens) from one profiled run, without a sweep; --validate N measures
     the top N predictions and reports predicted vs measured speedup."""
@@ -279,7 +281,7 @@ def tune(run_ref, baseline_ref, curve_ref, decode_ms, do_profile, model_name, dr
         curve = VerifyCurve.from_run(curve_run)
     elif do_profile or n_validate:
         curve = ctx.quick_curve(run, max_draft_tokens, db, say)
-    cost = T.CostModel.from_runs(run, base, curve, decode_ms)
+    cost = T.CostModel.from_runs(run, base, curve, decode_ms, stat)
     configs = T.candidate_configs(acc, max_steps, max_topk, max_draft_tokens)
     rows = T.rank(acc, cost, configs)
     out = {"run": run.get("id"), "baseline_run": (base or {}).get("id"), "verify_curve": getattr(curve, "run_id", None),

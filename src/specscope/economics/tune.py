@@ -98,9 +98,12 @@ class AcceptanceModel:
 
 # ------------------------------------------------------------------------------------------------ costs
 
-def _phase(res: dict, name: str) -> float | None:
+def _phase(res: dict, name: str, stat: str = "mean") -> float | None:
     v = ((res or {}).get("phases") or {}).get(name)
-    return float(v["mean_ms"]) if isinstance(v, dict) and v.get("mean_ms") is not None else None
+    if not isinstance(v, dict):
+        return None
+    x = v.get(f"{stat}_ms", v.get("mean_ms"))
+    return float(x) if x is not None else None
 
 
 @dataclass
@@ -133,18 +136,24 @@ class CostModel:
         return self.verify_ms * self._scale(n, self.n0)
 
     @classmethod
-    def from_runs(cls, run: dict, baseline: dict | None, curve=None, decode_ms: float | None = None) -> "CostModel":
+    def from_runs(cls, run: dict, baseline: dict | None, curve=None, decode_ms: float | None = None,
+                  stat: str = "median") -> "CostModel":
+        """stat "median" (default) reads each phase's per-cycle median: on a shared machine the means carry
+        scheduler stalls that land in whichever phase is running, while the medians of the run and its baseline
+        keep the ratio the cost model needs; "mean" reads the means (the two agree on a quiet machine)."""
+        if stat not in ("mean", "median"):
+            raise SpecscopeError(f"stat must be mean or median, got {stat!r}")
         res, cfg = run.get("results") or {}, run.get("config") or {}
         rid = run.get("id", "?")
-        verify = _phase(res, "verify")
-        draft = _phase(res, "draft")
+        verify = _phase(res, "verify", stat)
+        draft = _phase(res, "draft", stat)
         if verify is None or draft is None:
             raise SpecscopeError(f"run {rid} has no per-phase timings (draft, verify); tune needs a profiled "
                                  f"speculative run (e.g. `specscope tune --profile ...`)")
         steps = int(cfg.get("steps") or 1)
         topk = int(cfg.get("topk") or 1)
-        step0 = _phase(res, "draft.step0")
-        later = [_phase(res, f"draft.step{i}") for i in range(1, steps)]
+        step0 = _phase(res, "draft.step0", stat)
+        later = [_phase(res, f"draft.step{i}", stat) for i in range(1, steps)]
         later = [x for x in later if x is not None]
         notes = []
         if step0 is None:
@@ -153,11 +162,14 @@ class CostModel:
             notes.append("draft sub-phases missing: draft time split evenly over the steps")
         expand = statistics.mean(later) if later else step0
         select = max(0.0, draft - step0 - sum(later)) / candidates(steps, topk)
-        other = sum(v for v in (_phase(res, k) for k in ("accept", "commit", "other")) if v is not None)
+        other = sum(v for v in (_phase(res, k, stat) for k in ("accept", "commit", "other")) if v is not None)
         if decode_ms is None and baseline is not None:
             from specscope.economics.breakeven import decode_ms_of
 
-            decode_ms = decode_ms_of(baseline.get("results") or {})
+            bres = baseline.get("results") or {}
+            med = _phase(bres, "decode", stat) if stat == "median" else None
+            # the baseline's own loop bookkeeping is part of its per-token cost, as "other" is of a cycle's
+            decode_ms = (med + (_phase(bres, "other", stat) or 0.0)) if med else decode_ms_of(bres)
         if decode_ms is None:
             raise SpecscopeError(f"no plain-decoding time for run {rid}: pass --baseline-run ID or --decode-ms")
         n0 = res.get("verify_tokens_mean") or (steps + 1 if topk == 1 else cfg.get("draft_tokens") or steps + 1)

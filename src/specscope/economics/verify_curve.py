@@ -38,32 +38,39 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def time_forward(model, context: int, n: int, warmup: int, repeats: int) -> list[float]:
-    """Milliseconds of `repeats` forwards of n query tokens at positions context..context+n-1.
+class _Point:
+    """One (context, n) forward, set up once: a cache with `context` committed slots, n query tokens."""
 
-    The cache contents do not change the arithmetic, so slots 0..context-1 are left as zeros instead of paying
-    for a prefill. n > 1 uses an explicit mask, as tree verification does; logits come out for every position."""
-    import torch
+    def __init__(self, model, context: int, n: int, cache=None):
+        import torch
 
-    dev = model.device
-    cache = model.new_cache(context + n)
-    cache.length = context
-    ids = torch.randint(0, model.config.vocab_size, (1, n), device=dev)
-    pos = torch.arange(context, context + n, device=dev)[None]
-    mask = None
-    if n > 1:
-        mask = torch.arange(context + n, device=dev)[None, None, :] <= pos[:, :, None]
-    out = []
-    with torch.inference_mode():
-        for i in range(warmup + repeats):
-            _sync(dev)
+        dev = model.device
+        self.model, self.dev = model, dev
+        # one cache per context serves every n: each forward writes slots context.. and commits nothing
+        self.cache = cache if cache is not None else model.new_cache(context + n)
+        self.cache.length = context     # cache contents do not change the arithmetic: no prefill needed
+        self.ids = torch.randint(0, model.config.vocab_size, (1, n), device=dev)
+        self.pos = torch.arange(context, context + n, device=dev)[None]
+        # n > 1 uses an explicit mask, as tree verification does
+        self.mask = (torch.arange(context + n, device=dev)[None, None, :] <= self.pos[:, :, None]) if n > 1 else None
+
+    def time_ms(self) -> float:
+        import torch
+
+        with torch.inference_mode():
+            _sync(self.dev)
             t0 = time.perf_counter()
-            o = model(ids, pos, cache, slots=pos, mask=mask)
+            o = self.model(self.ids, self.pos, self.cache, slots=self.pos, mask=self.mask)
             o.logits.argmax(-1).tolist()  # the engine reads the argmax back, which also syncs
-            _sync(dev)
-            if i >= warmup:
-                out.append((time.perf_counter() - t0) * 1e3)
-    return out
+            _sync(self.dev)
+            return (time.perf_counter() - t0) * 1e3
+
+
+def time_forward(model, context: int, n: int, warmup: int, repeats: int) -> list[float]:
+    """Milliseconds of `repeats` forwards of n query tokens at positions context..context+n-1."""
+    pt = _Point(model, context, n)
+    out = [pt.time_ms() for _ in range(warmup + repeats)]
+    return out[warmup:]
 
 
 def summarize(samples: list[float]) -> dict:
@@ -188,15 +195,24 @@ def measure_curve(model, contexts, tokens, warmup: int = 2, repeats: int = 5, pr
                              f"lower --context or --tokens")
     points, samples, fits = [], {}, {}
     for L in contexts:
+        cache = model.new_cache(L + max(tokens))
+        pts = {n: _Point(model, L, n, cache) for n in tokens}
+        times = {n: [] for n in tokens}
+        # round-robin over n: load that drifts during the measurement (shared machines) hits every n alike
+        for i in range(warmup + repeats):
+            for n in tokens:
+                t = pts[n].time_ms()
+                if i >= warmup:
+                    times[n].append(t)
         meds = []
         for n in tokens:
-            s = time_forward(model, L, n, warmup, repeats)
-            row = {"context": L, "tokens": n, **summarize(s)}
+            row = {"context": L, "tokens": n, **summarize(times[n])}
             points.append(row)
-            samples[f"{L}:{n}"] = s
+            samples[f"{L}:{n}"] = times[n]
             meds.append(row["median_ms"])
             if progress:
                 progress(row)
+        del pts, cache
         fits[str(L)] = fit_piecewise(list(tokens), meds).to_dict()
     return {"points": points, "fits": fits, "samples": samples}
 

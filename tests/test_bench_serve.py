@@ -77,6 +77,15 @@ def _offline_chat(model_dir, prompt, n):
     return tok.decode(generate(model, ids, n, SamplingParams(), stop_ids_for(model, tok)).token_ids)
 
 
+def _offline_text(model_dir, prompt, n):
+    from specscope.engine.generate import generate
+    from specscope.engine.sampling import SamplingParams
+    from specscope.engine.session import load_target, stop_ids_for
+
+    model, tok, _ = load_target(str(model_dir), "fp32", "cpu")
+    return tok.decode(generate(model, tok.encode(prompt), n, SamplingParams(), stop_ids_for(model, tok)).token_ids)
+
+
 def test_serve_and_bench_serve_end_to_end(model_dir, tmp_path):
     pytest.importorskip("specscope.spec.decode")
     from specscope.registry import open_registry
@@ -112,6 +121,15 @@ def test_serve_and_bench_serve_end_to_end(model_dir, tmp_path):
             assert sum(m["accepted_per_pos"]) == m["num_accepted_tokens"]
             assert m["accept_length"] == pytest.approx(1 + m["num_accepted_tokens"] / m["num_drafts"])
         assert run["results"]["accept_length"] > 1.0
+
+        # --- the completions endpoint too (plain prompts, no chat template) ----------------------------------
+        r = subprocess.run([sys.executable, "-m", "specscope", "bench-serve", "--url", spec.url + "/v1", "--dataset",
+                            str(data), "--endpoint", "completions", "--concurrency", "2", "--max-tokens", "16",
+                            "--json"], capture_output=True, text=True, timeout=300, env=_env())
+        assert r.returncode == 0, r.stderr
+        per_req = open_registry().get_run(json.loads(r.stdout)["run_id"])["samples"]["per_request"]
+        for x in per_req:
+            assert x["ok"] and x["text"] == _offline_text(model_dir, PROMPTS[x["index"]], 16)
 
         # --- malformed requests get 4xx, and the server is fine afterwards -----------------------------------
         for body in ({"messages": "hi"}, {"messages": [{"role": "user", "content": "x"}], "max_tokens": -1},

@@ -4,7 +4,8 @@ import sys
 import pytest
 import torch
 
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# one thread: several test processes often share the 2 cores, and OpenMP oversubscription is very slow
+torch.set_num_threads(1)
 HERE = os.path.dirname(__file__)
 sys.path.insert(0, HERE)
 

@@ -1,0 +1,171 @@
+"""Speculative decoding on SmolLM2, Spec-Bench prompts by task, greedy, side by side in one run.
+
+Methods: our baseline, EAGLE-3 (tree and chain, the shipped drafter), n-gram prompt lookup, transformers `generate`
+and transformers prompt-lookup decoding. For each: tok/s (Spec-Bench: Σ new tokens / Σ wall time per prompt, plain
+mean over prompts of a task), speedup over our baseline, τ (accepted + 1 per cycle, pooled over cycles), and whether
+the output is token-identical to our baseline greedy output.
+
+    .venv/bin/python bench/speculative.py --limit 2            # 2 prompts per task, all six tasks
+    .venv/bin/python bench/speculative.py --tasks mt_bench --limit 10 --max-new-tokens 128
+
+Writes bench/results/speculative.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+MT_BENCH = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
+TASKS = ["mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag"]
+
+
+def task_of(category: str) -> str:
+    return "mt_bench" if category in MT_BENCH else category
+
+
+def pick_prompts(tasks, limit):
+    from specscope.benchserve.dataset import spec_bench_path
+
+    rows = [json.loads(line) for line in spec_bench_path().read_text().splitlines() if line.strip()]
+    rows = [dict(r, prompt=r["turns"][0]) for r in rows]
+    out = []
+    for t in tasks:
+        sel = [r for r in rows if task_of(r["category"]) == t]
+        if t == "mt_bench":  # spread over the eight MT-bench categories rather than the first few writing ones
+            by = {}
+            for r in sel:
+                by.setdefault(r["category"], []).append(r)
+            sel = [r for group in zip(*by.values()) for r in group]
+        out += [dict(r, task=t) for r in sel[:limit]]
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tasks", default=",".join(TASKS))
+    ap.add_argument("--limit", type=int, default=2, help="prompts per task")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--draft", default="smollm2-135m-eagle3")
+    ap.add_argument("--tree", default="5,4,16", help="steps,topk,draft_tokens for the EAGLE-3 tree")
+    ap.add_argument("--chain", default="4,1,5", help="steps,topk,draft_tokens for the EAGLE-3 chain")
+    ap.add_argument("--ngram", default="4,1,5")
+    ap.add_argument("--no-hf", action="store_true", help="skip the transformers methods")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "speculative.json"))
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+
+    import transformers
+    from rich.console import Console
+    from rich.progress import Progress
+    from rich.table import Table
+
+    from specscope.engine.generate import generate
+    from specscope.engine.session import load_target, stop_ids_for
+    from specscope.spec.decode import SpecConfig, build_drafter, speculative_generate
+    from specscope.errors import SpecscopeError
+
+    transformers.logging.set_verbosity_error()
+    console = Console(stderr=True)
+    target, tok, path = load_target("smollm2-135m", args.dtype, "cpu")
+    stop = stop_ids_for(target, tok)
+    prompts = pick_prompts(args.tasks.split(","), args.limit)
+
+    def knobs(s):
+        a, b, c = (int(x) for x in s.split(","))
+        return SpecConfig(a, b, c)
+
+    methods = {"baseline": None}
+    try:
+        eagle = build_drafter(args.draft, target)
+        methods["eagle3_tree"] = ("eagle", knobs(args.tree))
+        methods["eagle3_chain"] = ("eagle", knobs(args.chain))
+    except SpecscopeError as e:
+        console.print(f"[yellow]EAGLE-3 skipped: {e}")
+        eagle = None
+    methods["ngram"] = ("ngram", knobs(args.ngram))
+    hf = None
+    if not args.no_hf:
+        from transformers import AutoModelForCausalLM
+
+        hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=target.dtype).eval()
+        methods["hf_generate"] = "hf"
+        methods["hf_prompt_lookup"] = "hf_pld"
+
+    per = {m: [] for m in methods}
+    with Progress(console=console, transient=True) as prog:
+        task = prog.add_task("prompts", total=len(prompts) * len(methods))
+        for p in prompts:
+            ids = tok.encode(p["prompt"], chat=True)
+            base = None
+            for m, spec in methods.items():
+                t0 = time.perf_counter()
+                extra = {}
+                if spec is None:
+                    r = generate(target, ids, args.max_new_tokens, stop_ids=stop)
+                    out, secs = r.token_ids, r.seconds
+                elif isinstance(spec, tuple):
+                    d = eagle if spec[0] == "eagle" else build_drafter("ngram", target)
+                    r = speculative_generate(target, d, ids, args.max_new_tokens, stop_ids=stop, cfg=spec[1])
+                    out, secs = r.token_ids, r.seconds
+                    extra = {"accept_lengths": r.extra["accept_lengths"]}
+                else:
+                    kw = {"prompt_lookup_num_tokens": 10} if spec == "hf_pld" else {}
+                    with torch.inference_mode():
+                        t0 = time.perf_counter()
+                        o = hf.generate(torch.tensor([ids]), max_new_tokens=args.max_new_tokens, do_sample=False,
+                                        eos_token_id=stop, pad_token_id=stop[0], **kw)
+                        secs = time.perf_counter() - t0
+                    out = o[0, len(ids):].tolist()
+                if m == "baseline":
+                    base = out
+                per[m].append({"question_id": p["question_id"], "task": p["task"], "category": p["category"],
+                               "tokens": len(out), "seconds": secs, "tok_per_s": len(out) / secs,
+                               "identical": out == base, **extra})
+                prog.advance(task)
+
+    # Spec-Bench aggregation
+    rows = []
+    summary = {}
+    for m, items in per.items():
+        by_task = {}
+        for it in items:
+            by_task.setdefault(it["task"], []).append(it)
+        s = {"tasks": {}}
+        for t, its in list(by_task.items()) + [("overall", items)]:
+            tps = sum(i["tok_per_s"] for i in its) / len(its)
+            acc = [a for i in its for a in i.get("accept_lengths", [])]
+            s["tasks"][t] = {"tok_per_s": tps, "accept_length": (sum(acc) / len(acc)) if acc else 1.0,
+                             "identical": sum(i["identical"] for i in its), "prompts": len(its)}
+        summary[m] = s
+    base_t = summary["baseline"]["tasks"]
+    for m, s in summary.items():
+        for t, v in s["tasks"].items():
+            v["speedup"] = v["tok_per_s"] / base_t[t]["tok_per_s"]
+    table = Table(title=f"Spec-Bench on SmolLM2-135M ({args.dtype}, {args.threads} threads, "
+                        f"{args.max_new_tokens} new tokens, greedy)")
+    for c in ("method", "task", "tok/s", "speedup", "τ", "identical"):
+        table.add_column(c, justify="right" if c not in ("method", "task") else "left")
+    for m, s in summary.items():
+        for t, v in s["tasks"].items():
+            table.add_row(m, t, f"{v['tok_per_s']:.2f}", f"{v['speedup']:.2f}x", f"{v['accept_length']:.2f}",
+                          f"{v['identical']}/{v['prompts']}")
+    Console().print(table)
+    from specscope.registry.fingerprint import collect
+
+    result = {"config": {**vars(args), "model": str(path)}, "env": collect(), "summary": summary, "per_prompt": per}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1, default=str))
+    print(f"wrote {args.out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -279,3 +279,18 @@ def test_serve_cli_rejects_bad_setups_with_one_line_errors(model_dir, capsys):
         assert run(["serve", "--model", str(model_dir), "--port", str(port), "--device", "cpu"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: cannot listen on 127.0.0.1") and err.count("\n") == 1
+
+
+def test_metrics_prefix_vllm_gives_vllm_names(model_dir):
+    pytest.importorskip("specscope.spec.decode")
+    from specscope.ingest.prometheus import parse_text, spec_delta
+    from specscope.server.app import create_app
+
+    eng = _engine(model_dir, draft="ngram", steps=2, metrics_prefix="vllm")
+    with TestClient(create_app(eng)) as c:
+        before = parse_text(c.get("/metrics").text)
+        r = c.post("/v1/completions", json={"prompt": "the quick", "max_tokens": 12, "temperature": 0}).json()
+        text = c.get("/metrics").text
+    assert "vllm:spec_decode_num_drafts_total" in text and "specscope:" not in text
+    d = spec_delta(before, parse_text(text))
+    assert d["engine"] == "vllm" and d["num_drafts"] == r["spec"]["verify_ct"]

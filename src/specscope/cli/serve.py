@@ -43,13 +43,16 @@ def bind_socket(host: str, port: int):
               help="Longest prompt accepted (default: the model's context - 1).")
 @click.option("--max-tokens-cap", type=click.IntRange(min=1), default=2048, show_default=True,
               help="Largest max_tokens a request may ask for.")
+@click.option("--metrics-prefix", type=click.Choice(["specscope", "vllm"]), default="specscope", show_default=True,
+              help="Prefix of the /metrics names; 'vllm' gives vLLM's exact spec-decode counter names.")
 @click.option("--no-phase-profile", is_flag=True, help="Do not time draft/verify phases per cycle.")
 @click.option("--shutdown-timeout", type=click.FloatRange(min=0), default=30.0, show_default=True,
               help="Seconds to let in-flight requests finish after SIGTERM.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="warning",
               show_default=True)
 def serve(model_name, served_model_name, draft, steps, topk, draft_tokens, dtype, device, threads, host, port,
-          api_key, max_queue, max_prompt_tokens, max_tokens_cap, no_phase_profile, shutdown_timeout, log_level):
+          api_key, max_queue, max_prompt_tokens, max_tokens_cap, metrics_prefix, no_phase_profile, shutdown_timeout,
+          log_level):
     """Serve the model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /metrics)."""
     import ipaddress
 
@@ -65,7 +68,7 @@ def serve(model_name, served_model_name, draft, steps, topk, draft_tokens, dtype
     cfg = ServeConfig(model=model_name, served_name=served_model_name, draft=draft, steps=steps, topk=topk,
                       draft_tokens=draft_tokens, dtype=dtype, device=str(dev), max_queue=max_queue,
                       max_prompt_tokens=max_prompt_tokens, max_tokens_cap=max_tokens_cap, api_key=api_key or None,
-                      profile_phases=not no_phase_profile)
+                      profile_phases=not no_phase_profile, metrics_prefix=metrics_prefix)
     try:
         loopback = ipaddress.ip_address(host).is_loopback
     except ValueError:

@@ -57,7 +57,7 @@ class ApiKeyMiddleware:
 
 def create_app(engine: Engine, metrics: ServerMetrics | None = None) -> FastAPI:
     cfg = engine.cfg
-    metrics = metrics or ServerMetrics()
+    metrics = metrics or ServerMetrics(cfg.metrics_prefix)
     worker = EngineWorker(engine, metrics, cfg.max_queue)
 
     @asynccontextmanager

@@ -1,7 +1,7 @@
 """Prometheus metrics of `specscope serve`.
 
-The speculative counters mirror vLLM's names with a `specscope:` prefix instead of `vllm:` (so a vLLM dashboard or
-`bench-serve` reads them the same way): num_drafts (verify cycles), num_draft_tokens, num_accepted_tokens and
+The speculative counters mirror vLLM's names with a `specscope:` prefix instead of `vllm:` (`--metrics-prefix vllm`
+gives vLLM's exact names; `bench-serve` reads either): num_drafts (verify cycles), num_draft_tokens, num_accepted_tokens and
 accepted tokens per draft position. specscope adds what mainline engines lack: per-phase time per cycle.
 Each server owns its registry, so several apps can live in one process (tests).
 """
@@ -11,7 +11,6 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-P = "specscope:"
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96, 81.92)
 PHASE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
@@ -19,7 +18,9 @@ PHASE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.0
 class ServerMetrics:
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self):
+    def __init__(self, prefix: str = "specscope"):
+        # prefix "vllm" makes the names identical to vLLM's, for dashboards built on those
+        P = prefix + ":"
         r = self.registry = CollectorRegistry()
         self.num_drafts = Counter(P + "spec_decode_num_drafts", "Verify cycles (drafts proposed).", registry=r)
         self.num_draft_tokens = Counter(P + "spec_decode_num_draft_tokens", "Draft tokens proposed.", registry=r)

@@ -37,6 +37,7 @@ class ServeConfig:
     max_body_bytes: int = 1 << 20
     api_key: str | None = None
     profile_phases: bool = True
+    metrics_prefix: str = "specscope"
 
 
 class Cancelled(Exception):

@@ -41,6 +41,11 @@ def test_acceptance_from_rank_counts():
     # exclusive siblings: a sum above 1 (different denominators) is scaled back to 1
     acc = AcceptanceModel.from_counts([[9, 3]], [[10, 5]])
     assert sum(acc.rates[0]) == pytest.approx(1.0)
+    # chains use the all-rank-1 path's rates when recorded, deeper rows repeating the last
+    acc = AcceptanceModel.from_counts([[6, 2], [3, 1]], [[10, 10], [6, 5]], top_accepted=[6, 4],
+                                      top_offered=[10, 5])
+    assert acc.chain_rate(2, 1) == pytest.approx(0.8) and acc.chain_rate(4, 1) == pytest.approx(0.8)
+    assert acc.rate(2, 1) == pytest.approx(0.5) and acc.chain_rate(2, 2) == pytest.approx(0.2)
     # a rank never offered ends the row; deeper, it borrows the shallower row's rate
     acc = AcceptanceModel.from_counts([[5, 0], [2, 0]], [[10, 3], [5, 0]])
     assert acc.rates == [pytest.approx([0.5, 0.0]), pytest.approx([0.4])] and acc.max_topk == 2
@@ -77,9 +82,12 @@ def test_rank_recorder_on_a_real_tree():
     # depth 1: A, B offered, A (rank 1) accepted; depth 2: C, D offered, D (rank 2) accepted; D has no children
     assert rec.offered == [[1, 1], [1, 1], [0, 0]]
     assert rec.accepted == [[1, 0], [0, 1], [0, 0]]
+    # along the all-rank-1 path: depth 1 offered + accepted (A), depth 2 offered, rejected (D is rank 2)
+    assert rec.top_offered == [1, 1, 0] and rec.top_accepted == [1, 0, 0]
     rec.propose(None, None, None)
     rec.commit([0], None, [5])                     # nothing accepted: only depth 1 was offered
     assert rec.offered[0] == [2, 2] and rec.accepted[0] == [1, 0] and rec.tree_sizes == [5, 5]
+    assert rec.top_offered == [2, 1, 0] and rec.top_accepted == [1, 0, 0]
     assert rec.inner.commits == [[0, 1, 4], [0]]   # the wrapped drafter still sees every commit
 
 

@@ -19,6 +19,9 @@ class RankRecorder:
         self.inner = drafter
         self.accepted = [[0] * topk for _ in range(steps)]
         self.offered = [[0] * topk for _ in range(steps)]
+        # the same along the all-rank-1 path only: what a chain of the same drafter would see
+        self.top_accepted = [0] * steps
+        self.top_offered = [0] * steps
         self.tree_sizes: list[int] = []
         self._tree = None
 
@@ -45,6 +48,7 @@ class RankRecorder:
         for i, par in enumerate(tree.parents.tolist()):
             kids.setdefault(par, []).append(i)
         steps, topk = len(self.offered), len(self.offered[0])
+        top_path = True                               # every accepted node so far was its parent's rank 1
         for d in range(1, len(rows) + 1):             # parent at depth d-1 was accepted (row 0 = the root)
             if d > steps:
                 break
@@ -53,13 +57,20 @@ class RankRecorder:
                 break
             for r in range(min(len(children), topk)):
                 self.offered[d - 1][r] += 1
-            if d < len(rows):
-                node = rows[d] - 1
-                if node in children and children.index(node) < topk:
-                    self.accepted[d - 1][children.index(node)] += 1
+            if top_path:
+                self.top_offered[d - 1] += 1
+            rank = None
+            if d < len(rows) and rows[d] - 1 in children:
+                rank = children.index(rows[d] - 1)
+                if rank < topk:
+                    self.accepted[d - 1][rank] += 1
+            if top_path and rank == 0:
+                self.top_accepted[d - 1] += 1
+            top_path = top_path and rank == 0
 
     def counts(self) -> dict:
-        return {"accepted": self.accepted, "offered": self.offered}
+        return {"accepted": self.accepted, "offered": self.offered, "top_path_accepted": self.top_accepted,
+                "top_path_offered": self.top_offered}
 
 
 def encode_prompts(tokenizer, prompts: list[str], chat: bool = True) -> list[list[int]]:

@@ -27,6 +27,7 @@ class AcceptanceModel:
     rates: list[list[float]]
     offered: list[list[int]] | None = None
     source: str = ""
+    chain: list[float] | None = None     # rank-1 acceptance along the all-rank-1 path (what a chain sees)
 
     @property
     def depth(self) -> int:
@@ -36,6 +37,12 @@ class AcceptanceModel:
     def max_topk(self) -> int:
         return len(self.rates[0]) if self.rates else 0
 
+    def chain_rate(self, d: int, r: int) -> float:
+        """For chains: a rank-1 child whose ancestors are all rank 1; pooled rates when that was not recorded."""
+        if r != 1 or not self.chain:
+            return self.rate(d, r)
+        return self.chain[min(d, len(self.chain)) - 1]
+
     def rate(self, d: int, r: int) -> float:
         for row in reversed(self.rates[:min(d, self.depth)]):
             if r - 1 < len(row):
@@ -43,7 +50,8 @@ class AcceptanceModel:
         return 0.0
 
     @classmethod
-    def from_counts(cls, accepted, offered, source="rank counts") -> "AcceptanceModel":
+    def from_counts(cls, accepted, offered, source="rank counts", top_accepted=None,
+                    top_offered=None) -> "AcceptanceModel":
         if not offered or not offered[0] or not offered[0][0]:
             raise SpecscopeError("the run has no offered draft tokens to estimate acceptance from")
         rates, offered_kept = [], []
@@ -58,7 +66,10 @@ class AcceptanceModel:
                 row = [x / s for x in row]
             rates.append(row)
             offered_kept.append(list(off_row[:k]))
-        return cls(rates, offered_kept, source)
+        chain = None
+        if top_accepted and top_offered:
+            chain = [a / o for a, o in zip(top_accepted, top_offered) if o > 0] or None
+        return cls(rates, offered_kept, source, chain)
 
     @classmethod
     def from_conditional(cls, cond, source="per-position acceptance (chain)") -> "AcceptanceModel":
@@ -79,7 +90,8 @@ class AcceptanceModel:
         rid = run.get("id", "?")
         rank = res.get("acceptance_by_depth_rank")
         if rank:
-            return cls.from_counts(rank["accepted"], rank["offered"], f"run {rid}: acceptance by depth and rank")
+            return cls.from_counts(rank["accepted"], rank["offered"], f"run {rid}: acceptance by depth and rank",
+                                   rank.get("top_path_accepted"), rank.get("top_path_offered"))
         topk = cfg.get("topk") or (cfg.get("drafting") or {}).get("topk")
         if topk not in (None, 1):
             raise SpecscopeError(f"run {rid} is a tree run (topk {topk}) without acceptance by sibling rank, which "
@@ -189,7 +201,7 @@ def candidates(steps: int, topk: int) -> int:
 def predict(acc: AcceptanceModel, cost: CostModel, steps: int, topk: int, draft_tokens: int) -> dict:
     if topk == 1:
         draft_tokens = steps + 1
-    parents, p = expected_tree(acc.rate, steps, topk, draft_tokens)
+    parents, p = expected_tree(acc.chain_rate if topk == 1 else acc.rate, steps, topk, draft_tokens)
     tau = tree_tau(parents, p)
     n = len(parents) + 1
     d, v, o = cost.draft_ms(steps, topk), cost.verify(n), cost.other_ms

@@ -2,6 +2,8 @@
 corrupted, truncated and interleaved lines; and the registry runs they become."""
 
 import gzip
+import subprocess
+import sys
 import json
 
 import pytest
@@ -300,3 +302,12 @@ def test_reference_lines_verbatim(tmp_path):
     assert r["accept_length"] == pytest.approx(1 + 89 / (975 / 3))  # from the counts (3 positions)
     assert r["reported_mean_acceptance_length"] == 2.37
     assert any("disagree" in w for w in r["ingest"]["warnings"])  # the printed 2.37 does not match its counts
+
+
+def test_ingest_reads_standard_input(tmp_path):
+    lines = [sg_decode(i, 1, 100.0, accept=2.0) for i in range(3)]
+    r = subprocess.run([sys.executable, "-m", "specscope", "ingest", "-", "--json", "--tag", "piped"],
+                       input="\n".join(lines) + "\n", capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    run = json.loads(r.stdout)["runs"][0]
+    assert run["source"]["file"] == "<stdin>" and run["results"]["accept_length"] == 2.0 and run["run_id"]

@@ -17,7 +17,7 @@ def _fmt(v, spec=".2f"):
 
 
 @click.command()
-@click.argument("files", nargs=-1, required=True, type=click.Path(dir_okay=False))
+@click.argument("files", nargs=-1, required=True, type=click.Path(dir_okay=False, allow_dash=True))
 @click.option("--engine", type=click.Choice(["auto", "sglang", "vllm", "specscope", "prometheus"]), default="auto",
               show_default=True, help="Format of the files; auto detects it line by line.")
 @click.option("--tag", "tags", multiple=True, help="Tag the stored runs (repeatable).")
@@ -26,7 +26,8 @@ def _fmt(v, spec=".2f"):
 @click.option("--db", default=None, help="Registry database (default: SPECSCOPE_DB or the XDG data dir).")
 @click.option("--json", "as_json", is_flag=True, help="Print the summaries as JSON.")
 def ingest(files, engine, tags, name, no_record, db, as_json):
-    """Read engine logs / metric scrapes (streamed; bad lines are counted, not fatal); one run per file."""
+    """Read engine logs / metric scrapes (streamed; bad lines are counted, not fatal); one run per file ('-' reads
+    standard input, .gz files are decompressed on the fly)."""
     from specscope.ingest.core import ingest_file
 
     done, failed = [], []

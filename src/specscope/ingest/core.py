@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import hashlib
+import sys
 from pathlib import Path
 
 from specscope.errors import SpecscopeError
@@ -18,10 +20,13 @@ FORMATS = {"sglang": SGLangParser, "vllm": VLLMParser, "specscope": ProfileParse
 MAX_LINE = 1 << 20  # longer physical lines are skipped (counted as malformed) rather than held in memory
 
 
-def iter_lines(path: Path, digest):
+def iter_lines(path: Path, digest, nbytes: list):
     """(line number, text or None if overlong, terminated) without loading the file; .gz is read transparently."""
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rb") as f:
+    if str(path) == "-":  # a pipe: `kubectl logs pod | specscope ingest -`
+        f = contextlib.nullcontext(sys.stdin.buffer)
+    else:
+        f = (gzip.open if path.suffix == ".gz" else open)(path, "rb")
+    with f as f:
         n = 0
         while True:
             raw = f.readline(MAX_LINE)
@@ -29,10 +34,12 @@ def iter_lines(path: Path, digest):
                 return
             n += 1
             digest.update(raw)
+            nbytes[0] += len(raw)
             if len(raw) == MAX_LINE and not raw.endswith(b"\n"):
                 while True:  # drain the rest of the overlong line
                     more = f.readline(MAX_LINE)
                     digest.update(more)
+                    nbytes[0] += len(more)
                     if not more or more.endswith(b"\n"):
                         break
                 yield n, None, True
@@ -44,13 +51,14 @@ def scan(path: Path, engine: str = "auto") -> dict:
     """Parse a file; returns the parsers and the line accounting (no registry involved)."""
     if engine != "auto" and engine not in FORMATS:
         raise SpecscopeError(f"unknown engine {engine!r}; use one of auto, {', '.join(FORMATS)}")
-    if not path.is_file():
+    if str(path) != "-" and not path.is_file():
         raise SpecscopeError(f"{path}: no such file")
     parsers = [cls() for cls in FORMATS.values()] if engine == "auto" else [FORMATS[engine]()]
     acc = {"lines": 0, "recognised": {p.name: 0 for p in parsers}, "malformed": 0,
            "malformed_by_format": {p.name: 0 for p in parsers}, "other": 0, "malformed_examples": [],
            "unterminated_last_line": False}
     digest = hashlib.sha256()
+    nbytes = [0]
 
     def bad(lineno, fmt, why, text):
         acc["malformed"] += 1
@@ -61,7 +69,7 @@ def scan(path: Path, engine: str = "auto") -> dict:
                                               "text": (text or "")[:160]})
 
     try:
-        for lineno, text, terminated in iter_lines(path, digest):
+        for lineno, text, terminated in iter_lines(path, digest, nbytes):
             acc["lines"] += 1
             acc["unterminated_last_line"] = not terminated
             if text is None:
@@ -82,6 +90,7 @@ def scan(path: Path, engine: str = "auto") -> dict:
     except (OSError, EOFError, gzip.BadGzipFile) as e:
         raise SpecscopeError(f"{path}: cannot read ({type(e).__name__}: {e})") from None
     acc["sha256"] = digest.hexdigest()
+    acc["bytes"] = nbytes[0]  # uncompressed
     acc["parsers"] = parsers
     return acc
 
@@ -114,7 +123,8 @@ def ingest_file(path, engine: str = "auto", tags=(), name: str | None = None, re
                    "unterminated_last_line": acc["unterminated_last_line"], "warnings": warnings}
     config = {k: v for k, v in out["config"].items() if v is not None}
     # where the numbers came from; kept out of config so `compare` does not list file names as causes
-    source = {"file": str(path.resolve()), "sha256": acc["sha256"], "bytes": path.stat().st_size}
+    source = {"file": "<stdin>" if str(path) == "-" else str(path.resolve()), "sha256": acc["sha256"],
+              "bytes": acc["bytes"]}
     results = dict(out["results"], ingest=ingest_info)
     summary = {"file": str(path), "format": main.name, "engine": config.get("engine"), "run_id": None,
                "source": source, "config": config, "results": results}
@@ -123,7 +133,8 @@ def ingest_file(path, engine: str = "auto", tags=(), name: str | None = None, re
 
         env = {k: v for k, v in out.get("env", {}).items() if v is not None}
         env["ingested"] = True  # the engine ran elsewhere: this is not the local machine's fingerprint
-        rec = make_record("ingest", name or f"{main.name} {path.name}", config=config, results=results,
+        label = "stdin" if str(path) == "-" else path.name
+        rec = make_record("ingest", name or f"{main.name} {label}", config=config, results=results,
                           samples=out.get("samples", {}), tags=tags, env=env, source=source)
         summary["run_id"] = store_record(rec, db)
     return summary

@@ -95,7 +95,8 @@ NEW = ("(APIServer pid=7) INFO 10-22 10:27:{s:02d} [metrics.py:100] SpecDecoding
        "{al:.2f}, Accepted throughput: 8.90 tokens/s, Drafted throughput: 97.50 tokens/s, Accepted: {a} tokens, "
        "Drafted: {d} tokens, Per-position acceptance rate: {pp}, Avg Draft acceptance rate: {r:.1f}%")
 OLD = ("INFO 10-22 10:27:{s:02d} [metrics.py:100] SpecDecoding metrics: Draft acceptance rate: {r:.1f}%, "
-       "Mean acceptance length: {al:.2f}, Accepted: {a} tokens, Drafted: {d} tokens, Per-position acceptance rate: {pp}")
+       "Mean acceptance length: {al:.2f}, Accepted: {a} tokens, Drafted: {d} tokens, "
+       "Per-position acceptance rate: {pp}")
 TPUT = ("INFO 10-22 10:27:{s:02d} [loggers.py:123] Engine 000: Avg prompt throughput: 10.0 tokens/s, Avg generation "
         "throughput: {g:.1f} tokens/s, Running: {n} reqs, Waiting: 0 reqs, GPU KV cache usage: 0.1%, "
         "Prefix cache hit rate: 0.0%")

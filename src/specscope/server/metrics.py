@@ -1,8 +1,8 @@
 """Prometheus metrics of `specscope serve`.
 
-The speculative counters mirror vLLM's names with a `specscope:` prefix instead of `vllm:` (`--metrics-prefix vllm`
-gives vLLM's exact names; `bench-serve` reads either): num_drafts (verify cycles), num_draft_tokens, num_accepted_tokens and
-accepted tokens per draft position. specscope adds what mainline engines lack: per-phase time per cycle.
+The speculative counters mirror vLLM's names with a `specscope:` prefix instead of `vllm:` (`--metrics-prefix
+vllm` gives vLLM's exact names; `bench-serve` reads either): num_drafts (verify cycles), num_draft_tokens,
+num_accepted_tokens and accepted tokens per draft position. specscope adds what mainline engines lack: per-phase time per cycle.
 Each server owns its registry, so several apps can live in one process (tests).
 """
 

@@ -154,6 +154,13 @@ def test_export_round_trip(prepared, tmp_path):
         d = load_drafter(tmp_path / fmt)
         for k, v in d.state_dict().items():
             assert torch.equal(v, st["model"][k]), k
+    # --init fine-tunes an exported drafter (speculators layout here): training starts from its weights
+    w2 = _copy_prepared(work, tmp_path / "w2")
+    main(["train", "--workdir", str(w2), "--target", str(tgt), "--device", "cpu", *TRAIN_ARGS, "--steps", "1",
+          "--lr", "1e-9", "--init", str(tmp_path / "speculators")])
+    st2 = _final_params(w2)
+    torch.testing.assert_close(st2["model"]["fc.weight"], st["model"]["fc.weight"], rtol=0, atol=1e-6)
+    assert torch.equal(st2["model"]["d2t"], st["model"]["d2t"])
     # a drafter directory converts between formats too
     main(["export", str(tmp_path / "speculators"), "--format", "sglang", "--out", str(tmp_path / "again")])
     assert torch.equal(load_drafter(tmp_path / "again").fc.weight, st["model"]["fc.weight"])

@@ -85,8 +85,8 @@ def vocab_stage(workdir: Path, data, vocab_size: int, draft_vocab: int, log=prin
 
 def fresh_drafter(target, d2t: torch.Tensor, t2d: torch.Tensor, aux_layers: list[int], seed: int = 0,
                   norm_before_residual: bool = False):
-    """A new drafter shaped like one layer of the target (the EAGLE-3 recipe), lm_head initialised from the target's
-    rows for the draft vocabulary (a warm start for a head that predicts the same tokens)."""
+    """A new drafter shaped like one layer of the target (the EAGLE-3 recipe); lm_head and the final norm start as
+    the target's (its rows for the draft vocabulary): a warm start for a head that predicts the same tokens."""
     from specscope.spec.drafter import DrafterConfig, Eagle3Drafter
 
     tc = target.config
@@ -103,6 +103,7 @@ def fresh_drafter(target, d2t: torch.Tensor, t2d: torch.Tensor, aux_layers: list
         d.d2t.copy_(d2t)
         d.t2d.copy_(t2d)
         d.lm_head.weight.copy_(target.lm_head.weight.detach().float()[t2d.to(target.device)].to(d.lm_head.weight))
+        d.norm.weight.copy_(target.norm.weight.detach().float())     # the scale those rows expect
     return d
 
 

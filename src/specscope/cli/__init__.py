@@ -27,6 +27,8 @@ COMMANDS = {
     "ingest": "specscope.cli.ingest:ingest",
     "train": "specscope.cli.train:train",
     "export": "specscope.cli.train:export",
+    "demo": "specscope.cli.demo:demo",
+    "report": "specscope.cli.report:report",
 }
 
 

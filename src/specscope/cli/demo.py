@@ -1,0 +1,151 @@
+"""`specscope demo`: baseline vs EAGLE-3 on the demo model, profiled, stored, explained, reported."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from specscope.cli.common import emit_json, setup_runtime, stderr_console
+
+
+class _RichUI:
+    """Stages as a spinner, the first prompt's text streamed to stdout, the other prompts as a progress bar."""
+
+    def __init__(self):
+        self.err = stderr_console()
+        self.out = sys.stdout
+        self._status = None
+        self._prog = None
+        self._task = None
+
+    def _stop_status(self):
+        if self._status is not None:
+            self._status.stop()
+            self._status = None
+
+    def stage(self, text):
+        self._stop_status()
+        self._status = self.err.status(f"{text}…")
+        self._status.start()
+
+    def stream_start(self, prompt, method):
+        self._stop_status()
+        cat = f" ({prompt['category']})" if prompt.get("category") else ""
+        self.err.print(f"[bold]Prompt{cat}:[/bold] {prompt['prompt']}")
+        self.err.print(f"[bold]{method} output, streamed:[/bold]")
+
+    def stream(self, text):
+        self.out.write(text)
+        self.out.flush()
+
+    def stream_end(self):
+        self.out.write("\n\n")
+        self.out.flush()
+
+    def progress_start(self, total):
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self._stop_status()
+        self._prog = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                              TimeElapsedColumn(), console=self.err, transient=True)
+        self._prog.start()
+        self._task = self._prog.add_task("remaining prompts: EAGLE-3 and plain decoding", total=total)
+
+    def progress(self, done, text):
+        if self._prog is not None:
+            self._prog.update(self._task, completed=done, description=f"{text}: speculative and plain decoding")
+
+    def progress_end(self):
+        if self._prog is not None:
+            self._prog.stop()
+            self._prog = None
+
+    def close(self):
+        self._stop_status()
+        self.progress_end()
+
+
+@click.command()
+@click.option("--prompts", "num_prompts", type=click.IntRange(min=1, max=80), default=4, show_default=True,
+              help="MT-bench first turns to decode (one per category in turn).")
+@click.option("--out", "out_dir", default="specscope-demo", show_default=True,
+              help="Directory for report.html and summary.json.")
+@click.option("--draft", default=None,
+              help="Drafter: the shipped EAGLE-3 one by default; 'ngram', an EAGLE-3 directory or a small HF model.")
+@click.option("--max-new-tokens", type=click.IntRange(min=2), default=112, show_default=True)
+@click.option("--threads", type=click.IntRange(min=1), default=None, help="CPU threads for torch.")
+@click.option("--model", "model_name", default="smollm2-135m", show_default=True,
+              help="Target: a known name (pulled on first use) or a Hugging Face checkpoint directory.")
+@click.option("--steps", type=click.IntRange(min=1), default=None, help="Draft depth (default 5).")
+@click.option("--topk", type=click.IntRange(min=1), default=None, help="Tree branching; 1 = chain (default).")
+@click.option("--draft-tokens", type=click.IntRange(min=2), default=None, help="Tokens verified per cycle.")
+@click.option("--dtype", type=click.Choice(["fp32", "bf16", "fp16", "auto"]), default="auto", show_default=True)
+@click.option("--device", type=click.Choice(["cpu", "cuda", "auto"]), default="cpu", show_default=True)
+@click.option("--no-verify-curve", is_flag=True, help="Skip the short verify-cost measurement.")
+@click.option("--db", default=None, help="Registry database (default: SPECSCOPE_DB or the XDG data dir).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (no streaming).")
+def demo(num_prompts, out_dir, draft, max_new_tokens, threads, model_name, steps, topk, draft_tokens, dtype, device,
+         no_verify_curve, db, as_json):
+    """The tour: plain vs speculative (EAGLE-3) decoding of a few MT-bench prompts on the demo model, with the
+    profile, τ, the speedup and the break-even, both runs stored and an HTML report written."""
+    from specscope.demo import DemoOptions, DemoUI, run_demo
+
+    dev = setup_runtime(threads, device)
+    opts = DemoOptions(model=model_name, draft=draft, prompts=num_prompts, max_new_tokens=max_new_tokens,
+                       steps=steps, topk=topk, draft_tokens=draft_tokens, dtype=dtype, device=str(dev), out=out_dir,
+                       db=db, verify_curve=not no_verify_curve)
+    if as_json:
+        emit_json(run_demo(opts, DemoUI()))
+        return
+    ui = _RichUI()
+    try:
+        res = run_demo(opts, ui)
+    finally:
+        ui.close()
+    _print_summary(res)
+
+
+def _print_summary(res: dict) -> None:
+    from rich.console import Console
+
+    con = Console(highlight=False, soft_wrap=True)
+    b, s = res["baseline"], res["speculative"]
+    d = res["drafting"]
+    draft = res["draft"]
+    method = "n-gram" if draft == "ngram" else "EAGLE-3" if "eagle" in draft.lower() else draft
+    con.rule(f"[bold]{res['prompts']} prompt(s) × up to {res['max_new_tokens']} new tokens, greedy, "
+             f"{res['dtype']} on {res['device']} ({res['threads']} thread{'s' if res['threads'] != 1 else ''})")
+    con.print(f"Plain decoding:        {b['tok_per_s']:7.2f} tok/s   {b['decode_ms_per_token']:6.2f} ms/token")
+    con.print(f"{method + ' (s' + str(d['steps']) + ' k' + str(d['topk']) + ' n' + str(d['draft_tokens']) + '):':<22}"
+              f"{s['tok_per_s']:7.2f} tok/s   {s['decode_ms_per_token']:6.2f} ms/token   τ = {s['accept_length']:.2f}")
+    sp = res["speedup"]
+    color = "green" if sp and sp > 1 else "red"
+    con.print(f"[bold]Speedup: [{color}]{sp:.2f}×[/{color}][/bold] decode "
+              f"({res['speedup_end_to_end']:.2f}× end to end, prefill included); outputs identical to plain "
+              f"decoding: {res['identical_outputs']}/{res['prompts']}")
+    con.print("\n[bold]Speculative cycle profile[/bold]")
+    for line in res["profile_lines"]["speculative"]:
+        con.print("  " + line)
+    con.print("\n[bold]Plain decoding profile[/bold]")
+    for line in res["profile_lines"]["baseline"][:3]:
+        con.print("  " + line)
+    con.print("\n[bold]Break-even for these measured costs[/bold]")
+    for line in res["breakeven"]["lines"]:
+        con.print("  " + line)
+    runs = res["runs"]
+    con.print(f"\n[bold]Stored[/bold] in {res['db']}:")
+    con.print(f"  baseline run     {runs['baseline']}")
+    con.print(f"  speculative run  {runs['speculative']}")
+    if runs.get("verify_curve"):
+        con.print(f"  verify curve     {runs['verify_curve']}")
+    if res.get("report"):
+        con.print(f"[bold]Report:[/bold] {res['report']}")
+    con.print(f"[bold]Summary:[/bold] {res['summary_json']}  ({res['seconds']:.0f} s in all)")
+    bid, sid = runs["baseline"], runs["speculative"]
+    con.print("\n[bold]Try next[/bold]")
+    for cmd, why in ((f"specscope compare {bid} {sid}", "phase by phase, with noise-aware verdicts"),
+                     (f"specscope breakeven --run {sid} --baseline-run {bid}", "the τ this setup needs"),
+                     (f"specscope tune --run {sid}", "predict better steps / topk / draft tokens"),
+                     (f"specscope report {bid} {sid} -o report.html", "the HTML report again, or for any runs")):
+        con.print(f"  {cmd:<64} # {why}", soft_wrap=True)

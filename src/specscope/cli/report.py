@@ -1,0 +1,32 @@
+"""`specscope report RUN... [-o report.html]`: one self-contained HTML file for stored runs."""
+
+from __future__ import annotations
+
+import click
+
+from specscope.cli.common import emit_json
+
+
+@click.command()
+@click.argument("run_ids", nargs=-1)
+@click.option("-o", "--output", default="report.html", show_default=True, help="HTML file to write.")
+@click.option("--title", default=None, help="Page title (default: the runs' labels).")
+@click.option("--db", default=None, help="Registry database (default: SPECSCOPE_DB or the XDG data dir).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def report(run_ids, output, title, db, as_json):
+    """Write an HTML report of stored runs: cycle time breakdown, τ histogram, per-position acceptance, the verify
+    curve, the break-even chart, the compare table (several runs) and the environment fingerprint.
+
+    Ids may be prefixes, `last` or `last~N`. A speculative run's baseline and verify-curve runs are pulled in
+    for the break-even and verify-curve charts."""
+    from specscope.registry import open_registry
+    from specscope.report import load_runs, write_report
+
+    with open_registry(db) as reg:
+        runs, linked = load_runs(reg, run_ids)
+    path = write_report(runs, output, linked=linked, title=title)
+    if as_json:
+        emit_json({"path": str(path), "runs": [r["id"] for r in runs], "linked": sorted(linked),
+                   "bytes": path.stat().st_size})
+    else:
+        click.echo(f"wrote {path} ({len(runs)} run(s){', ' + str(len(linked)) + ' linked' if linked else ''})")

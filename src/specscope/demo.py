@@ -1,0 +1,338 @@
+"""`specscope demo`: the tour a newcomer sees first.
+
+Loads the demo model (pulling it on first use) and the shipped EAGLE-3 drafter, decodes a handful of MT-bench
+first turns twice each (plain greedy decoding, then speculative), profiles both, stores one baseline and one
+speculative run (aggregated over the prompts, per-prompt stats in the samples), measures a short verify-cost curve
+for the report, works out the break-even for the measured costs, and writes the HTML report.
+
+The CLI (`specscope.cli.demo`) only renders: everything here reports through a `DemoUI`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from specscope.errors import SpecscopeError
+
+MT_BENCH = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
+# Used only when the Spec-Bench question file is not next to the checkout (e.g. an installed wheel).
+FALLBACK_PROMPTS = (
+    "Write a short blog post about a weekend trip to the mountains, with two things to see and one to eat.",
+    "You are a tour guide in Rome. Greet a group of visitors and describe the first stop of the day.",
+    "Alice is taller than Bob, and Bob is taller than Carol. Who is the shortest? Explain your reasoning.",
+    "Solve for x: 3x + 7 = 22. Show each step.",
+    "Write a Python function that returns the n-th Fibonacci number iteratively, with a docstring.",
+)
+
+
+@dataclass
+class DemoOptions:
+    model: str = "smollm2-135m"
+    draft: str | None = None              # None: the shipped EAGLE-3 drafter for the demo model
+    prompts: int = 4
+    max_new_tokens: int = 112
+    steps: int | None = None
+    topk: int | None = None
+    draft_tokens: int | None = None
+    dtype: str = "auto"
+    device: str = "cpu"
+    out: str = "specscope-demo"
+    db: str | None = None
+    verify_curve: bool = True             # a short T(n) curve for the report (a few seconds)
+    report: bool = True
+    tags: list = field(default_factory=lambda: ["demo"])
+
+
+class DemoUI:
+    """What the demo tells its caller; the default says nothing. The CLI renders these with rich."""
+
+    def stage(self, text: str) -> None: ...
+    def stream_start(self, prompt: dict, method: str) -> None: ...
+    def stream(self, text: str) -> None: ...
+    def stream_end(self) -> None: ...
+    def progress_start(self, total: int) -> None: ...
+    def progress(self, done: int, text: str) -> None: ...
+    def progress_end(self) -> None: ...
+
+
+def pick_prompts(n: int) -> tuple[list[dict], str]:
+    """The first `n` MT-bench first turns of the Spec-Bench file, one category after another (writing, roleplay,
+    reasoning, math, coding, ...) rather than the first few writing ones. Returns (prompts, prompt set name)."""
+    if n < 1:
+        raise SpecscopeError(f"--prompts must be >= 1, got {n}")
+    from specscope.benchserve.dataset import spec_bench_path
+
+    try:
+        path = spec_bench_path()
+    except SpecscopeError:
+        path = None
+    if path is None or not path.is_file():
+        rows = [{"question_id": None, "category": None, "prompt": p} for p in FALLBACK_PROMPTS]
+        return (rows * (n // len(rows) + 1))[:n], "built-in demo prompts (Spec-Bench file not found)"
+    by: dict[str, list[dict]] = {}
+    for i, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError:
+            raise SpecscopeError(f"{path}:{i} is not valid JSON") from None
+        if obj.get("category") in MT_BENCH and obj.get("turns"):
+            by.setdefault(obj["category"], []).append(
+                {"question_id": obj.get("question_id"), "category": obj["category"], "prompt": obj["turns"][0]})
+    order = [c for c in MT_BENCH if c in by]
+    out = []
+    for j in range(max((len(v) for v in by.values()), default=0)):
+        out += [by[c][j] for c in order if j < len(by[c])]
+    if not out:
+        raise SpecscopeError(f"{path} holds no MT-bench questions (categories {', '.join(MT_BENCH)})")
+    return out[:n], f"spec-bench mt_bench first turns ({min(n, len(out))})"
+
+
+def run_demo(opts: DemoOptions, ui: DemoUI | None = None) -> dict:
+    """Run the whole demo; returns a JSON-ready summary (runs, numbers, break-even, report path)."""
+    import torch
+
+    from specscope.engine.generate import generate
+    from specscope.engine.session import load_target, stop_ids_for
+    from specscope.engine.tokenizer import StreamDecoder
+    from specscope.models.loader import parse_dtype
+    from specscope.profile import CycleProfiler
+    from specscope.spec.decode import DEFAULT_DRAFTER, SpecConfig, speculative_generate
+
+    ui = ui or DemoUI()
+    if opts.max_new_tokens < 2:
+        raise SpecscopeError(f"--max-new-tokens must be >= 2, got {opts.max_new_tokens}")
+    prompts, prompt_set = pick_prompts(opts.prompts)
+    draft = opts.draft or DEFAULT_DRAFTER
+    cfg = SpecConfig.from_knobs(opts.steps, opts.topk, opts.draft_tokens)
+    if draft == "ngram" and cfg.topk != 1:
+        raise SpecscopeError("n-gram drafting proposes a chain; use --topk 1")
+    out_dir = Path(opts.out).expanduser()
+    dev = str(opts.device)
+
+    _check_shipped(draft)            # before loading anything: on a fresh machine that takes a while
+    t_start = time.perf_counter()
+    ui.stage(f"loading {opts.model}")
+    dtype = str(parse_dtype(opts.dtype, dev)).replace("torch.", "")
+    target, tok, path = load_target(opts.model, opts.dtype, dev)
+    ui.stage(f"loading drafter {draft}")
+    drafter = _load_drafter(draft, target, opts)
+    stop = stop_ids_for(target, tok)
+    ids = [tok.encode(p["prompt"], chat=True) for p in prompts]
+    if any(not x for x in ids):
+        raise SpecscopeError("a demo prompt is empty after tokenisation")
+
+    # one short untimed pass of each path: first calls pay for allocator and kernel warm-up
+    ui.stage("warming up")
+    generate(target, ids[0], min(8, opts.max_new_tokens), None, stop)
+    speculative_generate(target, drafter, ids[0], min(8, opts.max_new_tokens), None, stop, cfg)
+
+    bprof, sprof = CycleProfiler(dev), CycleProfiler(dev)
+    per_prompt = []
+    shown_text = ""
+    for i, (p, pid) in enumerate(zip(prompts, ids)):
+        streaming = i == 0
+        if streaming:
+            dec = StreamDecoder(tok)
+            ui.stream_start(p, "EAGLE-3" if draft != "ngram" else "n-gram")
+            on_tokens = lambda t: ui.stream(dec.push(t))  # noqa: E731
+        else:
+            if i == 1:
+                ui.progress_start(len(prompts) - 1)
+            on_tokens = None
+        # speculative first, then plain, prompt by prompt: load that drifts (shared CPUs) hits both alike
+        s = speculative_generate(target, drafter, pid, opts.max_new_tokens, None, stop, cfg, on_tokens=on_tokens,
+                                 profiler=sprof)
+        if streaming:
+            ui.stream_end()
+            shown_text = tok.decode(s.token_ids)
+            if len(prompts) > 1:
+                ui.stage("plain decoding of the same prompt")
+        b = generate(target, pid, opts.max_new_tokens, None, stop, profiler=bprof)
+        per_prompt.append(_prompt_stats(p, pid, b, s))
+        if not streaming:
+            ui.progress(i, f"prompt {i + 1}/{len(prompts)} ({p.get('category') or 'prompt'})")
+    if len(prompts) > 1:
+        ui.progress_end()
+
+    config = {"model": str(path), "model_name": opts.model, "dtype": dtype, "device": dev,
+              "threads": torch.get_num_threads(), "sampling": {"temperature": 0.0, "greedy": True},
+              "max_new_tokens": opts.max_new_tokens, "chat": True, "prompt_set": prompt_set,
+              "prompt_set_hash": _hash([p["prompt"] for p in prompts]), "prompts": len(prompts), "source": "demo"}
+    curve_rec = None
+    if opts.verify_curve:
+        ui.stage("measuring the verify-cost curve")
+        curve_rec = _verify_curve(target, per_prompt, cfg, config)
+    ui.stage("storing runs")
+    brec, srec = _records(config, draft, drafter, cfg, bprof, sprof, per_prompt, opts)
+    from specscope.registry import open_registry
+
+    with open_registry(opts.db) as reg:
+        db_path = str(reg.path)
+        brec["id"] = reg.add_run(brec)
+        srec["config"]["baseline_run"] = brec["id"]
+        if curve_rec is not None:
+            curve_rec["id"] = reg.add_run(curve_rec)
+            srec["config"]["verify_curve_run"] = curve_rec["id"]
+        srec["id"] = reg.add_run(srec)
+        # the report reads the stored records, as `specscope report` would
+        brec, srec = reg.get_run(brec["id"]), reg.get_run(srec["id"])
+        curve_rec = reg.get_run(curve_rec["id"]) if curve_rec is not None else None
+
+    be = _breakeven(srec, brec)
+    result = {
+        "model": str(path), "draft": draft, "drafting": asdict(cfg), "dtype": dtype, "device": dev,
+        "threads": torch.get_num_threads(), "prompt_set": prompt_set, "prompts": len(prompts),
+        "max_new_tokens": opts.max_new_tokens,
+        "baseline": _side(brec), "speculative": _side(srec),
+        "speedup": _ratio(srec["results"]["tok_per_s"], brec["results"]["tok_per_s"]),
+        "speedup_end_to_end": _ratio(srec["results"]["e2e_tok_per_s"], brec["results"]["e2e_tok_per_s"]),
+        "identical_outputs": sum(r["identical"] for r in per_prompt),
+        "profile_lines": {"baseline": bprof.lines(), "speculative": sprof.lines(brec["results"]["tok_per_s"])},
+        "breakeven": be, "shown": {"prompt": prompts[0]["prompt"], "text": shown_text},
+        "runs": {"baseline": brec["id"], "speculative": srec["id"],
+                 "verify_curve": curve_rec["id"] if curve_rec else None},
+        "db": db_path, "report": None,
+    }
+    if opts.report:
+        ui.stage("writing the HTML report")
+        from specscope.report import write_report
+
+        linked = {brec["id"]: brec, **({curve_rec["id"]: curve_rec} if curve_rec else {})}
+        report = write_report([brec, srec], out_dir / "report.html", linked=linked,
+                              title=f"specscope demo: {Path(str(path)).name} + {draft}")
+        result["report"] = str(report)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    result["seconds"] = round(time.perf_counter() - t_start, 2)
+    summary_path = out_dir / "summary.json"
+    summary_path.write_text(json.dumps(result, indent=1, default=str))
+    result["summary_json"] = str(summary_path)
+    return result
+
+
+def _check_shipped(draft: str) -> None:
+    from specscope.spec.decode import ASSETS, DEFAULT_DRAFTER
+
+    if draft == DEFAULT_DRAFTER and not (ASSETS / draft / "config.json").exists():
+        raise SpecscopeError(f"the shipped EAGLE-3 drafter {draft!r} is missing from this install "
+                             f"({ASSETS / draft}); reinstall specscope, train one with `specscope train`, "
+                             f"or run the demo with n-gram drafting: specscope demo --draft ngram")
+
+
+def _load_drafter(draft: str, target, opts: DemoOptions):
+    from specscope.spec.decode import build_drafter
+
+    return build_drafter(draft, target, opts.dtype, target.device)
+
+
+def _prompt_stats(p: dict, ids: list[int], b, s) -> dict:
+    def side(r):
+        n = r.num_tokens - 1           # the first token comes from the prefill, which both sides pay alike
+        return {"tokens": r.num_tokens, "prefill_s": round(r.prefill_s, 5), "decode_s": round(r.decode_s, 5),
+                "decode_tok_per_s": round(n / r.decode_s, 4) if r.decode_s > 0 and n > 0 else None,
+                "tok_per_s": round(r.tok_per_s, 4), "stop_reason": r.stop_reason}
+
+    sp = side(s)
+    sp.update(accept_length=round(s.extra["accept_length"], 4), cycles=s.extra["cycles"])
+    return {"question_id": p.get("question_id"), "category": p.get("category"), "prompt_tokens": len(ids),
+            "baseline": side(b), "speculative": sp, "identical": b.token_ids == s.token_ids}
+
+
+def _records(config, draft, drafter, cfg, bprof, sprof, per_prompt, opts) -> tuple[dict, dict]:
+    from specscope.registry import make_record
+
+    def totals(side):
+        toks = sum(r[side]["tokens"] for r in per_prompt)
+        secs = sum(r[side]["prefill_s"] + r[side]["decode_s"] for r in per_prompt)
+        return {"e2e_tok_per_s": round(toks / secs, 4) if secs > 0 else None, "total_tokens": toks,
+                "total_seconds": round(secs, 4),
+                "prefill_ms_mean": round(1e3 * sum(r[side]["prefill_s"] for r in per_prompt) / len(per_prompt), 3)}
+
+    def flat(side):
+        return [{"question_id": r["question_id"], "category": r["category"], "prompt_tokens": r["prompt_tokens"],
+                 **r[side]} for r in per_prompt]
+
+    brec = make_record("baseline", f"demo baseline ({len(per_prompt)} prompts)",
+                       config={**config, "draft": None, "steps": None, "topk": None, "draft_tokens": None,
+                               "engine": "baseline"},
+                       profiler=bprof, results=totals("baseline"), samples={"per_prompt": flat("baseline")},
+                       tags=opts.tags)
+    env = brec["env"]
+    bres = brec["results"]
+    sres = {**totals("speculative"),
+            "baseline_decode_ms_per_token": bres.get("decode_ms_per_token"),
+            "baseline": {"decode_ms_per_token": bres.get("decode_ms_per_token"), "tok_per_s": bres.get("tok_per_s")},
+            "identical_outputs": sum(r["identical"] for r in per_prompt), "prompts": len(per_prompt),
+            "mean_context": sum(r["prompt_tokens"] + r["speculative"]["tokens"] / 2 for r in per_prompt)
+            / len(per_prompt)}
+    srec = make_record("speculative", f"demo {draft} s{cfg.steps} k{cfg.topk} n{cfg.draft_tokens} "
+                                      f"({len(per_prompt)} prompts)",
+                       config={**config, "draft": _draft_ref(draft), "drafter_kind": getattr(drafter, "kind", None),
+                               "steps": cfg.steps, "topk": cfg.topk, "draft_tokens": cfg.draft_tokens,
+                               "engine": "speculative"},
+                       profiler=sprof, results=sres, samples={"per_prompt": flat("speculative")},
+                       tags=opts.tags, env=env)
+    srec["results"]["speedup"] = _ratio(srec["results"]["tok_per_s"], bres["tok_per_s"])
+    return brec, srec
+
+
+def _draft_ref(draft: str) -> str:
+    """A shipped drafter's directory (so the registry hashes its weights), else what the user gave."""
+    from specscope.spec.decode import ASSETS
+
+    p = ASSETS / draft
+    return str(p) if draft != "ngram" and p.exists() else draft
+
+
+def _verify_curve(target, per_prompt, cfg, config) -> dict:
+    """T(n) at about the demo's mean context for n = 1 .. 2·draft_tokens: enough to see whether verifying the
+    drafted tokens costs about one decode step here."""
+    from specscope.economics.verify_curve import measure_curve
+    from specscope.registry import make_record
+
+    ctx = int(sum(r["prompt_tokens"] + r["speculative"]["tokens"] / 2 for r in per_prompt) / len(per_prompt))
+    ctx = max(16, min(ctx, target.config.max_position_embeddings - 64))
+    top = max(8, 2 * cfg.draft_tokens)
+    tokens = sorted({n for n in (1, 2, 4, 8, 16, 32, 64) if n <= top} | {cfg.draft_tokens})
+    tokens = [n for n in tokens if ctx + n <= target.config.max_position_embeddings]
+    res = measure_curve(target, [ctx], tokens, warmup=1, repeats=5)
+    results = {"points": res["points"], "fits": res["fits"],
+               "decode_ms": {str(ctx): next(p["median_ms"] for p in res["points"] if p["tokens"] == tokens[0])}}
+    return make_record("verify_curve", f"demo verify curve (context {ctx})",
+                       config={**{k: config[k] for k in ("model", "model_name", "dtype", "device", "threads")},
+                               "contexts": [ctx], "tokens": tokens, "warmup": 1, "repeats": 5, "source": "demo"},
+                       results=results, samples={"verify_ms": res["samples"]}, tags=["demo"])
+
+
+def _breakeven(srec: dict, brec: dict) -> dict:
+    """`specscope breakeven --run S --baseline-run B` for the measured costs."""
+    from specscope.economics.breakeven import BreakevenInputs, breakeven, describe, inputs_from_runs
+
+    try:
+        inp = inputs_from_runs(srec, brec, BreakevenInputs())
+        res = breakeven(inp)
+    except SpecscopeError as e:
+        return {"error": str(e), "lines": [f"break-even: not computed ({e})"]}
+    return {**res, "decode_ms": inp.decode_ms, "draft_ms": inp.draft_ms, "verify_ms": inp.verify_ms,
+            "other_ms": inp.other_ms, "steps": inp.steps, "lines": describe(res, inp)}
+
+
+def _side(rec: dict) -> dict:
+    r = rec["results"]
+    return {"run_id": rec.get("id"), "tok_per_s": r.get("tok_per_s"), "e2e_tok_per_s": r.get("e2e_tok_per_s"),
+            "decode_ms_per_token": r.get("decode_ms_per_token"), "accept_length": r.get("accept_length"),
+            "cycles": r.get("cycles"), "tokens": r.get("tokens")}
+
+
+def _ratio(a, b):
+    return round(a / b, 4) if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b else None
+
+
+def _hash(prompts) -> str:
+    from specscope.registry import prompt_set_hash
+
+    return prompt_set_hash(prompts)

@@ -1,0 +1,357 @@
+"""One self-contained HTML file for one or more stored runs: summary, charts (inline PNG), compare table,
+per-prompt table and the environment fingerprint.
+
+    from specscope.report import load_runs, write_report
+    runs, linked = load_runs(reg, ["last~1", "last"])
+    write_report(runs, "report.html", linked=linked)
+
+`linked` holds runs the given ones point at (a speculative run's `config.baseline_run` and
+`config.verify_curve_run`): they feed the break-even and verify-curve charts without joining the compare table.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime as _dt
+import html
+import json
+from pathlib import Path
+
+from specscope.errors import SpecscopeError
+from specscope.report import charts
+
+LINK_KEYS = ("baseline_run", "verify_curve_run")
+
+
+def load_runs(reg, refs) -> tuple[list[dict], dict[str, dict]]:
+    """The runs named by `refs` (ids, prefixes, last, last~N) and the runs they link to, from a Registry."""
+    if not refs:
+        raise SpecscopeError("report needs at least one run (an id, a prefix, last or last~N)")
+    ids = []
+    for ref in refs:
+        rid = reg.resolve(ref)
+        if rid not in ids:
+            ids.append(rid)
+    runs = [reg.get_run(i) for i in ids]
+    linked = {}
+    for r in runs:
+        for key in LINK_KEYS:
+            lid = (r.get("config") or {}).get(key)
+            if lid and lid not in ids and lid not in linked:
+                try:
+                    linked[lid] = reg.get_run(lid)
+                except SpecscopeError:
+                    pass        # a deleted baseline only loses its chart, not the report
+    return runs, linked
+
+
+def write_report(runs: list[dict], path, linked: dict | None = None, title: str | None = None) -> Path:
+    """Write the report to `path` (parents created); returns the path."""
+    text = build_report(runs, linked, title)
+    path = Path(path).expanduser()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(text, encoding="utf-8")
+        tmp.replace(path)
+    except OSError as e:
+        raise SpecscopeError(f"cannot write the report to {path}: {e.strerror or e}") from None
+    return path
+
+
+def build_report(runs: list[dict], linked: dict | None = None, title: str | None = None) -> str:
+    if not runs:
+        raise SpecscopeError("report needs at least one run")
+    linked = dict(linked or {})
+    by_id = {r.get("id"): r for r in list(linked.values()) + runs if r.get("id")}
+    perf = [r for r in runs if r.get("kind") != "verify_curve"]
+    curves = [r for r in runs if r.get("kind") == "verify_curve"]
+    for r in perf:
+        cid = (r.get("config") or {}).get("verify_curve_run")
+        if cid in by_id and by_id[cid] not in curves:
+            curves.append(by_id[cid])
+    title = title or ("specscope report: " + ", ".join(charts.label(r) for r in runs[:4])
+                      + (" …" if len(runs) > 4 else ""))
+    body = [f"<h1>{_e(title)}</h1>",
+            f"<p class=meta>{len(runs)} run(s) · written {_dt.datetime.now().astimezone().strftime('%Y-%m-%d %H:%M %Z')}"
+            f" · specscope {_e(_version())}</p>"]
+    body += _summary(runs)
+    body += _profile_section(perf)
+    body += _breakeven_section(perf, by_id)
+    for c in curves:
+        body += _curve_section(c)
+    if len(perf) >= 2:
+        body += _compare_section(perf)
+    body += _per_prompt_section(perf)
+    body += _env_section(runs)
+    return PAGE.format(title=_e(title), css=CSS, body="\n".join(body))
+
+
+# ---------------------------------------------------------------------------------------------- sections
+
+def _summary(runs):
+    rows = []
+    for r in runs:
+        cfg, res = r.get("config") or {}, r.get("results") or {}
+        shape = (f"steps {cfg['steps']}, topk {cfg['topk']}, {cfg['draft_tokens']} tokens"
+                 if cfg.get("steps") else "")
+        rows.append([_code(r.get("id") or "-"), f"<span class=k>{_e(r.get('kind') or '-')}</span>", _e(r.get("name") or ""),
+                     _e(_short(cfg.get("model") or cfg.get("model_name"))),
+                     _e(_short(cfg.get("draft")) or "none") + (f"<br><small>{_e(shape)}</small>" if shape else ""),
+                     _f(res.get("tok_per_s")), _f(res.get("decode_ms_per_token")), _f(res.get("accept_length")),
+                     _f(res.get("speedup"), "×"), _e((r.get("created_at") or "")[:19].replace("T", " "))])
+    return ["<h2>Runs</h2>",
+            _table(["run", "kind", "name", "model", "drafter", "tok/s", "ms/token", "τ", "speedup", "created"],
+                   rows, num_cols={5, 6, 7, 8}, raw=True),
+            "<p class=note>tok/s and ms/token are decode-only (the cycles; prefill excluded) where the run was "
+            "profiled. τ = tokens per cycle (accepted drafts + the bonus token); plain decoding has τ = 1.</p>"]
+
+
+def _profile_section(perf):
+    out = ["<h2>Where the time goes</h2>"]
+    img = charts.cycle_breakdown(perf)
+    if img is None:
+        return out + ["<p class=note>No per-phase timings in these runs (e.g. ingested logs carry none).</p>"]
+    out.append(_img(img, "cycle time breakdown: stacked ms per cycle and per token, by phase"))
+    rows = []
+    for r in perf:
+        for name, ph in ((r.get("results") or {}).get("phases") or {}).items():
+            if isinstance(ph, dict):
+                rows.append([_code(charts.label(r)), _e(("  ↳ " if "." in name else "") + _phase_label(name)),
+                             _f(ph.get("mean_ms")), _f(ph.get("median_ms")), _f(ph.get("p90_ms")),
+                             _f(100 * ph["share"], "%") if isinstance(ph.get("share"), (int, float)) else "-"])
+    out.append("<details><summary>phase table (ms per cycle)</summary>"
+               + _table(["run", "phase", "mean", "median", "p90", "share"], rows, num_cols={2, 3, 4, 5}, raw=True)
+               + "</details>")
+    tau, pos = charts.tau_histogram(perf), charts.per_position(perf)
+    if tau or pos:
+        out.append("<h2>Acceptance</h2><div class=pair>"
+                   + (_img(tau, "histogram of τ, tokens per cycle") if tau else "")
+                   + (_img(pos, "per-position acceptance rate") if pos else "") + "</div>")
+    return out
+
+
+def breakeven_analysis(run: dict, by_id: dict) -> dict | None:
+    """`specscope breakeven --run` for one stored speculative run, with its linked baseline when present."""
+    from specscope.economics.breakeven import BreakevenInputs, breakeven, describe, inputs_from_runs
+
+    if not (run.get("results") or {}).get("drafted_tokens") and run.get("kind") not in ("speculative",):
+        return None
+    base = by_id.get((run.get("config") or {}).get("baseline_run"))
+    try:
+        inp = inputs_from_runs(run, base, BreakevenInputs())
+        res = breakeven(inp)
+    except SpecscopeError as e:
+        return {"error": str(e)}
+    return {**res, "decode_ms": inp.decode_ms, "steps": inp.steps,
+            "measured_accept_length": inp.measured_accept_length, "lines": describe(res, inp)}
+
+
+def _breakeven_section(perf, by_id):
+    items = [{"run": r, "analysis": breakeven_analysis(r, by_id)} for r in perf]
+    items = [it for it in items if it["analysis"] is not None]
+    if not items:
+        return []
+    out = ["<h2>Break-even</h2>"]
+    img = charts.breakeven(items)
+    if img:
+        out.append(_img(img, "speedup vs τ with the break-even point"))
+    for it in items:
+        a = it["analysis"]
+        lines = a.get("lines") or [f"not computed: {a.get('error')}"]
+        out.append(f"<p><b>{_e(charts.label(it['run']))}</b></p><ul>"
+                   + "".join(f"<li>{_e(x)}</li>" for x in lines) + "</ul>")
+    return out
+
+
+def _curve_section(curve):
+    img = charts.verify_curve(curve)
+    if img is None:
+        return []
+    from specscope.economics.verify_curve import knee_words
+
+    res = curve.get("results") or {}
+    toks = [p["tokens"] for p in res.get("points") or []]
+    words = [f"context {L}: {knee_words(f, max(toks))}" for L, f in (res.get("fits") or {}).items()] if toks else []
+    return ["<h2>Verify cost</h2>", _img(img, "verify cost curve with piecewise fit"),
+            "<ul>" + "".join(f"<li>{_e(w)}</li>" for w in words) + "</ul>",
+            "<p class=note>Speculation assumes verifying n tokens costs about one decode step; that holds up to "
+            "the knee, where the forward stops being bandwidth-bound.</p>"]
+
+
+def _compare_section(perf):
+    from specscope.registry.compare import compare_runs
+
+    try:
+        res = compare_runs(perf)
+    except SpecscopeError as e:
+        return ["<h2>Compare</h2>", f"<p class=note>{_e(str(e))}</p>"]
+    ids = [(r.get("id") or f"#{i}")[:8] for i, r in enumerate(res["runs"])]
+    head = ["metric", f"{ids[0]} (reference)"] + ids[1:]
+    rows = []
+    for row in res["rows"]:
+        cells = [_e(row["label"]), _f(row["values"][0])]
+        for i in range(1, len(ids)):
+            ch = row["changes"][i] or {}
+            d = ch.get("change")
+            delta = "" if d is None else f"{d * 100:+.1f}%"
+            if ch.get("lo") is not None:
+                delta += f" [{ch['lo'] * 100:+.0f}, {ch['hi'] * 100:+.0f}]"
+            verdict = row["verdicts"][i] or ""
+            cls = {"better": "good", "worse": "bad"}.get(verdict, "dim")
+            cells.append(f"{_f(row['values'][i])}<br><small>{_e(delta)} <span class={cls}>{_e(verdict)}</span>"
+                         f"</small>")
+        rows.append(cells)
+    out = ["<h2>Compare</h2>",
+           f"<p class=note>The first run is the reference. Intervals at {res['confidence'] * 100:.2f}% "
+           f"(Bonferroni over rows), block bootstrap over cycles; changes under {res['min_effect'] * 100:.0f}% "
+           f"are not called.</p>",
+           _table(head, rows, num_cols=set(range(1, len(head))), raw=True)]
+    for att in res["attribution"]:
+        out.append(f"<p><b>{_e((att.get('run') or '')[:8])} vs {_e((att.get('against') or '')[:8])}:</b> "
+                   f"{_e(att.get('summary') or '')}</p>")
+        causes = (att.get("likely_causes") or [])[:5]
+        if causes:
+            out.append("<ul>" + "".join(f"<li>{_e(c['key'])}: {_e(_v(c['a']))} → {_e(_v(c['b']))} "
+                                        f"<small>({_e(c['why'])})</small></li>" for c in causes) + "</ul>")
+    diff = res["config_diff"]
+    if diff:
+        out.append("<details><summary>configuration differences</summary>"
+                   + _table(["key"] + ids, [[k] + [_v(x) for x in v] for k, v in diff.items()]) + "</details>")
+    return out
+
+
+def _per_prompt_section(perf):
+    out = []
+    for r in perf:
+        pp = [p for p in (r.get("samples") or {}).get("per_prompt") or [] if isinstance(p, dict)]
+        if not pp:
+            continue
+        cols = [c for c in ("question_id", "category", "prompt_tokens", "tokens", "decode_tok_per_s", "tok_per_s",
+                            "accept_length", "cycles", "stop_reason") if any(c in p for p in pp)]
+        heads = {"question_id": "question", "prompt_tokens": "prompt tok", "tokens": "new tok",
+                 "decode_tok_per_s": "decode tok/s", "tok_per_s": "tok/s (with prefill)", "accept_length": "τ",
+                 "stop_reason": "stop"}
+        rows = [[_v(p.get(c)) for c in cols] for p in pp[:50]]
+        more = f" (first 50 of {len(pp)})" if len(pp) > 50 else ""
+        out.append(f"<details><summary>per prompt: {_e(charts.label(r))}{more}</summary>"
+                   + _table([heads.get(c, c.replace("_", " ")) for c in cols], rows,
+                            num_cols={i for i, c in enumerate(cols) if c not in ("category", "stop_reason")})
+                   + "</details>")
+    return (["<h2>Per prompt</h2>"] + out) if out else []
+
+
+def _env_section(runs):
+    from specscope.registry.fingerprint import VOLATILE, flatten
+
+    flats = []
+    for r in runs:
+        f = {k: v for k, v in flatten(r.get("env") or {}).items()
+             if v not in (None, "", [], {}) and not any(k == x or k.startswith(x + ".") for x in VOLATILE)}
+        flats.append(f)
+    if not any(flats):
+        return ["<h2>Environment</h2><p class=note>No environment fingerprint stored with these runs.</p>"]
+    groups: list[tuple[list[str], dict]] = []
+    for r, f in zip(runs, flats):
+        for ids, g in groups:
+            if g == f:
+                ids.append((r.get("id") or "?")[:8])
+                break
+        else:
+            groups.append(([(r.get("id") or "?")[:8]], f))
+    keys = sorted(set().union(*[g for _, g in groups]))
+    head = ["key"] + [", ".join(ids) for ids, _ in groups]
+    rows = []
+    for k in keys:
+        vals = [_v(g.get(k)) for _, g in groups]
+        differs = len(set(vals)) > 1
+        rows.append([_e(k)] + [(f"<b>{_e(v)}</b>" if differs else _e(v)) for v in vals])
+    note = ("all runs share one environment" if len(groups) == 1
+            else f"{len(groups)} environments; differing values in bold")
+    return ["<h2>Environment</h2>", f"<p class=note>Fingerprint stored with each run ({note}; volatile fields "
+            f"such as timestamps left out).</p>", _table(head, rows, raw=True)]
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+
+def _phase_label(name):
+    from specscope.profile.cycle import PHASE_LABELS
+
+    return PHASE_LABELS.get(name, name)
+
+
+def _img(data: bytes, alt: str) -> str:
+    return (f'<figure><img alt="{_e(alt)}" src="data:image/png;base64,{base64.b64encode(data).decode()}">'
+            f"</figure>")
+
+
+def _table(head, rows, num_cols=frozenset(), raw=False) -> str:
+    """raw: cells are already HTML."""
+    th = "".join(f"<th{' class=n' if i in num_cols else ''}>{_e(h)}</th>" for i, h in enumerate(head))
+    body = []
+    for row in rows:
+        tds = "".join(f"<td{' class=n' if i in num_cols else ''}>{c if raw else _e(c)}</td>"
+                      for i, c in enumerate(row))
+        body.append(f"<tr>{tds}</tr>")
+    return f"<table><thead><tr>{th}</tr></thead><tbody>{''.join(body)}</tbody></table>"
+
+
+def _e(s) -> str:
+    return html.escape("" if s is None else str(s))
+
+
+def _code(s) -> str:
+    return f"<code>{_e(s)}</code>"
+
+
+def _f(v, unit="") -> str:
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        return "-"
+    return (f"{v:.3f}" if abs(v) < 10 else f"{v:.2f}" if abs(v) < 1000 else f"{v:.0f}") + unit
+
+
+def _v(x) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float):
+        return _f(x)
+    return json.dumps(x) if isinstance(x, (list, dict)) else str(x)
+
+
+def _short(p) -> str:
+    """A model path shown by its last two components: the cache root says nothing."""
+    if not p:
+        return ""
+    parts = str(p).rstrip("/").split("/")
+    return "/".join(parts[-2:]) if len(parts) > 2 else str(p)
+
+
+def _version() -> str:
+    from specscope import __version__
+
+    return __version__
+
+
+CSS = """
+body{font:14px/1.45 system-ui,-apple-system,'Segoe UI',Roboto,sans-serif;color:#222;margin:0;background:#fafafa}
+main{max-width:1000px;margin:0 auto;padding:16px 20px 40px;background:#fff}
+h1{font-size:22px;margin:8px 0 4px}h2{font-size:17px;margin:28px 0 8px;border-bottom:1px solid #ddd;padding-bottom:3px}
+.meta,.note{color:#666;font-size:12.5px}
+figure{margin:8px 0}img{max-width:100%;height:auto;display:block}
+.pair{display:flex;flex-wrap:wrap;gap:0}.pair figure{flex:1 1 480px;min-width:0}
+table{border-collapse:collapse;width:100%;table-layout:auto;font-size:12.5px;margin:6px 0}
+th,td{border-bottom:1px solid #eee;padding:3px 6px;text-align:left;vertical-align:top;
+overflow-wrap:anywhere;word-break:break-word}
+th{background:#f3f3f3;font-weight:600}td.n,th.n{text-align:right;white-space:nowrap}
+code{font-size:12px;white-space:nowrap}.k{white-space:nowrap}small{color:#555}.good{color:#1a7f37;font-weight:600}.bad{color:#c62828;font-weight:600}
+.dim{color:#888}details{margin:6px 0}summary{cursor:pointer;color:#333}ul{margin:4px 0 8px 18px;padding:0}
+"""
+
+PAGE = """<!doctype html>
+<html lang="en"><head><meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<title>{title}</title><style>{css}</style></head>
+<body><main>
+{body}
+</main></body></html>
+"""

@@ -1,0 +1,244 @@
+"""The report's charts: matplotlib (headless Agg) figures encoded as inline PNG data.
+
+Each function takes run records (registry dicts) and returns PNG bytes, or None when no run has what the chart
+needs. Widths are fixed in pixels (figsize × DPI) so that the page never scrolls sideways.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+
+from specscope.profile.cycle import PHASE_LABELS, TOP_PHASES
+
+DPI = 100
+WIDTH_IN = 9.6                      # 960 px: the page's content width
+PHASE_COLORS = {"draft": "#4c78a8", "verify": "#e45756", "accept": "#72b7b2", "commit": "#54a24b",
+                "decode": "#f58518", "other": "#b8b8b8"}
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def png(fig) -> bytes:
+    buf = io.BytesIO()
+    fig.tight_layout()
+    fig.savefig(buf, format="png", dpi=DPI)
+    _plt().close(fig)
+    return buf.getvalue()
+
+
+def label(rec: dict) -> str:
+    """Short run label for legends and axes: kind, drafter and id prefix."""
+    cfg = rec.get("config") or {}
+    kind = rec.get("kind") or "run"
+    draft = cfg.get("draft")
+    if draft:
+        draft = str(draft).rstrip("/").split("/")[-1]
+        shape = f" s{cfg['steps']}k{cfg['topk']}n{cfg['draft_tokens']}" if cfg.get("steps") and cfg.get("topk") \
+            and cfg.get("draft_tokens") else ""
+        kind = f"{draft}{shape}"
+    rid = (rec.get("id") or "")[:8]
+    return f"{kind} · {rid}" if rid else kind
+
+
+def _num(v):
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else None
+
+
+def top_phases(rec: dict) -> dict[str, float]:
+    """{phase: mean ms per cycle} of a run's top-level phases, in display order."""
+    ph = (rec.get("results") or {}).get("phases") or {}
+    out = {}
+    for name in list(TOP_PHASES) + sorted(ph):
+        v = ph.get(name)
+        if "." in name or name in out or not isinstance(v, dict) or _num(v.get("mean_ms")) is None:
+            continue
+        out[name] = float(v["mean_ms"])
+    return out
+
+
+def cycle_breakdown(runs: list[dict]) -> bytes | None:
+    """Stacked bars per run: ms per cycle by phase (left) and ms per generated token = cycle ÷ τ (right)."""
+    rows = [(r, top_phases(r)) for r in runs]
+    rows = [(r, p) for r, p in rows if p]
+    if not rows:
+        return None
+    plt = _plt()
+    h = 1.6 + 0.55 * len(rows)
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(WIDTH_IN, h), sharey=True)
+    names = [label(r) for r, _ in rows]
+    ys = list(range(len(rows)))[::-1]
+    used = []
+    for ax, per_token in ((a1, False), (a2, True)):
+        left = [0.0] * len(rows)
+        for ph in list(TOP_PHASES) + sorted({k for _, p in rows for k in p} - set(TOP_PHASES)):
+            vals = []
+            for r, p in rows:
+                tau = _num((r.get("results") or {}).get("accept_length")) or 1.0
+                vals.append(p.get(ph, 0.0) / (tau if per_token else 1.0))
+            if not any(vals):
+                continue
+            if ph not in used:
+                used.append(ph)
+            ax.barh(ys, vals, left=left, color=PHASE_COLORS.get(ph, "#9d755d"), height=0.6,
+                    label=PHASE_LABELS.get(ph, ph) if per_token is False else None)
+            left = [a + b for a, b in zip(left, vals)]
+        for y, total in zip(ys, left):
+            ax.text(total, y, f" {total:.2f}", va="center", fontsize=8)
+        ax.set_xlim(0, max(left) * 1.18 if max(left) > 0 else 1)
+        ax.grid(axis="x", alpha=0.3)
+        ax.set_xlabel("ms per generated token (cycle ÷ τ)" if per_token else "ms per cycle")
+    a1.set_yticks(ys)
+    a1.set_yticklabels(names, fontsize=8)
+    a1.set_title("time per cycle, by phase", fontsize=10)
+    a2.set_title("time per token (lower is faster)", fontsize=10)
+    fig.legend(loc="lower center", ncol=len(used), fontsize=8, frameon=False, bbox_to_anchor=(0.5, 0.0))
+    fig.tight_layout(rect=(0, 0.12 if len(rows) < 3 else 0.07, 1, 1))
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=DPI)
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def _spec_runs(runs):
+    return [r for r in runs if ((r.get("results") or {}).get("accept_length_hist")
+                                and (r.get("results") or {}).get("drafted_tokens"))]
+
+
+def tau_histogram(runs: list[dict]) -> bytes | None:
+    """Share of cycles yielding τ = 1, 2, ... tokens, per speculative run, mean τ dashed."""
+    spec = _spec_runs(runs)
+    if not spec:
+        return None
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(WIDTH_IN / 2, 3.4))
+    keys = sorted({int(k) for r in spec for k in r["results"]["accept_length_hist"]})
+    xs = list(range(min(keys), max(keys) + 1))
+    w = 0.8 / len(spec)
+    for i, r in enumerate(spec):
+        hist = {int(k): v for k, v in r["results"]["accept_length_hist"].items()}
+        n = sum(hist.values()) or 1
+        off = (i - (len(spec) - 1) / 2) * w
+        ax.bar([x + off for x in xs], [100.0 * hist.get(x, 0) / n for x in xs], width=w, color=f"C{i}",
+               label=label(r))
+        tau = _num(r["results"].get("accept_length"))
+        if tau:
+            ax.axvline(tau, color=f"C{i}", ls="--", lw=1)
+            ax.text(tau, 0.97 - 0.07 * i, f" mean τ = {tau:.2f}", color=f"C{i}", fontsize=8, va="top",
+                    transform=ax.get_xaxis_transform())
+    ax.set_xticks(xs)
+    ax.set_xlabel("τ: tokens produced per cycle (accepted + bonus)")
+    ax.set_ylabel("% of cycles")
+    ax.set_title("accept length τ", fontsize=10)
+    ax.grid(axis="y", alpha=0.3)
+    if len(spec) > 1:
+        ax.legend(fontsize=7)
+    return png(fig)
+
+
+def per_position(runs: list[dict]) -> bytes | None:
+    """Acceptance per draft position: unconditional (solid) and conditional on the previous one (dashed)."""
+    spec = [r for r in runs if (r.get("results") or {}).get("per_position_acceptance")]
+    if not spec:
+        return None
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(WIDTH_IN / 2, 3.4))
+    for i, r in enumerate(spec):
+        res = r["results"]
+        u = [_num(x) for x in res["per_position_acceptance"]]
+        c = [_num(x) for x in res.get("per_position_acceptance_conditional") or []]
+        xs = list(range(1, len(u) + 1))
+        ax.plot(xs, [100 * x if x is not None else math.nan for x in u], "o-", color=f"C{i}",
+                label=f"{label(r)}: reached and accepted")
+        if c:
+            ax.plot(xs[:len(c)], [100 * x if x is not None else math.nan for x in c], "s--", color=f"C{i}",
+                    alpha=0.7, label=f"{label(r)}: given the previous accepted")
+    ax.set_ylim(0, 105)
+    ax.set_xlabel("draft position (1 = first drafted token)")
+    ax.set_ylabel("acceptance, % of cycles")
+    ax.set_title("per-position acceptance", fontsize=10)
+    ax.set_xticks(range(1, max(len(r["results"]["per_position_acceptance"]) for r in spec) + 1))
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    return png(fig)
+
+
+def verify_curve(curve: dict) -> bytes | None:
+    """A verify_curve run: median forward time vs query tokens per context, with the piecewise fit."""
+    from specscope.economics.verify_curve import PiecewiseFit
+
+    res = curve.get("results") or {}
+    points, fits = res.get("points") or [], res.get("fits") or {}
+    if not points or not fits:
+        return None
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(WIDTH_IN, 3.8))
+    for i, L in enumerate(sorted({p["context"] for p in points})):
+        pts = sorted((p for p in points if p["context"] == L), key=lambda p: p["tokens"])
+        ns, med = [p["tokens"] for p in pts], [p["median_ms"] for p in pts]
+        err = [[m - p.get("p10_ms", m) for m, p in zip(med, pts)], [p.get("p90_ms", m) - m for m, p in zip(med, pts)]]
+        ax.errorbar(ns, med, yerr=err, fmt="o", color=f"C{i}", capsize=3, label=f"context {L} tokens (measured)")
+        if str(L) in fits:
+            fit = PiecewiseFit.from_dict(fits[str(L)])
+            lo, hi = min(ns), max(ns)
+            xs = [lo * (hi / lo) ** (j / 200) for j in range(201)]
+            ax.plot(xs, [fit(x) for x in xs], "-", color=f"C{i}", alpha=0.7,
+                    label=f"fit: flat {fit.flat_ms:.1f} ms to n≈{fit.knee:.0f}, then +{fit.slope_ms:.2f} ms/token")
+            if fit.slope_ms > 0 and lo < fit.knee < hi:
+                ax.axvline(fit.knee, color=f"C{i}", ls=":", alpha=0.6)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("query tokens n verified in one forward (log scale)")
+    ax.set_ylabel("target forward, ms (median, p10–p90)")
+    ax.set_title(f"verify cost T(n) · run {(curve.get('id') or '')[:8]} (dotted: knee)", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return png(fig)
+
+
+def breakeven(items: list[dict]) -> bytes | None:
+    """Speedup vs τ for each analysed speculative run: S(τ) = τ · T_decode / T_cycle, with the break-even τ
+    (S = 1), the most a cycle can yield (steps + 1) and the measured point. items: {"run", "analysis"} where
+    analysis is `breakeven()`'s result plus decode_ms, steps and the measured tau/speedup."""
+    items = [it for it in items if it.get("analysis") and "error" not in it["analysis"]]
+    if not items:
+        return None
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(WIDTH_IN, 3.8))
+    top = 1.0
+    for i, it in enumerate(items):
+        a = it["analysis"]
+        mx = a["max_accept_length"]
+        cyc, dec = a["cycle_ms"], a["decode_ms"]
+        xs = [1 + (mx - 1) * j / 100 for j in range(101)]
+        ys = [x * dec / cyc for x in xs]
+        top = max(top, max(ys))
+        c = f"C{i}"
+        ax.plot(xs, ys, "-", color=c, label=f"{label(it['run'])}: model τ·T_decode/T_cycle "
+                                           f"({dec:.1f} ms/token vs {cyc:.1f} ms/cycle)")
+        need = a["break_even_accept_length"]
+        if need <= mx:
+            ax.axvline(need, color=c, ls=":", alpha=0.8)
+            ax.text(need, 0.97 - 0.07 * i, f" break-even τ = {need:.2f}", color=c, fontsize=8, va="top",
+                    transform=ax.get_xaxis_transform())
+        tau = _num(a.get("measured_accept_length"))
+        sp = _num(a.get("speedup"))
+        if tau is not None and sp is not None:
+            top = max(top, sp)
+            ax.plot([tau], [sp], "*", color=c, ms=14, mec="black", label=f"measured: τ={tau:.2f}, {sp:.2f}×")
+    ax.axhline(1.0, color="gray", lw=1)
+    right = max(it["analysis"]["max_accept_length"] for it in items)
+    ax.text(right, 1.0, "plain decoding (1×)", fontsize=8, color="gray", va="bottom", ha="right")
+    ax.set_ylim(0, top * 1.15)
+    ax.set_xlabel("τ: tokens per cycle (accepted drafts + bonus); the line ends at steps + 1")
+    ax.set_ylabel("speedup over plain decoding (×)")
+    ax.set_title("break-even: speculation pays above 1×", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(0, 0.88))
+    return png(fig)

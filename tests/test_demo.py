@@ -1,0 +1,150 @@
+"""`specscope demo` end to end on a tiny random target with a random EAGLE-3 drafter (and n-gram): the runs land
+in the registry, linked, with per-prompt stats; the report holds its charts; bad input ends in one clear line.
+The real SmolLM2 demo is in test_demo_smollm2.py (slow)."""
+
+import json
+import re
+
+import pytest
+
+from specscope.cli import main
+from specscope.registry import open_registry
+from spec_helpers import random_eagle3
+from tiny import make_hf_model, make_tiny_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from specscope.models import load_model
+    from specscope.spec.formats import save_drafter
+
+    d = tmp_path_factory.mktemp("demo-target")
+    make_hf_model(d, "llama", layers=4)
+    make_tiny_tokenizer(d)
+    target = load_model(d, dtype="fp32")
+    drafter_dir = tmp_path_factory.mktemp("demo-drafter")
+    save_drafter(random_eagle3(target, draft_vocab=60), drafter_dir)
+    return d, drafter_dir
+
+
+def cli(capsys, *args):
+    capsys.readouterr()
+    code = 0
+    try:
+        main([str(a) for a in args])
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def one_error_line(code, err):
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert code == 2, err
+    assert len(lines) == 1, err
+    assert lines[0].startswith("error: ") and "Traceback" not in err
+    return lines[0]
+
+
+def images(html: str) -> list[str]:
+    return re.findall(r'<img alt="([^"]+)" src="data:image/png;base64,([A-Za-z0-9+/=]{200,})"', html)
+
+
+def test_demo_eagle3_end_to_end(tiny, tmp_path, capsys):
+    target, drafter = tiny
+    out = tmp_path / "demo"
+    code, stdout, err = cli(capsys, "demo", "--model", target, "--draft", drafter, "--prompts", 2,
+                            "--max-new-tokens", 10, "--steps", 3, "--topk", 2, "--out", out, "--threads", 1)
+    assert code == 0, err
+    # the summary: speedup, τ, the profile lines, the break-even, where things went and what to try next
+    for needle in ("Speedup:", "τ =", "Target verify:", "Draft:", "break-even needs τ", "baseline run",
+                   "speculative run", "Report:", "specscope compare", "specscope breakeven --run",
+                   "specscope tune --run", "specscope report"):
+        assert needle in stdout, needle
+    summary = json.loads((out / "summary.json").read_text())
+    runs = summary["runs"]
+    with open_registry() as reg:
+        base, spec, curve = (reg.get_run(runs[k]) for k in ("baseline", "speculative", "verify_curve"))
+    assert (base["kind"], spec["kind"], curve["kind"]) == ("baseline", "speculative", "verify_curve")
+    assert spec["config"]["baseline_run"] == base["id"] and spec["config"]["verify_curve_run"] == curve["id"]
+    assert (spec["config"]["steps"], spec["config"]["topk"]) == (3, 2) and "demo" in spec["tags"]
+    assert spec["config"]["draft_hash"]          # the drafter's weights are hashed into the record
+    for rec in (base, spec):
+        pp = rec["samples"]["per_prompt"]
+        assert len(pp) == 2 and all(p["tokens"] >= 1 for p in pp)
+        assert rec["results"]["phases"] and rec["results"]["tok_per_s"] > 0
+        assert rec["samples"]["cycle_ms"]
+    assert "draft" in spec["results"]["phases"] and "verify" in spec["results"]["phases"]
+    assert "decode" in base["results"]["phases"]
+    assert spec["results"]["accept_length"] >= 1.0
+    # greedy speculative decoding is lossless: the same tokens as plain decoding
+    assert summary["identical_outputs"] == 2
+    assert summary["speedup"] == pytest.approx(spec["results"]["tok_per_s"] / base["results"]["tok_per_s"], rel=1e-3)
+    assert summary["breakeven"]["break_even_accept_length"] > 0
+    html = (out / "report.html").read_text()
+    alts = [a for a, _ in images(html)]
+    assert len(alts) == 5, alts
+    for want in ("cycle time breakdown", "histogram of τ", "per-position acceptance", "break-even",
+                 "verify cost curve"):
+        assert any(want in a for a in alts), want
+    for h2 in ("Runs", "Where the time goes", "Acceptance", "Break-even", "Verify cost", "Compare", "Per prompt",
+               "Environment"):
+        assert f"<h2>{h2}</h2>" in html, h2
+    assert base["id"] in html and spec["id"] in html
+    assert "http://" not in html and "https://" not in html    # self-contained: nothing to fetch
+
+
+def test_demo_ngram_json(tiny, tmp_path, capsys):
+    target, _ = tiny
+    code, stdout, err = cli(capsys, "demo", "--model", target, "--draft", "ngram", "--prompts", 1,
+                            "--max-new-tokens", 6, "--out", tmp_path / "d", "--no-verify-curve", "--json",
+                            "--threads", 1)
+    assert code == 0, err
+    res = json.loads(stdout)
+    assert res["runs"]["verify_curve"] is None and res["draft"] == "ngram"
+    assert res["prompts"] == 1 and res["identical_outputs"] == 1
+    with open_registry() as reg:
+        assert reg.count() == 2
+        spec = reg.get_run(res["runs"]["speculative"])
+    assert spec["config"]["draft"] == "ngram" and spec["config"]["draft_hash"] is None
+    html = (tmp_path / "d" / "report.html").read_text()
+    assert "<h2>Verify cost</h2>" not in html and len(images(html)) == 4
+
+
+def test_demo_missing_shipped_drafter_is_one_clear_line(tiny, tmp_path, capsys, monkeypatch):
+    import specscope.spec.decode as decode
+
+    monkeypatch.setattr(decode, "ASSETS", tmp_path / "no-drafters")
+    code, _, err = cli(capsys, "demo", "--model", tiny[0], "--prompts", 1, "--max-new-tokens", 4,
+                       "--out", tmp_path / "d")
+    line = one_error_line(code, err)
+    assert "smollm2-135m-eagle3" in line and "--draft ngram" in line
+    with open_registry() as reg:
+        assert reg.count() == 0
+
+
+@pytest.mark.parametrize("args,needle", [
+    (("--draft", "ngram", "--topk", "2"), "--topk 1"),
+    (("--draft", "no-such-drafter"), "not found"),
+    (("--prompts", "0"), "--prompts"),
+    (("--max-new-tokens", "1"), "--max-new-tokens"),
+])
+def test_demo_bad_input(tiny, tmp_path, capsys, args, needle):
+    code, _, err = cli(capsys, "demo", "--model", tiny[0], "--out", tmp_path / "d", *args)
+    assert needle in one_error_line(code, err)
+
+
+def test_pick_prompts_spreads_over_mt_bench_categories():
+    from specscope.demo import pick_prompts
+
+    prompts, name = pick_prompts(5)
+    assert [p["category"] for p in prompts] == ["writing", "roleplay", "reasoning", "math", "coding"]
+    assert "mt_bench" in name and all(p["prompt"] for p in prompts)
+
+
+def test_pick_prompts_falls_back_without_the_spec_bench_file(tmp_path, monkeypatch):
+    from specscope.demo import FALLBACK_PROMPTS, pick_prompts
+
+    monkeypatch.setenv("SPECSCOPE_SPEC_BENCH", str(tmp_path / "missing.jsonl"))
+    prompts, name = pick_prompts(3)
+    assert "built-in" in name and [p["prompt"] for p in prompts] == list(FALLBACK_PROMPTS[:3])

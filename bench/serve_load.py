@@ -18,6 +18,7 @@ import platform
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -34,7 +35,8 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
            "--threads", str(args.threads), "--device", args.device, "--max-queue", str(max(args.clients, 1) * 2)]
     if args.draft:
         cmd += ["--draft", args.draft]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    err = tempfile.TemporaryFile(mode="w+")  # a file, not a pipe nobody drains (which could block the server)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True)
     url = {}
     ready = threading.Event()
 
@@ -47,7 +49,8 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
     threading.Thread(target=read, daemon=True).start()
     if not ready.wait(args.start_timeout):
         proc.kill()
-        sys.exit(f"server did not start: {proc.stderr.read()[-2000:]}")
+        err.seek(0)
+        sys.exit(f"server did not start: {err.read()[-2000:]}")
     return proc, url["u"]
 
 

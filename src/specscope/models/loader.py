@@ -186,8 +186,11 @@ def load_state_checked(model: torch.nn.Module, ours: dict[str, torch.Tensor], wh
     model.load_state_dict(ours, strict=False)
 
 
-def load_model(path: str | Path, dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu"):
-    """Load a HF checkpoint directory. Returns our Transformer in eval mode on `device` in `dtype`."""
+def load_model(path: str | Path, dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu",
+               pack: bool | None = None):
+    """Load a HF checkpoint directory. Returns our Transformer in eval mode on `device` in `dtype`.
+
+    pack (default: on for CPU): linear weights pre-packed for oneDNN (models/linear.py), inference only."""
     from specscope.models.llama import Transformer
 
     path = Path(path)
@@ -211,4 +214,8 @@ def load_model(path: str | Path, dtype: torch.dtype | str | None = None, device:
     model.rope = model.rope.float()
     model.eval().requires_grad_(False)
     model.source_path = str(path)
+    if pack if pack is not None else device.type == "cpu":
+        from specscope.models.linear import pack_linears
+
+        pack_linears(model)
     return model

@@ -44,6 +44,11 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of x with cos/sin broadcastable to it, already in x's dtype."""
+    return x * cos + rotate_half(x) * sin
+
+
 def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     """q, k: [B, H, T, D]; cos, sin: [B, 1, T, D] already in q's dtype."""
-    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+    return rotate(q, cos, sin), rotate(k, cos, sin)

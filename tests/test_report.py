@@ -1,0 +1,159 @@
+"""`specscope report`: runs made by the real engine and profiler on a tiny model, stored, then reported. Which
+charts appear depends on what the runs hold; links pull in baselines and verify curves; bad input is one line."""
+
+import json
+import re
+
+import pytest
+
+from specscope.cli import main
+from specscope.registry import make_record, open_registry
+from tiny import make_hf_model
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    from specscope.models import load_model
+
+    d = tmp_path_factory.mktemp("report-target")
+    make_hf_model(d, "llama", layers=2)
+    return load_model(d, dtype="fp32")
+
+
+def _profiled(target, draft: bool, steps: int = 3):
+    from specscope.engine.generate import generate
+    from specscope.profile import CycleProfiler
+    from specscope.spec.decode import SpecConfig, build_drafter, speculative_generate
+
+    prof = CycleProfiler()
+    prompt = [5, 6, 7, 5, 6, 7, 5, 6]       # repetitive: n-gram drafting gets some acceptance
+    if draft:
+        cfg = SpecConfig(steps, 1, steps + 1)
+        speculative_generate(target, build_drafter("ngram", target), prompt, 24, None, (), cfg, profiler=prof)
+        config = {"model": "tiny", "draft": "ngram", "steps": steps, "topk": 1, "draft_tokens": steps + 1}
+        return make_record("speculative", f"ngram s{steps}", config=config, profiler=prof)
+    generate(target, prompt, 24, None, (), profiler=prof)
+    return make_record("baseline", "plain", config={"model": "tiny", "draft": None}, profiler=prof)
+
+
+def _curve(target):
+    from specscope.economics.verify_curve import measure_curve
+
+    res = measure_curve(target, [32], [1, 2, 4, 8], warmup=0, repeats=2)
+    return make_record("verify_curve", "curve", config={"model": "tiny"},
+                       results={"points": res["points"], "fits": res["fits"]})
+
+
+@pytest.fixture
+def stored(target):
+    """baseline B, speculative S (linked to B and the curve C), a second speculative S2, an ingested-style run I."""
+    b, c = _profiled(target, False), _curve(target)
+    s, s2 = _profiled(target, True, 3), _profiled(target, True, 2)
+    s2["name"] = "<script>alert(1)</script>"
+    ing = make_record("ingest", "sglang log", config={"engine": "sglang"},
+                      results={"tok_per_s": 120.0, "accept_length": 2.4}, env={"host": "gpu-box"})
+    with open_registry() as reg:
+        ids = {"B": reg.add_run(b), "C": reg.add_run(c)}
+        s["config"].update(baseline_run=ids["B"], verify_curve_run=ids["C"])
+        ids["S"] = reg.add_run(s)
+        ids["S2"] = reg.add_run(s2)
+        ids["I"] = reg.add_run(ing)
+    return ids
+
+
+def cli(capsys, *args):
+    capsys.readouterr()
+    code = 0
+    try:
+        main([str(a) for a in args])
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def alts(html):
+    return re.findall(r'<img alt="([^"]+)" src="data:image/png;base64,[A-Za-z0-9+/=]{200,}"', html)
+
+
+def sections(html):
+    return re.findall(r"<h2>([^<]+)</h2>", html)
+
+
+def test_one_speculative_run_pulls_in_its_baseline_and_curve(stored, tmp_path, capsys):
+    out = tmp_path / "r.html"
+    code, stdout, err = cli(capsys, "report", stored["S"], "-o", out, "--json")
+    assert code == 0, err
+    res = json.loads(stdout)
+    assert res["runs"] == [stored["S"]] and sorted(res["linked"]) == sorted([stored["B"], stored["C"]])
+    html = out.read_text()
+    a = alts(html)
+    assert len(a) == 5, a
+    assert sections(html) == ["Runs", "Where the time goes", "Acceptance", "Break-even", "Verify cost",
+                              "Environment"]       # one run: no compare table
+    # the break-even is computed against the linked baseline's decode time
+    assert "plain decoding:" in html
+    assert "break-even needs τ" in html or "break-even is impossible" in html
+
+
+def test_several_runs_get_a_compare_table_and_escaped_names(stored, tmp_path, capsys):
+    out = tmp_path / "r.html"
+    code, stdout, err = cli(capsys, "report", stored["B"], stored["S"], stored["S2"], "-o", out)
+    assert code == 0, err
+    assert stdout.startswith("wrote ")
+    html = out.read_text()
+    assert "Compare" in sections(html)
+    assert "(reference)" in html and "ms/cycle" in html
+    assert "<script>alert" not in html and "&lt;script&gt;alert(1)&lt;/script&gt;" in html
+    a = alts(html)
+    assert any("cycle time breakdown" in x for x in a) and any("histogram of τ" in x for x in a)
+    # breakdown, τ, per position, break-even (S, against B) and S's linked verify curve
+    assert len(a) == 5, a
+    # S2 has no baseline: its break-even says what is missing instead of a chart line
+    assert "lacks" in html and "plain decode time per token" in html
+
+
+def test_runs_without_phases_still_report(stored, tmp_path, capsys):
+    out = tmp_path / "r.html"
+    code, _, err = cli(capsys, "report", stored["I"], "-o", out)
+    assert code == 0, err
+    html = out.read_text()
+    assert alts(html) == []
+    assert "No per-phase timings" in html and "gpu-box" in html
+
+
+def test_environments_that_differ_are_shown_side_by_side(stored, tmp_path, capsys):
+    out = tmp_path / "r.html"
+    code, _, err = cli(capsys, "report", stored["B"], stored["I"], "-o", out)
+    assert code == 0, err
+    html = out.read_text()
+    assert "2 environments" in html and "<b>gpu-box</b>" in html
+
+
+def test_verify_curve_run_alone(stored, tmp_path, capsys):
+    out = tmp_path / "r.html"
+    code, _, err = cli(capsys, "report", stored["C"], "-o", out)
+    assert code == 0, err
+    html = out.read_text()
+    assert [a for a in alts(html)] == ["verify cost curve with piecewise fit"]
+    assert "context 32:" in html
+
+
+@pytest.mark.parametrize("args,needle", [
+    ((), "at least one run"),
+    (("zzzz",), "no run 'zzzz'"),
+    (("ab",), "too short"),
+])
+def test_bad_input_is_one_line(stored, tmp_path, capsys, args, needle):
+    code, _, err = cli(capsys, "report", *args, "-o", tmp_path / "r.html")
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], err
+    assert not (tmp_path / "r.html").exists()
+
+
+def test_unwritable_output_is_one_line(stored, tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    code, _, err = cli(capsys, "report", stored["B"], "-o", blocker / "r.html")
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert code == 2 and len(lines) == 1 and "cannot write the report" in lines[0], err

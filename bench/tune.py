@@ -22,6 +22,26 @@ ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_PROMPTS = Path("/work/shared/data/spec_bench_question.jsonl")
 
 
+def layerskip_drafter(model_dir: Path, layers: int, cache: Path) -> Path:
+    """A stand-in draft model for when no trained drafter is shipped: the target's first `layers` decoder layers
+    with its final norm and lm_head (early exit, as in LayerSkip / Draft & Verify). Written once to `cache`."""
+    from safetensors.torch import load_file, save_file
+
+    out = cache / f"{model_dir.name}-layerskip{layers}"
+    if (out / "model.safetensors").exists():
+        return out
+    cfg = json.loads((model_dir / "config.json").read_text())
+    if not 1 <= layers < cfg["num_hidden_layers"]:
+        raise SystemExit(f"layerskip:{layers}: the target has {cfg['num_hidden_layers']} layers")
+    cfg["num_hidden_layers"] = layers
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    st = load_file(str(model_dir / "model.safetensors"))
+    keep = {k: v for k, v in st.items() if not k.startswith("model.layers.") or int(k.split(".")[2]) < layers}
+    save_file(keep, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
 def pick(rows, n_chain: int, n_tree: int):
     """The best predicted chains and trees (each list best first)."""
     chains = [r for r in rows if r["topk"] == 1][:n_chain]
@@ -32,7 +52,8 @@ def pick(rows, n_chain: int, n_tree: int):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--draft", default="smollm2-135m-eagle3")
+    ap.add_argument("--draft", default="smollm2-135m-eagle3",
+                    help="drafter name or directory; layerskip:K = the target's first K layers as a stand-in")
     ap.add_argument("--prompts", default=str(DEFAULT_PROMPTS) if DEFAULT_PROMPTS.exists() else None)
     ap.add_argument("--num-prompts", type=int, default=3)
     ap.add_argument("--max-new-tokens", type=int, default=64)
@@ -45,6 +66,9 @@ def main(argv=None) -> int:
     ap.add_argument("--stat", default="median", choices=["median", "mean"])
     ap.add_argument("--dtype", default="fp32")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--passes", type=int, default=1,
+                    help="measure the chosen configurations this many times, alternating their order, and average "
+                         "(cancels load that drifts over the run)")
     ap.add_argument("--db", default=None)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "tune.json"))
     ap.add_argument("--plot-dir", default=str(ROOT / "bench" / "results"))
@@ -67,14 +91,19 @@ def main(argv=None) -> int:
     t_start = time.time()
     log = lambda m: print(f"[{time.time() - t_start:6.0f}s] {m}", file=sys.stderr, flush=True)  # noqa: E731
     target, tok, path = load_target(args.model, args.dtype, args.device)
-    drafter = build_drafter(args.draft, target, args.dtype, args.device)
+    draft = args.draft
+    if draft.startswith("layerskip:"):
+        from specscope.models.hub import cache_dir
+
+        draft = str(layerskip_drafter(Path(path), int(draft.split(":")[1]), cache_dir() / "standin"))
+    drafter = build_drafter(draft, target, args.dtype, args.device)
     prompts = read_prompts(args.prompts, args.num_prompts)
     ids = encode_prompts(tok, prompts)
     stop = stop_ids_for(target, tok)
     s, k, n = (int(x) for x in args.profile.split(","))
     cfg = SpecConfig(s, k, n)
     cfg.validate()
-    config = {"model": str(path), "draft": args.draft, "dtype": args.dtype, "device": args.device,
+    config = {"model": str(path), "draft": draft, "draft_spec": args.draft, "dtype": args.dtype, "device": args.device,
               "threads": torch.get_num_threads(), "prompts": prompts, "prompt_set_hash": prompt_set_hash(prompts),
               "max_new_tokens": args.max_new_tokens, "sampling": {"temperature": 0.0}}
 
@@ -101,10 +130,20 @@ def main(argv=None) -> int:
     chosen = pick(rows, args.chains, args.trees)
     log(f"{len(rows)} configurations predicted; measuring {len(chosen)}: "
         + ", ".join(f"s{r['steps']}k{r['topk']}n{r['draft_tokens']}={r['speedup']:.2f}x" for r in chosen))
-    measured = validate(target, drafter, ids, [(r["steps"], r["topk"], r["draft_tokens"]) for r in chosen],
-                        args.max_new_tokens, stop,
-                        progress=lambda m: log(f"measured s{m['steps']}k{m['topk']}n{m['draft_tokens']}: "
-                                               f"{m['measured']:.2f}x, τ {m['measured_tau']:.2f}"))
+    picks = [(r["steps"], r["topk"], r["draft_tokens"]) for r in chosen]
+    passes = []
+    for i in range(max(1, args.passes)):
+        order = picks if i % 2 == 0 else picks[::-1]
+        got = validate(target, drafter, ids, order, args.max_new_tokens, stop,
+                       progress=lambda m: log(f"measured s{m['steps']}k{m['topk']}n{m['draft_tokens']}: "
+                                              f"{m['measured']:.2f}x, τ {m['measured_tau']:.2f}"))
+        passes.append({(m["steps"], m["topk"], m["draft_tokens"]): m for m in got})
+    measured = []
+    for c in picks:
+        ms = [p[c] for p in passes]
+        avg = {k_: statistics.mean(m[k_] for m in ms) for k_ in ("measured", "measured_tau", "ms_per_token",
+                                                                  "baseline_ms_per_token")}
+        measured.append({**ms[0], **avg, "passes": [m["measured"] for m in ms]})
     table = []
     for r, m in zip(chosen, measured):
         table.append({"label": f"s{r['steps']} k{r['topk']} n{r['draft_tokens']}", "shape": r["shape"],
@@ -114,7 +153,8 @@ def main(argv=None) -> int:
                       "predicted_tau": r["tau"], "measured_tau": m["measured_tau"],
                       "predicted_cycle_ms": r["cycle_ms"],
                       "measured_cycle_ms": m["ms_per_token"] * m["measured_tau"],
-                      "baseline_ms_per_token": m["baseline_ms_per_token"], "spec_ms_per_token": m["ms_per_token"]})
+                      "baseline_ms_per_token": m["baseline_ms_per_token"], "spec_ms_per_token": m["ms_per_token"],
+                      "measured_per_pass": m["passes"]})
     err = T.error_summary(table)
     tau_errs = [abs(r["predicted_tau"] - r["measured_tau"]) / r["measured_tau"] for r in table]
     plots = [plot_tau_needed(T.best_by_draft_tokens(rows), Path(args.plot_dir) / "tune-tau-needed.png"),

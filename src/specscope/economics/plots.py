@@ -53,19 +53,21 @@ def plot_verify_curve(result: dict, path, title: str = "") -> str:
 
 
 def plot_tau_needed(rows: list[dict], path, title: str = "") -> str:
-    """rows: {draft_tokens, tau_needed, tau_predicted} — break-even τ vs what the drafter achieves."""
+    """rows: {topk, draft_tokens, tau_needed, tau_predicted} — per top-k series, the break-even τ (dashed) beside
+    the τ the drafter is predicted to achieve (solid); speculation pays where solid is above dashed."""
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    rows = sorted(rows, key=lambda r: r["draft_tokens"])
-    xs = [r["draft_tokens"] for r in rows]
-    ax.plot(xs, [r["tau_needed"] for r in rows], "o-", color="C3", label="τ needed to break even")
-    ax.plot(xs, [r["tau_predicted"] for r in rows], "s-", color="C0", label="τ achievable (predicted, best shape)")
-    ax.plot(xs, [r.get("tau_max", float("nan")) for r in rows], ":", color="gray", label="τ max (depth + 1)")
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    for i, k in enumerate(sorted({r.get("topk", 1) for r in rows})):
+        rs = sorted((r for r in rows if r.get("topk", 1) == k), key=lambda r: r["draft_tokens"])
+        xs = [r["draft_tokens"] for r in rs]
+        name = "chain" if k == 1 else f"tree top-k {k}"
+        ax.plot(xs, [r["tau_predicted"] for r in rs], "o-", color=f"C{i}", label=f"{name}: τ achievable")
+        ax.plot(xs, [r["tau_needed"] for r in rs], "x--", color=f"C{i}", alpha=0.8, label=f"{name}: τ needed")
     ax.set_xlabel("draft tokens verified per cycle (incl. root)")
     ax.set_ylabel("tokens per cycle τ")
-    ax.set_title(title or "speculation pays where achievable τ is above needed τ")
+    ax.set_title(title or "speculation pays where achievable τ (solid) is above needed τ (dashed)")
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize=8, ncol=2)
     return _save(fig, path)
 
 

@@ -236,14 +236,16 @@ def rank(acc: AcceptanceModel, cost: CostModel, configs) -> list[dict]:
 
 
 def best_by_draft_tokens(rows: list[dict]) -> list[dict]:
-    """For the 'τ needed vs draft tokens' plot: the best predicted configuration at each verified width."""
+    """For the 'τ needed vs draft tokens' plot: per top-k, the best predicted configuration at each verified width
+    (chains: one per depth)."""
     best = {}
     for r in rows:
-        n = r["verify_tokens"]
-        if n not in best or r["speedup"] > best[n]["speedup"]:
-            best[n] = r
-    return [{"draft_tokens": n, "tau_needed": r["tau_needed"], "tau_predicted": r["tau"], "tau_max": r["tau_max"]}
-            for n, r in sorted(best.items())]
+        key = (r["topk"], r["verify_tokens"])
+        if key not in best or r["speedup"] > best[key]["speedup"]:
+            best[key] = r
+    return [{"topk": k, "draft_tokens": n, "steps": r["steps"], "tau_needed": r["tau_needed"],
+             "tau_predicted": r["tau"], "tau_max": r["tau_max"], "speedup": r["speedup"]}
+            for (k, n), r in sorted(best.items())]
 
 
 def error_summary(rows: list[dict]) -> dict:

@@ -1,0 +1,72 @@
+"""On the real demo model, greedy speculative output equals baseline greedy output (slow).
+
+20 Spec-Bench prompts from different categories, fp32; n-gram drafting always, EAGLE-3 (chain and tree) with the
+shipped drafter when it is present.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from specscope.errors import SpecscopeError
+
+pytestmark = pytest.mark.slow
+QUESTIONS = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench_question.jsonl"
+MAX_NEW = 48
+
+
+def spread_prompts(n=20):
+    if not QUESTIONS.exists():
+        pytest.skip(f"{QUESTIONS} not found")
+    rows = [json.loads(line) for line in QUESTIONS.read_text().splitlines() if line.strip()]
+    by = {}
+    for r in rows:
+        by.setdefault(r["category"], []).append(r["turns"][0])
+    out = []
+    while len(out) < n:  # round-robin over the 13 categories
+        for c in sorted(by):
+            if by[c] and len(out) < n:
+                out.append((c, by[c].pop(0)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def setup():
+    from specscope.engine.session import load_target, stop_ids_for
+
+    try:
+        target, tok, _ = load_target("smollm2-135m", "fp32", "cpu")
+    except SpecscopeError as e:
+        pytest.skip(f"SmolLM2 is unavailable: {e}")
+    return target, tok, stop_ids_for(target, tok)
+
+
+def _drafters(target):
+    from specscope.spec.decode import DEFAULT_DRAFTER, SpecConfig, build_drafter
+
+    out = [("ngram", build_drafter("ngram", target), SpecConfig(4, 1, 5))]
+    try:
+        d = build_drafter(DEFAULT_DRAFTER, target)
+        out += [("eagle3-chain", d, SpecConfig(4, 1, 5)), ("eagle3-tree", d, SpecConfig(4, 4, 12))]
+    except SpecscopeError:
+        pass
+    return out
+
+
+def test_speculative_equals_baseline_on_spec_bench(setup):
+    from specscope.engine.generate import generate
+    from specscope.spec.decode import speculative_generate
+
+    target, tok, stop = setup
+    prompts = spread_prompts()
+    assert len({c for c, _ in prompts}) >= 10
+    mismatches = []
+    for cat, text in prompts:
+        ids = tok.encode(text, chat=True)
+        ref = generate(target, ids, MAX_NEW, stop_ids=stop).token_ids
+        for name, d, cfg in _drafters(target):
+            got = speculative_generate(target, d, ids, MAX_NEW, stop_ids=stop, cfg=cfg).token_ids
+            if got != ref:
+                mismatches.append((name, cat, next(i for i, (a, b) in enumerate(zip(got + [-1], ref + [-2])) if a != b)))
+    assert not mismatches, f"speculative != baseline (drafter, category, first differing index): {mismatches}"

@@ -218,3 +218,24 @@ def test_self_drafting_predicts_full_acceptance(tmp_path):
     assert m["baseline_ms_per_token"] > 0 and m["measured"] == pytest.approx(m["baseline_ms_per_token"]
                                                                               / m["ms_per_token"])
     assert m["measured_tau"] == pytest.approx(4.0)     # 16 decode tokens = 4 full cycles of 4
+
+
+def test_recorded_chain_acceptance_reproduces_measured_tau(tmp_path):
+    """For a chain, offered(d) = accepted(d-1), so the product of recorded rates telescopes to
+    accepted(d)/cycles and the predicted τ of the profiled configuration is exactly the measured one."""
+    from specscope.economics.probe import profile
+    from specscope.models import load_model
+    from specscope.spec.decode import SpecConfig, build_drafter
+
+    make_hf_model(tmp_path / "t")
+    tgt = load_model(tmp_path / "t", dtype="fp32")
+    _perturbed_copy(make_hf_model(tmp_path / "scratch"), tmp_path / "d")
+    drafter = build_drafter(str(tmp_path / "d"), tgt)
+    ids = [[1, 5, 9, 14, 20, 7], [1, 30, 31, 32, 33]]
+    _, srec = profile(tgt, drafter, ids, SpecConfig(3, 1, 4), 20, [], {}, record=False)
+    counts = srec["results"]["acceptance_by_depth_rank"]
+    assert counts["offered"][0][0] == srec["results"]["cycles"]   # every cycle offers a first draft
+    assert 1.2 < srec["results"]["accept_length"] < 3.8          # some drafts accepted, not all
+    acc = AcceptanceModel.from_run(srec)
+    cost = CostModel.from_runs(srec, None, decode_ms=1.0)
+    assert predict(acc, cost, 3, 1, 4)["tau"] == pytest.approx(srec["results"]["accept_length"], abs=1e-4)

@@ -107,7 +107,9 @@ def _print_curve_table(res, ctxs, toks):
     from rich.console import Console
     from rich.table import Table
 
-    t = Table(title="target forward time, ms (median [p10–p90]) and × one-token decode")
+    from rich.markup import escape
+
+    t = Table(title=escape("target forward time, ms: median [p10–p90], and × the one-token time"))
     t.add_column("n tokens", justify="right")
     for L in ctxs:
         t.add_column(f"context {L}", justify="right")
@@ -116,8 +118,8 @@ def _print_curve_table(res, ctxs, toks):
         cells = []
         for L in ctxs:
             p, p1 = by[(L, n)], by[(L, toks[0])]
-            cells.append(f"{p['median_ms']:.2f} [{p['p10_ms']:.2f}–{p['p90_ms']:.2f}] "
-                         f"{p['median_ms'] / p1['median_ms']:.2f}×")
+            cells.append(escape(f"{p['median_ms']:.2f} [{p['p10_ms']:.2f}–{p['p90_ms']:.2f}] "
+                                f"{p['median_ms'] / p1['median_ms']:.2f}×"))
         t.add_row(str(n), *cells)
     Console().print(t)
 

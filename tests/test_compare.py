@@ -42,11 +42,13 @@ def synth(seed, n=300, scale=None, decode=10.0, tau_p=0.6, env_over=None, config
         "cycle_ms": {"mean_ms": T / n},
         "phases": {p: {"mean_ms": float(np.mean(v)), "share": sum(v) / T} for p, v in cm.items()},
         "baseline": {"decode_ms_per_token": float(np.mean(base)), "tok_per_s": 1e3 / float(np.mean(base))},
+        "per_position_acceptance": [float(np.mean([a - 1 > i for a in acc])) for i in range(4)],
     }
     config = {"model": "/m/llama", "model_hash": "fast1:x", "steps": 4, "topk": 1, "draft_tokens": 5,
               "dtype": "bf16", "device": "cuda", **(config_over or {})}
     return {"kind": "bench", "name": name, "config": config, "env": env(**(env_over or {})), "results": results,
-            "samples": {"cycle_ms": cm, "cycle_total_ms": total, "accept_lengths": acc, "baseline_step_ms": base}}
+            "samples": {"cycle_ms": cm, "cycle_total_ms": total, "accept_lengths": acc, "num_draft": [4] * n,
+                        "baseline_step_ms": base}}
 
 
 def rows_by(cmp):
@@ -97,6 +99,8 @@ def test_planted_acceptance_drop_points_at_prompts():
     cmp = compare_runs([a, b])
     rows = rows_by(cmp)
     assert rows["accept_length"]["verdicts"][1] == "worse"
+    assert rows["acceptance.0"]["verdicts"][1] == "worse"
+    assert rows["acceptance.0"]["values"][0] == pytest.approx(a["results"]["per_position_acceptance"][0], abs=1e-4)
     assert rows["phase.verify"]["verdicts"][1] == "no significant change"
     att = cmp["attribution"][0]
     assert att["explains"] == "acceptance (τ)"

@@ -81,6 +81,23 @@ def _metric_defs(runs: list[dict]) -> list[dict]:
     if any(t not in (None, 1, 1.0) for t in taus):
         defs.append(dict(key="accept_length", label="τ (accept length)", higher=True,
                          value=lambda r: res(r, "accept_length"), samples=tau))
+    # unconditional acceptance per draft position (vLLM's definition): position i accepted ⇔ τ - 1 > i
+    depth = max((len(res(r, "per_position_acceptance") or []) for r in runs), default=0)
+    for i in range(min(depth, 8)):
+        def pos_samp(rec, i=i):
+            s = rec.get("samples") or {}
+            acc, nd = s.get("accept_lengths"), s.get("num_draft")
+            if not acc or not nd or len(acc) != len(nd):
+                return None
+            ind = [1.0 if a - 1 > i else 0.0 for a, n in zip(acc, nd) if n > 0]
+            return (ind, _ones(ind)) if ind else None
+
+        def pos_val(rec, i=i):
+            v = res(rec, "per_position_acceptance") or []
+            return v[i] if i < len(v) else None
+
+        defs.append(dict(key=f"acceptance.{i}", label=f"acceptance @{i + 1}", higher=True, value=pos_val,
+                         samples=pos_samp))
     defs.append(dict(key="cycle_ms", label="ms/cycle", higher=False, value=lambda r: res(r, "cycle_ms", "mean_ms"),
                      samples=cyc))
     phases = []

@@ -111,3 +111,20 @@ def test_compare_two_real_runs_and_matrix(tiny_model, capsys):
     assert m["rows"] == ["0.0", "0.7"] and m["cells"][0][0]["runs"] == [a]
     code, _, err = cli(capsys, "compare", a)
     assert code == 2 and "at least two runs" in err
+
+
+def test_speculative_generate_records_phases_and_acceptance(tiny_model, capsys):
+    prompt = "the quick brown fox the quick brown fox the quick brown fox"
+    code, out, err = cli(capsys, "generate", "--model", tiny_model, "--prompt", prompt, "--max-new-tokens", 24,
+                         "--draft", "ngram", "--steps", 3, "--json")
+    assert code == 0, err
+    res = json.loads(out)
+    with open_registry() as reg:
+        rec = reg.get_run(res["run_id"])
+    c, r, s = rec["config"], rec["results"], rec["samples"]
+    assert c["engine"] == "speculative" and c["draft"] == "ngram" and c["steps"] == 3 and c["draft_hash"] is None
+    assert {"draft", "verify", "accept", "commit"} <= set(r["phases"])
+    assert r["accept_length"] == pytest.approx(res["accept_length"], abs=1e-3)
+    assert 1 <= len(r["per_position_acceptance"]) <= 3 and r["drafted_tokens"] > 0
+    assert sum(s["accept_lengths"]) == r["tokens"] and len(s["num_draft"]) == r["cycles"]
+    assert any(l.startswith("Per-position acceptance (unconditional)") for l in res["summary_lines"])

@@ -162,6 +162,7 @@ def test_settings_diff_and_lookup():
     d = settings_diff([a, b])
     assert set(d) == {"config.steps", "env.vars.NCCL_PROTO"}
     assert lookup(b, "steps") == 6 and lookup(b, "NCCL_PROTO") == "Simple"
+    assert lookup(b, "config.steps") == 6 and lookup(b, "env.NCCL_PROTO") == "Simple"     # the README's spelling
     assert lookup(b, "env.gpu.sm_clock_max_mhz") == 1980 and lookup(b, "sm_clock_max_mhz") == 1980
     assert lookup(b, "tok_per_s") == b["results"]["tok_per_s"]
 

@@ -318,10 +318,12 @@ def _out_of_proportion(rows, i, a, b) -> dict | None:
 
 # ---- matrix mode --------------------------------------------------------------------------------------------
 def lookup(rec: dict, key: str):
-    """A setting by a short or full key: "steps", "NCCL_PROTO", "config.steps", "env.gpu.sm_clock_max_mhz"."""
+    """A setting by a short or full key: "steps", "NCCL_PROTO", "env.NCCL_PROTO", "config.steps",
+    "env.gpu.sm_clock_max_mhz", "tok_per_s"."""
     flat = _flat_settings(rec) | {f"results.{k}": v for k, v in flatten(rec.get("results") or {}).items()}
     flat.update({"kind": rec.get("kind"), "name": rec.get("name")})
-    for cand in (key, f"config.{key}", f"env.vars.{key}", f"env.{key}", f"results.{key}"):
+    short_env = f"env.vars.{key[4:]}" if key.startswith("env.") else None      # env.NCCL_PROTO
+    for cand in (key, f"config.{key}", f"env.vars.{key}", f"env.{key}", f"results.{key}", short_env):
         if cand in flat:
             return flat[cand]
     hits = [k for k in flat if k.endswith("." + key)]

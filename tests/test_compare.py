@@ -219,3 +219,11 @@ def test_baseline_measured_alongside_under_a_flat_key():
     assert row["values"] == [round(a["results"]["baseline_decode_ms_per_token"], 4),
                              round(b["results"]["baseline_decode_ms_per_token"], 4)]
     assert row["verdicts"][1].startswith("n/a")
+
+
+def test_cpu_load_difference_is_ranked_for_a_uniform_slowdown():
+    a = synth(40, env_over={"cpu__load_1m": 2})
+    b = synth(41, scale={p: 1.4 for p in PHASES} | {"decode": 1.4}, env_over={"cpu__load_1m": 9,
+                                                                            "git__commit": "e" * 40})
+    att = compare_runs([a, b])["attribution"][0]
+    assert att["likely_causes"][0]["key"] == "env.cpu.load_1m"

@@ -69,6 +69,7 @@ PRIORS: list[tuple[str, float, frozenset, str]] = [
     ("env.cpu.model", 0.9, ALL, "different CPU"),
     ("env.cpu.cores_usable", 0.7, ALL, "different usable CPU cores"),
     ("env.cpu.cgroup_cpu_quota", 0.7, ALL, "different CPU quota"),
+    ("env.cpu.load_1m", 0.7, ALL, "other processes competing for the CPU (load average when recorded)"),
     ("env.cpu.*", 0.5, ALL, "CPU differs"),
     ("env.packages.torch", 0.7, ALL, "different torch version"),
     ("env.packages.specscope", 0.55, ALL, "different specscope version"),

@@ -73,6 +73,12 @@ def _cpu() -> dict:
             out["freq_mhz"], out["freq_max_mhz"] = round(f.current), (round(f.max) or None)
     except Exception:       # psutil cannot read frequencies inside some containers
         pass
+    try:
+        # runnable processes, rounded: on a shared machine competing load is a first-order cause of slowdowns,
+        # and rounding keeps jitter out of the differences `compare` lists
+        out["load_1m"] = round(os.getloadavg()[0])
+    except OSError:
+        out["load_1m"] = None
     quota = _cgroup_cpu_quota()
     if quota:
         out["cgroup_cpu_quota"] = quota

@@ -76,7 +76,9 @@ def _print(res: dict) -> None:
     ids = [r["id"] or f"#{i}" for i, r in enumerate(res["runs"])]
     t = Table(box=None, header_style="bold",
               caption=f"intervals at {res['confidence'] * 100:.2f}% (Bonferroni over rows), block bootstrap over "
-                      f"cycles; changes under {res['min_effect'] * 100:.0f}% are not called", caption_justify="left")
+                      f"cycles; changes under {res['min_effect'] * 100:.0f}% are not called. They cover noise within "
+                      f"a run; drift between runs (load, heat) shows only across repeats (--by, matrix mode)",
+              caption_justify="left")
     t.add_column("metric")
     t.add_column(f"{ids[0]} (ref)", justify="right")
     for rid in ids[1:]:

@@ -81,6 +81,19 @@ def results_from_summary(summary: dict) -> dict:
     }
 
 
+def per_prompt_stats(res, index: int | None = None, **extra) -> dict:
+    """One entry of `samples["per_prompt"]` from a GenerationResult (Spec-Bench's per-question numbers: tok/s
+    over new tokens and wall time with prefill; τ when speculative). `compare` falls back to these for tok/s."""
+    out = {"index": index, "prompt_tokens": res.prompt_len, "new_tokens": res.num_tokens,
+           "seconds": round(res.seconds, 6), "prefill_s": round(res.prefill_s, 6),
+           "tok_per_s": round(res.tok_per_s, 4), "stop_reason": res.stop_reason}
+    if res.extra.get("cycles") is not None:
+        out["cycles"] = res.extra["cycles"]
+        out["accept_length"] = round(res.extra.get("accept_length", 0.0), 4)
+    out.update(extra)
+    return out
+
+
 def make_record(kind: str, name: str = "", config: dict | None = None, profiler=None, results: dict | None = None,
                 samples: dict | None = None, tags=(), env: dict | None = None, **extra) -> dict:
     """A registry record. Results/samples from `profiler` (a CycleProfiler) come first; explicit `results` and

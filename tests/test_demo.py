@@ -94,6 +94,23 @@ def test_demo_eagle3_end_to_end(tiny, tmp_path, capsys):
     assert "http://" not in html and "https://" not in html    # self-contained: nothing to fetch
 
 
+def test_demo_try_next_commands_work(tiny, tmp_path, capsys, monkeypatch):
+    """The commands the demo suggests, run verbatim against the runs it stored."""
+    target, drafter = tiny
+    monkeypatch.chdir(tmp_path)
+    code, stdout, err = cli(capsys, "demo", "--model", target, "--draft", drafter, "--prompts", 1,
+                            "--max-new-tokens", 8, "--no-verify-curve", "--threads", 1)
+    assert code == 0, err
+    assert (tmp_path / "specscope-demo" / "report.html").is_file()
+    suggested = [ln.split("#")[0].split() for ln in stdout.splitlines() if ln.strip().startswith("specscope ")]
+    assert [c[1] for c in suggested] == ["compare", "breakeven", "tune", "report"]
+    for cmd in suggested:
+        code, out, err = cli(capsys, *cmd[1:])
+        assert code == 0, (cmd, err)
+        assert out.strip(), cmd
+    assert (tmp_path / "report.html").is_file()
+
+
 def test_demo_ngram_json(tiny, tmp_path, capsys):
     target, _ = tiny
     code, stdout, err = cli(capsys, "demo", "--model", target, "--draft", "ngram", "--prompts", 1,

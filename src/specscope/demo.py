@@ -162,7 +162,9 @@ def run_demo(opts: DemoOptions, ui: DemoUI | None = None) -> dict:
     config = {"model": str(path), "model_name": opts.model, "dtype": dtype, "device": dev,
               "threads": torch.get_num_threads(), "sampling": {"temperature": 0.0, "greedy": True},
               "max_new_tokens": opts.max_new_tokens, "chat": True, "prompt_set": prompt_set,
-              "prompt_set_hash": _hash([p["prompt"] for p in prompts]), "prompts": len(prompts), "source": "demo"}
+              "prompt_set_hash": _hash([p["prompt"] for p in prompts]), "num_prompts": len(prompts),
+              # the texts, so that `specscope tune --run` re-runs the same prompts
+              "prompts": [p["prompt"] for p in prompts], "source": "demo"}
     curve_rec = None
     if opts.verify_curve:
         ui.stage("measuring the verify-cost curve")

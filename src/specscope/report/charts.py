@@ -194,6 +194,10 @@ def verify_curve(curve: dict) -> bytes | None:
             if fit.slope_ms > 0 and lo < fit.knee < hi:
                 ax.axvline(fit.knee, color=f"C{i}", ls=":", alpha=0.6)
     ax.set_xscale("log", base=2)
+    ticks = sorted({p["tokens"] for p in points})
+    ax.set_xticks(ticks)
+    ax.set_xticklabels([str(t) for t in ticks])
+    ax.minorticks_off()
     ax.set_xlabel("query tokens n verified in one forward (log scale)")
     ax.set_ylabel("target forward, ms (median, p10–p90)")
     ax.set_title(f"verify cost T(n) · run {(curve.get('id') or '')[:8]} (dotted: knee)", fontsize=10)

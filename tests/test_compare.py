@@ -227,3 +227,27 @@ def test_cpu_load_difference_is_ranked_for_a_uniform_slowdown():
                                                                             "git__commit": "e" * 40})
     att = compare_runs([a, b])["attribution"][0]
     assert att["likely_causes"][0]["key"] == "env.cpu.load_1m"
+
+
+def test_benchmarks_compare_per_prompt_tok_s_paired_by_prompt():
+    rng = np.random.default_rng(7)
+    base = rng.uniform(10, 50, 20)                      # prompts differ a lot from each other
+
+    def bench(vals, prompt_hash, seed):
+        r = synth(seed, config_over={"prompt_set_hash": prompt_hash})
+        r["samples"]["per_prompt"] = [{"index": i, "tok_per_s": float(v)} for i, v in enumerate(vals)]
+        r["results"]["tok_per_s"] = float(np.mean(vals))
+        return r
+
+    a = bench(base, "sha256:p", 50)
+    b = bench(base * 1.05 * rng.lognormal(0, 0.01, 20), "sha256:p", 51)
+    rows = rows_by(compare_runs([a, b]))
+    tok = rows["tok_per_s"]
+    assert tok["label"] == "tok/s (per prompt)" and tok["changes"][1]["paired"] is True
+    assert tok["values"][0] == pytest.approx(np.mean(base), abs=1e-3)
+    assert tok["verdicts"][1] == "better"               # +5 % is clear once prompts are paired
+    assert "decode_tok_per_s" in rows
+    # a different prompt set cannot be paired: the same +5 % drowns in prompt-to-prompt spread
+    c = bench(base * 1.05 * rng.lognormal(0, 0.01, 20), "sha256:q", 52)
+    tok = rows_by(compare_runs([a, c]))["tok_per_s"]
+    assert "paired" not in tok["changes"][1] and tok["verdicts"][1] == "no significant change"

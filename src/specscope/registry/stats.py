@@ -18,6 +18,7 @@ import math
 import numpy as np
 
 MIN_SAMPLES = 8
+MIN_PAIRS = 5
 N_BOOT = 4000
 
 
@@ -57,6 +58,22 @@ def ratio_change(num_a, den_a, num_b, den_b, level: float = 0.95, n_boot: int = 
     if len(boot) < n_boot // 2:
         out["reason"] = "degenerate samples"
         return out
+    tail = (1 - level) / 2
+    out["lo"], out["hi"] = (float(x) for x in np.quantile(boot, [tail, 1 - tail]))
+    return out
+
+
+def paired_ratio_change(a, b, level: float = 0.95, n_boot: int = N_BOOT, seed: int = 0) -> dict:
+    """Relative change of mean(b)/mean(a) for paired samples (the same prompts in both runs): prompts are
+    resampled together, so prompt-to-prompt variation cancels instead of widening the interval."""
+    a, b = np.asarray(a, float), np.asarray(b, float)
+    change = float(b.mean() / a.mean() - 1) if a.mean() else float("nan")
+    out = {"change": change, "lo": None, "hi": None, "paired": True}
+    if len(a) != len(b) or len(a) < MIN_PAIRS or not math.isfinite(change):
+        out["reason"] = f"fewer than {MIN_PAIRS} paired prompts"
+        return out
+    idx = np.random.default_rng(seed).integers(0, len(a), size=(n_boot, len(a)))
+    boot = b[idx].mean(1) / a[idx].mean(1) - 1
     tail = (1 - level) / 2
     out["lo"], out["hi"] = (float(x) for x in np.quantile(boot, [tail, 1 - tail]))
     return out

@@ -75,7 +75,7 @@ def test_tag_untag_delete_and_unknown_ids():
 
 @pytest.mark.parametrize("bad,msg", [
     ("x", "must be a dict"), ({"name": "n"}, "kind"), ({"kind": "b", "tags": "t"}, "tags"),
-    ({"kind": "b", "config": [1]}, "'config' must be a dict"),
+    ({"kind": "b", "config": [1]}, "'config' must be a dict"), ({"kind": "b", "tags": ["a\nb"]}, "one-line"),
 ])
 def test_bad_records_are_rejected(bad, msg):
     with open_registry() as reg:

@@ -97,8 +97,8 @@ def normalize_record(record: dict) -> dict:
     rec = dict(record)
     rec["name"] = str(rec.get("name") or "")
     tags = rec.get("tags") or []
-    if isinstance(tags, str) or not all(isinstance(t, str) and t for t in tags):
-        raise SpecscopeError("a run record's 'tags' must be a list of non-empty strings")
+    if isinstance(tags, str) or not all(_good_tag(t) for t in tags):
+        raise SpecscopeError("a run record's 'tags' must be a list of non-empty one-line strings")
     rec["tags"] = sorted(set(tags))
     for key in ("config", "env", "results", "samples"):
         v = rec.get(key)
@@ -107,6 +107,10 @@ def normalize_record(record: dict) -> dict:
         elif not isinstance(v, dict):
             raise SpecscopeError(f"a run record's {key!r} must be a dict, got {type(v).__name__}")
     return rec
+
+
+def _good_tag(t) -> bool:
+    return isinstance(t, str) and bool(t.strip()) and t.isprintable()
 
 
 class Registry:
@@ -203,8 +207,8 @@ class Registry:
         c.execute("INSERT INTO samples (run_id, data) VALUES (?, ?)", (run_id, _pack(rec["samples"])))
 
     def tag(self, run_id: str, tag: str, remove: bool = False) -> str:
-        if not tag or not isinstance(tag, str):
-            raise SpecscopeError("a tag must be a non-empty string")
+        if not _good_tag(tag):
+            raise SpecscopeError(f"bad tag {tag!r}: use a non-empty one-line string")
         rid = self.resolve(run_id)
         with self._write() as c:
             if remove:
@@ -275,7 +279,9 @@ class Registry:
         if tag:
             where.append("id IN (SELECT run_id FROM tags WHERE tag = ?)")
             args.append(tag)
-        sql = "SELECT id, created_at, kind, name, model, tok_per_s, accept_length FROM runs"
+        sql = ("SELECT id, created_at, kind, name, model, tok_per_s, accept_length, "
+               "(SELECT group_concat(tag, char(10)) FROM (SELECT tag FROM tags WHERE run_id = runs.id ORDER BY tag)) "
+               "FROM runs")
         if where:
             sql += " WHERE " + " AND ".join(where)
         sql += " ORDER BY created_at DESC, rowid DESC"
@@ -283,7 +289,8 @@ class Registry:
             sql += f" LIMIT {int(limit)}"
         out = []
         for r in self._conn.execute(sql, args).fetchall():
-            out.append({"id": r[0], "created_at": r[1], "kind": r[2], "name": r[3], "tags": self._tags(r[0]),
+            out.append({"id": r[0], "created_at": r[1], "kind": r[2], "name": r[3],
+                        "tags": r[7].split("\n") if r[7] else [],
                         "model": r[4], "tok_per_s": r[5], "accept_length": r[6]})
         return out
 

@@ -50,10 +50,11 @@ class DemoUI:
     """What the demo tells its caller; the default says nothing. The CLI renders these with rich."""
 
     def stage(self, text: str) -> None: ...
+    def note(self, text: str) -> None: ...
     def stream_start(self, prompt: dict, method: str) -> None: ...
     def stream(self, text: str) -> None: ...
     def stream_end(self) -> None: ...
-    def progress_start(self, total: int) -> None: ...
+    def progress_start(self, total: int, method: str) -> None: ...
     def progress(self, done: int, text: str) -> None: ...
     def progress_end(self) -> None: ...
 
@@ -116,6 +117,12 @@ def run_demo(opts: DemoOptions, ui: DemoUI | None = None) -> dict:
 
     _check_shipped(draft)            # before loading anything: on a fresh machine that takes a while
     t_start = time.perf_counter()
+    from specscope.models.hub import KNOWN_MODELS, is_pulled, resolve_model
+
+    if opts.model in KNOWN_MODELS and not is_pulled(opts.model):
+        # first run on this machine: the pull draws its own progress bar, so no spinner meanwhile
+        ui.note(f"pulling {opts.model} into the model cache (first run only)")
+        resolve_model(opts.model)
     ui.stage(f"loading {opts.model}")
     dtype = str(parse_dtype(opts.dtype, dev)).replace("torch.", "")
     target, tok, path = load_target(opts.model, opts.dtype, dev)
@@ -131,6 +138,7 @@ def run_demo(opts: DemoOptions, ui: DemoUI | None = None) -> dict:
     generate(target, ids[0], min(8, opts.max_new_tokens), None, stop)
     speculative_generate(target, drafter, ids[0], min(8, opts.max_new_tokens), None, stop, cfg)
 
+    method = _method_name(draft, drafter)
     bprof, sprof = CycleProfiler(dev), CycleProfiler(dev)
     per_prompt = []
     shown_text = ""
@@ -138,11 +146,11 @@ def run_demo(opts: DemoOptions, ui: DemoUI | None = None) -> dict:
         streaming = i == 0
         if streaming:
             dec = StreamDecoder(tok)
-            ui.stream_start(p, "EAGLE-3" if draft != "ngram" else "n-gram")
+            ui.stream_start(p, method)
             on_tokens = lambda t: ui.stream(dec.push(t))  # noqa: E731
         else:
             if i == 1:
-                ui.progress_start(len(prompts) - 1)
+                ui.progress_start(len(prompts) - 1, method)
             on_tokens = None
         # speculative first, then plain, prompt by prompt: load that drifts (shared CPUs) hits both alike
         s = speculative_generate(target, drafter, pid, opts.max_new_tokens, None, stop, cfg, on_tokens=on_tokens,
@@ -187,7 +195,7 @@ def run_demo(opts: DemoOptions, ui: DemoUI | None = None) -> dict:
 
     be = _breakeven(srec, brec)
     result = {
-        "model": str(path), "draft": draft, "drafting": asdict(cfg), "dtype": dtype, "device": dev,
+        "model": str(path), "draft": draft, "method": method, "drafting": asdict(cfg), "dtype": dtype, "device": dev,
         "threads": torch.get_num_threads(), "prompt_set": prompt_set, "prompts": len(prompts),
         "max_new_tokens": opts.max_new_tokens,
         "baseline": _side(brec), "speculative": _side(srec),
@@ -229,6 +237,13 @@ def _load_drafter(draft: str, target, opts: DemoOptions):
     from specscope.spec.decode import build_drafter
 
     return build_drafter(draft, target, opts.dtype, target.device)
+
+
+def _method_name(draft: str, drafter) -> str:
+    kind = str(getattr(drafter, "kind", "") or "")
+    if draft == "ngram" or "ngram" in kind:
+        return "n-gram"
+    return "EAGLE-3" if "eagle" in kind.lower() or "eagle" in draft.lower() else "draft model"
 
 
 def _prompt_stats(p: dict, ids: list[int], b, s) -> dict:

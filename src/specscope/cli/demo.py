@@ -29,6 +29,10 @@ class _RichUI:
         self._status = self.err.status(f"{text}…")
         self._status.start()
 
+    def note(self, text):
+        self._stop_status()
+        self.err.print(text)
+
     def stream_start(self, prompt, method):
         self._stop_status()
         cat = f" ({prompt['category']})" if prompt.get("category") else ""
@@ -43,18 +47,19 @@ class _RichUI:
         self.out.write("\n\n")
         self.out.flush()
 
-    def progress_start(self, total):
+    def progress_start(self, total, method):
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
         self._stop_status()
         self._prog = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                               TimeElapsedColumn(), console=self.err, transient=True)
         self._prog.start()
-        self._task = self._prog.add_task("remaining prompts: EAGLE-3 and plain decoding", total=total)
+        self._method = method
+        self._task = self._prog.add_task(f"remaining prompts: {method} and plain decoding", total=total)
 
     def progress(self, done, text):
         if self._prog is not None:
-            self._prog.update(self._task, completed=done, description=f"{text}: speculative and plain decoding")
+            self._prog.update(self._task, completed=done, description=f"{text}: {self._method} and plain decoding")
 
     def progress_end(self):
         if self._prog is not None:
@@ -112,8 +117,7 @@ def _print_summary(res: dict) -> None:
     con = Console(highlight=False, soft_wrap=True)
     b, s = res["baseline"], res["speculative"]
     d = res["drafting"]
-    draft = res["draft"]
-    method = "n-gram" if draft == "ngram" else "EAGLE-3" if "eagle" in draft.lower() else draft
+    method = res["method"]
     con.rule(f"[bold]{res['prompts']} prompt(s) × up to {res['max_new_tokens']} new tokens, greedy, "
              f"{res['dtype']} on {res['device']} ({res['threads']} thread{'s' if res['threads'] != 1 else ''})")
     con.print(f"Plain decoding:        {b['tok_per_s']:7.2f} tok/s   {b['decode_ms_per_token']:6.2f} ms/token")

@@ -65,7 +65,7 @@ def run_generate(req: GenerateRequest, on_text=None) -> dict:
     stop = stop_ids_for(model, tok)
     from specscope.profile import CycleProfiler
 
-    prof = CycleProfiler(device=req.device)
+    prof = CycleProfiler(device=model.device)      # where the model really is ("auto" resolved)
     if req.draft is None:
         from specscope.engine.generate import generate
 

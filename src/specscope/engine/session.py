@@ -114,7 +114,7 @@ def _record_run(req: GenerateRequest, path, model, spec, res, prof, out: dict, l
     from specscope.registry import make_record, open_registry, prompt_set_hash
 
     config = {"model": str(path), "draft": req.draft, "dtype": str(model.dtype).replace("torch.", ""),
-              "device": req.device, "threads": torch.get_num_threads(),
+              "device": str(model.device), "threads": torch.get_num_threads(),
               **(asdict(spec) if spec is not None else {"steps": None, "topk": None, "draft_tokens": None}),
               "sampling": out["sampling"], "max_new_tokens": req.max_new_tokens, "chat": req.chat,
               "prompt_set": "single prompt", "prompt_set_hash": prompt_set_hash([req.prompt]),

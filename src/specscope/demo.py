@@ -113,6 +113,10 @@ def run_demo(opts: DemoOptions, ui: DemoUI | None = None) -> dict:
     if draft == "ngram" and cfg.topk != 1:
         raise SpecscopeError("n-gram drafting proposes a chain; use --topk 1")
     out_dir = Path(opts.out).expanduser()
+    try:        # now rather than after minutes of decoding
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise SpecscopeError(f"cannot use --out {str(out_dir)!r}: {e.strerror or e}") from None
     dev = str(opts.device)
 
     _check_shipped(draft)            # before loading anything: on a fresh machine that takes a while
@@ -216,7 +220,6 @@ def run_demo(opts: DemoOptions, ui: DemoUI | None = None) -> dict:
         report = write_report([brec, srec], out_dir / "report.html", linked=linked,
                               title=f"specscope demo: {Path(str(path)).name} + {draft}")
         result["report"] = str(report)
-    out_dir.mkdir(parents=True, exist_ok=True)
     result["seconds"] = round(time.perf_counter() - t_start, 2)
     summary_path = out_dir / "summary.json"
     summary_path.write_text(json.dumps(result, indent=1, default=str))

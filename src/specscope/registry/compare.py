@@ -199,7 +199,7 @@ def compare_runs(runs: list[dict], alpha: float = 0.05, min_effect: float = 0.02
                                    else "n/a (missing)")
         rows.append(row)
     diff = settings_diff(runs)
-    attributions = [_attribute(runs[0], runs[i], rows, i, runs) for i in range(1, len(runs))]
+    attributions = [_attribute(runs[0], runs[i], rows, i) for i in range(1, len(runs))]
     return {
         "runs": [{"id": r.get("id"), "name": r.get("name"), "kind": r.get("kind"), "created_at": r.get("created_at")}
                  for r in runs],
@@ -230,7 +230,7 @@ def _changed(v: str | None) -> bool:
     return v in ("better", "worse")
 
 
-def _attribute(a: dict, b: dict, rows: list[dict], i: int, runs: list[dict]) -> dict:
+def _attribute(a: dict, b: dict, rows: list[dict], i: int) -> dict:
     by = {r["metric"]: r for r in rows}
     out = {"run": b.get("id"), "against": a.get("id")}
     tok = by.get("tok_per_s")

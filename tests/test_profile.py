@@ -123,12 +123,12 @@ def test_bad_input_is_a_clear_error():
         prof.end_cycle(-1)
 
 
-def test_overhead_is_small_against_a_1ms_cycle():
+def test_overhead_is_small_against_a_2ms_cycle():
     prof = CycleProfiler()
-    for _ in range(50):
+    for _ in range(40):
         for name in ("draft", "verify", "accept", "commit"):
             with prof.phase(name):
-                _busy(0.25)
+                _busy(0.5)
         prof.end_cycle(2, num_draft=3)
     oh = prof.summary()["profiler_overhead"]
     assert oh["phases_per_cycle"] == 4

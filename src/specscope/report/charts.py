@@ -64,6 +64,11 @@ def top_phases(rec: dict) -> dict[str, float]:
     return out
 
 
+def _legend_below(ax, ncol: int = 1):
+    """Legends go under the axes: inside they hide the data as soon as there are a few runs."""
+    ax.legend(fontsize=7.5, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=ncol, frameon=False)
+
+
 def cycle_breakdown(runs: list[dict]) -> bytes | None:
     """Stacked bars per run: ms per cycle by phase (left) and ms per generated token = cycle ÷ τ (right)."""
     rows = [(r, top_phases(r)) for r in runs]
@@ -118,7 +123,7 @@ def tau_histogram(runs: list[dict]) -> bytes | None:
     if not spec:
         return None
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(WIDTH_IN / 2, 3.4))
+    fig, ax = plt.subplots(figsize=(WIDTH_IN / 2, 3.6 + 0.2 * len(spec)))
     keys = sorted({int(k) for r in spec for k in r["results"]["accept_length_hist"]})
     xs = list(range(min(keys), max(keys) + 1))
     w = 0.8 / len(spec)
@@ -126,20 +131,17 @@ def tau_histogram(runs: list[dict]) -> bytes | None:
         hist = {int(k): v for k, v in r["results"]["accept_length_hist"].items()}
         n = sum(hist.values()) or 1
         off = (i - (len(spec) - 1) / 2) * w
-        ax.bar([x + off for x in xs], [100.0 * hist.get(x, 0) / n for x in xs], width=w, color=f"C{i}",
-               label=label(r))
         tau = _num(r["results"].get("accept_length"))
+        ax.bar([x + off for x in xs], [100.0 * hist.get(x, 0) / n for x in xs], width=w, color=f"C{i}",
+               label=f"{label(r)}: mean τ = {tau:.2f} (dashed)" if tau else label(r))
         if tau:
             ax.axvline(tau, color=f"C{i}", ls="--", lw=1)
-            ax.text(tau, 0.97 - 0.07 * i, f" mean τ = {tau:.2f}", color=f"C{i}", fontsize=8, va="top",
-                    transform=ax.get_xaxis_transform())
     ax.set_xticks(xs)
     ax.set_xlabel("τ: tokens produced per cycle (accepted + bonus)")
     ax.set_ylabel("% of cycles")
     ax.set_title("accept length τ", fontsize=10)
     ax.grid(axis="y", alpha=0.3)
-    if len(spec) > 1:
-        ax.legend(fontsize=7)
+    _legend_below(ax)
     return png(fig)
 
 
@@ -149,24 +151,25 @@ def per_position(runs: list[dict]) -> bytes | None:
     if not spec:
         return None
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(WIDTH_IN / 2, 3.4))
+    fig, ax = plt.subplots(figsize=(WIDTH_IN / 2, 3.6 + 0.2 * (len(spec) + 2)))
     for i, r in enumerate(spec):
         res = r["results"]
         u = [_num(x) for x in res["per_position_acceptance"]]
         c = [_num(x) for x in res.get("per_position_acceptance_conditional") or []]
         xs = list(range(1, len(u) + 1))
-        ax.plot(xs, [100 * x if x is not None else math.nan for x in u], "o-", color=f"C{i}",
-                label=f"{label(r)}: reached and accepted")
+        ax.plot(xs, [100 * x if x is not None else math.nan for x in u], "o-", color=f"C{i}", label=label(r))
         if c:
             ax.plot(xs[:len(c)], [100 * x if x is not None else math.nan for x in c], "s--", color=f"C{i}",
-                    alpha=0.7, label=f"{label(r)}: given the previous accepted")
+                    alpha=0.7)
     ax.set_ylim(0, 105)
     ax.set_xlabel("draft position (1 = first drafted token)")
     ax.set_ylabel("acceptance, % of cycles")
     ax.set_title("per-position acceptance", fontsize=10)
     ax.set_xticks(range(1, max(len(r["results"]["per_position_acceptance"]) for r in spec) + 1))
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    ax.plot([], [], "k-", label="solid: accepted, of all cycles")
+    ax.plot([], [], "k--", alpha=0.7, label="dashed: given the previous one accepted")
+    _legend_below(ax)
     return png(fig)
 
 
@@ -214,7 +217,7 @@ def breakeven(items: list[dict]) -> bytes | None:
     if not items:
         return None
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(WIDTH_IN, 3.8))
+    fig, ax = plt.subplots(figsize=(WIDTH_IN, 3.8 + 0.4 * len(items)))
     top = 1.0
     for i, it in enumerate(items):
         a = it["analysis"]
@@ -224,18 +227,17 @@ def breakeven(items: list[dict]) -> bytes | None:
         ys = [x * dec / cyc for x in xs]
         top = max(top, max(ys))
         c = f"C{i}"
-        ax.plot(xs, ys, "-", color=c, label=f"{label(it['run'])}: model τ·T_decode/T_cycle "
-                                           f"({dec:.1f} ms/token vs {cyc:.1f} ms/cycle)")
         need = a["break_even_accept_length"]
+        where = f"break-even τ = {need:.2f} (dotted)" if need <= mx else f"break-even τ = {need:.2f} > max {mx:.0f}"
+        ax.plot(xs, ys, "-", color=c, label=f"{label(it['run'])}: τ·T_decode/T_cycle with {dec:.1f} ms/token, "
+                                           f"{cyc:.1f} ms/cycle; {where}")
         if need <= mx:
             ax.axvline(need, color=c, ls=":", alpha=0.8)
-            ax.text(need, 0.97 - 0.07 * i, f" break-even τ = {need:.2f}", color=c, fontsize=8, va="top",
-                    transform=ax.get_xaxis_transform())
         tau = _num(a.get("measured_accept_length"))
         sp = _num(a.get("speedup"))
         if tau is not None and sp is not None:
             top = max(top, sp)
-            ax.plot([tau], [sp], "*", color=c, ms=14, mec="black", label=f"measured: τ={tau:.2f}, {sp:.2f}×")
+            ax.plot([tau], [sp], "*", color=c, ms=14, mec="black", label=f"measured: τ = {tau:.2f}, {sp:.2f}×")
     ax.axhline(1.0, color="gray", lw=1)
     right = max(it["analysis"]["max_accept_length"] for it in items)
     ax.text(right, 1.0, "plain decoding (1×)", fontsize=8, color="gray", va="bottom", ha="right")
@@ -244,5 +246,5 @@ def breakeven(items: list[dict]) -> bytes | None:
     ax.set_ylabel("speedup over plain decoding (×)")
     ax.set_title("break-even: speculation pays above 1×", fontsize=10)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(0, 0.88))
+    _legend_below(ax, ncol=1)
     return png(fig)

@@ -211,3 +211,17 @@ def test_cli_errors(prepared, tmp_path, capsys):
         main(["train", "--workdir", str(tmp_path / "w2"), "--target", str(tgt), "--device", "cpu",
               "--stages", "train"])
     assert "has no manifest.json; run the data stage first" in capsys.readouterr().err
+
+
+def test_regenerate_replaces_assistant_turns(prepared, tmp_path):
+    tgt, ds, _ = prepared
+    work = tmp_path / "r"
+    main(["train", "--workdir", str(work), "--target", str(tgt), "--dataset", str(ds), "--stages", "data",
+          "--regenerate", "greedy", "--response-tokens", "8", "--device", "cpu"])
+    orig, _ = read_conversations(ds)
+    regen, _ = read_conversations(work / "conversations.jsonl")
+    assert len(regen) == len(orig)
+    assert [c[0] for c in regen] == [c[0] for c in orig]                 # same user turns
+    assert all(len(c) == 2 and c[1]["role"] == "assistant" for c in regen)
+    assert sum(c[1]["content"] != o[1]["content"] for c, o in zip(regen, orig)) > len(orig) // 2
+    assert json.loads((work / "data" / "manifest.json").read_text())["sequences"] == len(orig)

@@ -107,10 +107,31 @@ def test_several_runs_get_a_compare_table_and_escaped_names(stored, tmp_path, ca
     assert "<script>alert" not in html and "&lt;script&gt;alert(1)&lt;/script&gt;" in html
     a = alts(html)
     assert any("cycle time breakdown" in x for x in a) and any("histogram of τ" in x for x in a)
-    # breakdown, τ, per position, break-even (S, against B) and S's linked verify curve
+    # breakdown, τ, per position, break-even (S and S2 against B) and S's linked verify curve
     assert len(a) == 5, a
-    # S2 has no baseline: its break-even says what is missing instead of a chart line
+    # S links B; S2 links nothing and pairs with B, the plain run of the same model among those given
+    assert html.count(f"vs baseline {stored['B']}") == 2 and "lacks" not in html
+
+
+def test_unlinked_speculative_run_pairs_with_a_plain_run_of_the_same_model(target, tmp_path, capsys):
+    b, s = _profiled(target, False), _profiled(target, True, 3)     # neither links the other
+    with open_registry() as reg:
+        bid, sid = reg.add_run(b), reg.add_run(s)
+    out = tmp_path / "r.html"
+    code, _, err = cli(capsys, "report", bid, sid, "-o", out)
+    assert code == 0, err
+    html = out.read_text()
+    assert "speedup vs τ with the break-even point" in alts(html) and "lacks" not in html
+    assert f"vs baseline {bid}" in html
+
+
+def test_speculative_run_without_any_baseline_says_what_is_missing(stored, tmp_path, capsys):
+    out = tmp_path / "r.html"
+    code, _, err = cli(capsys, "report", stored["S2"], "-o", out)
+    assert code == 0, err
+    html = out.read_text()
     assert "lacks" in html and "plain decode time per token" in html
+    assert "speedup vs τ with the break-even point" not in alts(html)
 
 
 def test_runs_without_phases_still_report(stored, tmp_path, capsys):

@@ -131,13 +131,22 @@ def _profile_section(perf):
     return out
 
 
-def breakeven_analysis(run: dict, by_id: dict) -> dict | None:
-    """`specscope breakeven --run` for one stored speculative run, with its linked baseline when present."""
+def _is_plain(r: dict) -> bool:
+    res = r.get("results") or {}
+    return not res.get("drafted_tokens") and "decode" in (res.get("phases") or {})
+
+
+def breakeven_analysis(run: dict, by_id: dict, plain: list[dict] = ()) -> dict | None:
+    """`specscope breakeven --run` for one stored speculative run, against its linked baseline, else a plain run
+    of the same model among `plain` (e.g. `specscope report BASE SPEC` of two generate runs)."""
     from specscope.economics.breakeven import BreakevenInputs, breakeven, describe, inputs_from_runs
 
     if not (run.get("results") or {}).get("drafted_tokens") and run.get("kind") not in ("speculative",):
         return None
     base = by_id.get((run.get("config") or {}).get("baseline_run"))
+    if base is None:
+        model = (run.get("config") or {}).get("model")
+        base = next((p for p in plain if (p.get("config") or {}).get("model") == model), None)
     try:
         inp = inputs_from_runs(run, base, BreakevenInputs())
         res = breakeven(inp)
@@ -148,7 +157,8 @@ def breakeven_analysis(run: dict, by_id: dict) -> dict | None:
 
 
 def _breakeven_section(perf, by_id):
-    items = [{"run": r, "analysis": breakeven_analysis(r, by_id)} for r in perf]
+    plain = [r for r in perf if _is_plain(r)]
+    items = [{"run": r, "analysis": breakeven_analysis(r, by_id, plain)} for r in perf]
     items = [it for it in items if it["analysis"] is not None]
     if not items:
         return []

@@ -94,3 +94,23 @@ def test_llama3_rope_scaling_generate_matches(tmp_path):
     ours = load_model(tmp_path, dtype="fp32")
     prompt = list(range(3, 43))  # runs past original_max_position_embeddings
     assert generate(ours, prompt, 16, stop_ids=[EOS]).token_ids == hf_greedy(hf, prompt, 16)
+
+
+@pytest.mark.parametrize("arch", ["mistral", "qwen2"])
+def test_sliding_window_matches_transformers(tmp_path, arch):
+    kw = {"sliding_window": 6}
+    if arch == "qwen2":
+        kw.update(use_sliding_window=True, max_window_layers=0)
+    hf = make_hf_model(tmp_path, arch, **kw)
+    ours = load_model(tmp_path, dtype="fp32")
+    assert ours.config.sliding_window == 6
+    ids = torch.randint(3, 101, (1, 20), generator=torch.Generator().manual_seed(4))
+    pos = torch.arange(20)[None]
+    with torch.no_grad():
+        ref = hf(ids).logits
+        full = ours(ids, pos).logits
+        cache = ours.new_cache(32)
+        cached = torch.cat([ours(ids[:, :9], pos[:, :9], cache).logits]
+                           + [ours(ids[:, t:t + 1], pos[:, t:t + 1], cache).logits for t in range(9, 20)], 1)
+    assert (ref - full).abs().max() < 1e-4
+    assert (ref - cached).abs().max() < 1e-4

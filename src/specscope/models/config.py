@@ -123,6 +123,15 @@ def _rope_scaling(d):
 def _sliding_window(d, arch):
     if arch == "MistralForCausalLM":
         return d.get("sliding_window")
-    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and d.get("use_sliding_window"):
+    if arch not in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") or not d.get("use_sliding_window"):
+        return None
+    # Qwen: layers from max_window_layers on slide (transformers' layer_types); one window for all layers only
+    n = int(d["num_hidden_layers"])
+    types = d.get("layer_types") or ["sliding_attention" if i >= int(d.get("max_window_layers", 28)) else
+                                     "full_attention" for i in range(n)]
+    if all(t == "full_attention" for t in types):
+        return None
+    if all(t == "sliding_attention" for t in types):
         return d.get("sliding_window")
-    return None
+    raise SpecscopeError("checkpoints mixing sliding-window and full-attention layers are not supported "
+                         "(config.json: use_sliding_window with max_window_layers / layer_types)")

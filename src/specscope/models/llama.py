@@ -139,7 +139,7 @@ class Transformer(nn.Module):
                 slots = position_ids
             cache.pos[:B].scatter_(1, slots, position_ids)
             kv_len = mask.shape[-1] if mask is not None else int(slots.max()) + 1
-            if mask is None and T > 1:
+            if mask is None and (T > 1 or self.config.sliding_window):  # decode steps need the window too
                 mask = torch.arange(kv_len, device=slots.device)[None, None, :] <= slots[:, :, None]
             if mask is not None and self.config.sliding_window:
                 kpos = cache.pos[:B, :mask.shape[-1]]

@@ -1,6 +1,7 @@
 """`specscope report`: runs made by the real engine and profiler on a tiny model, stored, then reported. Which
 charts appear depends on what the runs hold; links pull in baselines and verify curves; bad input is one line."""
 
+import copy
 import json
 import re
 
@@ -44,14 +45,21 @@ def _curve(target):
                        results={"points": res["points"], "fits": res["fits"]})
 
 
-@pytest.fixture
-def stored(target):
-    """baseline B, speculative S (linked to B and the curve C), a second speculative S2, an ingested-style run I."""
+@pytest.fixture(scope="module")
+def records(target):
+    """Made once per module; each test stores copies in its own registry."""
     b, c = _profiled(target, False), _curve(target)
     s, s2 = _profiled(target, True, 3), _profiled(target, True, 2)
     s2["name"] = "<script>alert(1)</script>"
     ing = make_record("ingest", "sglang log", config={"engine": "sglang"},
                       results={"tok_per_s": 120.0, "accept_length": 2.4}, env={"host": "gpu-box"})
+    return b, c, s, s2, ing
+
+
+@pytest.fixture
+def stored(records):
+    """baseline B, speculative S (linked to B and the curve C), a second speculative S2, an ingested-style run I."""
+    b, c, s, s2, ing = copy.deepcopy(records)
     with open_registry() as reg:
         ids = {"B": reg.add_run(b), "C": reg.add_run(c)}
         s["config"].update(baseline_run=ids["B"], verify_curve_run=ids["C"])

@@ -8,6 +8,7 @@ import re
 import pytest
 
 from specscope.cli import main
+from specscope.errors import SpecscopeError
 from specscope.registry import open_registry
 from spec_helpers import random_eagle3
 from tiny import make_hf_model, make_tiny_tokenizer
@@ -162,12 +163,26 @@ def test_demo_out_that_is_a_file_fails_before_decoding(tiny, tmp_path, capsys):
         assert reg.count() == 0
 
 
-def test_pick_prompts_spreads_over_mt_bench_categories():
+def test_pick_prompts_spreads_over_mt_bench_categories(tmp_path, monkeypatch):
     from specscope.demo import pick_prompts
 
-    prompts, name = pick_prompts(5)
-    assert [p["category"] for p in prompts] == ["writing", "roleplay", "reasoning", "math", "coding"]
-    assert "mt_bench" in name and all(p["prompt"] for p in prompts)
+    rows = [(1, "writing"), (2, "writing"), (3, "translation"), (4, "roleplay"), (5, "roleplay"), (6, "math"),
+            (7, "coding"), (8, "qa")]
+    f = tmp_path / "spec_bench_question.jsonl"
+    f.write_text("".join(json.dumps({"question_id": q, "category": c, "turns": [f"q{q} first", f"q{q} second"]})
+                         + "\n" for q, c in rows))
+    monkeypatch.setenv("SPECSCOPE_SPEC_BENCH", str(f))
+    prompts, name = pick_prompts(6)
+    # one MT-bench category after another (in MT-bench order), first turns only, other Spec-Bench tasks left out
+    assert [p["question_id"] for p in prompts] == [1, 4, 6, 7, 2, 5]
+    assert [p["prompt"] for p in prompts][:2] == ["q1 first", "q4 first"]
+    assert name == "spec-bench mt_bench first turns (6)"
+    f.write_text(json.dumps({"question_id": 3, "category": "translation", "turns": ["x"]}) + "\n")
+    with pytest.raises(SpecscopeError, match="no MT-bench questions"):
+        pick_prompts(2)
+    f.write_text("{broken\n")
+    with pytest.raises(SpecscopeError, match=":1 is not valid JSON"):
+        pick_prompts(2)
 
 
 def test_pick_prompts_falls_back_without_the_spec_bench_file(tmp_path, monkeypatch):

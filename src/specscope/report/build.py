@@ -100,7 +100,16 @@ def _summary(runs):
                      _e(_short(cfg.get("draft")) or "none") + (f"<br><small>{_e(shape)}</small>" if shape else ""),
                      _f(res.get("tok_per_s")), _f(res.get("decode_ms_per_token")), _f(res.get("accept_length")),
                      _f(res.get("speedup"), "×"), _e((r.get("created_at") or "")[:19].replace("T", " "))])
-    return ["<h2>Runs</h2>",
+    heads = []
+    for r in runs:
+        res = r.get("results") or {}
+        sp, tau = res.get("speedup"), res.get("accept_length")
+        if isinstance(sp, (int, float)) and isinstance(tau, (int, float)):
+            cls = "good" if sp > 1 else "bad"
+            heads.append(f"<p class=headline><b>{_e(charts.label(r))}</b>: <span class={cls}>{sp:.2f}×</span> "
+                         f"the speed of plain decoding ({'faster' if sp > 1 else 'slower'}), τ = {tau:.2f} tokens per cycle, "
+                         f"{_f(res.get('tok_per_s'))} tok/s</p>")
+    return heads + ["<h2>Runs</h2>",
             _table(["run", "kind", "name", "model", "drafter", "tok/s", "ms/token", "τ", "speedup", "created"],
                    rows, num_cols={5, 6, 7, 8}, raw=True),
             "<p class=note>tok/s and ms/token are decode-only (the cycles; prefill excluded) where the run was "
@@ -346,7 +355,7 @@ CSS = """
 body{font:14px/1.45 system-ui,-apple-system,'Segoe UI',Roboto,sans-serif;color:#222;margin:0;background:#fafafa}
 main{max-width:1000px;margin:0 auto;padding:16px 20px 40px;background:#fff}
 h1{font-size:22px;margin:8px 0 4px}h2{font-size:17px;margin:28px 0 8px;border-bottom:1px solid #ddd;padding-bottom:3px}
-.meta,.note{color:#666;font-size:12.5px}
+.meta,.note{color:#666;font-size:12.5px}.headline{font-size:16px;margin:10px 0}
 figure{margin:8px 0}img{max-width:100%;height:auto;display:block}
 .pair{display:flex;flex-wrap:wrap;gap:0}.pair figure{flex:1 1 480px;min-width:0}
 table{border-collapse:collapse;width:100%;table-layout:auto;font-size:12.5px;margin:6px 0}

@@ -190,8 +190,8 @@ def _clean_user_turn(text: str) -> str | None:
 def synthesise(model, tok, out_path: Path, n: int, *, batch: int = 16, user_tokens: int = 64,
                response_tokens: int = 192, seed: int = 0, user_temperature: float = 1.0,
                response_temperature: float = 0.0, max_batches: int | None = None, progress=None) -> int:
-    """Append Magpie conversations to `out_path` until it holds `n` distinct user turns. Resumable: existing lines
-    count, and batch b is seeded with (seed, b) so a restarted run continues deterministically."""
+    """Append Magpie conversations to `out_path` until it holds at least `n` distinct user turns (whole batches;
+    callers take the first n). Resumable: existing lines count and the batch index continues where it stopped."""
     out_path = Path(out_path)
     seen, have = set(), 0
     if out_path.exists():
@@ -205,7 +205,12 @@ def synthesise(model, tok, out_path: Path, n: int, *, batch: int = 16, user_toke
     stop = tok.eos_ids
     user_sp = SamplingParams(temperature=user_temperature, top_p=0.95)
     resp_sp = SamplingParams(temperature=response_temperature, top_p=0.95 if response_temperature else 1.0)
-    b = have // batch * 7919 + have  # batch counter keyed on progress, so a resume does not replay old seeds
+    # batch b is seeded with (seed, b) and always written whole, and the next batch index is kept next to the
+    # file: a run resumed after a kill, or extended to a larger n, writes exactly what one uninterrupted run would
+    state_path = out_path.with_name(out_path.name + ".state.json")
+    b = json.loads(state_path.read_text())["next_batch"] if state_path.exists() else 0
+    if have and not state_path.exists():
+        b = have  # a file from elsewhere: fresh seeds, never replaying batch 0..
     tries = 0
     with open(out_path, "a", encoding="utf-8") as f:
         while have < n:
@@ -214,7 +219,6 @@ def synthesise(model, tok, out_path: Path, n: int, *, batch: int = 16, user_toke
                 break
             g = torch.Generator(device=model.device)
             g.manual_seed(seed * 1_000_003 + b)
-            b += 1
             users = batched_generate(model, [prefix] * batch, user_tokens, user_sp, stop, g)
             texts = []
             for u in users:
@@ -225,10 +229,8 @@ def synthesise(model, tok, out_path: Path, n: int, *, batch: int = 16, user_toke
                     continue
                 seen.add(_dedup_key(t))
                 texts.append(t)
-            if not texts:
-                continue
-            prompts = [tok.encode_messages([{"role": "user", "content": t}]) for t in texts]
-            resps = batched_generate(model, prompts, response_tokens, resp_sp, stop, g)
+            resps = batched_generate(model, [tok.encode_messages([{"role": "user", "content": t}]) for t in texts],
+                                     response_tokens, resp_sp, stop, g) if texts else []
             for t, r in zip(texts, resps):
                 body = tok.decode([x for x in r if x not in stop]).strip()
                 if not body:
@@ -239,9 +241,9 @@ def synthesise(model, tok, out_path: Path, n: int, *, batch: int = 16, user_toke
                 have += 1
                 if progress:
                     progress(have)
-                if have >= n:
-                    break
             f.flush()
+            b += 1
+            state_path.write_text(json.dumps({"next_batch": b, "seed": seed}))
     return have
 
 

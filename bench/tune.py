@@ -63,7 +63,9 @@ def main(argv=None) -> int:
     ap.add_argument("--max-draft-tokens", type=int, default=32)
     # one thread: on a shared, oversubscribed CPU two torch threads wait on each other and amplify stalls
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--stat", default="median", choices=["median", "mean"])
+    ap.add_argument("--stat", default="mean", choices=["mean", "median"])
+    ap.add_argument("--profile-rounds", type=int, default=2,
+                    help="times the profiled run goes over the prompts (more data for its costs and acceptance)")
     ap.add_argument("--dtype", default="fp32")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--passes", type=int, default=1,
@@ -108,7 +110,8 @@ def main(argv=None) -> int:
               "max_new_tokens": args.max_new_tokens, "sampling": {"temperature": 0.0}}
 
     log(f"profiling one run: steps {s} topk {k} draft tokens {n}, {len(ids)} prompts x {args.max_new_tokens} tokens")
-    brec, srec = profile(target, drafter, ids, cfg, args.max_new_tokens, stop, config, args.db)
+    brec, srec = profile(target, drafter, ids, cfg, args.max_new_tokens, stop, config, args.db,
+                         rounds=args.profile_rounds)
     log(f"profiled: baseline {brec['results']['decode_ms_per_token']:.2f} ms/token, τ "
         f"{srec['results']['accept_length']:.2f}, cycle {srec['results']['cycle_ms']['mean_ms']:.2f} ms")
 

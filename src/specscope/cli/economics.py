@@ -240,8 +240,8 @@ def read_prompts(path: str | None, limit: int) -> list[str]:
 @click.option("--max-topk", type=click.IntRange(min=1), default=None)
 @click.option("--max-draft-tokens", type=click.IntRange(min=2), default=64, show_default=True)
 @click.option("--top", type=click.IntRange(min=1), default=10, show_default=True, help="Predictions to show.")
-@click.option("--stat", type=click.Choice(["median", "mean"]), default="median", show_default=True,
-              help="Per-cycle phase statistic the costs come from (median resists scheduler stalls).")
+@click.option("--stat", type=click.Choice(["mean", "median"]), default="mean", show_default=True,
+              help="Per-cycle phase statistic the costs come from (median ignores scheduler stalls).")
 @click.option("--validate", "n_validate", type=click.IntRange(min=0), default=0,
               help="Measure the top N predictions with the real engine.")
 @click.option("--dtype", type=click.Choice(["fp32", "bf16", "fp16", "auto"]), default="auto", show_default=True)

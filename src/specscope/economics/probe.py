@@ -109,9 +109,10 @@ def run_pair(target, drafter, prompt_ids, max_new_tokens, stop_ids, cfg, base_pr
             "tokens": int(st), "accept_length": acc / cycles if cycles else 0.0}
 
 
-def profile(target, drafter, prompt_ids, cfg, max_new_tokens, stop_ids, config: dict, db=None, record=True):
-    """One profiled baseline and one profiled speculative run (with rank-wise acceptance); stores both.
-    Returns (baseline_record, speculative_record) with ids filled in when recorded."""
+def profile(target, drafter, prompt_ids, cfg, max_new_tokens, stop_ids, config: dict, db=None, record=True,
+            rounds: int = 1):
+    """One profiled baseline and one profiled speculative run (with rank-wise acceptance) over the prompts,
+    `rounds` times over; stores both. Returns (baseline_record, speculative_record), ids filled in when recorded."""
     from specscope.profile import CycleProfiler
     from specscope.registry import make_record, store_record
     from specscope.spec.drafters import NgramDrafter
@@ -125,11 +126,11 @@ def profile(target, drafter, prompt_ids, cfg, max_new_tokens, stop_ids, config: 
     rec = RankRecorder(drafter, cfg.steps, cfg.topk)
     bprof, sprof = CycleProfiler(dev), CycleProfiler(dev)
     t0 = time.perf_counter()
-    pair = run_pair(target, rec, prompt_ids, max_new_tokens, stop_ids, cfg, bprof, sprof)
+    pair = run_pair(target, rec, list(prompt_ids) * max(1, rounds), max_new_tokens, stop_ids, cfg, bprof, sprof)
     brec = make_record("baseline", "tune baseline", config={**config, "draft": None, "steps": None, "topk": None,
                                                             "draft_tokens": None},
                        profiler=bprof, results={"decode_ms_per_token": pair["baseline_ms_per_token"]})
-    gen_per_prompt = pair["tokens"] / len(prompt_ids)
+    gen_per_prompt = pair["tokens"] / (len(prompt_ids) * max(1, rounds))
     mean_prompt = sum(len(p) for p in prompt_ids) / len(prompt_ids)
     srec = make_record("speculative", f"tune profile s{cfg.steps} k{cfg.topk} n{cfg.draft_tokens}",
                        config={**config, "steps": cfg.steps, "topk": cfg.topk, "draft_tokens": cfg.draft_tokens},

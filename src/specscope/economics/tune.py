@@ -149,10 +149,10 @@ class CostModel:
 
     @classmethod
     def from_runs(cls, run: dict, baseline: dict | None, curve=None, decode_ms: float | None = None,
-                  stat: str = "median") -> "CostModel":
-        """stat "median" (default) reads each phase's per-cycle median: on a shared machine the means carry
-        scheduler stalls that land in whichever phase is running, while the medians of the run and its baseline
-        keep the ratio the cost model needs; "mean" reads the means (the two agree on a quiet machine)."""
+                  stat: str = "mean") -> "CostModel":
+        """stat "mean" (default) reads each phase's mean per cycle: what wall-clock throughput is made of, stalls
+        included (on a shared machine they hit the run and its alternated baseline alike). "median" reads the
+        per-cycle medians instead, which ignores stalls altogether; the two agree on a quiet machine."""
         if stat not in ("mean", "median"):
             raise SpecscopeError(f"stat must be mean or median, got {stat!r}")
         res, cfg = run.get("results") or {}, run.get("config") or {}

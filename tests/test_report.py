@@ -186,3 +186,12 @@ def test_unwritable_output_is_one_line(stored, tmp_path, capsys):
     code, _, err = cli(capsys, "report", stored["B"], "-o", blocker / "r.html")
     lines = [ln for ln in err.splitlines() if ln.strip()]
     assert code == 2 and len(lines) == 1 and "cannot write the report" in lines[0], err
+
+
+def test_dollar_signs_in_run_labels_are_plain_text(records):
+    from specscope.report import build_report
+
+    s = copy.deepcopy(records[2])
+    s["id"], s["config"]["draft"] = "abcd1234", "/drafters/x$^$y"     # as mathtext this fails to parse
+    html = build_report([s])
+    assert len(alts(html)) == 3 and "x$^$y" in html

@@ -26,6 +26,20 @@ def _plt():
     return plt
 
 
+def _plain_text(fn):
+    """Run labels are user text (names, paths): a '$' in one must not switch matplotlib into mathtext."""
+    import functools
+
+    @functools.wraps(fn)
+    def wrapper(*a, **kw):
+        import matplotlib
+
+        with matplotlib.rc_context({"text.parse_math": False}):
+            return fn(*a, **kw)
+
+    return wrapper
+
+
 def png(fig) -> bytes:
     buf = io.BytesIO()
     fig.tight_layout()
@@ -69,6 +83,7 @@ def _legend_below(ax, ncol: int = 1):
     ax.legend(fontsize=7.5, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=ncol, frameon=False)
 
 
+@_plain_text
 def cycle_breakdown(runs: list[dict]) -> bytes | None:
     """Stacked bars per run: ms per cycle by phase (left) and ms per generated token = cycle ÷ τ (right)."""
     rows = [(r, top_phases(r)) for r in runs]
@@ -117,6 +132,7 @@ def _spec_runs(runs):
                                 and (r.get("results") or {}).get("drafted_tokens"))]
 
 
+@_plain_text
 def tau_histogram(runs: list[dict]) -> bytes | None:
     """Share of cycles yielding τ = 1, 2, ... tokens, per speculative run, mean τ dashed."""
     spec = _spec_runs(runs)
@@ -145,6 +161,7 @@ def tau_histogram(runs: list[dict]) -> bytes | None:
     return png(fig)
 
 
+@_plain_text
 def per_position(runs: list[dict]) -> bytes | None:
     """Acceptance per draft position: unconditional (solid) and conditional on the previous one (dashed)."""
     spec = [r for r in runs if (r.get("results") or {}).get("per_position_acceptance")]
@@ -173,6 +190,7 @@ def per_position(runs: list[dict]) -> bytes | None:
     return png(fig)
 
 
+@_plain_text
 def verify_curve(curve: dict) -> bytes | None:
     """A verify_curve run: median forward time vs query tokens per context, with the piecewise fit."""
     from specscope.economics.verify_curve import PiecewiseFit
@@ -209,6 +227,7 @@ def verify_curve(curve: dict) -> bytes | None:
     return png(fig)
 
 
+@_plain_text
 def breakeven(items: list[dict]) -> bytes | None:
     """Speedup vs τ for each analysed speculative run: S(τ) = τ · T_decode / T_cycle, with the break-even τ
     (S = 1), the most a cycle can yield (steps + 1) and the measured point. items: {"run", "analysis"} where

@@ -88,7 +88,11 @@ def test_rank_recorder_on_a_real_tree():
     rec.commit([0], None, [5])                     # nothing accepted: only depth 1 was offered
     assert rec.offered[0] == [2, 2] and rec.accepted[0] == [1, 0] and rec.tree_sizes == [5, 5]
     assert rec.top_offered == [2, 1, 0] and rec.top_accepted == [1, 0, 0]
-    assert rec.inner.commits == [[0, 1, 4], [0]]   # the wrapped drafter still sees every commit
+    rec.inner.tree = DraftTree.empty()             # nothing proposed counts as a rejected first draft
+    rec.propose(None, None, None)
+    rec.commit([0], None, [5])
+    assert rec.offered[0] == [3, 2] and rec.top_offered[0] == 3 and rec.accepted[0] == [1, 0]
+    assert rec.inner.commits == [[0, 1, 4], [0], [0]]   # the wrapped drafter still sees every commit
 
 
 def _phases(**ms):
@@ -103,6 +107,19 @@ def _tree_run():
                         "phases": _phases(draft=5.0, draft_step0=2.0, draft_step1=1.2, draft_step2=1.0,
                                           verify=30.0, accept=0.5, commit=0.4, other=0.1),
                         "verify_tokens_mean": 6.0, "mean_context": 200}}
+
+
+def test_tree_predictions_are_calibrated_to_the_profiled_tree():
+    run = _tree_run()
+    raw = AcceptanceModel.from_run(run)
+    model_tau = tree_tau(*expected_tree(raw.rate, 3, 2, 6))
+    run["results"]["accept_length"] = 1 + 0.8 * (model_tau - 1)     # the drafter kept worse nodes than the model
+    acc = AcceptanceModel.from_run(run)
+    assert acc.tree_scale == pytest.approx(0.8)
+    cost = CostModel.from_runs(run, None, decode_ms=25.0)
+    assert predict(acc, cost, 3, 2, 6)["tau"] == pytest.approx(run["results"]["accept_length"])
+    # chains read the all-rank-1 path, which needs no calibration
+    assert predict(acc, cost, 2, 1, 3)["tau"] == pytest.approx(predict(raw, cost, 2, 1, 3)["tau"])
 
 
 def test_cost_model_reproduces_the_profiled_cycle():

@@ -48,6 +48,11 @@ class RankRecorder:
         for i, par in enumerate(tree.parents.tolist()):
             kids.setdefault(par, []).append(i)
         steps, topk = len(self.offered), len(self.offered[0])
+        if tree.size == 0:
+            # nothing proposed (n-gram without a match): for τ it is a first draft rejected
+            self.offered[0][0] += 1
+            self.top_offered[0] += 1
+            return
         top_path = True                               # every accepted node so far was its parent's rank 1
         for d in range(1, len(rows) + 1):             # parent at depth d-1 was accepted (row 0 = the root)
             if d > steps:

@@ -28,6 +28,9 @@ class AcceptanceModel:
     offered: list[list[int]] | None = None
     source: str = ""
     chain: list[float] | None = None     # rank-1 acceptance along the all-rank-1 path (what a chain sees)
+    # trees: measured / modelled (τ - 1) of the profiled tree. The model keeps the nodes most likely to be
+    # accepted; the drafter ranks by its own confidence and keeps somewhat worse ones.
+    tree_scale: float = 1.0
 
     @property
     def depth(self) -> int:
@@ -89,10 +92,16 @@ class AcceptanceModel:
         res, cfg = run.get("results") or {}, run.get("config") or {}
         rid = run.get("id", "?")
         rank = res.get("acceptance_by_depth_rank")
-        if rank:
-            return cls.from_counts(rank["accepted"], rank["offered"], f"run {rid}: acceptance by depth and rank",
-                                   rank.get("top_path_accepted"), rank.get("top_path_offered"))
         topk = cfg.get("topk") or (cfg.get("drafting") or {}).get("topk")
+        if rank:
+            acc = cls.from_counts(rank["accepted"], rank["offered"], f"run {rid}: acceptance by depth and rank",
+                                  rank.get("top_path_accepted"), rank.get("top_path_offered"))
+            tau = res.get("accept_length")
+            if topk and topk > 1 and cfg.get("steps") and cfg.get("draft_tokens") and tau:
+                model = tree_tau(*expected_tree(acc.rate, cfg["steps"], topk, cfg["draft_tokens"]))
+                if model > 1.0:
+                    acc.tree_scale = min(1.5, max(0.5, (tau - 1.0) / (model - 1.0)))
+            return acc
         if topk not in (None, 1):
             raise SpecscopeError(f"run {rid} is a tree run (topk {topk}) without acceptance by sibling rank, which "
                                  f"tree predictions need; profile it with `specscope tune --profile ...` or pass a "
@@ -203,6 +212,8 @@ def predict(acc: AcceptanceModel, cost: CostModel, steps: int, topk: int, draft_
         draft_tokens = steps + 1
     parents, p = expected_tree(acc.chain_rate if topk == 1 else acc.rate, steps, topk, draft_tokens)
     tau = tree_tau(parents, p)
+    if topk > 1:
+        tau = 1.0 + acc.tree_scale * (tau - 1.0)
     n = len(parents) + 1
     d, v, o = cost.draft_ms(steps, topk), cost.verify(n), cost.other_ms
     cycle = d + v + o

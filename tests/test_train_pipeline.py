@@ -225,3 +225,23 @@ def test_regenerate_replaces_assistant_turns(prepared, tmp_path):
     assert all(len(c) == 2 and c[1]["role"] == "assistant" for c in regen)
     assert sum(c[1]["content"] != o[1]["content"] for c, o in zip(regen, orig)) > len(orig) // 2
     assert json.loads((work / "data" / "manifest.json").read_text())["sequences"] == len(orig)
+
+
+def test_capture_extends_partial_last_shard(prepared, tmp_path):
+    from specscope.engine.tokenizer import Tokenizer
+    from specscope.models import load_model
+    from specscope.train.data import capture
+
+    tgt, ds, _ = prepared
+    model, tok = load_model(tgt, "fp32", "cpu"), Tokenizer(tgt)
+    convs, _ = read_conversations(ds)
+    m = capture(model, tok, convs[:5], tmp_path / "d", [2, 4, 5], shard_size=4)
+    assert [s["sequences"] for s in m["shards"]] == [4, 1]
+    first = (tmp_path / "d" / "shard-00000.safetensors").stat().st_mtime_ns
+    m = capture(model, tok, convs[:8], tmp_path / "d", [2, 4, 5], shard_size=4)
+    assert [s["sequences"] for s in m["shards"]] == [4, 4] and m["sequences"] == 8
+    assert (tmp_path / "d" / "shard-00000.safetensors").stat().st_mtime_ns == first
+    assert len(CapturedData(tmp_path / "d")) == 8
+    assert len(CapturedData(tmp_path / "d").seqs) == 8
+    m = capture(model, tok, convs[:4], tmp_path / "d", [2, 4, 5], shard_size=4)   # fewer: only those are listed
+    assert m["sequences"] == 4 and len(CapturedData(tmp_path / "d")) == 4

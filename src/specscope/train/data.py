@@ -312,9 +312,13 @@ def capture(model, tok, convs: list[list[dict]], out_dir: Path, aux_layers: list
         manifest = {"version": 1, "aux_layers": list(aux_layers), "aux_convention": "input",
                     "hidden_size": model.config.hidden_size, "vocab_size": model.config.vocab_size,
                     "target": target_info or {}, "shard_size": shard_size, "shards": [], "skipped": 0}
-    done = {s["index"] for s in manifest["shards"]}
     shard_size = manifest["shard_size"]
     n_shards = (len(convs) + shard_size - 1) // shard_size
+    # a shard is done when it covered as many conversations as it should now (a last, partial shard is redone
+    # when more conversations arrive)
+    want = {si: len(convs[si * shard_size:(si + 1) * shard_size]) for si in range(n_shards)}
+    done = {s["index"] for s in manifest["shards"] if s.get("conversations", s["sequences"]) == want.get(s["index"])}
+    manifest["shards"] = [s for s in manifest["shards"] if s["index"] in done]
     for si in range(n_shards):
         if si in done:
             if progress:
@@ -347,19 +351,26 @@ def capture(model, tok, convs: list[list[dict]], out_dir: Path, aux_layers: list
             tmp = out_dir / (name + ".tmp")
             save_file(flat, str(tmp))
             os.replace(tmp, out_dir / name)
-            manifest["shards"].append({"index": si, "file": name, "sequences": len(offsets) - 1,
+            manifest["shards"].append({"index": si, "file": name, "conversations": want[si],
+                                       "sequences": len(offsets) - 1,
                                        "tokens": offsets[-1], "loss_tokens": int(flat["loss_mask"].sum())})
         else:
-            manifest["shards"].append({"index": si, "file": None, "sequences": 0, "tokens": 0, "loss_tokens": 0})
-        manifest["sequences"] = sum(s["sequences"] for s in manifest["shards"])
-        manifest["tokens"] = sum(s["tokens"] for s in manifest["shards"])
-        manifest["loss_tokens"] = sum(s["loss_tokens"] for s in manifest["shards"])
-        tmp = out_dir / (MANIFEST + ".tmp")
-        tmp.write_text(json.dumps(manifest, indent=1))
-        os.replace(tmp, mpath)
+            manifest["shards"].append({"index": si, "file": None, "conversations": want[si], "sequences": 0,
+                                       "tokens": 0, "loss_tokens": 0})
+        manifest["shards"].sort(key=lambda x: x["index"])
+        _write_manifest(manifest, mpath)
         if progress:
             progress(min(len(convs), (si + 1) * shard_size))
+    _write_manifest(manifest, mpath)
     return manifest
+
+
+def _write_manifest(manifest: dict, mpath: Path):
+    for key in ("sequences", "tokens", "loss_tokens"):
+        manifest[key] = sum(s[key] for s in manifest["shards"])
+    tmp = mpath.with_name(MANIFEST + ".tmp")
+    tmp.write_text(json.dumps(manifest, indent=1))
+    os.replace(tmp, mpath)
 
 
 class CapturedData:

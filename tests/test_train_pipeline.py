@@ -112,8 +112,13 @@ def test_kill_resume_and_ddp_match(prepared, tmp_path):
     out_a, err_a = pa.communicate(timeout=600)
     assert pa.returncode == 0, err_a
     # c: two processes over gloo, each with half of every global batch
+    import socket
+
+    with socket.socket() as sock:          # a free port: other test runs may use torchrun at the same time
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
     pc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                         "--master-port", "29517", "-m", "specscope", *common, "--workdir", str(c)],
+                         "--master-port", str(port), "-m", "specscope", *common, "--workdir", str(c)],
                         capture_output=True, text=True, timeout=900)
     assert pc.returncode == 0, pc.stderr[-3000:]
     sa, sb, sc = _final_params(a), _final_params(b), _final_params(c)

@@ -361,6 +361,7 @@ def save_drafter(drafter: Eagle3Drafter, path: str | Path, format: str = "sglang
     cfg = config_dict(drafter, format, target_info, wdtype)
     tmp = path / "model.safetensors.tmp"
     save_file(tensors, str(tmp), metadata={"format": "pt"})
+    os.chmod(tmp, 0o644)   # safetensors creates private files; a drafter is meant to be shared
     os.replace(tmp, path / "model.safetensors")
     (path / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     for name, text in (extra_files or {}).items():

@@ -39,6 +39,17 @@ def test_curve_interpolates_between_contexts():
     assert vc.ratio(8, 1, 100) == pytest.approx(1.4)
 
 
+def test_curve_prefers_measured_points_inside_their_range():
+    fit = PiecewiseFit(10, 1, 4, 0)
+    # width 2 measured slower than its neighbours (a kernel quirk): the measurement wins over the fit
+    vc = VerifyCurve({100: fit}, points={100: {1: 10.0, 2: 14.0, 4: 10.0, 8: 14.0}})
+    assert vc(2, 100) == 14.0 and vc(3, 100) == pytest.approx(12.0) and vc(6, 100) == pytest.approx(12.0)
+    assert vc(16, 100) == fit(16)                      # beyond the measured widths: the fit
+    run = {"kind": "verify_curve", "id": "v1", "results": {"fits": {"100": fit.to_dict()},
+           "points": [{"context": 100, "tokens": n, "median_ms": t} for n, t in ((1, 10.0), (2, 14.0))]}}
+    assert VerifyCurve.from_run(run)(2, 100) == 14.0
+
+
 def test_parse_int_list_errors():
     assert parse_int_list("4, 1,2,2", "--tokens") == [1, 2, 4]
     with pytest.raises(SpecscopeError, match="comma-separated"):

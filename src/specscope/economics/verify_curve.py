@@ -146,12 +146,16 @@ def fit_piecewise(ns: list[float], ts: list[float]) -> PiecewiseFit:
 
 
 class VerifyCurve:
-    """T_verify(n, L) from a stored verify_curve run: the fit at each measured context, linear in L between."""
+    """T_verify(n, L) from a stored verify_curve run. At a measured context, n between measured widths reads the
+    measured medians (linear in between: CPU kernels have quirks, e.g. one width slower than its neighbours, that
+    the two-piece fit smooths away); outside them the fit. Between contexts, linear in L."""
 
-    def __init__(self, fits: dict[int, PiecewiseFit], run_id: str | None = None):
+    def __init__(self, fits: dict[int, PiecewiseFit], run_id: str | None = None,
+                 points: dict[int, dict[int, float]] | None = None):
         if not fits:
             raise SpecscopeError("the verify curve has no fitted context lengths")
         self.fits = dict(sorted(fits.items()))
+        self.points = {L: dict(sorted(p.items())) for L, p in (points or {}).items() if p}
         self.run_id = run_id
 
     @classmethod
@@ -159,22 +163,38 @@ class VerifyCurve:
         if run.get("kind") != "verify_curve":
             raise SpecscopeError(f"run {run.get('id', '?')} is a {run.get('kind')!r} run, not a verify curve; "
                                  f"make one with `specscope verify-curve`")
-        fits = (run.get("results") or {}).get("fits") or {}
-        return cls({int(L): PiecewiseFit.from_dict(f) for L, f in fits.items()}, run.get("id"))
+        res = run.get("results") or {}
+        points: dict[int, dict[int, float]] = {}
+        for p in res.get("points") or []:
+            points.setdefault(int(p["context"]), {})[int(p["tokens"])] = float(p["median_ms"])
+        return cls({int(L): PiecewiseFit.from_dict(f) for L, f in (res.get("fits") or {}).items()}, run.get("id"),
+                   points)
+
+    def _at(self, L: int, n: float) -> float:
+        pts = self.points.get(L)
+        if pts:
+            ns = list(pts)
+            if ns[0] <= n <= ns[-1]:
+                hi = next(x for x in ns if x >= n)
+                lo = max(x for x in ns if x <= n)
+                if hi == lo:
+                    return pts[lo]
+                return pts[lo] + (pts[hi] - pts[lo]) * (n - lo) / (hi - lo)
+        return self.fits[L](n)
 
     def __call__(self, n: float, context: float) -> float:
         Ls = list(self.fits)
         if context <= Ls[0]:
-            return self.fits[Ls[0]](n)
+            return self._at(Ls[0], n)
         if context >= Ls[-1]:
             if len(Ls) == 1:
-                return self.fits[Ls[0]](n)
+                return self._at(Ls[0], n)
             # extrapolate linearly in L: attention cost grows with the context
             L0, L1 = Ls[-2], Ls[-1]
         else:
             L0 = max(L for L in Ls if L <= context)
             L1 = min(L for L in Ls if L > context)
-        t0, t1 = self.fits[L0](n), self.fits[L1](n)
+        t0, t1 = self._at(L0, n), self._at(L1, n)
         return max(1e-6, t0 + (t1 - t0) * (context - L0) / (L1 - L0))
 
     def ratio(self, n: float, n_ref: float, context: float) -> float:

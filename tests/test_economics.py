@@ -160,6 +160,11 @@ def test_breakeven_from_runs(capsys):
     main(["breakeven", "--run", spec, "--baseline-run", base])
     text = capsys.readouterr().out
     assert "baseline run" in text and "1.25x" in text
+    # a run that names its baseline needs no --baseline-run
+    linked = _store("speculative", {"steps": 3, "topk": 1, "baseline_run": base},
+                    {"accept_length": 2.5, "tok_per_s": 50.0, "phases": _phases(draft=3.0, verify=20.0)})
+    main(["breakeven", "--run", linked, "--json"])
+    assert json.loads(capsys.readouterr().out)["speedup"] == pytest.approx(1.25)
 
 
 def test_breakeven_from_ingested_run_says_what_is_missing(capsys):

@@ -160,7 +160,9 @@ def breakeven(decode_ms, verify_ms, draft_ms, other_ms, steps, measured_tok_s, m
     if run_ref:
         with _open(db) as reg:
             run = reg.get_run(run_ref, samples=False)
-            base = reg.get_run(baseline_ref, samples=False) if baseline_ref else None
+            # a run may name the baseline it was measured against
+            bref = baseline_ref or (run.get("config") or {}).get("baseline_run")
+            base = reg.get_run(bref, samples=False) if bref else None
         if run.get("kind") in ("baseline",) and base is None:
             raise SpecscopeError(f"run {run['id']} is a baseline run; pass the speculative run as --run and this one "
                                  f"as --baseline-run")

@@ -84,7 +84,7 @@ def main(argv=None) -> int:
     from specscope.economics.probe import encode_prompts, profile, validate
     from specscope.economics.verify_curve import VerifyCurve, measure_curve
     from specscope.engine.session import load_target, stop_ids_for
-    from specscope.registry import make_record, prompt_set_hash, store_record
+    from specscope.registry import default_db_path, make_record, prompt_set_hash, store_record
     from specscope.registry.fingerprint import collect
     from specscope.spec.decode import SpecConfig, build_drafter
 
@@ -167,7 +167,8 @@ def main(argv=None) -> int:
         "goal": "median |predicted - measured| / measured speedup <= 10% over >= 6 configurations, chain and tree",
         "met": ok, "median_rel_error": err["median_rel_error"], "max_rel_error": err["max_rel_error"],
         "median_tau_rel_error": statistics.median(tau_errs), "configurations": table,
-        "profiled": {"run": srec["id"], "baseline_run": brec["id"], "verify_curve_run": crec["id"],
+        "profiled": {"registry": str(args.db or default_db_path()), "run": srec["id"], "baseline_run": brec["id"],
+                     "verify_curve_run": crec["id"],
                      "config": {"steps": s, "topk": k, "draft_tokens": n},
                      "accept_length": srec["results"]["accept_length"],
                      "acceptance_by_depth_rank": acc.rates, "phases": srec["results"]["phases"],

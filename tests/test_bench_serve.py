@@ -144,7 +144,7 @@ def test_serve_and_bench_serve_end_to_end(model_dir, tmp_path):
         assert httpx.post(spec.url + "/v1/completions", content=b"{oops").status_code == 400
 
         # --- API key: 401 without it, 200 with it ------------------------------------------------------------
-        body = {"prompt": "the quick", "max_tokens": 4}
+        body = {"prompt": "the quick", "max_tokens": 4, "temperature": 0}  # OpenAI defaults to T=1: be deterministic
         assert httpx.post(keyed.url + "/v1/completions", json=body).status_code == 401
         ok = httpx.post(keyed.url + "/v1/completions", json=body, headers={"Authorization": "Bearer k3y"})
         assert ok.status_code == 200
@@ -163,7 +163,7 @@ def test_serve_and_bench_serve_end_to_end(model_dir, tmp_path):
         assert keyed.metric("specscope:request_failed_total", reason="cancelled") == 1
         # the same for a non-streaming client that gives up (the server polls for the disconnect)
         host, port = keyed.url[len("http://"):].split(":")
-        payload = json.dumps({"prompt": "the quick", "max_tokens": 220}).encode()
+        payload = json.dumps({"prompt": "the quick", "max_tokens": 220, "temperature": 0}).encode()
         with socket.create_connection((host, int(port))) as sock:
             sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer k3y\r\n"
                          b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(payload) + payload)

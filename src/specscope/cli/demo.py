@@ -82,7 +82,8 @@ class _RichUI:
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="CPU threads for torch.")
 @click.option("--model", "model_name", default="smollm2-135m", show_default=True,
               help="Target: a known name (pulled on first use) or a Hugging Face checkpoint directory.")
-@click.option("--steps", type=click.IntRange(min=1), default=None, help="Draft depth (default 5).")
+@click.option("--steps", type=click.IntRange(min=1), default=None,
+              help="Draft depth (default: the shipped drafter's tuned 1 level x top-k 3, 4 tokens; else 5).")
 @click.option("--topk", type=click.IntRange(min=1), default=None, help="Tree branching; 1 = chain (default).")
 @click.option("--draft-tokens", type=click.IntRange(min=2), default=None, help="Tokens verified per cycle.")
 @click.option("--dtype", type=click.Choice(["fp32", "bf16", "fp16", "auto"]), default="auto", show_default=True)

@@ -70,17 +70,10 @@ def build_drafter(spec: str, target, dtype="auto", device=None) -> Drafter:
             shipped = sorted(p.name for p in ASSETS.iterdir()) if ASSETS.exists() else []
             raise SpecscopeError(f"drafter {spec!r} not found: not 'ngram', a shipped drafter ({', '.join(shipped) or 'none'}), "
                                  f"nor an existing directory")
-    import json
+    from specscope.spec.formats import load_drafter, read_config, validate_drafter
 
-    cfg_file = path / "config.json"
-    if not cfg_file.exists():
-        raise SpecscopeError(f"drafter directory {str(path)!r} has no config.json")
-    try:
-        raw = json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as e:
-        raise SpecscopeError(f"{cfg_file} is not valid JSON ({e.msg})") from None
+    raw = read_config(path)
     if _is_eagle3_config(raw):
-        from specscope.spec.formats import load_drafter, validate_drafter
 
         d = load_drafter(path, target=target)
         d = d.to(device=target.device, dtype=target.dtype)

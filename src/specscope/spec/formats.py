@@ -34,7 +34,8 @@ IGNORED_KEYS = ("embed_tokens.weight", "model.embed_tokens.weight")
 
 # ---------------------------------------------------------------- config parsing
 
-def _read_json(path: Path) -> dict:
+def read_config(path: Path) -> dict:
+    """A checkpoint directory's config.json as a dict, with one-line errors for missing / invalid files."""
     f = path / "config.json"
     if not f.exists():
         raise SpecscopeError(f"drafter directory {str(path)!r} has no config.json")
@@ -273,7 +274,7 @@ def load_drafter(path: str | Path, target=None, dtype: torch.dtype | None = None
     path = Path(path)
     if not path.is_dir():
         raise SpecscopeError(f"drafter {str(path)!r} is not a directory")
-    raw = _read_json(path)
+    raw = read_config(path)
     L = target.config.num_hidden_layers if target is not None else None
     cfg = parse_config(raw, L)
     ours = file_to_ours(_read_weights(path), cfg)

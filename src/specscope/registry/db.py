@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import sqlite3
+import time
 import uuid
 import zlib
 from contextlib import contextmanager
@@ -113,6 +114,22 @@ def _good_tag(t) -> bool:
     return isinstance(t, str) and bool(t.strip()) and t.isprintable()
 
 
+def _retry_locked(fn, timeout: float):
+    deadline = time.monotonic() + timeout
+    delay = 0.005
+    while True:
+        try:
+            return fn()
+        except sqlite3.OperationalError as e:
+            if "locked" not in str(e) or time.monotonic() > deadline:
+                raise
+        except SpecscopeError as e:  # _write's wrapping of a lock timeout
+            if "locked" not in str(e) or time.monotonic() > deadline:
+                raise
+        time.sleep(delay)
+        delay = min(delay * 2, 0.2)
+
+
 class Registry:
     def __init__(self, path: Path, timeout: float = 60.0):
         self.path = Path(path)
@@ -124,10 +141,12 @@ class Registry:
                                  f"set --db or SPECSCOPE_DB to a writable path") from None
         try:
             self._conn.execute(f"PRAGMA busy_timeout = {int(timeout * 1000)}")
-            self._conn.execute("PRAGMA journal_mode = WAL")
+            # switching a new file to WAL can answer SQLITE_BUSY at once, without waiting on the busy handler,
+            # while another process is creating or switching the same file: retry until the timeout instead
+            _retry_locked(lambda: self._conn.execute("PRAGMA journal_mode = WAL"), timeout)
             self._conn.execute("PRAGMA synchronous = NORMAL")
             self._conn.execute("PRAGMA foreign_keys = ON")
-            self._migrate()
+            _retry_locked(self._migrate, timeout)
         except sqlite3.DatabaseError as e:
             self._conn.close()
             raise SpecscopeError(f"{self.path} is not a usable specscope registry ({e}); "

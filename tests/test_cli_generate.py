@@ -9,11 +9,11 @@ import sys
 import pytest
 import torch
 
-from specscope.cli import main
 from specscope.engine.generate import generate
 from specscope.engine.tokenizer import Tokenizer
 from specscope.models import load_model
 from tiny import make_hf_model, make_tiny_tokenizer
+from cli_util import cli, one_error_line
 
 
 @pytest.fixture(scope="module")
@@ -22,26 +22,6 @@ def good(tmp_path_factory):
     make_hf_model(d, "llama")
     make_tiny_tokenizer(d)
     return d
-
-
-def cli(capsys, *args):
-    capsys.readouterr()  # drop whatever setup printed (progress bars of save_pretrained)
-    code = 0
-    try:
-        main([str(a) for a in args])
-    except SystemExit as e:
-        code = e.code
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def one_error_line(code, err):
-    lines = [ln for ln in err.splitlines() if ln.strip()]
-    assert code == 2, err
-    assert len(lines) == 1, err
-    assert lines[0].startswith("error: ")
-    assert "Traceback" not in err
-    return lines[0]
 
 
 def variant(good, tmp_path, edit):

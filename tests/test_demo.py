@@ -7,11 +7,11 @@ import re
 
 import pytest
 
-from specscope.cli import main
 from specscope.errors import SpecscopeError
 from specscope.registry import open_registry
 from spec_helpers import random_eagle3
 from tiny import make_hf_model, make_tiny_tokenizer
+from cli_util import cli, one_error_line
 
 
 @pytest.fixture(scope="module")
@@ -26,25 +26,6 @@ def tiny(tmp_path_factory):
     drafter_dir = tmp_path_factory.mktemp("demo-drafter")
     save_drafter(random_eagle3(target, draft_vocab=60), drafter_dir)
     return d, drafter_dir
-
-
-def cli(capsys, *args):
-    capsys.readouterr()
-    code = 0
-    try:
-        main([str(a) for a in args])
-    except SystemExit as e:
-        code = e.code
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def one_error_line(code, err):
-    lines = [ln for ln in err.splitlines() if ln.strip()]
-    assert code == 2, err
-    assert len(lines) == 1, err
-    assert lines[0].startswith("error: ") and "Traceback" not in err
-    return lines[0]
 
 
 def images(html: str) -> list[str]:

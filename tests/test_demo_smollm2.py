@@ -11,22 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from specscope.cli import main
 from specscope.registry import open_registry
+from cli_util import cli
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def cli(capsys, *args):
-    capsys.readouterr()
-    code = 0
-    try:
-        main([str(a) for a in args])
-    except SystemExit as e:
-        code = e.code
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def test_demo_smollm2(tmp_path, capsys):

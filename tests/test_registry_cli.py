@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from specscope.cli import main
 from specscope.registry import open_registry
 from tiny import make_hf_model, make_tiny_tokenizer
+from cli_util import cli
 
 
 @pytest.fixture(scope="module")
@@ -17,17 +17,6 @@ def tiny_model(tmp_path_factory):
     make_hf_model(d, "llama")
     make_tiny_tokenizer(d)
     return d
-
-
-def cli(capsys, *args):
-    capsys.readouterr()
-    code = 0
-    try:
-        main([str(a) for a in args])
-    except SystemExit as e:
-        code = e.code
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def gen(capsys, model, *extra):

@@ -7,9 +7,9 @@ import re
 
 import pytest
 
-from specscope.cli import main
 from specscope.registry import make_record, open_registry
 from tiny import make_hf_model
+from cli_util import cli
 
 
 @pytest.fixture(scope="module")
@@ -67,17 +67,6 @@ def stored(records):
         ids["S2"] = reg.add_run(s2)
         ids["I"] = reg.add_run(ing)
     return ids
-
-
-def cli(capsys, *args):
-    capsys.readouterr()
-    code = 0
-    try:
-        main([str(a) for a in args])
-    except SystemExit as e:
-        code = e.code
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def alts(html):

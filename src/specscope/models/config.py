@@ -65,8 +65,8 @@ class ModelConfig:
                 num_key_value_heads=int(d.get("num_key_value_heads") or heads),
                 head_dim=int(d.get("head_dim") or hidden // heads),
                 rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(_rope_theta(d)),
-                rope_scaling=_rope_scaling(d),
+                rope_theta=float(rope_theta_of(d)),
+                rope_scaling=rope_scaling_of(d),
                 max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
                 tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
                 qkv_bias=flags.get("qkv_bias", False) or bool(d.get("attention_bias", False)),
@@ -104,14 +104,16 @@ def _as_list(x):
     return [int(v) for v in x] if isinstance(x, (list, tuple)) else [int(x)]
 
 
-def _rope_theta(d):
+def rope_theta_of(d: dict) -> float:
+    """rope_theta from a HF config (transformers 5 moved it into rope_parameters)."""
     if "rope_theta" in d:
         return d["rope_theta"]
     rp = d.get("rope_parameters") or {}
     return rp.get("rope_theta", 10000.0)
 
 
-def _rope_scaling(d):
+def rope_scaling_of(d: dict) -> dict | None:
+    """The RoPE scaling dict with its rope_type, or None for plain RoPE (either config key)."""
     rs = d.get("rope_scaling") or d.get("rope_parameters")
     if not rs:
         return None

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from specscope.errors import SpecscopeError
+from specscope.models.config import rope_scaling_of, rope_theta_of
 from specscope.spec.drafter import DrafterConfig, Eagle3Drafter
 
 SGLANG_ARCHS = ("LlamaForCausalLMEagle3", "LlamaForCausalLM", "Eagle3LlamaForCausalLM")
@@ -133,8 +134,8 @@ def parse_config(raw: dict, target_layers: int | None = None) -> DrafterConfig:
             aux_layer_ids=ids,
             aux_convention_in_file=conv,
             rms_norm_eps=float(layer.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(layer.get("rope_theta", (layer.get("rope_parameters") or {}).get("rope_theta", 1e4))),
-            rope_scaling=_rope_scaling(layer),
+            rope_theta=float(rope_theta_of(layer)),
+            rope_scaling=rope_scaling_of(layer),
             max_position_embeddings=int(layer.get("max_position_embeddings", 4096)),
             norm_before_residual=bool(raw.get("norm_before_residual", nbr_default)),
             norm_output=bool(raw.get("norm_output", False)),
@@ -152,15 +153,6 @@ def parse_config(raw: dict, target_layers: int | None = None) -> DrafterConfig:
     if not 0 < cfg.draft_vocab_size <= cfg.vocab_size:
         raise SpecscopeError(f"draft_vocab_size {cfg.draft_vocab_size} must be in 1..vocab_size ({cfg.vocab_size})")
     return cfg
-
-
-def _rope_scaling(d):
-    rs = d.get("rope_scaling") or d.get("rope_parameters")
-    if not rs:
-        return None
-    rs = dict(rs)
-    rs.setdefault("rope_type", rs.get("type", "default"))
-    return rs if rs["rope_type"] != "default" else None
 
 
 # ---------------------------------------------------------------- weights

@@ -42,13 +42,19 @@ def load_config(path: str | Path) -> tuple[ModelConfig, dict]:
     cfg_file = path / "config.json"
     if not cfg_file.exists():
         raise SpecscopeError(f"{str(path)!r} has no config.json; is it a Hugging Face checkpoint directory?")
-    try:
-        raw = json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as e:
-        raise SpecscopeError(f"{cfg_file} is not valid JSON ({e.msg} at line {e.lineno})") from None
-    if not isinstance(raw, dict):
-        raise SpecscopeError(f"{cfg_file} must hold a JSON object")
+    raw = read_json_object(cfg_file)
     return ModelConfig.from_hf(raw), raw
+
+
+def read_json_object(f: Path) -> dict:
+    """A JSON file that must hold an object (config.json and the like), with one-line errors."""
+    try:
+        d = json.loads(f.read_text())
+    except json.JSONDecodeError as e:
+        raise SpecscopeError(f"{f} is not valid JSON ({e.msg} at line {e.lineno})") from None
+    if not isinstance(d, dict):
+        raise SpecscopeError(f"{f} must hold a JSON object")
+    return d
 
 
 def weight_files(path: Path) -> list[Path]:

@@ -22,6 +22,7 @@ import torch
 
 from specscope.errors import SpecscopeError
 from specscope.models.config import rope_scaling_of, rope_theta_of
+from specscope.models.loader import read_json_object
 from specscope.spec.drafter import DrafterConfig, Eagle3Drafter
 
 SGLANG_ARCHS = ("LlamaForCausalLMEagle3", "LlamaForCausalLM", "Eagle3LlamaForCausalLM")
@@ -40,13 +41,7 @@ def read_config(path: Path) -> dict:
     f = path / "config.json"
     if not f.exists():
         raise SpecscopeError(f"drafter directory {str(path)!r} has no config.json")
-    try:
-        d = json.loads(f.read_text())
-    except json.JSONDecodeError as e:
-        raise SpecscopeError(f"{f} is not valid JSON ({e.msg} at line {e.lineno})") from None
-    if not isinstance(d, dict):
-        raise SpecscopeError(f"{f} must hold a JSON object")
-    return d
+    return read_json_object(f)
 
 
 def detect_format(raw: dict) -> str:

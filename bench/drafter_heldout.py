@@ -18,7 +18,7 @@ def main():
 
     from specscope.engine.generate import generate
     from specscope.engine.sampling import SamplingParams
-    from specscope.spec.decode import SpecConfig, build_drafter, speculative_generate
+    from specscope.speculative.decode import SpecConfig, build_drafter, speculative_generate
     from specscope.train.data import read_conversations
     from specscope.train.pipeline import load_target
     from specscope.train.trainer import split_indices

@@ -1,5 +1,5 @@
 """How much does the cycle profiler cost? Measured on SmolLM2-135M (baseline decode; speculative with the n-gram
-drafter when `specscope.spec` is available).
+drafter when `specscope.speculative` is available).
 
 Two measurements, because each alone is weak on a shared 2-core machine:
 
@@ -118,9 +118,9 @@ def main(argv=None):
     out["baseline"] = measure(lambda prof: generate(model, ids, args.tokens, sp, stop, profiler=prof), args.pairs,
                               "decode")
     try:
-        from specscope.spec.decode import SpecConfig, build_drafter, speculative_generate
+        from specscope.speculative.decode import SpecConfig, build_drafter, speculative_generate
     except ImportError:
-        out["speculative"] = {"skipped": "specscope.spec is not available in this checkout"}
+        out["speculative"] = {"skipped": "specscope.speculative is not available in this checkout"}
     else:
         cfg = SpecConfig.from_knobs(steps=4, topk=1)
 

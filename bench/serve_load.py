@@ -55,7 +55,7 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
 
 
 def prompts(n: int) -> tuple[str, list[str]]:
-    from specscope.benchserve.dataset import load_prompts
+    from specscope.prompts import load_prompts
     from specscope.errors import SpecscopeError
 
     try:

@@ -31,7 +31,7 @@ def task_of(category: str) -> str:
 
 
 def pick_prompts(tasks, limit):
-    from specscope.benchserve.dataset import spec_bench_path
+    from specscope.prompts import spec_bench_path
 
     rows = [json.loads(line) for line in spec_bench_path().read_text().splitlines() if line.strip()]
     rows = [dict(r, prompt=r["turns"][0]) for r in rows]
@@ -70,7 +70,7 @@ def main(argv=None):
 
     from specscope.engine.generate import generate
     from specscope.engine.session import load_target, stop_ids_for
-    from specscope.spec.decode import SpecConfig, build_drafter, speculative_generate
+    from specscope.speculative.decode import SpecConfig, build_drafter, speculative_generate
     from specscope.errors import SpecscopeError
 
     transformers.logging.set_verbosity_error()

@@ -86,7 +86,7 @@ def main(argv=None) -> int:
     from specscope.engine.session import load_target, stop_ids_for
     from specscope.registry import default_db_path, make_record, prompt_set_hash, store_record
     from specscope.registry.fingerprint import collect
-    from specscope.spec.decode import SpecConfig, build_drafter
+    from specscope.speculative.decode import SpecConfig, build_drafter
 
     if args.threads:
         torch.set_num_threads(args.threads)

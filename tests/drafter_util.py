@@ -146,7 +146,7 @@ def ref_cfg(drafter) -> dict:
 
 
 def random_drafter(target, draft_vocab: int = 40, seed: int = 0, **flags):
-    from specscope.spec.drafter import DrafterConfig, Eagle3Drafter
+    from specscope.speculative.eagle3 import DrafterConfig, Eagle3Drafter
 
     tc = target.config
     cfg = DrafterConfig(hidden_size=tc.hidden_size, intermediate_size=96, num_attention_heads=4,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from specscope.models import load_model
-from specscope.spec.drafter import DrafterConfig, Eagle3Drafter
+from specscope.speculative.eagle3 import DrafterConfig, Eagle3Drafter
 from tiny import make_hf_model
 
 

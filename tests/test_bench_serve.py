@@ -92,7 +92,7 @@ def _offline_text(model_dir, prompt, n):
 
 
 def test_serve_and_bench_serve_end_to_end(model_dir, tmp_path):
-    pytest.importorskip("specscope.spec.decode")
+    pytest.importorskip("specscope.speculative.decode")
     from specscope.registry import open_registry
 
     data = tmp_path / "prompts.jsonl"
@@ -236,7 +236,7 @@ def test_spec_delta_sglang_gauges_are_averaged():
 
 
 def test_load_prompts_formats_and_categories(tmp_path):
-    from specscope.benchserve.dataset import load_prompts
+    from specscope.prompts import load_prompts
     from specscope.errors import SpecscopeError
 
     f = tmp_path / "mixed.jsonl"
@@ -263,7 +263,7 @@ def test_load_prompts_formats_and_categories(tmp_path):
 
 
 def test_spec_bench_dataset_resolves():
-    from specscope.benchserve.dataset import load_prompts, spec_bench_path
+    from specscope.prompts import load_prompts, spec_bench_path
     from specscope.errors import SpecscopeError
 
     try:
@@ -291,7 +291,7 @@ def test_bench_serve_cli_errors(tmp_path):
 @pytest.mark.slow  # another server start (~30 s on a busy 2-core box); the e2e test above covers the same paths
 def test_load_script_all_requests_ok_on_tiny_model(model_dir, tmp_path):
     """bench/serve_load.py end to end, small: its checks (no errors, counters agree, SIGTERM exit 0) must hold."""
-    pytest.importorskip("specscope.spec.decode")
+    pytest.importorskip("specscope.speculative.decode")
     from pathlib import Path
 
     script = Path(__file__).resolve().parent.parent / "bench" / "serve_load.py"

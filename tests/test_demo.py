@@ -17,7 +17,7 @@ from cli_util import cli, one_error_line
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     from specscope.models import load_model
-    from specscope.spec.formats import save_drafter
+    from specscope.speculative.formats import save_drafter
 
     d = tmp_path_factory.mktemp("demo-target")
     make_hf_model(d, "llama", layers=4)
@@ -114,7 +114,7 @@ def test_demo_ngram_json(tiny, tmp_path, capsys):
 
 
 def test_demo_missing_shipped_drafter_is_one_clear_line(tiny, tmp_path, capsys, monkeypatch):
-    import specscope.spec.decode as decode
+    import specscope.speculative.decode as decode
 
     monkeypatch.setattr(decode, "ASSETS", tmp_path / "no-drafters")
     code, _, err = cli(capsys, "demo", "--model", tiny[0], "--prompts", 1, "--max-new-tokens", 4,

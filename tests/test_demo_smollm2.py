@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_demo_smollm2(tmp_path, capsys):
-    from specscope.spec.decode import ASSETS, DEFAULT_DRAFTER
+    from specscope.speculative.decode import ASSETS, DEFAULT_DRAFTER
 
     out = tmp_path / "demo"
     args = ["demo", "--prompts", 2, "--max-new-tokens", 32, "--out", out, "--threads", 2]

@@ -10,7 +10,7 @@ from drafter_util import (published, random_drafter, raw_tensors, ref_cfg, refer
 from safetensors.torch import load_file
 
 from specscope.errors import SpecscopeError
-from specscope.spec.formats import load_drafter, save_drafter, validate_drafter
+from specscope.speculative.formats import load_drafter, save_drafter, validate_drafter
 
 SGLANG_CONFIGS = ["eagle3_llama31_8b_config.json", "specforge_llama3_8b_eagle3.json", "specforge_qwen3_eagle3.json"]
 

@@ -53,7 +53,7 @@ def test_acceptance_from_rank_counts():
 
 
 def test_rank_recorder_on_a_real_tree():
-    from specscope.spec.tree import DraftTree
+    from specscope.speculative.tree import DraftTree
 
     class Fixed:
         kind, aux_layers = "fixed", ()
@@ -218,7 +218,7 @@ def test_self_drafting_predicts_full_acceptance(tmp_path):
     measured τ matches it (up to the last, length-clipped cycle)."""
     from specscope.economics.probe import profile, validate
     from specscope.models import load_model
-    from specscope.spec.decode import SpecConfig, build_drafter
+    from specscope.speculative.decode import SpecConfig, build_drafter
 
     path = tmp_path / "t"
     make_hf_model(path)
@@ -242,7 +242,7 @@ def test_recorded_chain_acceptance_reproduces_measured_tau(tmp_path):
     accepted(d)/cycles and the predicted τ of the profiled configuration is exactly the measured one."""
     from specscope.economics.probe import profile
     from specscope.models import load_model
-    from specscope.spec.decode import SpecConfig, build_drafter
+    from specscope.speculative.decode import SpecConfig, build_drafter
 
     make_hf_model(tmp_path / "t")
     tgt = load_model(tmp_path / "t", dtype="fp32")

@@ -226,7 +226,7 @@ def test_cancel_aborts_generation_via_on_tokens(engine):
 
 
 def test_speculative_engine_counts_match_response(model_dir):
-    pytest.importorskip("specscope.spec.decode")
+    pytest.importorskip("specscope.speculative.decode")
     from specscope.server.app import create_app
 
     eng = _engine(model_dir, draft="ngram", steps=3)
@@ -284,7 +284,7 @@ def test_serve_cli_rejects_bad_setups_with_one_line_errors(model_dir, capsys):
 
 
 def test_metrics_prefix_vllm_gives_vllm_names(model_dir):
-    pytest.importorskip("specscope.spec.decode")
+    pytest.importorskip("specscope.speculative.decode")
     from specscope.ingest.prometheus import parse_text, spec_delta
     from specscope.server.app import create_app
 

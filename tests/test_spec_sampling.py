@@ -11,12 +11,12 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-import specscope.spec.decode as decode_mod
+import specscope.speculative.decode as decode_mod
 from specscope.engine.generate import generate
 from specscope.engine.sampling import SamplingParams, probs_from_logits
-from specscope.spec.acceptance import accept_sampling
-from specscope.spec.decode import SpecConfig, speculative_generate
-from specscope.spec.drafters import Eagle3TreeDrafter
+from specscope.speculative.acceptance import accept_sampling
+from specscope.speculative.decode import SpecConfig, speculative_generate
+from specscope.speculative.drafters import Eagle3TreeDrafter
 from spec_helpers import random_eagle3, tiny_target
 
 V = 6
@@ -99,7 +99,7 @@ def _broken_accept(target_probs, tree, gen):
 
 def _broken_residual(target_probs, tree, gen):
     """Wrong: min(1, p/q) acceptance but resampling from p instead of norm(max(p - q, 0)) on rejection."""
-    from specscope.spec.tree import DraftTree
+    from specscope.speculative.tree import DraftTree
 
     if tree.q is None:
         return accept_sampling(target_probs, tree, gen)

@@ -43,7 +43,7 @@ def setup():
 
 
 def _drafters(target):
-    from specscope.spec.decode import DEFAULT_DRAFTER, SpecConfig, build_drafter
+    from specscope.speculative.decode import DEFAULT_DRAFTER, SpecConfig, build_drafter
 
     out = [("ngram", build_drafter("ngram", target), SpecConfig(4, 1, 5))]
     try:
@@ -56,7 +56,7 @@ def _drafters(target):
 
 def test_speculative_equals_baseline_on_spec_bench(setup):
     from specscope.engine.generate import generate
-    from specscope.spec.decode import speculative_generate
+    from specscope.speculative.decode import speculative_generate
 
     target, tok, stop = setup
     prompts = spread_prompts()

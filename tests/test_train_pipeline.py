@@ -138,7 +138,7 @@ def test_kill_resume_and_ddp_match(prepared, tmp_path):
     assert train[-1]["loss"] < train[0]["loss"]
     # the exported drafter (written at the end of training) loads and equals the final checkpoint
     from specscope.models import load_model
-    from specscope.spec.formats import load_drafter
+    from specscope.speculative.formats import load_drafter
 
     d = load_drafter(a / "drafter", load_model(tgt, "fp32", "cpu"))
     for k, v in d.state_dict().items():
@@ -149,7 +149,7 @@ def test_export_round_trip(prepared, tmp_path):
     tgt, _, work = prepared
     w = _copy_prepared(work, tmp_path / "w")
     main(["train", "--workdir", str(w), "--target", str(tgt), "--device", "cpu", *TRAIN_ARGS, "--steps", "2"])
-    from specscope.spec.formats import load_drafter
+    from specscope.speculative.formats import load_drafter
 
     st = _final_params(w)
     for fmt in ("speculators", "sglang"):
@@ -172,7 +172,7 @@ def test_export_round_trip(prepared, tmp_path):
 
 
 def test_init_incompatible_drafter(prepared, tmp_path, capsys):
-    from specscope.spec.formats import save_drafter
+    from specscope.speculative.formats import save_drafter
 
     tgt, _, work = prepared
     other = tiny_target(tmp_path, layers=8, hidden=48)

@@ -38,8 +38,8 @@ def test_synthesis_dedup_and_resume(smollm2, tmp_path):
 def test_shipped_drafter_fits_smollm2(smollm2):
     from specscope.engine.generate import generate
     from specscope.engine.sampling import SamplingParams
-    from specscope.spec.decode import SpecConfig, build_drafter, speculative_generate
-    from specscope.spec.formats import load_drafter
+    from specscope.speculative.decode import SpecConfig, build_drafter, speculative_generate
+    from specscope.speculative.formats import load_drafter
 
     model, tok, _ = smollm2
     d = load_drafter(SHIPPED, model)               # validates against the target

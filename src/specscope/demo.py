@@ -64,7 +64,7 @@ def pick_prompts(n: int) -> tuple[list[dict], str]:
     reasoning, math, coding, ...) rather than the first few writing ones. Returns (prompts, prompt set name)."""
     if n < 1:
         raise SpecscopeError(f"--prompts must be >= 1, got {n}")
-    from specscope.benchserve.dataset import spec_bench_path
+    from specscope.prompts import spec_bench_path
 
     try:
         path = spec_bench_path()
@@ -102,7 +102,7 @@ def run_demo(opts: DemoOptions, ui: DemoUI | None = None) -> dict:
     from specscope.engine.tokenizer import StreamDecoder
     from specscope.models.loader import parse_dtype
     from specscope.profile import CycleProfiler
-    from specscope.spec.decode import DEFAULT_DRAFTER, SpecConfig, speculative_generate
+    from specscope.speculative.decode import DEFAULT_DRAFTER, SpecConfig, speculative_generate
 
     ui = ui or DemoUI()
     if opts.max_new_tokens < 2:
@@ -233,7 +233,7 @@ def run_demo(opts: DemoOptions, ui: DemoUI | None = None) -> dict:
 
 
 def _check_shipped(draft: str) -> None:
-    from specscope.spec.decode import ASSETS, DEFAULT_DRAFTER
+    from specscope.speculative.decode import ASSETS, DEFAULT_DRAFTER
 
     if draft == DEFAULT_DRAFTER and not (ASSETS / draft / "config.json").exists():
         raise SpecscopeError(f"the shipped EAGLE-3 drafter {draft!r} is missing from this install "
@@ -242,7 +242,7 @@ def _check_shipped(draft: str) -> None:
 
 
 def _load_drafter(draft: str, target, opts: DemoOptions):
-    from specscope.spec.decode import build_drafter
+    from specscope.speculative.decode import build_drafter
 
     return build_drafter(draft, target, opts.dtype, target.device)
 
@@ -307,7 +307,7 @@ def _records(config, draft, drafter, cfg, bprof, sprof, per_prompt, opts) -> tup
 
 def _draft_ref(draft: str) -> str:
     """A shipped drafter's directory (so the registry hashes its weights), else what the user gave."""
-    from specscope.spec.decode import ASSETS
+    from specscope.speculative.decode import ASSETS
 
     p = ASSETS / draft
     return str(p) if draft != "ngram" and p.exists() else draft

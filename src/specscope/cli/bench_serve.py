@@ -46,7 +46,7 @@ def bench_serve(url, model, endpoint, dataset, category, num_prompts, max_tokens
     """Measure TTFT, inter-token latency, end-to-end latency and tok/s of a live endpoint per concurrency level."""
     import asyncio
 
-    from specscope.benchserve.dataset import load_prompts
+    from specscope.prompts import load_prompts
     from specscope.benchserve.run import run_levels
 
     levels = parse_levels(concurrency)

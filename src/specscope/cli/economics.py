@@ -339,7 +339,7 @@ class _TuneContext:
         if self._loaded is None:
             from specscope.economics.probe import encode_prompts
             from specscope.engine.session import load_target, stop_ids_for
-            from specscope.spec.decode import build_drafter
+            from specscope.speculative.decode import build_drafter
 
             if not self.draft:
                 raise SpecscopeError("no drafter: pass --draft (e.g. smollm2-135m-eagle3 or ngram)")
@@ -356,7 +356,7 @@ class _TuneContext:
 
         from specscope.economics.probe import profile
         from specscope.registry import prompt_set_hash
-        from specscope.spec.decode import SpecConfig
+        from specscope.speculative.decode import SpecConfig
 
         cfg = SpecConfig.from_knobs(steps, topk, draft_tokens)
         target, drafter, ids, stop, path = self.load()

@@ -74,7 +74,7 @@ def train(workdir, target_name, stages, dataset, synth, regenerate, synth_batch,
     import torch
 
     from specscope.models.loader import DTYPES
-    from specscope.spec.drafter import DrafterConfig
+    from specscope.speculative.eagle3 import DrafterConfig
     from specscope.train import pipeline
     from specscope.train.data import CapturedData
     from specscope.train.trainer import TrainConfig, dist_info, train as run_train
@@ -152,7 +152,7 @@ def train(workdir, target_name, stages, dataset, synth, regenerate, synth_batch,
 def export(source, fmt, out, dtype, target_name, as_json):
     """Write a drafter (training work directory, checkpoint file or drafter directory) in SGLang or speculators form."""
     from specscope.models.loader import DTYPES
-    from specscope.spec.formats import load_drafter
+    from specscope.speculative.formats import load_drafter
     from specscope.train.pipeline import export as do_export
 
     tinfo = {"name_or_path": target_name} if target_name else None

@@ -95,7 +95,7 @@ def run_pair(target, drafter, prompt_ids, max_new_tokens, stop_ids, cfg, base_pr
     """Plain and speculative decoding alternated prompt by prompt, so that a machine whose load drifts (shared
     CPUs) slows both sides alike and their ratio stays meaningful. Returns ms/token of each side and τ."""
     from specscope.engine.generate import generate
-    from specscope.spec.decode import speculative_generate
+    from specscope.speculative.decode import speculative_generate
 
     bt = bs = st = ss = 0.0
     acc = cycles = 0
@@ -120,7 +120,7 @@ def profile(target, drafter, prompt_ids, cfg, max_new_tokens, stop_ids, config: 
     `rounds` times over; stores both. Returns (baseline_record, speculative_record), ids filled in when recorded."""
     from specscope.profile import CycleProfiler
     from specscope.registry import make_record, store_record
-    from specscope.spec.drafters import NgramDrafter
+    from specscope.speculative.drafters import NgramDrafter
 
     if isinstance(drafter, NgramDrafter) and cfg.topk != 1:
         raise SpecscopeError("n-gram drafting proposes a chain; use --topk 1")
@@ -156,7 +156,7 @@ def profile(target, drafter, prompt_ids, cfg, max_new_tokens, stop_ids, config: 
 def validate(target, drafter, prompt_ids, configs, max_new_tokens, stop_ids, progress=None):
     """Run each (steps, topk, draft_tokens) for real, alternating with plain decoding prompt by prompt;
     measured speedup = plain ms/token ÷ speculative ms/token."""
-    from specscope.spec.decode import SpecConfig
+    from specscope.speculative.decode import SpecConfig
 
     out = []
     for steps, topk, n in configs:

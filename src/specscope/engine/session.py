@@ -72,7 +72,7 @@ def run_generate(req: GenerateRequest, on_text=None) -> dict:
         res = generate(model, prompt_ids, req.max_new_tokens, sp, stop, on_tokens=on_tokens, profiler=prof)
         spec = None
     else:
-        from specscope.spec.decode import build_drafter, speculative_generate, SpecConfig
+        from specscope.speculative.decode import build_drafter, speculative_generate, SpecConfig
 
         cfg = SpecConfig.from_knobs(req.steps, req.topk, req.draft_tokens)
         drafter = build_drafter(req.draft, model, req.dtype, req.device)

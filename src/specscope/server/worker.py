@@ -95,7 +95,7 @@ class Engine:
         self.tok_lock = threading.Lock()  # HF fast tokenizers are not safe to share across threads unguarded
         self.drafter = self.spec_cfg = None
         if cfg.draft:
-            from specscope.spec.decode import SpecConfig, build_drafter
+            from specscope.speculative.decode import SpecConfig, build_drafter
 
             self.spec_cfg = SpecConfig.from_knobs(cfg.steps, cfg.topk, cfg.draft_tokens)
             self.drafter = build_drafter(cfg.draft, self.model, cfg.dtype, cfg.device)
@@ -161,7 +161,7 @@ class Engine:
                 res = generate(self.model, job.prompt_ids, p.max_tokens, sp, self.stop_ids, on_tokens=on_tokens,
                                profiler=prof)
             else:
-                from specscope.spec.decode import speculative_generate
+                from specscope.speculative.decode import speculative_generate
 
                 res = speculative_generate(self.model, self.drafter, job.prompt_ids, p.max_tokens, sp,
                                            self.stop_ids, self.spec_cfg, on_tokens=on_tokens, profiler=prof)

@@ -87,7 +87,7 @@ def fresh_drafter(target, d2t: torch.Tensor, t2d: torch.Tensor, aux_layers: list
                   norm_before_residual: bool = False):
     """A new drafter shaped like one layer of the target (the EAGLE-3 recipe); lm_head and the final norm start as
     the target's (its rows for the draft vocabulary): a warm start for a head that predicts the same tokens."""
-    from specscope.spec.drafter import DrafterConfig, Eagle3Drafter
+    from specscope.speculative.eagle3 import DrafterConfig, Eagle3Drafter
 
     tc = target.config
     cfg = DrafterConfig(hidden_size=tc.hidden_size, intermediate_size=tc.intermediate_size,
@@ -109,8 +109,8 @@ def fresh_drafter(target, d2t: torch.Tensor, t2d: torch.Tensor, aux_layers: list
 
 def init_drafter(path: str, target):
     """--init: an existing drafter (either layout) to fine-tune; it must fit the target."""
-    from specscope.spec.formats import load_drafter
-    from specscope.spec.drafter import Eagle3Drafter
+    from specscope.speculative.formats import load_drafter
+    from specscope.speculative.eagle3 import Eagle3Drafter
 
     try:
         d = load_drafter(_resolve_drafter_path(path), target, dtype=torch.float32, device="cpu")
@@ -134,7 +134,7 @@ def _resolve_drafter_path(name: str) -> Path:
 def export(source: str | Path, out: str | Path, fmt: str, dtype: torch.dtype | None = None,
            tinfo: dict | None = None, extra_files: dict | None = None) -> Path:
     """A work directory (its latest checkpoint), a checkpoint file, or a drafter directory -> `out` in `fmt`."""
-    from specscope.spec.formats import load_drafter, save_drafter
+    from specscope.speculative.formats import load_drafter, save_drafter
     from specscope.train.trainer import drafter_from_checkpoint, latest_checkpoint, load_checkpoint
 
     source = Path(source)

@@ -163,7 +163,7 @@ def load_checkpoint(path: Path) -> dict:
 
 
 def drafter_from_checkpoint(state: dict):
-    from specscope.spec.drafter import DrafterConfig, Eagle3Drafter
+    from specscope.speculative.eagle3 import DrafterConfig, Eagle3Drafter
 
     d = Eagle3Drafter(DrafterConfig(**state["drafter_config"]))
     d.load_state_dict(state["model"])

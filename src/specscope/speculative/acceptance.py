@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from specscope.spec.tree import DraftTree
+from specscope.speculative.tree import DraftTree
 
 
 def accept_greedy(target_argmax: list[int], tree: DraftTree) -> tuple[list[int], int]:

@@ -23,7 +23,7 @@ import torch
 from specscope.errors import SpecscopeError
 from specscope.models.config import rope_scaling_of, rope_theta_of
 from specscope.models.loader import read_json_object
-from specscope.spec.drafter import DrafterConfig, Eagle3Drafter
+from specscope.speculative.eagle3 import DrafterConfig, Eagle3Drafter
 
 SGLANG_ARCHS = ("LlamaForCausalLMEagle3", "LlamaForCausalLM", "Eagle3LlamaForCausalLM")
 SPECULATORS_ARCHS = ("Eagle3Speculator", "Eagle3DraftModel")

@@ -10,7 +10,7 @@ import torch
 
 from specscope.engine.sampling import SamplingParams, probs_from_logits
 from specscope.errors import SpecscopeError
-from specscope.spec.tree import DraftTree, select_nodes
+from specscope.speculative.tree import DraftTree, select_nodes
 
 
 class Drafter:

@@ -11,8 +11,8 @@ import torch
 from specscope.engine.generate import GenerationResult, StopCriteria, check_context, sync
 from specscope.engine.sampling import SamplingParams, make_generator, next_token, probs_from_logits
 from specscope.errors import SpecscopeError
-from specscope.spec.acceptance import accept_greedy, accept_sampling
-from specscope.spec.drafters import Drafter, DraftModelDrafter, Eagle3TreeDrafter, NgramDrafter, _phase
+from specscope.speculative.acceptance import accept_greedy, accept_sampling
+from specscope.speculative.drafters import Drafter, DraftModelDrafter, Eagle3TreeDrafter, NgramDrafter, _phase
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets" / "drafters"
 DEFAULT_DRAFTER = "smollm2-135m-eagle3"
@@ -70,7 +70,7 @@ def build_drafter(spec: str, target, dtype="auto", device=None) -> Drafter:
             shipped = sorted(p.name for p in ASSETS.iterdir()) if ASSETS.exists() else []
             raise SpecscopeError(f"drafter {spec!r} not found: not 'ngram', a shipped drafter ({', '.join(shipped) or 'none'}), "
                                  f"nor an existing directory")
-    from specscope.spec.formats import load_drafter, read_config, validate_drafter
+    from specscope.speculative.formats import load_drafter, read_config, validate_drafter
 
     raw = read_config(path)
     if _is_eagle3_config(raw):

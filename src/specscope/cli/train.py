@@ -9,7 +9,7 @@ import click
 from specscope.cli.common import emit_json, setup_runtime
 from specscope.errors import SpecscopeError
 
-STAGES = ("data", "vocab", "train")
+STAGES = ("data", "vocab", "train", "select")
 
 
 def _stages(value: str) -> list[str]:
@@ -27,11 +27,20 @@ def _stages(value: str) -> list[str]:
 @click.option("--stages", default="data,vocab,train", show_default=True, help="Which stages to run (comma list).")
 @click.option("--dataset", default=None, type=click.Path(dir_okay=False),
               help="Conversations JSONL (ShareGPT conversations/from/value or OpenAI messages/role/content).")
+@click.option("--prompt-file", "prompt_files", multiple=True, type=click.Path(dir_okay=False),
+              help="Real prompts (JSONL: prompt / question / instruction+input / turns / conversations), answered "
+                   "by the target; repeatable. Prompts overlapping evaluation sets are dropped and counted.")
 @click.option("--synth", type=click.IntRange(min=0), default=0, show_default=True,
               help="Without --dataset: synthesise this many conversations from the target (Magpie).")
 @click.option("--regenerate", type=click.Choice(["none", "greedy", "sample"]), default="none", show_default=True,
               help="Replace the dataset's assistant turns with the target's own answers.")
 @click.option("--synth-batch", type=click.IntRange(min=1), default=16, show_default=True)
+@click.option("--user-temperature", type=click.FloatRange(0.0, 2.0), default=0.8, show_default=True,
+              help="Sampling temperature of synthesised user turns.")
+@click.option("--answer-batch", type=click.IntRange(min=1), default=32, show_default=True,
+              help="Prompts answered per batched generation.")
+@click.option("--capture-batch", type=click.IntRange(min=1), default=4, show_default=True,
+              help="Sequences per capture forward.")
 @click.option("--user-tokens", type=click.IntRange(min=8), default=64, show_default=True)
 @click.option("--response-tokens", type=click.IntRange(min=8), default=192, show_default=True)
 @click.option("--gen-dtype", type=click.Choice(["fp32", "bf16", "fp16"]), default="fp32", show_default=True,
@@ -52,6 +61,12 @@ def _stages(value: str) -> list[str]:
 @click.option("--eval-every", type=click.IntRange(min=1), default=100, show_default=True)
 @click.option("--ckpt-every", type=click.IntRange(min=1), default=100, show_default=True)
 @click.option("--eval-fraction", type=click.FloatRange(0, 0.5), default=0.05, show_default=True)
+@click.option("--max-minutes", type=click.FloatRange(min=0.1), default=None,
+              help="Stop training after this many minutes (checkpoint saved; --resume continues).")
+@click.option("--select-prompts", type=click.IntRange(min=1), default=12, show_default=True,
+              help="select stage: held-out training prompts decoded per snapshot.")
+@click.option("--select-steps", type=click.IntRange(min=1), default=3, show_default=True,
+              help="select stage: chain length used to rank snapshots by real decoding τ.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--resume", is_flag=True, help="Continue from the work directory's latest checkpoint.")
 @click.option("--init", "init_from", default=None, help="Fine-tune an existing drafter (either format).")
@@ -63,9 +78,10 @@ def _stages(value: str) -> list[str]:
 @click.option("--threads", type=click.IntRange(min=1), default=None)
 @click.option("--no-progress", is_flag=True, help="No progress bars (logs only).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON summary at the end.")
-def train(workdir, target_name, stages, dataset, synth, regenerate, synth_batch, user_tokens, response_tokens,
-          gen_dtype, max_len, draft_vocab, ttt_steps, total_steps, batch_size, lr, warmup, grad_clip, weight_decay,
-          dtype, eval_every, ckpt_every, eval_fraction, seed, resume, init_from, export_format, export_dtype, out,
+def train(workdir, target_name, stages, dataset, prompt_files, synth, regenerate, synth_batch, user_temperature,
+          answer_batch, capture_batch, user_tokens, response_tokens, gen_dtype, max_len, draft_vocab, ttt_steps,
+          total_steps, batch_size, lr, warmup, grad_clip, weight_decay, dtype, eval_every, ckpt_every, eval_fraction,
+          max_minutes, select_prompts, select_steps, seed, resume, init_from, export_format, export_dtype, out,
           device, threads, no_progress, as_json):
     """Train an EAGLE-3 drafter for a target: capture data, build the draft vocabulary, train with TTT.
 
@@ -97,12 +113,14 @@ def train(workdir, target_name, stages, dataset, synth, regenerate, synth_batch,
         gen = pipeline.load_target(target_name, dev, gen_dtype)[0] if gen_dtype != "fp32" else target
         man = pipeline.data_stage(work, target, tok, tinfo, dataset=dataset, synth=synth, regenerate=regenerate,
                                   aux_layers=aux, synth_batch=synth_batch, user_tokens=user_tokens,
-                                  response_tokens=response_tokens, max_len=max_len, seed=seed, gen_model=gen, log=say)
+                                  response_tokens=response_tokens, max_len=max_len, seed=seed, gen_model=gen, log=say,
+                                  prompt_files=list(prompt_files), answer_batch=answer_batch,
+                                  capture_batch=capture_batch, user_temperature=user_temperature)
         summary["data"] = {k: man.get(k) for k in ("sequences", "tokens", "loss_tokens", "skipped")}
         del gen
     data = None
-    if "vocab" in todo or "train" in todo:
-        data = CapturedData(work / "data")
+    if "vocab" in todo or "train" in todo or "select" in todo:
+        data = CapturedData(work / "data", device=dev if dev.type == "cuda" else "cpu")
         if data.aux_layers != aux:
             raise SpecscopeError(f"the data in {work / 'data'} was captured at aux layers {data.aux_layers} but the "
                                  f"drafter reads {aux}; capture again into a new --workdir")
@@ -122,16 +140,25 @@ def train(workdir, target_name, stages, dataset, synth, regenerate, synth_batch,
             drafter = pipeline.fresh_drafter(target, v["d2t"], v["t2d"], aux, seed=seed)
         cfg = TrainConfig(ttt_steps=ttt_steps, lr=lr, weight_decay=weight_decay, warmup=warmup,
                           total_steps=total_steps, batch_size=batch_size, grad_clip=grad_clip, dtype=dtype, seed=seed,
-                          eval_every=eval_every, ckpt_every=ckpt_every, eval_fraction=eval_fraction, max_len=max_len)
+                          eval_every=eval_every, ckpt_every=ckpt_every, eval_fraction=eval_fraction, max_len=max_len,
+                          max_minutes=max_minutes)
         last = run_train(drafter, target.embed_tokens.weight.detach(), target.lm_head.weight.detach(), data,
                          work / "train", cfg, dev, resume=resume, progress=not no_progress, log=say,
                          meta={"target": tinfo})
         summary["train"] = last
-        if rank == 0:
+        if rank == 0 and "select" not in todo:
             dest = Path(out) if out else work / "drafter"
             pipeline.export(work, dest, export_format, DTYPES[export_dtype], tinfo)
             summary["drafter"] = str(dest)
             say(f"drafter written to {dest} ({export_format}, {export_dtype})")
+    if "select" in todo and rank == 0:
+        sel = pipeline.select_stage(work, target, tok, data, eval_fraction, seed, n_prompts=select_prompts,
+                                    steps=select_steps, log=say)
+        summary["select"] = {k: sel[k] for k in ("selected_step", "shape")}
+        dest = Path(out) if out else work / "drafter"
+        pipeline.export(work / "train" / "selected.pt", dest, export_format, DTYPES[export_dtype], tinfo)
+        summary["drafter"] = str(dest)
+        say(f"drafter (selected step {sel['selected_step']}) written to {dest} ({export_format}, {export_dtype})")
     if world > 1:
         import torch.distributed as dist
         if dist.is_initialized():

@@ -25,7 +25,8 @@ def random_eagle3(target, draft_vocab: int | None = None, seed: int = 0, scale: 
                         aux_layer_ids=DrafterConfig.default_aux_layers(max(tc.num_hidden_layers, 4))
                         if tc.num_hidden_layers >= 4 else [0, 1, tc.num_hidden_layers - 1],
                         rms_norm_eps=tc.rms_norm_eps, rope_theta=tc.rope_theta,
-                        max_position_embeddings=tc.max_position_embeddings, **flags)
+                        max_position_embeddings=flags.pop("max_position_embeddings",
+                                                          tc.max_position_embeddings), **flags)
     g = torch.Generator().manual_seed(seed)
     d = Eagle3Drafter(cfg)
     with torch.no_grad():

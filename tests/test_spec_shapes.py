@@ -1,16 +1,14 @@
 """Every drafting shape is safe: steps 1-8 x topk 1-8 x draft tokens 2..max, prompts ending close to the context
 limit, max-new-tokens ending inside an accepted run. Never a crash, always plain greedy decoding's tokens.
 
-The grid is sampled with a fixed seed (a few dozen shapes per drafter keep this file in seconds), weighted towards
+The grid is sampled with a fixed seed (100 shapes per drafter keep this file in seconds), weighted towards
 the shapes whose wide, low-budget trees write more drafter-cache entries than they verify. Two drafters: the target
 as its own draft model (every draft accepted, so runs really end inside an accepted run) and a random EAGLE-3
 drafter over a small vocabulary (drafts accepted by chance) whose own max_position_embeddings is shorter than the
-target's context. `check_grid` is shared with the real-model version in the slow suite.
+target's context. The real-model version is in test_spec_smollm2.py (slow).
 """
 
 from __future__ import annotations
-
-import random
 
 import pytest
 import torch
@@ -18,59 +16,13 @@ import torch
 from specscope.engine.generate import generate
 from specscope.speculative.decode import SpecConfig, speculative_generate
 from specscope.speculative.drafters import DraftModelDrafter, Eagle3TreeDrafter
-from spec_helpers import random_eagle3, tiny_target
+from spec_helpers import check_grid, random_eagle3, sample_cases, tiny_target
 
 CTX = 48          # the tiny target's context
 DRAFTER_CTX = 16  # the EAGLE-3 drafter's own max_position_embeddings
 VOCAB = 16
 # shapes that crashed before (drafter cache sized from draft tokens; (steps - 1) * topk >= draft tokens + 3)
 ISSUE_SHAPES = [(5, 4, 12), (7, 3, 12), (8, 2, 10), (4, 4, 8), (5, 2, 4), (10, 10, 2)]
-
-
-def max_draft_tokens(steps: int, topk: int) -> int:
-    return 1 + topk + (steps - 1) * topk * topk
-
-
-def sample_cases(n: int, ctx: int, seed: int, max_new_hi: int = 12) -> list[tuple[SpecConfig, int, int]]:
-    """(shape, prompt length, max new tokens): prompt + max_new within `steps` of the context (or exactly at it)."""
-    rng = random.Random(seed)
-    out = []
-    for _ in range(n):
-        steps, topk = rng.randint(1, 8), rng.randint(1, 8)
-        hi = max_draft_tokens(steps, topk)
-        crowded = max(2, (steps - 1) * topk - 3)   # more expansions than verified tokens
-        dt = rng.randint(2, min(crowded, hi)) if rng.random() < 0.5 else rng.randint(2, hi)
-        max_new = rng.randint(1, max_new_hi)
-        slack = rng.randint(0, steps)              # free positions left after the last token
-        out.append((SpecConfig(steps, topk, dt), ctx - max_new - slack, max_new))
-    return out
-
-
-def check_grid(target, drafters: dict, cases, prompt_for) -> dict:
-    """Run every case with every drafter; assert greedy identity. Returns per drafter: cases, cases that ran a
-    cycle, cases with an accepted draft, and cases that max_new cut inside an accepted run of drafts."""
-    stats = {name: {"cases": 0, "cycled": 0, "accepted": 0, "ended_inside": 0} for name in drafters}
-    refs = {}
-    for cfg, T, max_new in cases:
-        prompt = prompt_for(T)
-        if (T, max_new) not in refs:
-            refs[(T, max_new)] = generate(target, prompt, max_new, stop_ids=[]).token_ids
-        want = refs[(T, max_new)]
-        for name, make in drafters.items():
-            res = speculative_generate(target, make(), prompt, max_new, stop_ids=(), cfg=cfg)
-            label = f"{name} steps={cfg.steps} topk={cfg.topk} draft_tokens={cfg.draft_tokens} prompt={T} " \
-                    f"max_new={max_new} context={target.config.max_position_embeddings}"
-            assert res.token_ids == want, label
-            assert res.stop_reason == "length", label
-            acc = res.extra["accept_lengths"]
-            s = stats[name]
-            s["cases"] += 1
-            s["cycled"] += bool(acc)                  # max_new = 1 is the prefill's token alone
-            s["accepted"] += any(a > 1 for a in acc)
-            # the last cycle produced `overshoot` tokens past max_new: its bonus and overshoot - 1 accepted drafts
-            overshoot = 1 + sum(acc) - len(res.token_ids)
-            s["ended_inside"] += overshoot >= 2
-    return stats
 
 
 @pytest.fixture(scope="module")

@@ -296,3 +296,29 @@ def test_metrics_prefix_vllm_gives_vllm_names(model_dir):
     assert "vllm:spec_decode_num_drafts_total" in text and "specscope:" not in text
     d = spec_delta(before, parse_text(text))
     assert d["engine"] == "vllm" and d["num_drafts"] == r["spec"]["verify_ct"]
+
+
+def test_speculative_stream_with_a_wide_tree_at_the_context_end(model_dir):
+    """A wide, low-budget tree (steps 5, topk 4, 12 draft tokens: more drafter-cache writes than verified tokens)
+    streamed up to the last position of the context: HTTP 200, every token, no error event, lossless."""
+    import torch
+
+    from specscope.server.app import create_app
+
+    eng = _engine(model_dir, draft=str(model_dir), steps=5, topk=4, draft_tokens=12)  # the model drafts for itself
+    g = torch.Generator().manual_seed(0)
+    for n_new in (20, 23):
+        ids = torch.randint(3, eng.vocab, (eng.context - n_new,), generator=g).tolist()
+        want = _offline(eng, ids, n_new)
+        with TestClient(create_app(eng)) as c:
+            with c.stream("POST", "/v1/completions",
+                          json={"prompt": ids, "max_tokens": n_new, "temperature": 0, "stream": True,
+                                "return_token_ids": True, "stream_options": {"include_usage": True}}) as r:
+                assert r.status_code == 200
+                events = _sse(r.iter_lines())
+        assert events[-1] == "[DONE]"
+        assert not any("error" in e for e in events[:-1]), events[-3:]
+        got = [t for e in events[:-1] if e.get("choices") for t in e["choices"][0].get("token_ids") or []]
+        assert got == want
+        spec = events[-2]["spec"]
+        assert spec["accepted_tokens"] > 0 and spec["verify_ct"] < len(want)

@@ -111,8 +111,18 @@ class Eagle3Drafter(nn.Module):
     def aux_layers(self) -> tuple[int, ...]:
         return tuple(self.config.aux_layer_ids)
 
+    def cover_positions(self, n: int) -> None:
+        """Make the RoPE table cover positions 0..n-1. RoPE is defined for any position, and published drafters
+        say max_position_embeddings 2048 under targets with far longer contexts: the table grows (same theta and
+        scaling, float32, existing rows unchanged) instead of failing at position 2048."""
+        if n > self.rope.shape[1]:
+            c = self.config
+            self.rope = rope_table(c.head_dim, max(n, 2 * self.rope.shape[1]), c.rope_theta,
+                                   c.rope_scaling).to(self.rope.device)
+
     def new_cache(self, max_len: int, batch: int = 1) -> KVCache:
         c = self.config
+        self.cover_positions(max_len)   # drafting writes a position at a slot >= it, so max_len positions suffice
         return KVCache(1, c.num_key_value_heads, c.head_dim, max_len, batch, self.device, self.dtype)
 
     def fuse(self, aux: list[torch.Tensor]) -> torch.Tensor:
@@ -134,8 +144,10 @@ class Eagle3Drafter(nn.Module):
             kv_len = mask.shape[-1] if mask is not None else int(slots.max()) + 1
             if mask is None and embeds.shape[1] > 1:
                 mask = torch.arange(kv_len, device=slots.device)[None, None, :] <= slots[:, :, None]
-        elif mask is None:
-            mask = position_ids[:, None, :] <= position_ids[:, :, None]
+        else:
+            self.cover_positions(int(position_ids.max()) + 1)
+            if mask is None:
+                mask = position_ids[:, None, :] <= position_ids[:, :, None]
         cos = self.rope[0][position_ids].to(hidden.dtype)[:, None]
         sin = self.rope[1][position_ids].to(hidden.dtype)[:, None]
         h = self.midlayer(embeds.to(self.dtype), hidden, cos, sin, cache, slots, mask, kv_len)

@@ -52,6 +52,7 @@ def ttt_unroll(drafter, embed: torch.Tensor, aux: torch.Tensor, input_ids: torch
     layer = drafter.midlayer
     ids = F.pad(input_ids, (0, K + 1))
     causal = torch.ones(T, T, dtype=torch.bool, device=dev).tril()
+    drafter.cover_positions(T + K)
     hidden = drafter.fuse(list(aux.unbind(2)))
     Ks, Vs, out = [], [], []
     for k in range(K):

@@ -18,13 +18,20 @@ VLLM_PREFIX = re.compile(r"(?:\([\w.-]+ pid=\d+\)\s+)?(?:INFO|WARNING|DEBUG|ERRO
 _VLLM_LEVEL = re.compile(r"(?:INFO|WARNING|DEBUG|ERROR|CRITICAL)\s+\d\d-\d\d \d\d:\d\d:\d\d")
 _PID = re.compile(r"\([\w.-]+ pid=\d+\)\s+$")
 _LEVELS = ("INFO", "WARNING", "DEBUG", "ERROR", "CRITICAL")
+# a superset of both record starts, to rule most lines out with one search
+_ANY_START = re.compile(r"\[20\d\d-\d\d-\d\d |(?:INFO|WARNING|DEBUG|ERROR|CRITICAL)\s+\d\d-\d\d \d\d:")
+_PID_LEAD = re.compile(r"\([\w.-]+ pid=\d+\)\s+")
 
 
 def split_records(line: str) -> list[str]:
     """Split a physical line wherever another log record starts (interleaved writers).
 
-    Hot path (every line of a multi-GB log): plain substring scans first, a regex only at candidate positions.
+    Hot path (every line of a multi-GB log): one regex search for any record start past the line's own; the exact
+    checks run only on lines that have one.
     """
+    lead = _PID_LEAD.match(line)
+    if not _ANY_START.search(line, lead.end() + 1 if lead else 1):
+        return [line]
     cuts = []
     i = line.find("[20", 1)
     while i != -1:
@@ -68,11 +75,16 @@ class Clock:
         self.shift = timedelta(0)
         self.t_min: float | None = None
         self.t_max: float | None = None
+        self.last_in: datetime | None = None
+        self.last_out: float | None = None
 
     def seconds(self, dt: datetime | None, wrap: timedelta | None = timedelta(days=365)) -> float | None:
         """wrap: the period of a stamp without year (vLLM) or date (old SGLang); None for full dates."""
         if dt is None:
             return None
+        if dt == self.last_in:          # consecutive lines often share a stamp
+            return self.last_out
+        self.last_in = dt
         dt = dt + self.shift
         if wrap is not None and self.last is not None and (self.last - dt) > wrap / 2:
             self.shift += wrap
@@ -83,6 +95,7 @@ class Clock:
         t = (dt - self.t0).total_seconds()
         self.t_min = t if self.t_min is None else min(self.t_min, t)
         self.t_max = t if self.t_max is None else max(self.t_max, t)
+        self.last_out = t
         return t
 
     def span(self) -> float | None:
@@ -135,7 +148,8 @@ def vllm_time(piece: str) -> datetime | None:
 def key_values(text: str) -> dict[str, str]:
     """'Key: value, Other key: v1, v2, Third: x' -> {"Key": "value", "Other key": "v1, v2", "Third": "x"}.
 
-    A comma-separated piece without a 'key:' continues the previous value (vLLM's per-position list).
+    A comma-separated piece without a 'key:' continues the previous value (vLLM's per-position list). Plain
+    str methods: measured ~2x faster than one regex scan per line.
     """
     out: dict[str, str] = {}
     last = None
@@ -154,15 +168,18 @@ def number(v: str | None, unit: str = "") -> float:
     """'178.86' / '8.90 tokens/s' / '9.1%' -> float; ValueError otherwise (a truncated value is an error)."""
     if v is None:
         raise ValueError("missing")
-    s = v.strip()
-    for u in (unit, "tokens/s", "tokens", "reqs", "%"):
-        if u and s.endswith(u):
-            s = s[: -len(u)].strip()
-            break
     try:
-        x = float(s)
+        x = float(v)            # the common case first: this runs several times per log line
     except ValueError:
-        raise ValueError(f"not a number: {v!r}") from None
+        s = v.strip()
+        for u in (unit, "tokens/s", "tokens", "reqs", "%"):
+            if u and s.endswith(u):
+                s = s[: -len(u)].strip()
+                break
+        try:
+            x = float(s)
+        except ValueError:
+            raise ValueError(f"not a number: {v!r}") from None
     if not math.isfinite(x):
         raise ValueError(f"not a finite number: {v!r}")
     return x

@@ -146,10 +146,6 @@ class VLLMParser(FormatParser):
         d = {"t": self.clock.seconds(dt), "gen_tok_s": number(kv["Avg generation throughput"], "tokens/s"),
              "prompt_tok_s": number(kv.get("Avg prompt throughput", "0"), "tokens/s"),
              "running": int(number(kv["Running"], "reqs")), "engine": engine or "0"}
-        for k, name in (("Waiting", "waiting"), ("Pending", "waiting"), ("GPU KV cache usage", "kv_usage"),
-                        ("Prefix cache hit rate", "prefix_hit")):
-            if k in kv:
-                d[name] = number(kv[k], "reqs")
         if engine is not None:
             self.cur_engine = engine   # the SpecDecoding line that follows is this engine's
         self.tput.append(d)

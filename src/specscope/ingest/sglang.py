@@ -199,6 +199,7 @@ class SGLangParser(FormatParser):
             if draft_tokens and draft_tokens > 1:
                 # per draft token, from τ and the configured tree size — not SGLang's own `accept rate`
                 res["draft_acceptance_rate"] = (tau - 1.0) / (draft_tokens - 1)
+                res["system_efficiency"] = tau / draft_tokens   # of the most a verify can emit
             if self.rates_reported:
                 res["reported_accept_rate_mean"] = sum(self.rates_reported) / len(self.rates_reported)
                 warnings.append("SGLang's 'accept rate' changed definition between versions; it is stored as "

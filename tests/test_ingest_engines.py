@@ -262,13 +262,16 @@ def test_text_report_names_lines_used_skipped_and_why(capsys):
     assert "idle: no running request" in err and "sglang decode" in err and "no format recognised it" in err
 
 
-def test_progress_is_reported_on_large_files(tmp_path, monkeypatch):
+def test_progress_is_reported_on_large_files(tmp_path, monkeypatch, capsys):
     import specscope.ingest.core as core
 
     monkeypatch.setattr(core, "PROGRESS_EVERY", 2)
     seen = []
     ingest_file(LOGS / "vllm_v1_dp.log", record=False, progress=seen.append)
     assert seen and seen == sorted(seen) and seen[-1] <= (LOGS / "vllm_v1_dp.log").stat().st_size
+    # --progress forces the bar (by default only on a terminal, for files over 16 MB); the figures are unchanged
+    code, out, err = cli(capsys, "ingest", LOGS / "vllm_v1_dp.log", "--no-record", "--progress", "--json")
+    assert code in (0, None) and json.loads(out)["runs"][0]["results"]["tok_per_s"] == pytest.approx(155.0)
 
 
 def test_compare_ingested_runs_is_not_judged_without_samples(capsys):

@@ -276,6 +276,7 @@ def _attribute(a: dict, b: dict, rows: list[dict], i: int) -> dict:
     unjudged = [r for r in rows if r["verdicts"][i] not in JUDGED and (r["changes"][i] or {}).get("change") is not None]
     out["judged"] = judged
     out["not_judged"] = [r["label"] for r in unjudged]
+    out["judgeable"] = True
     if not any_change and not judged:
         # point values without samples: a difference cannot be told from noise, and "no change" would be a claim
         out["explains"] = None

@@ -297,3 +297,15 @@ def test_runs_list_shows_the_model_the_log_names(capsys):
     assert {r["model"] for r in json.loads(out)} == {"Qwen/Qwen3-8B", "/home/models/Qwen3-0.6B"}
     code, out, err = cli(capsys, "runs", "list")
     assert "Qwen3-8B" in out and "Qwen3-0.6B" in out
+
+
+def test_vllm_model_from_the_non_default_args_line(tmp_path):
+    # `vllm serve` (v0.10+) logs its CLI arguments before the engine starts (vllm/entrypoints/utils.py)
+    args = ("(APIServer pid=1) INFO 08-04 20:40:11 [utils.py:326] non-default args: {'model_tag': 'Qwen/Qwen3-8B', "
+            "'model': 'Qwen/Qwen3-8B', 'speculative_config': {'method': 'eagle3', 'model': 'AngelSlim/Qwen3-8B_eagle3', "
+            "'num_speculative_tokens': 4}}")
+    spec = ("(APIServer pid=1) INFO 08-04 20:51:08 [metrics.py:120] SpecDecoding metrics: Draft acceptance rate: 50.0%, "
+            "Accepted: 200 tokens, Drafted: 400 tokens")
+    s = ingest_file(write(tmp_path, "serve.log", [args, spec]), record=False)
+    assert s["config"]["model"] == "Qwen/Qwen3-8B" and s["config"]["draft"] == "AngelSlim/Qwen3-8B_eagle3"
+    assert s["config"]["steps"] == 4 and s["results"]["accept_length"] == pytest.approx(1 + 200 / (400 / 4))

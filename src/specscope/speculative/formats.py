@@ -455,14 +455,19 @@ def aux_conventions(cfg: DrafterConfig) -> dict:
 
 # ---------------------------------------------------------------- public API
 
-def load_drafter(path: str | Path, target=None, dtype: torch.dtype | None = None, device=None) -> Eagle3Drafter:
+def load_drafter(path: str | Path, target=None, dtype: torch.dtype | None = None, device=None,
+                 validate: bool = True) -> Eagle3Drafter:
     """Load an EAGLE-3 drafter directory in either layout, in its stored dtype unless `dtype` (or a target) says
-    otherwise. With `target`, validate against it and place the drafter on the target's device and dtype."""
+    otherwise. With `target` (a loaded model), validate against it and place the drafter on the target's device
+    and dtype; with a `TargetFacts` (a target's config.json alone), validate only."""
     path = Path(path)
     if not path.is_dir():
         raise SpecscopeError(f"drafter {str(path)!r} is not a directory")
     raw = read_config(path)
-    L = target.config.num_hidden_layers if target is not None else None
+    facts = target if isinstance(target, TargetFacts) else None
+    if facts is not None:
+        target = None           # a config-only target: checked against, nothing to place the drafter on
+    L = facts.num_hidden_layers if facts else target.config.num_hidden_layers if target is not None else None
     cfg = parse_config(raw, L)
     ours = file_to_ours(weight_reader(path), cfg)
     with torch.device("meta"):
@@ -496,8 +501,12 @@ def load_drafter(path: str | Path, target=None, dtype: torch.dtype | None = None
     drafter.rope_upto(1)                 # the float32 RoPE table, built after any cast
     drafter.source_path = str(path)
     drafter.eval().requires_grad_(False)
-    if target is not None:
+    if target is not None and validate:
         validate_drafter(drafter, target)
+    if facts is not None and validate:
+        problems = pair_problems(cfg, facts) + map_problems(drafter, facts.vocab_size)
+        if problems:
+            raise SpecscopeError(_one_error(f"drafter does not fit the target {facts.name_or_path}", problems))
     return drafter
 
 

@@ -47,8 +47,7 @@ def _published_dir(tmp, name, prefix, **values):
     return write_raw(tmp, text, raw_tensors(raw, prefix)), raw
 
 
-UPSTREAM = [("eagle3_llama31_8b_config.json", "midlayer.", {"eagle_config": {"eagle_aux_hidden_state_layer_ids":
-                                                                              [1, 3, 4]}}),
+UPSTREAM = [("eagle3_llama31_8b_config.json", "midlayer.", {}),           # no aux ids: the target's default
             ("specforge_llama3_8b_eagle3.json", "midlayer.", {}),
             ("specforge_qwen3_eagle3.json", "midlayer.", {"rope_theta": 10000}),
             ("speculators_eagle3_config.json", "layers.0.", {"eagle_aux_hidden_state_layer_ids": [2, 4, 5, 7]})]
@@ -234,6 +233,23 @@ def test_export_published_to_speculators_with_target_config(tmp_path, capsys):
     assert code == 0, err
     raw2 = json.loads((tmp_path / "v2" / "config.json").read_text())
     assert raw2["speculators_config"] == raw["speculators_config"]
+
+
+def test_export_safeailab_dir_needs_only_a_target_config(tmp_path, capsys):
+    # the most common conversion: a SafeAILab drafter (no aux ids, plain LlamaForCausalLM) -> vLLM
+    src, _ = _published_dir(tmp_path / "src", "eagle3_llama31_8b_config.json", "midlayer.")
+    cfgf = _target_config(tmp_path, arch="LlamaForCausalLM", model_type="llama")
+    code, out, err = cli(capsys, "export", src, "--format", "speculators", "--out", tmp_path / "v", "--target", cfgf,
+                         "--verifier-name", "meta-llama/Llama-3.1-8B-Instruct")
+    assert code == 0, err
+    raw = json.loads((tmp_path / "v" / "config.json").read_text())
+    assert raw["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
+    assert raw["speculators_config"]["verifier"]["name_or_path"] == "meta-llama/Llama-3.1-8B-Instruct"
+    assert raw["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
+    assert "hidden-state indices [2, 4, 5] = SGLang output-of-layer ids [1, 3, 4]" in out
+    line = one_error_line(*cli(capsys, "export", src, "--format", "speculators", "--out", tmp_path / "w",
+                               "--target", "meta-llama/Llama-3.1-8B-Instruct")[::2])
+    assert "config.json" in line and "--verifier-name meta-llama/Llama-3.1-8B-Instruct" in line
 
 
 def test_export_keeps_published_speculators_metadata(tmp_path, capsys, tdir):

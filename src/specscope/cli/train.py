@@ -175,8 +175,8 @@ def export(source, fmt, out, dtype, target_name, verifier_name, speculative_toke
         emit_json(info)
     else:
         aux = info["aux_layer_ids"]
-        click.echo(f"wrote {fmt} drafter to {path} (draft vocab {info['draft_vocab_size']}, aux layers "
-                   f"{aux['hidden_state_index']} as hidden-state indices = SGLang {aux['sglang_output_of_layer']}, "
-                   f"{info['dtype']})")
+        click.echo(f"wrote {fmt} drafter to {path} (draft vocab {info['draft_vocab_size']}, {info['dtype']}; aux "
+                   f"layers: hidden-state indices {aux['hidden_state_index']} = SGLang output-of-layer ids "
+                   f"{aux['sglang_output_of_layer']})")
         if "verifier" in info:
             click.echo(f"verifier: {info['verifier']['name_or_path']} ({', '.join(info['verifier']['architectures'])})")

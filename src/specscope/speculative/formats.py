@@ -9,7 +9,14 @@
 
 Our `Eagle3Drafter` fuses q/k/v and gate/up; this module splits and joins them. The target's embedding is shared
 and never written; aux layer ids are kept in the entering-layer convention, with the file's own recorded in
-`DrafterConfig.aux_convention_in_file` ("input", "output" or "default" when the file named none).
+`DrafterConfig.aux_convention_in_file` ("input", "output" or "default" when the file named none). speculators
+variants are honoured: `norm_before_fc` (`input_norm.weight`, one RMSNorm over the 3·Ht fc input), sliding-window
+attention, and a 4th aux id (the verifier-logits layer used in training; kept for re-export, not an fc input).
+
+Loading reads tensors straight into their final (fused) place in the stored dtype, shards included, so peak memory
+stays near the file size; every problem with a config, its weights or the pair is reported in one error. Export
+keeps what the source recorded (verifier, speculators version, proposal methods) unless a target overrides it, and
+refuses the SGLang layout for features SGLang would silently ignore.
 """
 
 from __future__ import annotations
@@ -237,7 +244,11 @@ def weight_reader(path: Path):
     pt = path / "pytorch_model.bin"
     if pt.exists():
         try:
-            return _DictReader(torch.load(str(pt), map_location="cpu", weights_only=True, mmap=True))
+            try:
+                state = torch.load(str(pt), map_location="cpu", weights_only=True, mmap=True)
+            except RuntimeError:     # legacy (non-zip) pickles cannot be memory-mapped
+                state = torch.load(str(pt), map_location="cpu", weights_only=True)
+            return _DictReader(state)
         except Exception as e:
             raise SpecscopeError(f"cannot read {pt} ({type(e).__name__}: {e})") from None
     raise SpecscopeError(f"drafter directory {str(path)!r} has no model.safetensors, model.safetensors.index.json "
@@ -403,6 +414,10 @@ def resolve_target(spec: str, record_as: str | None = None) -> TargetFacts:
     from specscope.models.hub import KNOWN_MODELS, resolve_model
 
     f = Path(spec).expanduser()
+    if not f.exists() and spec not in KNOWN_MODELS and spec.count("/") == 1 and not spec.startswith((".", "/")):
+        raise SpecscopeError(f"target {spec!r} is not here; a Hugging Face id needs its config.json locally (weights "
+                             f"are not needed): download that one file and pass --target path/to/config.json "
+                             f"--verifier-name {spec}")
     if f.is_file():
         raw = read_json_object(f)
         d = f.parent

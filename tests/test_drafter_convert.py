@@ -265,13 +265,28 @@ def test_export_keeps_published_speculators_metadata(tmp_path, capsys, tdir):
     assert raw["norm_before_fc"] and raw["transformer_layer_config"]["sliding_window"] == 2048
     assert raw["speculators_config"]["verifier"]["name_or_path"] == str(tdir.resolve())
     assert raw["speculators_config"]["verifier"]["architectures"] == ["LlamaForCausalLM"]
-    assert json.loads(out)["aux_layer_ids"]["verifier_logits_layer"] == 7
+    info = json.loads(out)
+    assert info["aux_layer_ids"]["verifier_logits_layer"] == 7
+    assert info["notes"] == [f"verifier '/model/from_s3' recorded in the source is replaced by '{tdir.resolve()}'"]
     # SGLang cannot run it as published: every ignored feature named in one error, nothing written
     code, _, err = cli(capsys, "export", src, "--format", "sglang", "--out", tmp_path / "s", "--target", tdir)
     line = one_error_line(code, err)
     for flag in ("norm_before_residual", "norm_output", "norm_before_fc", "sliding_window=2048"):
         assert flag in line
     assert not (tmp_path / "s").exists()
+
+
+def test_export_plain_speculators_to_sglang_drops_the_4th_aux_id(tmp_path, capsys, tdir):
+    raw = shrink(published("speculators_eagle3_config.json"))
+    raw.update(eagle_aux_hidden_state_layer_ids=[2, 4, 5, 7], norm_before_fc=False, norm_before_residual=False,
+               norm_output=False)
+    raw["transformer_layer_config"].update(use_sliding_window=False, layer_types=["full_attention"])
+    src = write_raw(tmp_path / "src", raw, raw_tensors(raw, "layers.0."))
+    code, out, err = cli(capsys, "export", src, "--format", "sglang", "--out", tmp_path / "s", "--target", tdir)
+    assert code == 0, err
+    assert "note: the 4th aux id (7" in out
+    back = json.loads((tmp_path / "s" / "config.json").read_text())
+    assert back["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
 
 
 def test_round_trip_sglang_speculators_sglang_byte_stable(tmp_path, capsys):

@@ -162,6 +162,7 @@ def export(source, fmt, out, dtype, target_name, verifier_name, speculative_toke
 
     target = resolve_target(target_name, verifier_name) if target_name else None
     tinfo = {"name_or_path": verifier_name} if verifier_name and not target else None
+    notes = _export_notes(Path(source), fmt, target or tinfo)
     path = do_export(source, out, fmt, None if dtype == "keep" else DTYPES[dtype], tinfo, target=target,
                      speculative_tokens=speculative_tokens)
     d = load_drafter(path, target)      # proves the written directory loads (and still fits the target)
@@ -171,6 +172,7 @@ def export(source, fmt, out, dtype, target_name, verifier_name, speculative_toke
     if fmt == "speculators":
         info["verifier"] = raw["speculators_config"]["verifier"]
         info["speculators_version"] = raw["speculators_version"]
+    info["notes"] = notes
     if as_json:
         emit_json(info)
     else:
@@ -180,3 +182,24 @@ def export(source, fmt, out, dtype, target_name, verifier_name, speculative_toke
                    f"{aux['sglang_output_of_layer']})")
         if "verifier" in info:
             click.echo(f"verifier: {info['verifier']['name_or_path']} ({', '.join(info['verifier']['architectures'])})")
+        for n in notes:
+            click.echo(f"note: {n}")
+
+
+def _export_notes(source: Path, fmt: str, target) -> list[str]:
+    """What the conversion changes that a user should know about (a drafter directory as the source)."""
+    from specscope.speculative.formats import read_config
+
+    if not (source.is_dir() and (source / "config.json").exists()):
+        return []
+    raw = read_config(source)
+    notes = []
+    ids = raw.get("eagle_aux_hidden_state_layer_ids")
+    if fmt == "sglang" and isinstance(ids, list) and len(ids) == 4:
+        notes.append(f"the 4th aux id ({ids[3]}, the verifier-logits layer used in training) is not written: "
+                     f"SGLang would read 4 ids as 4 fc inputs")
+    old = ((raw.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
+    new = target.name_or_path if hasattr(target, "name_or_path") else (target or {}).get("name_or_path")
+    if fmt == "speculators" and old and new and old != new:
+        notes.append(f"verifier {old!r} recorded in the source is replaced by {new!r}")
+    return notes

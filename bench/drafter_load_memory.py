@@ -45,7 +45,8 @@ def tensors(prefix: str, H=4096, I=14336, V=128256, Vd=32000, nh=32, nkv=8, hd=1
     t2d[ids] = True
     p = prefix
     return {"fc.weight": r(H, 3 * H), "norm.weight": r(H), "lm_head.weight": r(Vd, H), "d2t": ids - torch.arange(Vd),
-            "t2d": t2d, p + "self_attn.q_proj.weight": r(nh * hd, 2 * H), p + "self_attn.k_proj.weight": r(nkv * hd, 2 * H),
+            "t2d": t2d, p + "self_attn.q_proj.weight": r(nh * hd, 2 * H),
+            p + "self_attn.k_proj.weight": r(nkv * hd, 2 * H),
             p + "self_attn.v_proj.weight": r(nkv * hd, 2 * H), p + "self_attn.o_proj.weight": r(H, nh * hd),
             p + "mlp.gate_proj.weight": r(I, H), p + "mlp.up_proj.weight": r(I, H), p + "mlp.down_proj.weight": r(H, I),
             p + "hidden_norm.weight": r(H), p + "input_layernorm.weight": r(H),

@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from specscope.errors import SpecscopeError
 from specscope.speculative.check import check_drafter, parse_engine_args
-from specscope.speculative.formats import TargetFacts, load_drafter, resolve_target, save_drafter
+from specscope.speculative.formats import load_drafter, resolve_target, save_drafter
 
 LAYERS = 8
 
@@ -408,7 +408,8 @@ def test_check_names_engine_misconfigurations(tmp_path, target, tdir):
            "speculative_eagle_topk=1, speculative_num_draft_tokens=6, dtype='auto')")
     s = _statuses(check_drafter(good, _facts(tdir), log, run=False))
     assert s["engine: algorithm"][0] == "ok" and s["engine: draft tokens"][0] == "ok"
-    vllm = f"""vllm serve tiny --speculative-config '{{"method": "eagle", "model": "{good}", "num_speculative_tokens": 3}}'"""
+    spec = json.dumps({"method": "eagle", "model": str(good), "num_speculative_tokens": 3})
+    vllm = f"vllm serve tiny --speculative-config '{spec}'"
     s = _statuses(check_drafter(good, _facts(tdir), vllm, run=False))
     assert s["engine: method"][0] == "fail" and "eagle3" in s["engine: method"][1]
 

@@ -65,7 +65,8 @@ def parse_engine_args(text: str) -> dict:
     or `speculative_config=SpeculativeConfig(...)` log line -> the speculative settings it names."""
     text = text.strip()
     if not text:
-        raise SpecscopeError("--engine-args is empty; pass the engine's launch command line or its server-args log line")
+        raise SpecscopeError("--engine-args is empty; pass the engine's launch command line or its server-args "
+                             "log line")
     if "ServerArgs(" in text:
         body = text[text.index("ServerArgs(") + len("ServerArgs("):]
         kv = {k: v.strip("'\"") for k, v in _PY_ARG.findall(body)}

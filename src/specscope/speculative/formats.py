@@ -317,7 +317,8 @@ def file_to_ours(src, cfg: DrafterConfig) -> dict[str, torch.Tensor]:
         if have(p + n + ".weight"):
             out[f"midlayer.{n}.weight"] = src.read(p + n + ".weight")
     problems = [f"missing tensor {k}" for k in missing]
-    unknown = [k for k in src.keys() if k not in used and k not in IGNORED_KEYS and not k.endswith("rotary_emb.inv_freq")]
+    unknown = [k for k in src.keys()
+               if k not in used and k not in IGNORED_KEYS and not k.endswith("rotary_emb.inv_freq")]
     if unknown:
         hint = ""
         if any(k.startswith(("layers.1.", "midlayer.1.", "midlayers.")) for k in unknown):

@@ -369,6 +369,38 @@ def test_check_good_pair_measures_acceptance(tmp_path, target, tdir):
     assert names["tokenizer"] == "ok" and names["aux layers"] == "ok" and names["token map"] == "ok"
 
 
+def test_check_measures_a_perfect_drafter_exactly(tmp_path, tdir):
+    # a target whose final norm is zero always answers token 0 (all logits tie, argmax takes the first); a drafter
+    # whose state is a constant (fc, o_proj and down_proj zero, o_proj bias ones) always drafts draft id 0 = target
+    # id 0 by a strict margin: every draft is accepted, so teacher forcing must predict τ = 1 + K and the real
+    # chain run must measure exactly that
+    import shutil
+
+    from specscope.models import load_model
+    t = tmp_path / "always0"
+    shutil.copytree(tdir, t)
+    st = load_file(str(t / "model.safetensors"))
+    st["model.norm.weight"] = torch.zeros_like(st["model.norm.weight"])
+    save_file(st, str(t / "model.safetensors"), metadata={"format": "pt"})
+    d = random_drafter(load_model(t, "fp32", "cpu"), attention_bias=True)
+    ids = torch.cat([torch.tensor([0]), torch.nonzero(d.t2d).flatten()[1:]]).sort().values
+    with torch.no_grad():
+        for w in (d.fc.weight, d.midlayer.self_attn.o_proj.weight, d.midlayer.mlp.down_proj.weight, d.lm_head.weight):
+            w.zero_()
+        d.midlayer.self_attn.o_proj.bias.fill_(1.0)
+        d.norm.weight.fill_(1.0)
+        d.lm_head.weight[0] = 1.0
+        d.d2t.copy_(ids - torch.arange(len(ids)))
+        d.t2d.zero_()
+        d.t2d[ids] = True
+    K = 3
+    rep = check_drafter(save_drafter(d, tmp_path / "perfect"), _facts(t), prompts=["the quick brown fox"],
+                        max_new_tokens=13, steps=K).to_dict()
+    acc = rep["acceptance"]
+    assert acc["per_position_acceptance"] == [1.0] * K and acc["coverage"] == 1.0
+    assert acc["predicted_tau"] == acc["measured_tau"] == 1 + K
+
+
 def _statuses(rep):
     return {c["check"]: (c["status"], c["detail"]) for c in rep.to_dict()["checks"]}
 

@@ -378,7 +378,7 @@ def measure(report: Report, drafter_path: Path, facts: TargetFacts, tok, prompts
         res = speculative_generate(target, Eagle3TreeDrafter(drafter, target), ids, max_new_tokens,
                                    stop_ids=tok.eos_ids, cfg=cfgk)
         out_ids = res.token_ids
-        tokens += len(out_ids)
+        tokens += sum(res.extra["accept_lengths"])         # accepted + bonus per cycle (not the prefill's token)
         cycles += res.extra["cycles"]
         t2d = drafter.t2d.cpu()
         covered += int(t2d[torch.tensor(out_ids, dtype=torch.long)].sum()) if out_ids else 0

@@ -169,7 +169,8 @@ class Eagle3Drafter(nn.Module):
             if mask is None:
                 mask = torch.ones_like(near)
             mask = mask & near
-        rope = self.rope_upto(int(position_ids.max()) + 1)
+        # with a cache every position sits at or below its slot, so kv_len bounds them without a device sync
+        rope = self.rope_upto(kv_len + 1 if cache is not None else int(position_ids.max()) + 1)
         cos = rope[0][position_ids].to(hidden.dtype)[:, None]
         sin = rope[1][position_ids].to(hidden.dtype)[:, None]
         h = self.midlayer(embeds.to(self.dtype), hidden, cos, sin, cache, slots, mask, kv_len)

@@ -27,6 +27,7 @@ COMMANDS = {
     "ingest": "specscope.cli.ingest:ingest",
     "train": "specscope.cli.train:train",
     "export": "specscope.cli.train:export",
+    "check-drafter": "specscope.cli.check:check_drafter",
     "demo": "specscope.cli.demo:demo",
     "report": "specscope.cli.report:report",
 }

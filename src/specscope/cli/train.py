@@ -174,21 +174,59 @@ def train(workdir, target_name, stages, dataset, prompt_files, synth, regenerate
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Directory to write.")
 @click.option("--dtype", type=click.Choice(["fp32", "bf16", "fp16", "keep"]), default="keep", show_default=True)
 @click.option("--target", "target_name", default=None,
-              help="Verifier to record in the speculators config (default: the one the checkpoint names).")
+              help="The target (verifier): a Hugging Face directory, its config.json, or a known name. Checked "
+                   "against the drafter and recorded (default: the verifier the checkpoint names).")
+@click.option("--verifier-name", default=None,
+              help="Record this as verifier.name_or_path (e.g. the Hugging Face id of a local --target copy).")
+@click.option("--speculative-tokens", type=click.IntRange(min=1), default=None,
+              help="speculators: tokens per proposal (default: the checkpoint's own, else 3).")
 @click.option("--json", "as_json", is_flag=True)
-def export(source, fmt, out, dtype, target_name, as_json):
+def export(source, fmt, out, dtype, target_name, verifier_name, speculative_tokens, as_json):
     """Write a drafter (training work directory, checkpoint file or drafter directory) in SGLang or speculators form."""
     from specscope.models.loader import DTYPES
-    from specscope.speculative.formats import load_drafter
+    from specscope.speculative.formats import aux_conventions, load_drafter, read_config, resolve_target
     from specscope.train.pipeline import export as do_export
 
-    tinfo = {"name_or_path": target_name} if target_name else None
-    path = do_export(source, out, fmt, None if dtype == "keep" else DTYPES[dtype], tinfo)
-    d = load_drafter(path)      # proves the written directory loads
+    target = resolve_target(target_name, verifier_name) if target_name else None
+    tinfo = {"name_or_path": verifier_name} if verifier_name and not target else None
+    notes = _export_notes(Path(source), fmt, target or tinfo)
+    path = do_export(source, out, fmt, None if dtype == "keep" else DTYPES[dtype], tinfo, target=target,
+                     speculative_tokens=speculative_tokens)
+    d = load_drafter(path, target)      # proves the written directory loads (and still fits the target)
+    raw = read_config(path)
     info = {"out": str(path), "format": fmt, "draft_vocab_size": d.config.draft_vocab_size,
-            "aux_layer_ids": list(d.aux_layers), "dtype": str(d.dtype).replace("torch.", "")}
+            "aux_layer_ids": aux_conventions(d.config), "dtype": str(d.dtype).replace("torch.", "")}
+    if fmt == "speculators":
+        info["verifier"] = raw["speculators_config"]["verifier"]
+        info["speculators_version"] = raw["speculators_version"]
+    info["notes"] = notes
     if as_json:
         emit_json(info)
     else:
-        click.echo(f"wrote {fmt} drafter to {path} (draft vocab {info['draft_vocab_size']}, "
-                   f"aux layers {info['aux_layer_ids']}, {info['dtype']})")
+        aux = info["aux_layer_ids"]
+        click.echo(f"wrote {fmt} drafter to {path} (draft vocab {info['draft_vocab_size']}, {info['dtype']}; aux "
+                   f"layers: hidden-state indices {aux['hidden_state_index']} = SGLang output-of-layer ids "
+                   f"{aux['sglang_output_of_layer']})")
+        if "verifier" in info:
+            click.echo(f"verifier: {info['verifier']['name_or_path']} ({', '.join(info['verifier']['architectures'])})")
+        for n in notes:
+            click.echo(f"note: {n}")
+
+
+def _export_notes(source: Path, fmt: str, target) -> list[str]:
+    """What the conversion changes that a user should know about (a drafter directory as the source)."""
+    from specscope.speculative.formats import read_config
+
+    if not (source.is_dir() and (source / "config.json").exists()):
+        return []
+    raw = read_config(source)
+    notes = []
+    ids = raw.get("eagle_aux_hidden_state_layer_ids")
+    if fmt == "sglang" and isinstance(ids, list) and len(ids) == 4:
+        notes.append(f"the 4th aux id ({ids[3]}, the verifier-logits layer used in training) is not written: "
+                     f"SGLang would read 4 ids as 4 fc inputs")
+    old = ((raw.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
+    new = target.name_or_path if hasattr(target, "name_or_path") else (target or {}).get("name_or_path")
+    if fmt == "speculators" and old and new and old != new:
+        notes.append(f"verifier {old!r} recorded in the source is replaced by {new!r}")
+    return notes

@@ -223,9 +223,12 @@ def _resolve_drafter_path(name: str) -> Path:
 
 
 def export(source: str | Path, out: str | Path, fmt: str, dtype: torch.dtype | None = None,
-           tinfo: dict | None = None, extra_files: dict | None = None) -> Path:
-    """A work directory (its latest checkpoint), a checkpoint file, or a drafter directory -> `out` in `fmt`."""
-    from specscope.speculative.formats import load_drafter, save_drafter
+           tinfo: dict | None = None, extra_files: dict | None = None, target=None,
+           speculative_tokens: int | None = None) -> Path:
+    """A work directory (its latest checkpoint), a checkpoint file, or a drafter directory -> `out` in `fmt`.
+    `target` (formats.TargetFacts) checks the pair and names the verifier; without it the name a checkpoint
+    recorded is kept."""
+    from specscope.speculative.formats import load_drafter, map_problems, pair_problems, save_drafter
     from specscope.train.trainer import drafter_from_checkpoint, latest_checkpoint, load_checkpoint
 
     source = Path(source)
@@ -241,11 +244,17 @@ def export(source: str | Path, out: str | Path, fmt: str, dtype: torch.dtype | N
         st = load_checkpoint(ck)
         drafter, meta = drafter_from_checkpoint(st), st.get("meta", {})
     elif (source / "config.json").exists():
-        drafter = load_drafter(source)
+        drafter = load_drafter(source, target)       # checks the pair when a target is given
     else:
         raise SpecscopeError(f"{source} is not a training work directory, a checkpoint or a drafter directory")
+    if target is not None:
+        problems = pair_problems(drafter.config, target) + map_problems(drafter, target.vocab_size)
+        if problems:
+            raise SpecscopeError(f"drafter does not fit the target {target.name_or_path}: " + "; ".join(problems))
+        tinfo = target.info()
     tinfo = tinfo or meta.get("target")
-    return save_drafter(drafter, out, format=fmt, target_info=tinfo, dtype=dtype, extra_files=extra_files)
+    return save_drafter(drafter, out, format=fmt, target_info=tinfo, dtype=dtype, extra_files=extra_files,
+                        speculative_tokens=speculative_tokens)
 
 
 def heldout_prompts(data, eval_fraction: float, seed: int, n: int) -> list[list[int]]:

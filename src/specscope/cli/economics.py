@@ -197,19 +197,20 @@ def read_prompts(path: str | None, limit: int) -> list[str]:
     from pathlib import Path
 
     p = Path(path)
-    if not p.is_file():
-        raise SpecscopeError(f"prompt file {path!r} does not exist")
+    from specscope.errors import require_file
+
+    require_file(p, "prompt file")
     out = []
     for i, line in enumerate(p.read_text().splitlines(), 1):
         if not line.strip():
             continue
         if p.suffix == ".jsonl":
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError:
-                raise SpecscopeError(f"{path}:{i} is not valid JSON") from None
-            text = (obj.get("turns") or [None])[0] or obj.get("prompt") or obj.get("text")
-            if not text:
+            from specscope.jsonio import loads_object
+
+            obj = loads_object(line, f"{path}:{i}")
+            turns = obj.get("turns")
+            text = (turns[0] if isinstance(turns, list) and turns else None) or obj.get("prompt") or obj.get("text")
+            if not isinstance(text, str) or not text:
                 raise SpecscopeError(f"{path}:{i} has no 'turns', 'prompt' or 'text'")
             out.append(text)
         else:

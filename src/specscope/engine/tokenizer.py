@@ -7,6 +7,12 @@ from pathlib import Path
 from specscope.errors import SpecscopeError
 
 
+def check_tokenizer_files(path: Path) -> None:
+    """Cheap check (no transformers import) that a model directory carries a tokenizer."""
+    if not (path / "tokenizer.json").is_file() and not (path / "tokenizer.model").is_file():
+        raise SpecscopeError(f"{str(path)!r} has no tokenizer.json; copy the tokenizer files next to the weights")
+
+
 class Tokenizer:
     def __init__(self, path: str | Path):
         import logging
@@ -17,8 +23,7 @@ class Tokenizer:
         transformers.logging.set_verbosity_error()
         logging.getLogger("transformers").setLevel(logging.ERROR)
         path = Path(path)
-        if not (path / "tokenizer.json").exists() and not (path / "tokenizer.model").exists():
-            raise SpecscopeError(f"{str(path)!r} has no tokenizer.json; copy the tokenizer files next to the weights")
+        check_tokenizer_files(path)
         try:
             self.tok = AutoTokenizer.from_pretrained(str(path))
         except Exception as e:

@@ -193,20 +193,18 @@ def read_prompts(path: str | None, limit: int) -> list[str]:
     """Prompts from a .jsonl (first of `turns`, or `prompt`/`text`) or a text file (one per line)."""
     if path is None:
         return list(DEFAULT_PROMPTS[:limit])
-    import json
     from pathlib import Path
 
-    p = Path(path)
     from specscope.errors import require_file
+    from specscope.jsonio import loads_object
 
+    p = Path(path)
     require_file(p, "prompt file")
     out = []
-    for i, line in enumerate(p.read_text().splitlines(), 1):
+    for i, line in enumerate(p.read_bytes().decode("utf-8", errors="replace").splitlines(), 1):
         if not line.strip():
             continue
         if p.suffix == ".jsonl":
-            from specscope.jsonio import loads_object
-
             obj = loads_object(line, f"{path}:{i}")
             turns = obj.get("turns")
             text = (turns[0] if isinstance(turns, list) and turns else None) or obj.get("prompt") or obj.get("text")

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from specscope.cli.common import emit_json, setup_runtime
+from specscope.cli.common import SEED, emit_json, setup_runtime
 from specscope.errors import SpecscopeError
 
 STAGES = ("data", "vocab", "train")
@@ -52,7 +52,7 @@ def _stages(value: str) -> list[str]:
 @click.option("--eval-every", type=click.IntRange(min=1), default=100, show_default=True)
 @click.option("--ckpt-every", type=click.IntRange(min=1), default=100, show_default=True)
 @click.option("--eval-fraction", type=click.FloatRange(0, 0.5), default=0.05, show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=SEED, default=0, show_default=True)
 @click.option("--resume", is_flag=True, help="Continue from the work directory's latest checkpoint.")
 @click.option("--init", "init_from", default=None, help="Fine-tune an existing drafter (either format).")
 @click.option("--export-format", type=click.Choice(["sglang", "speculators"]), default="sglang", show_default=True)
@@ -79,8 +79,12 @@ def train(workdir, target_name, stages, dataset, synth, regenerate, synth_batch,
     from specscope.train.data import CapturedData
     from specscope.train.trainer import TrainConfig, dist_info, train as run_train
 
-    dev = setup_runtime(threads, device)
     todo = _stages(stages)
+    if dataset is not None and "data" in todo:  # before the target loads, not after
+        from specscope.errors import require_file
+
+        require_file(dataset, "dataset")
+    dev = setup_runtime(threads, device)
     work = Path(workdir)
     rank, world = dist_info()
     say = (lambda m: click.echo(m, err=True)) if rank == 0 else (lambda m: None)

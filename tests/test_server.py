@@ -296,3 +296,19 @@ def test_metrics_prefix_vllm_gives_vllm_names(model_dir):
     assert "vllm:spec_decode_num_drafts_total" in text and "specscope:" not in text
     d = spec_delta(before, parse_text(text))
     assert d["engine"] == "vllm" and d["num_drafts"] == r["spec"]["verify_ct"]
+
+
+def test_queue_time_is_its_own_histogram(model_dir):
+    """Like vLLM's request_queue_time_seconds: waiting for the batch-1 engine is reported apart from decoding."""
+    from specscope.server.app import create_app
+    from specscope.ingest.prometheus import parse_text
+
+    with TestClient(create_app(_engine(model_dir))) as c:
+        for _ in range(2):
+            assert c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3, "temperature": 0}).status_code == 200
+        s = parse_text(c.get("/metrics").text)
+    assert s.total("specscope:request_queue_time_seconds_count") == 2
+    assert s.total("specscope:request_inference_time_seconds_count") == 2
+    assert s.total("specscope:request_queue_time_seconds_sum") >= 0
+    e2e = s.total("specscope:e2e_request_latency_seconds_sum")
+    assert s.total("specscope:request_queue_time_seconds_sum") <= e2e

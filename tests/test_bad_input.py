@@ -71,6 +71,12 @@ def db_state(db: Path) -> str:
     return h.hexdigest()
 
 
+def snapshot(root: Path) -> dict:
+    """Every regular file under root (the case's inputs, any --db it names) -> its content hash."""
+    return {str(p): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.rglob("*"))
+            if p.is_file() and "state" not in p.relative_to(root).parts}
+
+
 def variant(src: Path, dst: Path, config=None, files=None) -> Path:
     """A copy of a checkpoint directory with config.json edited (`config(dict)` mutates it) or files replaced."""
     shutil.copytree(src, dst)
@@ -278,6 +284,17 @@ CLI_CASES = {
         "config.json": b'{"a": "\xff"}'})], ["config.json", "UTF-8"], True),
     "config.json nested 200,000 deep": (lambda w: gen(w) + ["--model", variant(w["model"], w["tmp"] / "m", files={
         "config.json": DEEP_200K.encode()})], ["config.json", "nested too deeply"], True),
+    "config.json random bytes": (lambda w: gen(w) + ["--model", variant(w["model"], w["tmp"] / "m", files={
+        "config.json": bytes(random.Random(11).getrandbits(8) for _ in range(600))})], ["config.json"], True),
+    "config.json cut in the middle": (lambda w: gen(w) + ["--model", variant(w["model"], w["tmp"] / "m", files={
+        "config.json": (w["model"] / "config.json").read_bytes()[:300]})], ["config.json", "not valid JSON"], True),
+    "config.json empty": (lambda w: gen(w) + ["--model", variant(w["model"], w["tmp"] / "m", files={
+        "config.json": b""})], ["config.json", "not valid JSON"], True),
+    "tokenizer.json random bytes": (lambda w: gen(w) + ["--model", variant(w["model"], w["tmp"] / "m", files={
+        "tokenizer.json": bytes(random.Random(13).getrandbits(8) for _ in range(600))})], ["tokenizer"], False),
+    "drafter config.json random bytes": (
+        lambda w: gen(w, "--draft", variant(w["drafter"], w["tmp"] / "d", files={
+            "config.json": bytes(random.Random(17).getrandbits(8) for _ in range(600))})), ["config.json"], True),
     "config.json a list": (lambda w: gen(w) + ["--model", variant(w["model"], w["tmp"] / "m", files={
         "config.json": b"[1]"})], ["config.json", "JSON object"], True),
     "config.json is a directory": (lambda w: gen(w) + ["--model", _config_dir(w)], ["config.json"], True),
@@ -418,6 +435,7 @@ def guarded(world, tmp_path, monkeypatch, capsys):
             monkeypatch.setattr(session, "load_target", no_load)
             monkeypatch.setattr("specscope.models.loader.load_model", no_load)
         before = db_state(world["db"])
+        files_before = snapshot(tmp_path)
         code, _, err = cli(capsys, *argv)
         assert "internal error" not in err, f"reached the internal-error handler: {err}"
         assert "Traceback" not in err, err
@@ -425,6 +443,7 @@ def guarded(world, tmp_path, monkeypatch, capsys):
         assert code == 2, f"exit {code}: {err}"
         assert len(lines) == 1 and lines[0].startswith("error: "), err
         assert db_state(world["db"]) == before, "the registry changed"
+        assert snapshot(tmp_path) == files_before, "a refused command left files changed or behind"
         assert not (tmp_path / "state").exists(), "a crash report was written"
         return lines[0]
 
@@ -525,8 +544,13 @@ def body(**kw):
 
 # id -> (path, raw body, status, substring of the message, param)
 SERVER_CASES = {
-    "temperature NaN": ("/v1/completions", '{"prompt": "hi", "temperature": NaN}', 400, "NaN", None),
-    "temperature Infinity": ("/v1/completions", '{"prompt": "hi", "temperature": Infinity}', 400, "Infinity", None),
+    "temperature NaN": ("/v1/completions", '{"prompt": "hi", "temperature": NaN}', 400, "'temperature'",
+                        "temperature"),
+    "temperature Infinity": ("/v1/completions", '{"prompt": "hi", "temperature": Infinity}', 400, "'temperature'",
+                             "temperature"),
+    "top_p NaN": ("/v1/completions", '{"prompt": "hi", "top_p": NaN}', 400, "'top_p'", "top_p"),
+    "seed NaN": ("/v1/completions", '{"prompt": "hi", "seed": NaN}', 400, "'seed'", "seed"),
+    "max_tokens NaN": ("/v1/completions", '{"prompt": "hi", "max_tokens": NaN}', 400, "'max_tokens'", "max_tokens"),
     "temperature -1": ("/v1/completions", body(temperature=-1), 400, "'temperature'", "temperature"),
     "temperature 3": ("/v1/completions", body(temperature=3), 400, "'temperature'", "temperature"),
     "temperature a string": ("/v1/completions", body(temperature="hot"), 400, "'temperature'", "temperature"),

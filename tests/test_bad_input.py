@@ -266,6 +266,17 @@ CLI_CASES = {
                                        "--steps", "0"], ["--steps"], True),
     "breakeven τ nan": (lambda w: ["breakeven", "--decode-ms", "1", "--verify-ms", "2", "--draft-ms", "1",
                                    "--steps", "2", "--measured-accept-length", "nan"], ["τ", "nan"], True),
+    # -- output paths: refused before the work, not after it
+    "train --workdir /proc/x": (lambda w: ["train", "--workdir", "/proc/x", "--target", w["model"]],
+                                ["--workdir", "/proc/x"], True),
+    "train --out /proc/y": (lambda w: ["train", "--workdir", w["tmp"] / "wd", "--out", "/proc/y", "--target",
+                                       w["model"]], ["--out", "/proc/y"], True),
+    "export --out /proc/x": (lambda w: ["export", w["drafter"], "--format", "speculators", "--out", "/proc/x"],
+                             ["--out", "/proc/x"], True),
+    "verify-curve --plot /proc/x.png": (lambda w: ["verify-curve", "--model", w["model"], "--plot", "/proc/x.png",
+                                                   "--no-record"], ["--plot", "/proc/x.png"], True),
+    "train for a 2-layer target": (lambda w: ["train", "--workdir", w["tmp"] / "wd", "--target", _two_layers(w),
+                                              "--stages", "data", "--synth", "2"], ["2 layers", "at least 4"], False),
     # -- prompts
     "--prompt - invalid UTF-8 mid-text": (
         lambda w: (["generate", "--model", w["model"], "--prompt", "-", "--no-record"], b"the quick \xc3\x28 fox"),
@@ -382,6 +393,13 @@ CLI_CASES = {
     "--db random bytes": (lambda w: ["runs", "list", "--db", fpath(w, "g.db", bytes(
         random.Random(9).getrandbits(8) for _ in range(8192)))], ["g.db", "not a usable specscope registry"], True),
 }
+
+
+def _two_layers(w):
+    d = w["tmp"] / "two"
+    make_hf_model(d, "llama", layers=2, vocab=101)
+    make_tiny_tokenizer(d, 101)
+    return d
 
 
 def _config_dir(w):

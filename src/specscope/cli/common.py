@@ -95,3 +95,33 @@ def write_output(path: str, text: str) -> None:
         except OSError:
             pass
         raise SpecscopeError(f"cannot write {path} ({e.strerror or e}); pick a writable path for -o") from None
+
+
+def check_writable(path, flag: str, is_dir: bool = False) -> None:
+    """Fail before the work, not after it: `path` (a file, or a directory if is_dir) could be created where it is
+    asked for. Nothing is left behind; a probe file in the nearest existing directory proves it (permission bits
+    alone say yes for root in /proc, or on a read-only mount)."""
+    import os
+    import tempfile
+    from pathlib import Path
+
+    p = Path(path).expanduser()
+    if p.exists():
+        if is_dir and not p.is_dir():
+            raise SpecscopeError(f"{flag} {str(p)!r} exists and is not a directory")
+        if not is_dir and p.is_dir():
+            raise SpecscopeError(f"{flag} {str(p)!r} is a directory; pass a file name")
+        if not os.access(p, os.W_OK):
+            raise SpecscopeError(f"{flag} {str(p)!r} is not writable")
+        return
+    anc = p.parent
+    while not anc.exists() and anc != anc.parent:
+        anc = anc.parent
+    if not anc.is_dir():
+        raise SpecscopeError(f"{flag} {str(p)!r} cannot be created: {str(anc)!r} is not a directory")
+    try:
+        with tempfile.TemporaryFile(dir=anc, prefix=".specscope-probe-"):
+            pass
+    except OSError as e:
+        raise SpecscopeError(f"{flag} {str(p)!r} cannot be created in {str(anc)!r} ({e.strerror or e}); "
+                             f"pick a writable location") from None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from specscope.cli.common import emit_json, setup_runtime, stderr_console
+from specscope.cli.common import check_writable, emit_json, setup_runtime, stderr_console
 from specscope.errors import SpecscopeError
 
 _DB = click.option("--db", default=None, help="Registry database (default: SPECSCOPE_DB or the XDG data dir).")
@@ -44,6 +44,9 @@ def verify_curve(model_name, contexts, tokens, warmup, repeats, dtype, device, t
     from specscope.economics.verify_curve import knee_words, measure_curve, parse_int_list
     from specscope.models.hub import resolve_model
     from specscope.models.loader import load_model, parse_dtype
+
+    if plot_path and not no_plot:
+        check_writable(plot_path, "--plot")  # before minutes of measuring, not after
 
     ctxs = parse_int_list(contexts, "--context")
     toks = parse_int_list(tokens, "--tokens")

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from specscope.cli.common import SEED, emit_json, setup_runtime
+from specscope.cli.common import SEED, check_writable, emit_json, setup_runtime
 from specscope.errors import SpecscopeError
 
 STAGES = ("data", "vocab", "train")
@@ -80,10 +80,14 @@ def train(workdir, target_name, stages, dataset, synth, regenerate, synth_batch,
     from specscope.train.trainer import TrainConfig, dist_info, train as run_train
 
     todo = _stages(stages)
-    if dataset is not None and "data" in todo:  # before the target loads, not after
+    # what can be refused from flags and files is refused before the target loads, not after hours of training
+    check_writable(workdir, "--workdir", is_dir=True)
+    if out is not None:
+        check_writable(out, "--out", is_dir=True)
+    if dataset is not None and "data" in todo:
         from specscope.errors import require_file
 
-        require_file(dataset, "dataset")
+        require_file(dataset, "--dataset")
     dev = setup_runtime(threads, device)
     work = Path(workdir)
     rank, world = dist_info()
@@ -93,8 +97,11 @@ def train(workdir, target_name, stages, dataset, synth, regenerate, synth_batch,
     target, tok, tpath = pipeline.load_target(target_name, dev, "fp32")
     tinfo = pipeline.target_info(target_name, tpath, target)
     init = pipeline.init_drafter(init_from, target) if init_from else None
-    aux = list(init.aux_layers) if init is not None else DrafterConfig.default_aux_layers(
-        target.config.num_hidden_layers)
+    L = target.config.num_hidden_layers
+    aux = list(init.aux_layers) if init is not None else DrafterConfig.default_aux_layers(L)
+    if not all(0 <= i <= L for i in aux):
+        raise SpecscopeError(f"the target has {L} layers, so EAGLE-3's aux layers {aux} (2, L//2, L-3 by default) "
+                             f"fall outside 0..{L}; train for a target with at least 4 layers")
     summary = {"workdir": str(work), "target": tinfo, "stages": todo}
 
     if "data" in todo:
@@ -160,6 +167,7 @@ def export(source, fmt, out, dtype, target_name, as_json):
     from specscope.train.pipeline import export as do_export
 
     tinfo = {"name_or_path": target_name} if target_name else None
+    check_writable(out, "--out", is_dir=True)
     path = do_export(source, out, fmt, None if dtype == "keep" else DTYPES[dtype], tinfo)
     d = load_drafter(path)      # proves the written directory loads
     info = {"out": str(path), "format": fmt, "draft_vocab_size": d.config.draft_vocab_size,

@@ -301,6 +301,12 @@ CLI_CASES = {
         "config.json": (w["model"] / "config.json").read_bytes()[:300]})], ["config.json", "not valid JSON"], True),
     "config.json empty": (lambda w: gen(w) + ["--model", variant(w["model"], w["tmp"] / "m", files={
         "config.json": b""})], ["config.json", "not valid JSON"], True),
+    "chat template that does not parse": (
+        lambda w: gen(w, "--chat") + ["--model", _with_template(w, "{% for m in messages %}{{ m.content ")],
+        ["chat template", "tokenizer_config.json"], False),
+    "chat template that raises": (
+        lambda w: gen(w, "--chat") + ["--model", _with_template(w, "{{ raise_exception('no user turns here') }}")],
+        ["chat template", "no user turns here"], False),
     "tokenizer.json random bytes": (lambda w: gen(w) + ["--model", variant(w["model"], w["tmp"] / "m", files={
         "tokenizer.json": bytes(random.Random(13).getrandbits(8) for _ in range(600))})], ["tokenizer"], False),
     "drafter config.json random bytes": (
@@ -393,6 +399,16 @@ CLI_CASES = {
     "--db random bytes": (lambda w: ["runs", "list", "--db", fpath(w, "g.db", bytes(
         random.Random(9).getrandbits(8) for _ in range(8192)))], ["g.db", "not a usable specscope registry"], True),
 }
+
+
+def _with_template(w, template):
+    d = variant(w["model"], w["tmp"] / "m")
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = template
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    for extra in d.glob("chat_template.j*"):  # newer transformers keep the template in its own file
+        extra.write_text(template)
+    return d
 
 
 def _two_layers(w):

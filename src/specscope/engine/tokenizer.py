@@ -45,7 +45,11 @@ class Tokenizer:
         return self.tok.encode(text, add_special_tokens=False)
 
     def encode_messages(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        out = self.tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+        try:
+            out = self.tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+        except Exception as e:  # a broken or strict template (jinja errors, raise_exception) is the file's fault
+            raise SpecscopeError(f"the tokenizer's chat template failed on this conversation ({type(e).__name__}: "
+                                 f"{e}); check chat_template in tokenizer_config.json") from None
         if isinstance(out, dict) or hasattr(out, "keys"):
             out = out["input_ids"]
         return list(out)

@@ -384,6 +384,11 @@ CLI_CASES = {
                               True),
     # -- registry ids and paths
     "runs show unknown id": (lambda w: ["runs", "show", "nope"], ["'nope'"], True),
+    "runs show last~1e20": (lambda w: ["runs", "show", "last~99999999999999999999"], ["fewer runs"], True),
+    "runs show last~-1": (lambda w: ["runs", "show", "last~-1"], ["last~N"], True),
+    "runs show an id with a control byte": (lambda w: ["runs", "show", "abcd\x01"], ["no run"], True),
+    "compare last with last~1e20": (lambda w: ["compare", "last", "last~99999999999999999999"], ["fewer runs"],
+                                    True),
     "runs show empty id": (lambda w: ["runs", "show", ""], ["too short"], True),
     "runs export unknown id": (lambda w: ["runs", "export", "zzzz"], ["'zzzz'"], True),
     "runs export -o a directory": (lambda w: ["runs", "export", "last", "-o", w["tmp"]], ["directory"], True),

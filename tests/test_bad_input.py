@@ -262,6 +262,8 @@ CLI_CASES = {
                                              "1", "--steps", "2"], ["--decode-ms", "nan"], True),
     "breakeven --verify-ms inf": (lambda w: ["breakeven", "--decode-ms", "1", "--verify-ms", "inf", "--draft-ms",
                                              "1", "--steps", "2"], ["verify", "inf"], True),
+    "tune --max-steps 1e9": (lambda w: ["tune", "--run", "last", "--decode-ms", "10", "--max-steps", "1000000000"],
+                             ["--max-steps"], True),
     "breakeven --steps 0": (lambda w: ["breakeven", "--decode-ms", "1", "--verify-ms", "1", "--draft-ms", "1",
                                        "--steps", "0"], ["--steps"], True),
     "breakeven τ nan": (lambda w: ["breakeven", "--decode-ms", "1", "--verify-ms", "2", "--draft-ms", "1",

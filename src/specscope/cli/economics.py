@@ -240,7 +240,8 @@ def read_prompts(path: str | None, limit: int) -> list[str]:
 @click.option("--prompts", "prompts_file", default=None, help="Prompt file (.jsonl with turns, or one per line).")
 @click.option("--num-prompts", type=click.IntRange(min=1), default=3, show_default=True)
 @click.option("--max-new-tokens", type=click.IntRange(min=2), default=64, show_default=True)
-@click.option("--max-steps", type=click.IntRange(min=1), default=None, help="Deepest configuration to consider.")
+@click.option("--max-steps", type=click.IntRange(1, 64), default=None,
+              help="Deepest configuration to consider (beyond the measured depth the last rate is extrapolated).")
 @click.option("--max-topk", type=click.IntRange(min=1), default=None)
 @click.option("--max-draft-tokens", type=click.IntRange(min=2), default=64, show_default=True)
 @click.option("--top", type=click.IntRange(min=1), default=10, show_default=True, help="Predictions to show.")

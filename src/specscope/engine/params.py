@@ -37,21 +37,30 @@ def check_field(field: str, value, style: str = "lib"):
     is_num = isinstance(value, (int, float)) and not isinstance(value, bool)
     if field in ("seed", "top_k"):
         if not is_num or (isinstance(value, float) and not (math.isfinite(value) and value.is_integer())):
-            raise ParamError(field, f"{n} must be an integer, got {value!r}")
+            raise ParamError(field, f"{n} must be an integer, got {_short(value)}")
         value = int(value)
         hi = SEED_MAX if field == "seed" else TOP_K_MAX
         if not 0 <= value <= hi:
             what = "0 (off)" if field == "top_k" else "0"
-            raise ParamError(field, f"{n} must be an integer from {what} to {hi}, got {value}")
+            raise ParamError(field, f"{n} must be an integer from {what} to {hi}, got {_short(value)}")
         return value
-    if not is_num or not math.isfinite(value):
-        raise ParamError(field, f"{n} must be a finite number, got {value!r}")
+    try:
+        finite = is_num and math.isfinite(value)  # an int past float's range overflows here
+    except OverflowError:
+        finite = False
+    if not finite:
+        raise ParamError(field, f"{n} must be a finite number, got {_short(value)}")
     value = float(value)
     if field == "temperature" and not 0.0 <= value <= TEMPERATURE_MAX:
         raise ParamError(field, f"{n} must be in [0, {TEMPERATURE_MAX:g}] (0 = greedy), got {value:g}")
     if field == "top_p" and not 0.0 < value <= 1.0:
         raise ParamError(field, f"{n} must be in (0, 1], got {value:g}")
     return value
+
+
+def _short(v) -> str:
+    s = repr(v)
+    return s if len(s) <= 40 else s[:20] + f"... ({len(s)} characters)"
 
 
 def check_sampling(temperature, top_p, top_k, seed, style: str = "lib") -> tuple:

@@ -53,11 +53,13 @@ def _num(body, key, typ, lo=None, hi=None, default=None):
     v = body.get(key, default)
     if v is None:
         return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or (typ is int and not float(v).is_integer()):
+    integral = isinstance(v, int) or (isinstance(v, float) and v.is_integer())  # is_integer: False for inf / nan
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (typ is int and not integral):
         raise ApiError(400, f"'{key}' must be {'an integer' if typ is int else 'a number'}, got {v!r}", key)
     v = typ(v)
     if (lo is not None and v < lo) or (hi is not None and v > hi):
-        raise ApiError(400, f"'{key}' must be in [{lo}, {hi}], got {v}", key)
+        shown = str(v) if len(str(v)) <= 40 else f"a {len(str(v))}-digit number"
+        raise ApiError(400, f"'{key}' must be in [{lo}, {hi}], got {shown}", key)
     return v
 
 

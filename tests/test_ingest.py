@@ -233,7 +233,7 @@ def test_no_recognisable_line_names_the_formats_tried(tmp_path):
     only_bad = write(tmp_path, "cut.log", [sg_decode(0, 1, 100.0, accept=2.0)[:60]])
     with pytest.raises(SpecscopeError, match="did not parse"):
         ingest_file(only_bad, record=False)
-    with pytest.raises(SpecscopeError, match="no such file"):
+    with pytest.raises(SpecscopeError, match="does not exist"):
         ingest_file(tmp_path / "missing.log", record=False)
 
 

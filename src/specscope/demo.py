@@ -77,11 +77,11 @@ def pick_prompts(n: int) -> tuple[list[dict], str]:
     for i, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():
             continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError:
-            raise SpecscopeError(f"{path}:{i} is not valid JSON") from None
-        if obj.get("category") in MT_BENCH and obj.get("turns"):
+        from specscope.jsonio import loads_object
+
+        obj = loads_object(line, f"{path}:{i}")
+        if obj.get("category") in MT_BENCH and isinstance(obj.get("turns"), list) and obj["turns"] \
+                and isinstance(obj["turns"][0], str):
             by.setdefault(obj["category"], []).append(
                 {"question_id": obj.get("question_id"), "category": obj["category"], "prompt": obj["turns"][0]})
     order = [c for c in MT_BENCH if c in by]

@@ -7,7 +7,8 @@ import json
 import os
 from pathlib import Path
 
-from specscope.errors import SpecscopeError
+from specscope.errors import SpecscopeError, require_file
+from specscope.jsonio import loads
 
 SPEC_BENCH_FILE = "spec_bench_question.jsonl"
 
@@ -52,28 +53,21 @@ def _prompt_of(obj, where: str) -> tuple[str, str | None]:
 def load_prompts(dataset: str, categories: tuple[str, ...] = (), num_prompts: int | None = None) -> dict:
     """{"name", "path", "hash", "prompts": [{"prompt", "category"}]}; categories filter before num_prompts."""
     path = spec_bench_path() if dataset == "spec_bench" else Path(dataset)
-    if not path.is_file():
-        raise SpecscopeError(f"dataset file {str(path)!r} does not exist")
+    require_file(path, "dataset file")
     raw = path.read_bytes()
     rows = []
     if path.suffix in (".jsonl", ".json"):
         text = raw.decode("utf-8", errors="replace")
         items = None
         if path.suffix == ".json":
-            try:
-                items = json.loads(text)
-            except ValueError as e:
-                raise SpecscopeError(f"{path}: not valid JSON ({e})") from None
+            items = loads(text, str(path))
             if not isinstance(items, list):
                 raise SpecscopeError(f"{path}: expected a JSON list of prompts")
         else:
             items = []
             for i, line in enumerate(text.splitlines(), 1):
                 if line.strip():
-                    try:
-                        items.append(json.loads(line))
-                    except ValueError:
-                        raise SpecscopeError(f"{path}:{i}: not valid JSON") from None
+                    items.append(loads(line, f"{path}:{i}"))
         for i, obj in enumerate(items, 1):
             p, c = _prompt_of(obj, f"{path}:{i}")
             rows.append({"prompt": p, "category": c})

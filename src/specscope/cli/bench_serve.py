@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from specscope.cli.common import emit_json
+from specscope.cli.common import TEMPERATURE, emit_json
 from specscope.errors import SpecscopeError
 
 
@@ -32,7 +32,7 @@ def _ms(d, key="p50"):
 @click.option("--num-prompts", type=click.IntRange(min=1), default=16, show_default=True)
 @click.option("--max-tokens", type=click.IntRange(min=1), default=128, show_default=True)
 @click.option("--concurrency", default="1,4,16", show_default=True, help="Concurrency levels, comma-separated.")
-@click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True)
+@click.option("--temperature", type=TEMPERATURE, default=0.0, show_default=True)
 @click.option("--api-key", envvar="SPECSCOPE_API_KEY", default=None, help="Bearer key (env SPECSCOPE_API_KEY).")
 @click.option("--timeout", "timeout_s", type=click.FloatRange(min=1), default=600.0, show_default=True,
               help="Per-request timeout in seconds.")

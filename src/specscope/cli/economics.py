@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from specscope.cli.common import emit_json, setup_runtime, stderr_console
+from specscope.cli.common import check_writable, emit_json, setup_runtime, stderr_console
 from specscope.errors import SpecscopeError
 
 _DB = click.option("--db", default=None, help="Registry database (default: SPECSCOPE_DB or the XDG data dir).")
@@ -44,6 +44,9 @@ def verify_curve(model_name, contexts, tokens, warmup, repeats, dtype, device, t
     from specscope.economics.verify_curve import knee_words, measure_curve, parse_int_list
     from specscope.models.hub import resolve_model
     from specscope.models.loader import load_model, parse_dtype
+
+    if plot_path and not no_plot:
+        check_writable(plot_path, "--plot")  # before minutes of measuring, not after
 
     ctxs = parse_int_list(contexts, "--context")
     toks = parse_int_list(tokens, "--tokens")
@@ -193,23 +196,22 @@ def read_prompts(path: str | None, limit: int) -> list[str]:
     """Prompts from a .jsonl (first of `turns`, or `prompt`/`text`) or a text file (one per line)."""
     if path is None:
         return list(DEFAULT_PROMPTS[:limit])
-    import json
     from pathlib import Path
 
+    from specscope.errors import require_file
+    from specscope.jsonio import loads_object
+
     p = Path(path)
-    if not p.is_file():
-        raise SpecscopeError(f"prompt file {path!r} does not exist")
+    require_file(p, "prompt file")
     out = []
-    for i, line in enumerate(p.read_text().splitlines(), 1):
+    for i, line in enumerate(p.read_bytes().decode("utf-8", errors="replace").splitlines(), 1):
         if not line.strip():
             continue
         if p.suffix == ".jsonl":
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError:
-                raise SpecscopeError(f"{path}:{i} is not valid JSON") from None
-            text = (obj.get("turns") or [None])[0] or obj.get("prompt") or obj.get("text")
-            if not text:
+            obj = loads_object(line, f"{path}:{i}")
+            turns = obj.get("turns")
+            text = (turns[0] if isinstance(turns, list) and turns else None) or obj.get("prompt") or obj.get("text")
+            if not isinstance(text, str) or not text:
                 raise SpecscopeError(f"{path}:{i} has no 'turns', 'prompt' or 'text'")
             out.append(text)
         else:
@@ -238,7 +240,8 @@ def read_prompts(path: str | None, limit: int) -> list[str]:
 @click.option("--prompts", "prompts_file", default=None, help="Prompt file (.jsonl with turns, or one per line).")
 @click.option("--num-prompts", type=click.IntRange(min=1), default=3, show_default=True)
 @click.option("--max-new-tokens", type=click.IntRange(min=2), default=64, show_default=True)
-@click.option("--max-steps", type=click.IntRange(min=1), default=None, help="Deepest configuration to consider.")
+@click.option("--max-steps", type=click.IntRange(1, 64), default=None,
+              help="Deepest configuration to consider (beyond the measured depth the last rate is extrapolated).")
 @click.option("--max-topk", type=click.IntRange(min=1), default=None)
 @click.option("--max-draft-tokens", type=click.IntRange(min=2), default=64, show_default=True)
 @click.option("--top", type=click.IntRange(min=1), default=10, show_default=True, help="Predictions to show.")

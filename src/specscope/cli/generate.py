@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import sys
-
 import click
 
-from specscope.cli.common import emit_json, setup_runtime
+from specscope.cli.common import SEED, TEMPERATURE, TOP_K, TOP_P, emit_json, read_stdin_text, setup_runtime
 
 
 @click.command()
@@ -15,10 +13,10 @@ from specscope.cli.common import emit_json, setup_runtime
 @click.option("--prompt", required=True, help="Prompt text ('-' reads standard input).")
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the tokenizer's chat template.")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=128, show_default=True)
-@click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True, help="0 = greedy.")
-@click.option("--top-p", type=click.FloatRange(min=0, max=1, min_open=True), default=1.0, show_default=True)
-@click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True, help="0 = off.")
-@click.option("--seed", type=int, default=None)
+@click.option("--temperature", type=TEMPERATURE, default=0.0, show_default=True, help="0 = greedy; at most 2.")
+@click.option("--top-p", type=TOP_P, default=1.0, show_default=True)
+@click.option("--top-k", type=TOP_K, default=0, show_default=True, help="0 = off.")
+@click.option("--seed", type=SEED, default=None, help="0..2**63-1.")
 @click.option("--dtype", type=click.Choice(["fp32", "bf16", "fp16", "auto"]), default="auto", show_default=True,
               help="auto = fp32 on CPU, bf16 on CUDA.")
 @click.option("--device", type=click.Choice(["cpu", "cuda", "auto"]), default="auto", show_default=True)
@@ -37,7 +35,7 @@ def generate(model_name, prompt, chat, max_new_tokens, temperature, top_p, top_k
     from specscope.engine.session import GenerateRequest, run_generate
 
     if prompt == "-":
-        prompt = sys.stdin.read()
+        prompt = read_stdin_text("--prompt -")
     dev = setup_runtime(threads, device)
     req = GenerateRequest(model=model_name, prompt=prompt, chat=chat, max_new_tokens=max_new_tokens,
                           temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, dtype=dtype,

@@ -8,7 +8,7 @@ import json
 
 import click
 
-from specscope.cli.common import emit_json
+from specscope.cli.common import emit_json, write_output
 
 
 def _console():
@@ -145,7 +145,7 @@ def _csv_rows(records: list[dict]) -> tuple[list[str], list[dict]]:
 @click.argument("run_ids", nargs=-1, required=True)
 @click.option("--json", "fmt", flag_value="json", default=True, help="Full records with samples (default).")
 @click.option("--csv", "fmt", flag_value="csv", help="One row per run, scalar fields flattened to columns.")
-@click.option("-o", "--output", type=click.Path(dir_okay=False, writable=True), default=None,
+@click.option("-o", "--output", default=None,
               help="Write to this file instead of standard output.")
 @db_option
 def export(run_ids, fmt, output, db):
@@ -162,8 +162,7 @@ def export(run_ids, fmt, output, db):
     else:
         text = json.dumps(recs, indent=2, default=str) + "\n"
     if output:
-        with open(output, "w") as f:
-            f.write(text)
+        write_output(output, text)
         click.echo(f"wrote {len(recs)} run(s) to {output}", err=True)
     else:
         click.echo(text, nl=False)

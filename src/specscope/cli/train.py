@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from specscope.cli.common import emit_json, setup_runtime
+from specscope.cli.common import SEED, check_writable, emit_json, setup_runtime
 from specscope.errors import SpecscopeError
 
 STAGES = ("data", "vocab", "train", "select")
@@ -67,7 +67,7 @@ def _stages(value: str) -> list[str]:
               help="select stage: held-out training prompts decoded per snapshot.")
 @click.option("--select-steps", type=click.IntRange(min=1), default=3, show_default=True,
               help="select stage: chain length used to rank snapshots by real decoding τ.")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=SEED, default=0, show_default=True)
 @click.option("--resume", is_flag=True, help="Continue from the work directory's latest checkpoint.")
 @click.option("--init", "init_from", default=None, help="Fine-tune an existing drafter (either format).")
 @click.option("--export-format", type=click.Choice(["sglang", "speculators"]), default="sglang", show_default=True)
@@ -95,8 +95,16 @@ def train(workdir, target_name, stages, dataset, prompt_files, synth, regenerate
     from specscope.train.data import CapturedData
     from specscope.train.trainer import TrainConfig, dist_info, train as run_train
 
-    dev = setup_runtime(threads, device)
     todo = _stages(stages)
+    # what can be refused from flags and files is refused before the target loads, not after hours of training
+    check_writable(workdir, "--workdir", is_dir=True)
+    if out is not None:
+        check_writable(out, "--out", is_dir=True)
+    if dataset is not None and "data" in todo:
+        from specscope.errors import require_file
+
+        require_file(dataset, "--dataset")
+    dev = setup_runtime(threads, device)
     work = Path(workdir)
     rank, world = dist_info()
     say = (lambda m: click.echo(m, err=True)) if rank == 0 else (lambda m: None)
@@ -105,8 +113,11 @@ def train(workdir, target_name, stages, dataset, prompt_files, synth, regenerate
     target, tok, tpath = pipeline.load_target(target_name, dev, "fp32")
     tinfo = pipeline.target_info(target_name, tpath, target)
     init = pipeline.init_drafter(init_from, target) if init_from else None
-    aux = list(init.aux_layers) if init is not None else DrafterConfig.default_aux_layers(
-        target.config.num_hidden_layers)
+    L = target.config.num_hidden_layers
+    aux = list(init.aux_layers) if init is not None else DrafterConfig.default_aux_layers(L)
+    if not all(0 <= i <= L for i in aux):
+        raise SpecscopeError(f"the target has {L} layers, so EAGLE-3's aux layers {aux} (2, L//2, L-3 by default) "
+                             f"fall outside 0..{L}; train for a target with at least 4 layers")
     summary = {"workdir": str(work), "target": tinfo, "stages": todo}
 
     if "data" in todo:
@@ -187,6 +198,7 @@ def export(source, fmt, out, dtype, target_name, verifier_name, speculative_toke
     from specscope.speculative.formats import aux_conventions, load_drafter, read_config, resolve_target
     from specscope.train.pipeline import export as do_export
 
+    check_writable(out, "--out", is_dir=True)
     target = resolve_target(target_name, verifier_name) if target_name else None
     tinfo = {"name_or_path": verifier_name} if verifier_name and not target else None
     notes = _export_notes(Path(source), fmt, target or tinfo)

@@ -8,7 +8,7 @@ import hashlib
 import sys
 from pathlib import Path
 
-from specscope.errors import SpecscopeError
+from specscope.errors import SpecscopeError, require_file
 from specscope.ingest.base import MAX_EXAMPLES, Malformed
 from specscope.ingest.lines import split_records
 from specscope.ingest.profile_lines import ProfileParser
@@ -60,8 +60,8 @@ def scan(path: Path, engine: str = "auto", progress=None) -> dict:
     """Parse a file; returns the parsers and the line accounting (no registry involved)."""
     if engine != "auto" and engine not in FORMATS:
         raise SpecscopeError(f"unknown engine {engine!r}; use one of auto, {', '.join(FORMATS)}")
-    if str(path) != "-" and not path.is_file():
-        raise SpecscopeError(f"{path}: no such file")
+    if str(path) != "-":
+        require_file(path, "log file")
     parsers = [cls() for cls in FORMATS.values()] if engine == "auto" else [FORMATS[engine]()]
     acc = {"lines": 0, "recognised": {p.name: 0 for p in parsers}, "malformed": 0,
            "malformed_by_format": {p.name: 0 for p in parsers}, "other": 0, "malformed_examples": [],

@@ -48,10 +48,15 @@ def load_config(path: str | Path) -> tuple[ModelConfig, dict]:
 
 def read_json_object(f: Path) -> dict:
     """A JSON file that must hold an object (config.json and the like), with one-line errors."""
+    from specscope.jsonio import loads
+
+    if not f.is_file():
+        raise SpecscopeError(f"{f} is not a regular file")
     try:
-        d = json.loads(f.read_text())
-    except json.JSONDecodeError as e:
-        raise SpecscopeError(f"{f} is not valid JSON ({e.msg} at line {e.lineno})") from None
+        raw = f.read_bytes()
+    except OSError as e:
+        raise SpecscopeError(f"cannot read {f} ({e.strerror or e})") from None
+    d = loads(raw, str(f))
     if not isinstance(d, dict):
         raise SpecscopeError(f"{f} must hold a JSON object")
     return d
@@ -60,17 +65,18 @@ def read_json_object(f: Path) -> dict:
 def weight_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.exists():
-        try:
-            wm = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError):
-            raise SpecscopeError(f"{index} is corrupt: expected a JSON object with a 'weight_map'") from None
+        wm = read_json_object(index).get("weight_map")
+        if not isinstance(wm, dict) or not all(isinstance(f, str) and f and "/" not in f and f not in (".", "..")
+                                               for f in wm.values()):
+            raise SpecscopeError(f"{index} is corrupt: expected a JSON object with a 'weight_map' of tensor name "
+                                 f"-> shard file name")
         files = sorted({path / f for f in wm.values()})
-        missing = [f.name for f in files if not f.exists()]
+        missing = [f.name for f in files if not f.is_file()]
         if missing:
             raise SpecscopeError(f"shard(s) listed in {index.name} are missing: {', '.join(missing)}")
         return files
     single = path / "model.safetensors"
-    if single.exists():
+    if single.is_file():
         return [single]
     raise SpecscopeError(f"{str(path)!r} has no model.safetensors or model.safetensors.index.json")
 

@@ -72,18 +72,7 @@ def build_drafter(spec: str, target, dtype="auto", device=None) -> Drafter:
     """'ngram', a shipped drafter name, an EAGLE-3 checkpoint directory, or a small HF model directory/name."""
     if spec == "ngram":
         return NgramDrafter(target.device)
-    path = ASSETS / spec
-    if not path.exists():
-        path = Path(spec).expanduser()
-    if not path.exists():
-        from specscope.models.hub import KNOWN_MODELS, resolve_model
-
-        if spec in KNOWN_MODELS:
-            path = resolve_model(spec)
-        else:
-            shipped = sorted(p.name for p in ASSETS.iterdir()) if ASSETS.exists() else []
-            raise SpecscopeError(f"drafter {spec!r} not found: not 'ngram', a shipped drafter ({', '.join(shipped) or 'none'}), "
-                                 f"nor an existing directory")
+    path = drafter_path(spec)
     from specscope.speculative.formats import load_drafter, read_config, validate_drafter
 
     raw = read_config(path)
@@ -97,6 +86,24 @@ def build_drafter(spec: str, target, dtype="auto", device=None) -> Drafter:
 
     dm = load_model(path, dtype=target.dtype, device=target.device)
     return DraftModelDrafter(dm, target)
+
+
+def drafter_path(spec: str) -> Path:
+    """The directory behind a --draft value other than 'ngram' (a shipped drafter, a path or a known model)."""
+    path = ASSETS / spec
+    if not path.exists():
+        path = Path(spec).expanduser()
+    if not path.exists():
+        from specscope.models.hub import KNOWN_MODELS, resolve_model
+
+        if spec in KNOWN_MODELS:
+            return resolve_model(spec)
+        shipped = sorted(p.name for p in ASSETS.iterdir()) if ASSETS.exists() else []
+        raise SpecscopeError(f"drafter {spec!r} not found: not 'ngram', a shipped drafter ({', '.join(shipped) or 'none'}), "
+                             f"nor an existing directory")
+    if not path.is_dir():
+        raise SpecscopeError(f"drafter {spec!r} is not a directory; pass an EAGLE-3 or Hugging Face checkpoint directory")
+    return path
 
 
 def _is_eagle3_config(raw: dict) -> bool:

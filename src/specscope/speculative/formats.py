@@ -29,13 +29,15 @@ from pathlib import Path
 import torch
 
 from specscope.errors import SpecscopeError
-from specscope.models.config import rope_scaling_of, rope_theta_of
+from specscope.models.config import (MAX_HEAD_DIM, MAX_HEADS, MAX_HIDDEN, MAX_LAYERS, MAX_POSITIONS, MAX_VOCAB,
+                                     cfg_bool, cfg_float, cfg_int, cfg_str, rope_scaling_of, rope_theta_of)
 from specscope.models.loader import read_json_object
 from specscope.speculative.eagle3 import DrafterConfig, Eagle3Drafter
 
 SGLANG_ARCHS = ("LlamaForCausalLMEagle3", "LlamaForCausalLM", "Eagle3LlamaForCausalLM")
 SPECULATORS_ARCHS = ("Eagle3Speculator", "Eagle3DraftModel")
 FORMATS = ("sglang", "speculators")
+DRAFTER_CFG = "drafter config.json"
 LAYER_PREFIX = {"sglang": "midlayer.", "speculators": "layers.0."}
 # written only when neither the source checkpoint nor an installed `speculators` names a version
 SPECULATORS_VERSION = "0.3.0"
@@ -62,6 +64,8 @@ def detect_format(raw: dict) -> str:
                                  f"only 'eagle3' drafters are")
         return "speculators"
     archs = raw.get("architectures") or []
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise SpecscopeError(f"{DRAFTER_CFG}: architectures must be a list of names, got {archs!r}")
     if archs and archs[0] in SPECULATORS_ARCHS:
         raise SpecscopeError(f"config.json names {archs[0]} but has no 'speculators_model_type'; "
                              f"a speculators checkpoint needs 'speculators_model_type': 'eagle3'")
@@ -77,22 +81,20 @@ def detect_format(raw: dict) -> str:
 def _problems_of(layer: dict, top: dict) -> list[str]:
     """Everything in a drafter config this network cannot honour (all of it, not the first)."""
     out = []
-    try:
-        n = int(layer.get("num_hidden_layers", 1) or 1)
-    except (TypeError, ValueError):
-        n = 1
+    n = cfg_int(layer, "num_hidden_layers", 1, hi=MAX_LAYERS, where=DRAFTER_CFG)
     if n != 1:
         out.append(f"num_hidden_layers={n}: only single-layer EAGLE-3 drafters are supported")
     types = layer.get("layer_types") or []
-    if len(set(types)) > 1:
+    if isinstance(types, list) and len(set(map(str, types))) > 1:
         out.append(f"layer_types {types} mixes attention kinds; one drafter layer has one kind")
-    act = layer.get("hidden_act", "silu")
+    act = cfg_str(layer, "hidden_act", "silu", where=DRAFTER_CFG)
     if act not in ("silu", "swish"):
         out.append(f"hidden_act {act!r} is not supported; only silu (SwiGLU)")
     if top.get("norm_before_fc") and top.get("fc_norm"):
         out.append("norm_before_fc and fc_norm are both set; a drafter normalises its fc input one way or the other")
     if layer.get("mlp_bias"):
         out.append("mlp_bias=true is not supported")
+    rope_scaling_of(layer, DRAFTER_CFG)  # a string / missing factor: one clear line
     rs = layer.get("rope_scaling") or None
     if isinstance(rs, dict) and rs.get("rope_type", rs.get("type", "default")) not in ("default", "llama3", "linear"):
         out.append(f"rope scaling {rs.get('rope_type', rs.get('type'))!r} is not supported; "
@@ -149,6 +151,8 @@ def parse_config(raw: dict, target_layers: int | None = None) -> DrafterConfig:
     else:
         layer = raw
         eagle = raw.get("eagle_config") or {}
+        if not isinstance(eagle, dict):
+            raise SpecscopeError(f"{DRAFTER_CFG}: eagle_config must be an object, got {eagle!r}")
         file_ids = eagle.get("eagle_aux_hidden_state_layer_ids")
         ids, conv, fourth = _aux_ids(file_ids, "output", target_layers, problems)
         nbr_default = False      # the original EAGLE layer adds the un-normed residual
@@ -162,36 +166,37 @@ def parse_config(raw: dict, target_layers: int | None = None) -> DrafterConfig:
         problems.append(f"missing required field{'s' if len(missing) > 1 else ''} {', '.join(map(repr, missing))}")
     if problems:
         raise SpecscopeError(_one_error("drafter config.json", problems))
-    try:
-        H = int(layer["hidden_size"])
-        heads = int(layer["num_attention_heads"])
-        vocab = int(layer["vocab_size"])
-        cfg = DrafterConfig(
-            hidden_size=H,
-            intermediate_size=int(layer["intermediate_size"]),
-            num_attention_heads=heads,
-            num_key_value_heads=int(layer.get("num_key_value_heads") or heads),
-            head_dim=int(layer.get("head_dim") or H // heads),
-            vocab_size=vocab,
-            draft_vocab_size=int(raw.get("draft_vocab_size") or layer.get("draft_vocab_size") or vocab),
-            target_hidden_size=int(raw.get("target_hidden_size") or layer.get("target_hidden_size") or H),
-            aux_layer_ids=ids,
-            aux_convention_in_file=conv,
-            rms_norm_eps=float(layer.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope_theta_of(layer)),
-            rope_scaling=rope_scaling_of(layer),
-            max_position_embeddings=int(layer.get("max_position_embeddings", 4096)),
-            norm_before_residual=bool(raw.get("norm_before_residual", nbr_default)),
-            norm_output=bool(raw.get("norm_output", False)),
-            fc_norm=bool(raw.get("fc_norm", False)),
-            norm_before_fc=bool(raw.get("norm_before_fc", False)),
-            sliding_window=_sliding_window(layer),
-            attention_bias=bool(layer.get("attention_bias", False)),
-            format=fmt,
-            extra=extra,
-        )
-    except (TypeError, ValueError, AttributeError) as e:
-        raise SpecscopeError(f"drafter config.json has an invalid value: {e}") from None
+    w = DRAFTER_CFG
+    H = cfg_int(layer, "hidden_size", hi=MAX_HIDDEN, where=w)
+    heads = cfg_int(layer, "num_attention_heads", hi=MAX_HEADS, where=w)
+    vocab = cfg_int(layer, "vocab_size", hi=MAX_VOCAB, where=w)
+    top_or_layer = lambda k: raw if raw.get(k) is not None else layer  # noqa: E731  (either level may hold it)
+    cfg = DrafterConfig(
+        hidden_size=H,
+        intermediate_size=cfg_int(layer, "intermediate_size", hi=MAX_HIDDEN * 16, where=w),
+        num_attention_heads=heads,
+        num_key_value_heads=cfg_int(layer, "num_key_value_heads", heads, hi=heads, where=w),
+        head_dim=cfg_int(layer, "head_dim", max(H // heads, 1), hi=MAX_HEAD_DIM, where=w),
+        vocab_size=vocab,
+        draft_vocab_size=cfg_int(top_or_layer("draft_vocab_size"), "draft_vocab_size", vocab, hi=MAX_VOCAB,
+                                 where=w),
+        target_hidden_size=cfg_int(top_or_layer("target_hidden_size"), "target_hidden_size", H, hi=MAX_HIDDEN,
+                                   where=w),
+        aux_layer_ids=ids,
+        aux_convention_in_file=conv,
+        rms_norm_eps=cfg_float(layer, "rms_norm_eps", 1e-6, lo=0.0, hi=1.0, lo_open=True, where=w),
+        rope_theta=rope_theta_of(layer, w),
+        rope_scaling=rope_scaling_of(layer, w),
+        max_position_embeddings=cfg_int(layer, "max_position_embeddings", 4096, hi=MAX_POSITIONS, where=w),
+        norm_before_residual=cfg_bool(raw, "norm_before_residual", nbr_default, where=w),
+        norm_output=cfg_bool(raw, "norm_output", False, where=w),
+        fc_norm=cfg_bool(raw, "fc_norm", False, where=w),
+        norm_before_fc=cfg_bool(raw, "norm_before_fc", False, where=w),
+        sliding_window=_sliding_window(layer),
+        attention_bias=cfg_bool(layer, "attention_bias", False, where=w),
+        format=fmt,
+        extra=extra,
+    )
     if cfg.num_attention_heads % cfg.num_key_value_heads:
         problems.append(f"num_attention_heads ({cfg.num_attention_heads}) is not a multiple of "
                         f"num_key_value_heads ({cfg.num_key_value_heads})")

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from specscope.engine.sampling import SamplingParams, next_token
-from specscope.errors import SpecscopeError
+from specscope.errors import SpecscopeError, require_file
 
 ROLE_ALIASES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
                 "bing": "assistant", "bard": "assistant", "model": "assistant", "system": "system"}
@@ -76,8 +76,7 @@ def normalise(obj) -> list[dict]:
 def read_conversations(path: str | Path) -> tuple[list[list[dict]], ReadReport]:
     """Read a JSONL file; malformed lines are counted and skipped, an all-bad file is an error."""
     path = Path(path)
-    if not path.is_file():
-        raise SpecscopeError(f"dataset {str(path)!r} does not exist")
+    require_file(path, "dataset")
     rep, convs = ReadReport(), []
     with open(path, encoding="utf-8", errors="replace") as f:
         for lineno, line in enumerate(f, 1):
@@ -86,6 +85,10 @@ def read_conversations(path: str | Path) -> tuple[list[list[dict]], ReadReport]:
             rep.lines += 1
             try:
                 msgs = normalise(json.loads(line))
+            except RecursionError:
+                rep.malformed += 1
+                rep.note(lineno, "JSON nested too deeply")
+                continue
             except (json.JSONDecodeError, ValueError) as e:
                 rep.malformed += 1
                 rep.note(lineno, str(e) if isinstance(e, ValueError) and not isinstance(e, json.JSONDecodeError)
@@ -198,7 +201,7 @@ def synthesise(model, tok, out_path: Path, n: int, *, batch: int = 16, user_toke
             try:
                 seen.add(_dedup_key(normalise(json.loads(line))[0]["content"]))
                 have += 1
-            except (json.JSONDecodeError, ValueError, IndexError, KeyError):
+            except (json.JSONDecodeError, ValueError, IndexError, KeyError, RecursionError):
                 continue
     prefix = magpie_prefix(tok)
     stop = tok.eos_ids

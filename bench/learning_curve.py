@@ -35,6 +35,14 @@ def curve(workdir: Path) -> dict:
            "train_loss_first_last": [train[0]["loss"], train[-1]["loss"]] if train else None,
            "epochs": (round(train[-1]["tokens"] / man["loss_tokens"], 2) if train and man.get("loss_tokens")
                       else None)}
+    sel = workdir / "select.json"
+    if sel.exists():
+        # real greedy decoding of held-out *training* prompts with each snapshot (the select stage)
+        sj = json.loads(sel.read_text())
+        out["real_decoding"] = {"shape": sj["shape"], "max_new_tokens": sj["max_new_tokens"],
+                                "selected_step": sj["selected_step"],
+                                "points": [{"step": r["step"], "train_tokens": r["tokens"], "tau": round(r["tau"], 4),
+                                            "acc0": round(r["acc0"], 4)} for r in sj["snapshots"]]}
     # what more data would buy: fit τ ≈ a + b·log(tokens) on the held-out points, when there are enough
     pts = [(p["train_tokens"], p["chain_tau"]) for p in points if p["train_tokens"] > 0 and
            not math.isnan(p["chain_tau"])]
@@ -44,6 +52,16 @@ def curve(workdir: Path) -> dict:
         mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
         b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / max(1e-12, sum((x - mx) ** 2 for x in xs))
         out["fit_chain_tau_per_doubling_tokens"] = round(b * math.log(2), 4)
+    rd = out.get("real_decoding", {}).get("points", [])
+    late = [p for p in rd if p["train_tokens"] >= rd[-1]["train_tokens"] / 4] if rd else []
+    if len(late) >= 3:
+        # the slope over the last 2 doublings of training tokens, passes over the same data included: an upper
+        # bound on what the same tokens buy as new data would, at this drafter size
+        xs = [math.log(p["train_tokens"]) for p in late]
+        ys = [p["tau"] for p in late]
+        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+        b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / max(1e-12, sum((x - mx) ** 2 for x in xs))
+        out["fit_real_tau_per_doubling_tokens"] = round(b * math.log(2), 4)
     return out
 
 
@@ -59,6 +77,13 @@ def plot(res: dict, png: Path):
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.plot([p["train_tokens"] for p in pts], [p["sim_tau"] for p in pts], "o-", label="simulated τ (SpecForge)")
     ax.plot([p["train_tokens"] for p in pts], [p["chain_tau"] for p in pts], "s-", label="chain τ (K steps)")
+    rd = res.get("real_decoding", {}).get("points", [])
+    if rd:
+        sh = res["real_decoding"]["shape"]
+        ax.plot([p["train_tokens"] for p in rd], [p["tau"] for p in rd], "^-",
+                label=f"real decoding τ (chain {sh[0]}, held-out training prompts)")
+    if res.get("data", {}).get("loss_tokens"):
+        ax.axvline(res["data"]["loss_tokens"], color="grey", ls=":", lw=1, label="one pass over the data")
     ax.set_xlabel("training tokens (assistant positions seen)")
     ax.set_ylabel("held-out τ")
     ax.grid(alpha=0.3)

@@ -120,7 +120,7 @@ def data_stage(workdir: Path, model, tok, tinfo: dict, *, dataset: str | None = 
             report["synth_filter"] = state.get("filtered", {})
         order = {it["id"]: k for k, it in enumerate(items)}
         recs = [json.loads(l) for l in answers.read_text(encoding="utf-8").split("\n") if l.strip()]
-        recs = sorted((r for r in recs if r["id"] in order), key=lambda r: order[r["id"]])
+        recs = sorted({r["id"]: r for r in recs if r["id"] in order}.values(), key=lambda r: order[r["id"]])
         if synth > 0:
             recs += [json.loads(l) for l in (workdir / "synth.jsonl").read_text(encoding="utf-8").split("\n")
                      if l.strip()][:synth]

@@ -5,10 +5,12 @@ and transformers prompt-lookup decoding. For each: tok/s (Spec-Bench: Σ new tok
 mean over prompts of a task), speedup over our baseline, τ (accepted + 1 per cycle, pooled over cycles), and whether
 the output is token-identical to our baseline greedy output.
 
-    .venv/bin/python bench/speculative.py --limit 2            # 2 prompts per task, all six tasks
-    .venv/bin/python bench/speculative.py --tasks mt_bench --limit 10 --max-new-tokens 128
+    .venv/bin/python bench/speculative.py              # all 80 MT-bench first turns + 10 prompts of every other task
+    .venv/bin/python bench/speculative.py --limit 2 --mt-bench-limit 8 --hf      # a quick look, transformers too
 
-Writes bench/results/speculative.json.
+Long: every finished prompt is appended to a state file in the cache directory (named after the configuration), so
+a killed run started again with the same flags continues where it stopped (`--fresh` starts over).
+Writes bench/results/speculative.json: per task and per MT-bench category, tok/s, speedup, τ, identical outputs.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ def task_of(category: str) -> str:
     return "mt_bench" if category in MT_BENCH else category
 
 
-def pick_prompts(tasks, limit):
+def pick_prompts(tasks, limit, mt_limit=None):
     from specscope.prompts import spec_bench_path
 
     rows = [json.loads(line) for line in spec_bench_path().read_text().splitlines() if line.strip()]
@@ -43,22 +45,25 @@ def pick_prompts(tasks, limit):
             for r in sel:
                 by.setdefault(r["category"], []).append(r)
             sel = [r for group in zip(*by.values()) for r in group]
-        out += [dict(r, task=t) for r in sel[:limit]]
+        out += [dict(r, task=t) for r in sel[:(mt_limit or limit) if t == "mt_bench" else limit]]
     return out
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tasks", default=",".join(TASKS))
-    ap.add_argument("--limit", type=int, default=2, help="prompts per task")
+    ap.add_argument("--limit", type=int, default=10, help="prompts per task (other than MT-bench)")
+    ap.add_argument("--mt-bench-limit", type=int, default=80, help="MT-bench first turns (80 = all)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--draft", default="smollm2-135m-eagle3")
-    ap.add_argument("--tree", default="5,4,16", help="steps,topk,draft_tokens for the EAGLE-3 tree")
-    ap.add_argument("--chain", default="4,1,5", help="steps,topk,draft_tokens for the EAGLE-3 chain")
+    ap.add_argument("--tree", default="5,4,12", help="steps,topk,draft_tokens for the EAGLE-3 tree")
+    ap.add_argument("--chain", default="3,1,4", help="steps,topk,draft_tokens for the EAGLE-3 chain")
     ap.add_argument("--ngram", default="4,1,5")
-    ap.add_argument("--no-hf", action="store_true", help="skip the transformers methods")
+    ap.add_argument("--hf", action="store_true", help="also run transformers generate and prompt lookup")
+    ap.add_argument("--no-hf", action="store_true", help=argparse.SUPPRESS)   # the old default-on spelling
+    ap.add_argument("--fresh", action="store_true", help="ignore the state file of an earlier, killed run")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "speculative.json"))
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -77,7 +82,7 @@ def main(argv=None):
     console = Console(stderr=True)
     target, tok, path = load_target("smollm2-135m", args.dtype, "cpu")
     stop = stop_ids_for(target, tok)
-    prompts = pick_prompts(args.tasks.split(","), args.limit)
+    prompts = pick_prompts(args.tasks.split(","), args.limit, args.mt_bench_limit)
 
     def knobs(s):
         a, b, c = (int(x) for x in s.split(","))
@@ -93,7 +98,7 @@ def main(argv=None):
         eagle = None
     methods["ngram"] = ("ngram", knobs(args.ngram))
     hf = None
-    if not args.no_hf:
+    if args.hf and not args.no_hf:
         from transformers import AutoModelForCausalLM
 
         hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=target.dtype).eval()
@@ -101,9 +106,31 @@ def main(argv=None):
         methods["hf_prompt_lookup"] = "hf_pld"
 
     per = {m: [] for m in methods}
-    with Progress(console=console, transient=True) as prog:
+    # resume: one line per finished prompt (all methods), keyed by the flags that change the numbers
+    import hashlib
+
+    from specscope.models.hub import cache_dir
+
+    key = {k: v for k, v in vars(args).items() if k not in ("out", "fresh")}
+    state = cache_dir() / "bench" / f"speculative-{hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]}.jsonl"
+    state.parent.mkdir(parents=True, exist_ok=True)
+    if args.fresh and state.exists():
+        state.unlink()
+    done = {}
+    if state.exists():
+        for line in state.read_text().split("\n"):
+            if line.strip():
+                rec = json.loads(line)
+                done[rec["question_id"]] = rec["per"]
+        console.print(f"resuming: {len(done)} of {len(prompts)} prompts already measured ({state})")
+    with Progress(*Progress.get_default_columns(), console=console, transient=True) as prog:
         task = prog.add_task("prompts", total=len(prompts) * len(methods))
         for p in prompts:
+            if p["question_id"] in done:
+                for m in methods:
+                    per[m].append(done[p["question_id"]][m])
+                prog.advance(task, len(methods))
+                continue
             ids = tok.encode(p["prompt"], chat=True)
             base = None
             for m, spec in methods.items():
@@ -131,6 +158,8 @@ def main(argv=None):
                                "tokens": len(out), "seconds": secs, "tok_per_s": len(out) / secs,
                                "identical": out == base, **extra})
                 prog.advance(task)
+            with open(state, "a") as f:
+                f.write(json.dumps({"question_id": p["question_id"], "per": {m: per[m][-1] for m in methods}}) + "\n")
 
     # Spec-Bench aggregation
     rows = []
@@ -139,6 +168,8 @@ def main(argv=None):
         by_task = {}
         for it in items:
             by_task.setdefault(it["task"], []).append(it)
+            if it["task"] == "mt_bench":
+                by_task.setdefault(f"mt_bench/{it['category']}", []).append(it)
         s = {"tasks": {}}
         for t, its in list(by_task.items()) + [("overall", items)]:
             tps = sum(i["tok_per_s"] for i in its) / len(its)

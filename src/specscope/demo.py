@@ -17,8 +17,8 @@ from pathlib import Path
 
 from specscope.errors import SpecscopeError
 
-MT_BENCH = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
-# Used only when the Spec-Bench question file is not next to the checkout (e.g. an installed wheel).
+# Used only when the packaged Spec-Bench question file is missing (a broken install); said loudly.
+FALLBACK_NAME = "built-in demo prompts (the packaged Spec-Bench file is missing)"
 FALLBACK_PROMPTS = (
     "Write a short blog post about a weekend trip to the mountains, with two things to see and one to eat.",
     "You are a tour guide in Rome. Greet a group of visitors and describe the first stop of the day.",
@@ -60,37 +60,21 @@ class DemoUI:
 
 
 def pick_prompts(n: int) -> tuple[list[dict], str]:
-    """The first `n` MT-bench first turns of the Spec-Bench file, one category after another (writing, roleplay,
-    reasoning, math, coding, ...) rather than the first few writing ones. Returns (prompts, prompt set name)."""
+    """The first `n` MT-bench first turns of the packaged Spec-Bench file, one category after another (writing,
+    roleplay, reasoning, math, coding, ...). Returns (prompts, prompt set name). Without the file (a broken
+    install) the built-in prompts stand in, with a warning on stderr and in the summary."""
     if n < 1:
-        raise SpecscopeError(f"--prompts must be >= 1, got {n}")
-    from specscope.prompts import spec_bench_path
+        raise SpecscopeError(f"--num-prompts must be >= 1, got {n}")
+    from specscope.prompts import PACKAGED, SPEC_BENCH_FILE, mt_bench_prompts, spec_bench_path, warn
 
     try:
-        path = spec_bench_path()
-    except SpecscopeError:
-        path = None
-    if path is None or not path.is_file():
+        spec_bench_path()
+    except SpecscopeError as e:
+        warn(f"{e}; the demo falls back to {len(FALLBACK_PROMPTS)} built-in prompts, not MT-bench "
+             f"(expected {PACKAGED / SPEC_BENCH_FILE})")
         rows = [{"question_id": None, "category": None, "prompt": p} for p in FALLBACK_PROMPTS]
-        return (rows * (n // len(rows) + 1))[:n], "built-in demo prompts (Spec-Bench file not found)"
-    by: dict[str, list[dict]] = {}
-    for i, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError:
-            raise SpecscopeError(f"{path}:{i} is not valid JSON") from None
-        if obj.get("category") in MT_BENCH and obj.get("turns"):
-            by.setdefault(obj["category"], []).append(
-                {"question_id": obj.get("question_id"), "category": obj["category"], "prompt": obj["turns"][0]})
-    order = [c for c in MT_BENCH if c in by]
-    out = []
-    for j in range(max((len(v) for v in by.values()), default=0)):
-        out += [by[c][j] for c in order if j < len(by[c])]
-    if not out:
-        raise SpecscopeError(f"{path} holds no MT-bench questions (categories {', '.join(MT_BENCH)})")
-    return out[:n], f"spec-bench mt_bench first turns ({min(n, len(out))})"
+        return (rows * (n // len(rows) + 1))[:n], FALLBACK_NAME
+    return mt_bench_prompts(n)
 
 
 def run_demo(opts: DemoOptions, ui: DemoUI | None = None) -> dict:
@@ -121,7 +105,7 @@ def run_demo(opts: DemoOptions, ui: DemoUI | None = None) -> dict:
     try:        # now rather than after minutes of decoding
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise SpecscopeError(f"cannot use --out {str(out_dir)!r}: {e.strerror or e}") from None
+        raise SpecscopeError(f"cannot use --output {str(out_dir)!r}: {e.strerror or e}") from None
     dev = str(opts.device)
 
     _check_shipped(draft)            # before loading anything: on a fresh machine that takes a while
@@ -262,13 +246,21 @@ def _prompt_stats(p: dict, ids: list[int], b, s) -> dict:
                 "tok_per_s": round(r.tok_per_s, 4), "stop_reason": r.stop_reason}
 
     sp = side(s)
-    sp.update(accept_length=round(s.extra["accept_length"], 4), cycles=s.extra["cycles"])
+    sp.update(accept_length=round(s.extra["accept_length"], 4), cycles=s.extra["cycles"],
+              verify_tokens_mean=s.extra.get("verify_tokens_mean"),
+              acceptance_by_depth_rank=s.extra.get("acceptance_by_depth_rank"))
     return {"question_id": p.get("question_id"), "category": p.get("category"), "prompt_tokens": len(ids),
             "baseline": side(b), "speculative": sp, "identical": b.token_ids == s.token_ids}
 
 
+def _weighted(pairs):
+    pairs = [(v, w) for v, w in pairs if v is not None and w]
+    return sum(v * w for v, w in pairs) / sum(w for _, w in pairs) if pairs else None
+
+
 def _records(config, draft, drafter, cfg, bprof, sprof, per_prompt, opts) -> tuple[dict, dict]:
     from specscope.registry import make_record
+    from specscope.speculative.acceptance import RankCounts
 
     def totals(side):
         toks = sum(r[side]["tokens"] for r in per_prompt)
@@ -293,7 +285,12 @@ def _records(config, draft, drafter, cfg, bprof, sprof, per_prompt, opts) -> tup
             "baseline": {"decode_ms_per_token": bres.get("decode_ms_per_token"), "tok_per_s": bres.get("tok_per_s")},
             "identical_outputs": sum(r["identical"] for r in per_prompt), "prompts": len(per_prompt),
             "mean_context": sum(r["prompt_tokens"] + r["speculative"]["tokens"] / 2 for r in per_prompt)
-            / len(per_prompt)}
+            / len(per_prompt),
+            # acceptance by (depth, sibling rank): `specscope tune --run` predicts other shapes from it
+            "acceptance_by_depth_rank": RankCounts.merge([r["speculative"].get("acceptance_by_depth_rank")
+                                                          for r in per_prompt]),
+            "verify_tokens_mean": _weighted([(r["speculative"].get("verify_tokens_mean"), r["speculative"]["cycles"])
+                                             for r in per_prompt])}
     srec = make_record("speculative", f"demo {draft} s{cfg.steps} k{cfg.topk} n{cfg.draft_tokens} "
                                       f"({len(per_prompt)} prompts)",
                        config={**config, "draft": _draft_ref(draft), "drafter_kind": getattr(drafter, "kind", None),

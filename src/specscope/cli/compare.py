@@ -6,7 +6,7 @@ import json
 
 import click
 
-from specscope.cli.common import emit_json
+from specscope.cli.common import db_option, emit_json, json_option
 from specscope.errors import SpecscopeError
 
 
@@ -30,8 +30,8 @@ VERDICT_STYLE = {"better": "green", "worse": "red", "no significant change": "di
 @click.option("--tag", default=None, help="Add every run with this tag to RUN_IDS.")
 @click.option("--min-effect", type=click.FloatRange(min=0), default=2.0, show_default=True,
               help="Smallest change (%) called a change, however significant.")
-@click.option("--json", "as_json", is_flag=True)
-@click.option("--db", default=None, help="Registry database (default: SPECSCOPE_DB or the XDG data dir).")
+@json_option("Print the comparison as one JSON object.")
+@db_option
 def compare(run_ids, by, metric, tag, min_effect, as_json, db):
     """Compare runs: per-phase side by side with noise-aware verdicts, what differs, and the likely causes.
 

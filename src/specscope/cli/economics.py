@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import click
 
-from specscope.cli.common import emit_json, setup_runtime, stderr_console
+from specscope.cli.common import (alias_option, db_option, device_option, draft_option, dtype_option, emit_json,
+                                  json_option, output_option, setup_runtime, spec_options, stderr_console)
 from specscope.errors import SpecscopeError
 
-_DB = click.option("--db", default=None, help="Registry database (default: SPECSCOPE_DB or the XDG data dir).")
+_DB = db_option
 
 
 def _open(db):
@@ -27,17 +28,17 @@ def _open(db):
               help="Query tokens per forward (what a cycle verifies), comma-separated.")
 @click.option("--warmup", type=int, default=1, show_default=True, help="Untimed forwards per point.")
 @click.option("--repeats", type=int, default=5, show_default=True, help="Timed forwards per point.")
-@click.option("--dtype", type=click.Choice(["fp32", "bf16", "fp16", "auto"]), default="auto", show_default=True)
-@click.option("--device", type=click.Choice(["cpu", "cuda", "auto"]), default="auto", show_default=True)
+@dtype_option()
+@device_option()
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="CPU threads for torch.")
-@click.option("--plot", "plot_path", default=None,
-              help="PNG to write (default: verify-curve-<run id>.png in the current directory).")
+@output_option("PNG to write (default: verify-curve-<run id>.png in the current directory).", hidden=("--plot",),
+               dir_okay=False)
 @click.option("--no-plot", is_flag=True, help="Do not write a PNG.")
 @click.option("--no-record", is_flag=True, help="Do not store the curve in the registry.")
 @click.option("--name", default="", help="Run name in the registry.")
 @_DB
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def verify_curve(model_name, contexts, tokens, warmup, repeats, dtype, device, threads, plot_path, no_plot,
+@json_option()
+def verify_curve(model_name, contexts, tokens, warmup, repeats, dtype, device, threads, output, no_plot,
                  no_record, name, db, as_json):
     """Measure the target's forward time for n query tokens at each context length, fit where it stops being
     flat (the knee), store the curve as a run and plot it."""
@@ -81,7 +82,7 @@ def verify_curve(model_name, contexts, tokens, warmup, repeats, dtype, device, t
     if not no_plot:
         from specscope.economics.plots import plot_verify_curve
 
-        png = plot_verify_curve(res, plot_path or f"verify-curve-{run_id or 'unrecorded'}.png",
+        png = plot_verify_curve(res, output or f"verify-curve-{run_id or 'unrecorded'}.png",
                                 title=f"verify cost: {model_name} {config['dtype']} {dev}")
     words = {L: knee_words(f, max(toks)) for L, f in res["fits"].items()}
     if as_json:
@@ -131,14 +132,15 @@ def _print_curve_table(res, ctxs, toks):
 @click.option("--verify-ms", type=float, default=None, help="Target verify forward, ms per cycle.")
 @click.option("--draft-ms", type=float, default=None, help="Drafting, ms per cycle (all steps).")
 @click.option("--other-ms", type=float, default=None, help="Accept + commit + bookkeeping, ms per cycle (default 0).")
-@click.option("--steps", type=int, default=None, help="Draft depth: a cycle yields at most steps + 1 tokens.")
+@click.option("--steps", "--speculative-num-steps", "steps", type=int, default=None,
+              help="Draft depth: a cycle yields at most steps + 1 tokens.")
 @click.option("--measured-tok-s", type=float, default=None, help="Measured speculative tok/s (gives the speedup).")
 @click.option("--measured-accept-length", type=float, default=None,
               help="Measured τ (accepted + 1 per cycle; gives the speedup).")
 @click.option("--run", "run_ref", default=None, help="A stored speculative run (id, prefix or last).")
 @click.option("--baseline-run", "baseline_ref", default=None, help="A stored baseline run for T_decode.")
 @_DB
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@json_option()
 def breakeven(decode_ms, verify_ms, draft_ms, other_ms, steps, measured_tok_s, measured_accept_length, run_ref,
               baseline_ref, db, as_json):
     """The τ (and i.i.d. acceptance α) a configuration needs to beat plain decoding, the most it can reach, and
@@ -181,44 +183,11 @@ def breakeven(decode_ms, verify_ms, draft_ms, other_ms, steps, measured_tok_s, m
 
 # ------------------------------------------------------------------------------------------------ tune
 
-DEFAULT_PROMPTS = (
-    "Explain how a hash map works and when to use one.",
-    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
-    "List five tips for staying productive when working from home, with one sentence each.",
-    "What causes the seasons on Earth? Answer in a short paragraph.",
-)
+def read_prompts(dataset: str | None, limit: int) -> list[str]:
+    """First turns of a packaged set ('mt_bench' by default, 'spec_bench') or of a prompt file."""
+    from specscope.prompts import load_prompts
 
-
-def read_prompts(path: str | None, limit: int) -> list[str]:
-    """Prompts from a .jsonl (first of `turns`, or `prompt`/`text`) or a text file (one per line)."""
-    if path is None:
-        return list(DEFAULT_PROMPTS[:limit])
-    import json
-    from pathlib import Path
-
-    p = Path(path)
-    if not p.is_file():
-        raise SpecscopeError(f"prompt file {path!r} does not exist")
-    out = []
-    for i, line in enumerate(p.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        if p.suffix == ".jsonl":
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError:
-                raise SpecscopeError(f"{path}:{i} is not valid JSON") from None
-            text = (obj.get("turns") or [None])[0] or obj.get("prompt") or obj.get("text")
-            if not text:
-                raise SpecscopeError(f"{path}:{i} has no 'turns', 'prompt' or 'text'")
-            out.append(text)
-        else:
-            out.append(line)
-        if len(out) >= limit:
-            break
-    if not out:
-        raise SpecscopeError(f"prompt file {path!r} holds no prompts")
-    return out
+    return [r["prompt"] for r in load_prompts(dataset or "mt_bench", num_prompts=limit)["prompts"]]
 
 
 @click.command()
@@ -230,12 +199,12 @@ def read_prompts(path: str | None, limit: int) -> list[str]:
 @click.option("--profile", "do_profile", is_flag=True,
               help="First make the profiled run (baseline + speculative with rank-wise acceptance) and store it.")
 @click.option("--model", "model_name", default="smollm2-135m", show_default=True, help="Target (with --profile).")
-@click.option("--draft", default=None, help="Drafter (with --profile; default: the run's).")
-@click.option("--steps", type=click.IntRange(min=1), default=5, show_default=True, help="Profiled depth.")
-@click.option("--topk", type=click.IntRange(min=1), default=4, show_default=True, help="Profiled branching.")
-@click.option("--draft-tokens", type=click.IntRange(min=2), default=24, show_default=True,
-              help="Profiled tokens per verify (a wide tree measures more ranks).")
-@click.option("--prompts", "prompts_file", default=None, help="Prompt file (.jsonl with turns, or one per line).")
+@draft_option("Drafter (with --profile; default: the run's).")
+@spec_options("Profiled depth.", steps_default=5, topk_default=4, draft_tokens_default=24,
+              draft_tokens_help="Profiled tokens per verify (a wide tree measures more ranks).")
+@alias_option("--dataset", "prompts_file", hidden=("--prompts",), default=None,
+              help="Prompts to profile/validate on: 'mt_bench' (packaged MT-bench first turns, the default), "
+                   "'spec_bench', or a .jsonl/.json/.txt file. With --run: the run's own prompts.")
 @click.option("--num-prompts", type=click.IntRange(min=1), default=3, show_default=True)
 @click.option("--max-new-tokens", type=click.IntRange(min=2), default=64, show_default=True)
 @click.option("--max-steps", type=click.IntRange(min=1), default=None, help="Deepest configuration to consider.")
@@ -246,15 +215,16 @@ def read_prompts(path: str | None, limit: int) -> list[str]:
               help="Per-cycle phase statistic the costs come from (median ignores scheduler stalls).")
 @click.option("--validate", "n_validate", type=click.IntRange(min=0), default=0,
               help="Measure the top N predictions with the real engine.")
-@click.option("--dtype", type=click.Choice(["fp32", "bf16", "fp16", "auto"]), default="auto", show_default=True)
-@click.option("--device", type=click.Choice(["cpu", "cuda", "auto"]), default="auto", show_default=True)
-@click.option("--threads", type=click.IntRange(min=1), default=None)
-@click.option("--plot-dir", default=None, help="Write tau-needed.png (and predicted-vs-measured.png) here.")
+@dtype_option()
+@device_option()
+@click.option("--threads", type=click.IntRange(min=1), default=None, help="CPU threads for torch.")
+@output_option("Directory for tau-needed.png (and predicted-vs-measured.png).", hidden=("--plot-dir",),
+               file_okay=False)
 @_DB
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@json_option()
 def tune(run_ref, baseline_ref, curve_ref, decode_ms, do_profile, model_name, draft, steps, topk, draft_tokens,
          prompts_file, num_prompts, max_new_tokens, max_steps, max_topk, max_draft_tokens, top, stat, n_validate, dtype,
-         device, threads, plot_dir, db, as_json):
+         device, threads, output, db, as_json):
     """Predict the best (steps, topk, draft_tokens) from one profiled run, without a sweep; --validate N measures
     the top N predictions and reports predicted vs measured speedup."""
     from specscope.economics import tune as T
@@ -301,6 +271,7 @@ def tune(run_ref, baseline_ref, curve_ref, decode_ms, do_profile, model_name, dr
                                "label": f"s{r['steps']} k{r['topk']} n{r['draft_tokens']}"})
         out["validation"] = validation
         out["validation_error"] = T.error_summary(validation)
+    plot_dir = output
     if plot_dir:
         from pathlib import Path
 

@@ -6,7 +6,8 @@ import sys
 
 import click
 
-from specscope.cli.common import emit_json, setup_runtime
+from specscope.cli.common import (db_option, device_option, draft_option, dtype_option, emit_json, json_option,
+                                  setup_runtime, spec_options)
 
 
 @click.command()
@@ -19,18 +20,14 @@ from specscope.cli.common import emit_json, setup_runtime
 @click.option("--top-p", type=click.FloatRange(min=0, max=1, min_open=True), default=1.0, show_default=True)
 @click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True, help="0 = off.")
 @click.option("--seed", type=int, default=None)
-@click.option("--dtype", type=click.Choice(["fp32", "bf16", "fp16", "auto"]), default="auto", show_default=True,
-              help="auto = fp32 on CPU, bf16 on CUDA.")
-@click.option("--device", type=click.Choice(["cpu", "cuda", "auto"]), default="auto", show_default=True)
+@dtype_option()
+@device_option()
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="CPU threads for torch.")
-@click.option("--draft", default=None, help="Drafter: EAGLE-3 directory or name, 'ngram', or a small HF model.")
-@click.option("--steps", type=click.IntRange(min=1), default=None, help="Draft depth (tree) / chain length.")
-@click.option("--topk", type=click.IntRange(min=1), default=None, help="Tree branching; 1 = chain.")
-@click.option("--draft-tokens", type=click.IntRange(min=2), default=None,
-              help="Tokens verified per cycle (tree nodes + root).")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming.")
+@draft_option()
+@spec_options()
+@json_option("Print one JSON object (with run_id) instead of streaming.")
 @click.option("--no-record", is_flag=True, help="Do not store this run in the registry.")
-@click.option("--db", default=None, help="Registry database (default: SPECSCOPE_DB or the XDG data dir).")
+@db_option
 def generate(model_name, prompt, chat, max_new_tokens, temperature, top_p, top_k, seed, dtype, device, threads,
              draft, steps, topk, draft_tokens, as_json, no_record, db):
     """Generate text from one prompt with baseline or speculative decoding."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from specscope.cli.common import emit_json
+from specscope.cli.common import alias_option, emit_json
 from specscope.errors import SpecscopeError
 
 
@@ -18,7 +18,8 @@ def _fmt(v, spec=".2f"):
 
 @click.command()
 @click.argument("files", nargs=-1, required=True, type=click.Path(dir_okay=False, allow_dash=True))
-@click.option("--engine", type=click.Choice(["auto", "sglang", "vllm", "specscope", "prometheus"]), default="auto",
+@alias_option("--format", "engine", hidden=("--engine",),
+              type=click.Choice(["auto", "sglang", "vllm", "specscope", "prometheus"]), default="auto",
               show_default=True, help="Format of the files; auto detects it line by line.")
 @click.option("--tag", "tags", multiple=True, help="Tag the stored runs (repeatable).")
 @click.option("--name", default=None, help="Run name (default: '<format> <file name>').")

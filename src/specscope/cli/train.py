@@ -6,7 +6,8 @@ from pathlib import Path
 
 import click
 
-from specscope.cli.common import emit_json, setup_runtime
+from specscope.cli.common import (alias_option, device_option, dtype_option, emit_json, json_option, output_option,
+                                  setup_runtime)
 from specscope.errors import SpecscopeError
 
 STAGES = ("data", "vocab", "train")
@@ -22,8 +23,8 @@ def _stages(value: str) -> list[str]:
 
 @click.command()
 @click.option("--workdir", required=True, type=click.Path(file_okay=False), help="Where data, checkpoints go.")
-@click.option("--target", "target_name", default="smollm2-135m", show_default=True,
-              help="Target model: a Hugging Face checkpoint directory or a known name.")
+@alias_option("--model", "target_name", hidden=("--target",), default="smollm2-135m", show_default=True,
+              help="Target model the drafter is for: a Hugging Face checkpoint directory or a known name.")
 @click.option("--stages", default="data,vocab,train", show_default=True, help="Which stages to run (comma list).")
 @click.option("--dataset", default=None, type=click.Path(dir_okay=False),
               help="Conversations JSONL (ShareGPT conversations/from/value or OpenAI messages/role/content).")
@@ -34,21 +35,21 @@ def _stages(value: str) -> list[str]:
 @click.option("--synth-batch", type=click.IntRange(min=1), default=16, show_default=True)
 @click.option("--user-tokens", type=click.IntRange(min=8), default=64, show_default=True)
 @click.option("--response-tokens", type=click.IntRange(min=8), default=192, show_default=True)
-@click.option("--gen-dtype", type=click.Choice(["fp32", "bf16", "fp16"]), default="fp32", show_default=True,
+@dtype_option("--gen-dtype", short=("fp32", "bf16", "fp16"), default="fp32",
               help="Target dtype for synthesis/regeneration (features are always captured in fp32).")
 @click.option("--max-len", type=click.IntRange(min=8), default=1024, show_default=True)
 @click.option("--draft-vocab", type=click.IntRange(min=1), default=8192, show_default=True)
 @click.option("--ttt-steps", type=click.IntRange(min=1), default=7, show_default=True, help="K unrolled TTT steps.")
-@click.option("--steps", "total_steps", type=click.IntRange(min=1), default=1000, show_default=True,
-              help="Optimizer steps.")
+@alias_option("--max-train-steps", "total_steps", hidden=("--steps",), type=click.IntRange(min=1), default=1000,
+              show_default=True, help="Optimizer steps (--steps elsewhere is the draft depth).")
 @click.option("--batch-size", type=click.IntRange(min=1), default=8, show_default=True,
               help="Sequences per optimizer step (global).")
 @click.option("--lr", type=float, default=3e-4, show_default=True)
 @click.option("--warmup", type=click.IntRange(min=1), default=20, show_default=True)
 @click.option("--grad-clip", type=float, default=0.5, show_default=True)
 @click.option("--weight-decay", type=float, default=0.0, show_default=True)
-@click.option("--dtype", type=click.Choice(["fp32", "bf16"]), default="fp32", show_default=True,
-              help="Training compute dtype (bf16 = autocast, fp32 master weights).")
+@dtype_option(short=("fp32", "bf16"), default="fp32",
+              help="Training compute dtype (bf16 = autocast, fp32 master weights); bfloat16 / float32 accepted.")
 @click.option("--eval-every", type=click.IntRange(min=1), default=100, show_default=True)
 @click.option("--ckpt-every", type=click.IntRange(min=1), default=100, show_default=True)
 @click.option("--eval-fraction", type=click.FloatRange(0, 0.5), default=0.05, show_default=True)
@@ -56,16 +57,15 @@ def _stages(value: str) -> list[str]:
 @click.option("--resume", is_flag=True, help="Continue from the work directory's latest checkpoint.")
 @click.option("--init", "init_from", default=None, help="Fine-tune an existing drafter (either format).")
 @click.option("--export-format", type=click.Choice(["sglang", "speculators"]), default="sglang", show_default=True)
-@click.option("--export-dtype", type=click.Choice(["fp32", "bf16", "fp16"]), default="bf16", show_default=True)
-@click.option("--out", default=None, type=click.Path(file_okay=False),
-              help="Exported drafter directory (default WORKDIR/drafter).")
-@click.option("--device", type=click.Choice(["cpu", "cuda", "auto"]), default="auto", show_default=True)
-@click.option("--threads", type=click.IntRange(min=1), default=None)
+@dtype_option("--export-dtype", short=("fp32", "bf16", "fp16"), default="bf16")
+@output_option("Exported drafter directory (default WORKDIR/drafter).", hidden=("--out",), file_okay=False)
+@device_option()
+@click.option("--threads", type=click.IntRange(min=1), default=None, help="CPU threads for torch.")
 @click.option("--no-progress", is_flag=True, help="No progress bars (logs only).")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON summary at the end.")
+@json_option("Print one JSON summary at the end.")
 def train(workdir, target_name, stages, dataset, synth, regenerate, synth_batch, user_tokens, response_tokens,
           gen_dtype, max_len, draft_vocab, ttt_steps, total_steps, batch_size, lr, warmup, grad_clip, weight_decay,
-          dtype, eval_every, ckpt_every, eval_fraction, seed, resume, init_from, export_format, export_dtype, out,
+          dtype, eval_every, ckpt_every, eval_fraction, seed, resume, init_from, export_format, export_dtype, output,
           device, threads, no_progress, as_json):
     """Train an EAGLE-3 drafter for a target: capture data, build the draft vocabulary, train with TTT.
 
@@ -128,7 +128,7 @@ def train(workdir, target_name, stages, dataset, synth, regenerate, synth_batch,
                          meta={"target": tinfo})
         summary["train"] = last
         if rank == 0:
-            dest = Path(out) if out else work / "drafter"
+            dest = Path(output) if output else work / "drafter"
             pipeline.export(work, dest, export_format, DTYPES[export_dtype], tinfo)
             summary["drafter"] = str(dest)
             say(f"drafter written to {dest} ({export_format}, {export_dtype})")
@@ -143,20 +143,24 @@ def train(workdir, target_name, stages, dataset, synth, regenerate, synth_batch,
 
 @click.command()
 @click.argument("source", type=click.Path(exists=True))
-@click.option("--format", "fmt", type=click.Choice(["sglang", "speculators"]), required=True)
-@click.option("--out", required=True, type=click.Path(file_okay=False), help="Directory to write.")
-@click.option("--dtype", type=click.Choice(["fp32", "bf16", "fp16", "keep"]), default="keep", show_default=True)
+@click.option("--format", "fmt", type=click.Choice(["sglang", "speculators"]), required=True,
+              help="sglang: SGLang's EAGLE-3 layout; speculators: vLLM's (speculators) layout.")
+@output_option("Directory to write.", hidden=("--out",), file_okay=False)
+@dtype_option(short=("fp32", "bf16", "fp16", "keep"), default="keep",
+              help="Weights dtype to write (keep = as stored); bfloat16 / float16 / float32 accepted.")
 @click.option("--target", "target_name", default=None,
               help="Verifier to record in the speculators config (default: the one the checkpoint names).")
-@click.option("--json", "as_json", is_flag=True)
-def export(source, fmt, out, dtype, target_name, as_json):
+@json_option()
+def export(source, fmt, output, dtype, target_name, as_json):
     """Write a drafter (training work directory, checkpoint file or drafter directory) in SGLang or speculators form."""
     from specscope.models.loader import DTYPES
     from specscope.speculative.formats import load_drafter
     from specscope.train.pipeline import export as do_export
 
     tinfo = {"name_or_path": target_name} if target_name else None
-    path = do_export(source, out, fmt, None if dtype == "keep" else DTYPES[dtype], tinfo)
+    if output is None:
+        raise SpecscopeError("export needs -o/--output DIR (the directory to write)")
+    path = do_export(source, output, fmt, None if dtype == "keep" else DTYPES[dtype], tinfo)
     d = load_drafter(path)      # proves the written directory loads
     info = {"out": str(path), "format": fmt, "draft_vocab_size": d.config.draft_vocab_size,
             "aux_layer_ids": list(d.aux_layers), "dtype": str(d.dtype).replace("torch.", "")}

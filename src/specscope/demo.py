@@ -200,6 +200,7 @@ def run_demo(opts: DemoOptions, ui: DemoUI | None = None) -> dict:
         "runs": {"baseline": brec["id"], "speculative": srec["id"],
                  "verify_curve": curve_rec["id"] if curve_rec else None},
         "db": db_path, "report": None,
+        "warnings": _warnings(prompt_set, brec),
     }
     if opts.report:
         ui.stage("writing the HTML report")
@@ -214,6 +215,20 @@ def run_demo(opts: DemoOptions, ui: DemoUI | None = None) -> dict:
     summary_path.write_text(json.dumps(result, indent=1, default=str))
     result["summary_json"] = str(summary_path)
     return result
+
+
+def _warnings(prompt_set: str, brec: dict) -> list[str]:
+    """What makes these numbers less than they seem: said in the summary, the JSON and the report."""
+    from specscope.registry.fingerprint import load_warning
+
+    out = []
+    if prompt_set == FALLBACK_NAME:
+        out.append("the packaged Spec-Bench file is missing: these are built-in prompts, not MT-bench "
+                   "(reinstall specscope)")
+    w = load_warning(brec.get("env"))
+    if w:
+        out.append(f"these runs were {w}; run the demo again on a quieter machine before trusting the speedup")
+    return out
 
 
 def _check_shipped(draft: str) -> None:
@@ -273,7 +288,8 @@ def _records(config, draft, drafter, cfg, bprof, sprof, per_prompt, opts) -> tup
         return [{"question_id": r["question_id"], "category": r["category"], "prompt_tokens": r["prompt_tokens"],
                  **r[side]} for r in per_prompt]
 
-    brec = make_record("baseline", f"demo baseline ({len(per_prompt)} prompts)",
+    n_prompts = f"{len(per_prompt)} prompt{'s' if len(per_prompt) != 1 else ''}"
+    brec = make_record("baseline", f"demo baseline ({n_prompts})",
                        config={**config, "draft": None, "steps": None, "topk": None, "draft_tokens": None,
                                "engine": "baseline"},
                        profiler=bprof, results=totals("baseline"), samples={"per_prompt": flat("baseline")},
@@ -292,7 +308,7 @@ def _records(config, draft, drafter, cfg, bprof, sprof, per_prompt, opts) -> tup
             "verify_tokens_mean": _weighted([(r["speculative"].get("verify_tokens_mean"), r["speculative"]["cycles"])
                                              for r in per_prompt])}
     srec = make_record("speculative", f"demo {draft} s{cfg.steps} k{cfg.topk} n{cfg.draft_tokens} "
-                                      f"({len(per_prompt)} prompts)",
+                                      f"({n_prompts})",
                        config={**config, "draft": _draft_ref(draft), "drafter_kind": getattr(drafter, "kind", None),
                                "steps": cfg.steps, "topk": cfg.topk, "draft_tokens": cfg.draft_tokens,
                                "engine": "speculative"},

@@ -98,6 +98,8 @@ def _print(res: dict) -> None:
             cells += [_v(row["values"][i]), delta, f"[{style}]{verdict}[/{style}]"]
         t.add_row(*cells)
     con.print(t)
+    for rid, w in (res.get("load_warnings") or {}).items():
+        con.print(f"[bold yellow]warning:[/bold yellow] run {rid} was {w}")
     for title, diff in (("configuration differences", res["config_diff"]),
                         ("environment differences", res["env_diff"])):
         if not diff:

@@ -126,6 +126,8 @@ def _print_summary(res: dict) -> None:
     con.print(f"[bold]Speedup: [{color}]{sp:.2f}×[/{color}][/bold] decode "
               f"({res['speedup_end_to_end']:.2f}× end to end, prefill included); outputs identical to plain "
               f"decoding: {res['identical_outputs']}/{res['prompts']}")
+    for w in res.get("warnings") or []:
+        con.print(f"[bold yellow]warning:[/bold yellow] {w}")
     con.print("\n[bold]Speculative cycle profile[/bold]")
     for line in res["profile_lines"]["speculative"]:
         con.print("  " + line)

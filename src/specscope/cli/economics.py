@@ -84,7 +84,8 @@ def verify_curve(model_name, contexts, tokens, warmup, repeats, dtype, device, t
 
         png = plot_verify_curve(res, output or f"verify-curve-{run_id or 'unrecorded'}.png",
                                 title=f"verify cost: {model_name} {config['dtype']} {dev}")
-    words = {L: knee_words(f, max(toks)) for L, f in res["fits"].items()}
+    words = {L: knee_words(f, max(toks), [p for p in res["points"] if str(p["context"]) == L])
+             for L, f in res["fits"].items()}
     if as_json:
         emit_json({"run_id": run_id, "config": config, **results, "knee": words, "plot": png})
         return

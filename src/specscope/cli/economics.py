@@ -256,6 +256,9 @@ def tune(run_ref, baseline_ref, curve_ref, decode_ms, do_profile, model_name, dr
         curve = VerifyCurve.from_run(curve_run)
     elif do_profile or n_validate:
         curve = ctx.quick_curve(run, max_draft_tokens, db, say)
+    if base is None and decode_ms is None:
+        # a run made without a baseline (e.g. `specscope generate --draft ...`): measure plain decoding here
+        decode_ms = ctx.plain_decode_ms(say)
     cost = T.CostModel.from_runs(run, base, curve, decode_ms, stat)
     configs = T.candidate_configs(acc, max_steps, max_topk, max_draft_tokens)
     rows = T.rank(acc, cost, configs)
@@ -342,6 +345,13 @@ class _TuneContext:
         say(f"stored baseline run {brec['id']} and speculative run {srec['id']} "
             f"(τ {srec['results']['accept_length']:.2f})")
         return srec, brec
+
+    def plain_decode_ms(self, say) -> float:
+        from specscope.economics.probe import plain_decode_ms
+
+        target, _, ids, stop, _ = self.load()
+        say(f"no baseline run recorded with this run: measuring plain decoding on {len(ids)} prompt(s) ...")
+        return plain_decode_ms(target, ids, self.max_new_tokens, stop)
 
     def quick_curve(self, run, max_tokens, db, say):
         """A verify curve at the run's mean context, over the widths the candidates need."""

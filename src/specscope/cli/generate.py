@@ -45,7 +45,7 @@ def generate(model_name, prompt, chat, max_new_tokens, temperature, top_p, top_k
         res = run_generate(req)
         emit_json(res)
         return
-    out = click.get_text_stream("stdout")
+    out = sys.stdout
 
     def stream(text):
         out.write(text)

@@ -72,6 +72,20 @@ def run_pair(target, drafter, prompt_ids, max_new_tokens, stop_ids, cfg, base_pr
             "tokens": int(st), "accept_length": acc / cycles if cycles else 0.0}
 
 
+def plain_decode_ms(target, prompt_ids, max_new_tokens, stop_ids) -> float:
+    """Plain decoding ms/token over the prompts (decode only; one short untimed pass first)."""
+    from specscope.engine.generate import generate
+
+    generate(target, prompt_ids[0], min(8, max_new_tokens), None, stop_ids)
+    toks = secs = 0.0
+    for ids in prompt_ids:
+        n, s = _decode(generate(target, ids, max_new_tokens, None, stop_ids))
+        toks, secs = toks + n, secs + s
+    if toks <= 0:
+        raise SpecscopeError("no decode tokens were produced; raise --max-new-tokens")
+    return secs * 1e3 / toks
+
+
 def profile(target, drafter, prompt_ids, cfg, max_new_tokens, stop_ids, config: dict, db=None, record=True,
             rounds: int = 1):
     """One profiled baseline and one profiled speculative run (with rank-wise acceptance) over the prompts,

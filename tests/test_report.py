@@ -276,3 +276,34 @@ def test_breakeven_hint_names_no_flag_report_lacks(stored, tmp_path, capsys):
     page = out.read_text()
     assert "--decode-ms" not in page.split("Break-even")[1].split("<h2>")[0].replace(
         "specscope breakeven --run ID --help", "") and "--baseline-run" not in page
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("width", [1280, 700])
+def test_report_renders_in_headless_chromium_without_overflow(stored, tmp_path, capsys, width):
+    """The page as a browser draws it: a non-blank screenshot, no sideways scrolling at a laptop and a narrow
+    window width, every inline image decodes. Skipped where Chromium is not installed."""
+    import importlib.util
+    import shutil
+    from pathlib import Path
+
+    if not any(shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome")):
+        pytest.skip("chromium is not installed (apt-get install -y chromium)")
+    spec = importlib.util.spec_from_file_location(
+        "render_report", Path(__file__).resolve().parents[1] / "bench" / "render_report.py")
+    rr = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rr)
+    out = tmp_path / "r.html"
+    code, _, err = cli(capsys, "report", *stored.values(), "-o", out)
+    assert code == 0, err
+    lay = rr.layout(out, width)
+    assert lay["scrollWidth"] <= lay["clientWidth"], lay          # no layout overflow
+    assert lay["images"] == len(alts(out.read_text())) > 0 and lay["broken"] == 0, lay
+    png = rr.screenshot(out, tmp_path / f"r{width}.png", width=width, height=1600)
+    import matplotlib.image as mpimg
+    import numpy as np
+
+    px = mpimg.imread(str(png))[..., :3]
+    assert px.shape[1] == width
+    ink = (px.mean(axis=2) < 0.9).mean()                          # share of pixels that are not near-white
+    assert 0.01 < ink < 0.9 and float(np.std(px)) > 0.05, (ink, float(np.std(px)))

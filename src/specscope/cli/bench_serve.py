@@ -76,7 +76,8 @@ def parse_goodput(items) -> dict | None:
               help="'spec_bench' / 'mt_bench' (packaged Spec-Bench questions, first turns), 'random' (see "
                    "--random-input-len), or a .jsonl/.json/.txt file of prompts.")
 @click.option("--category", multiple=True, help="Only prompts of this category (repeatable).")
-@click.option("--num-prompts", type=click.IntRange(min=1), default=16, show_default=True)
+@click.option("--num-prompts", type=click.IntRange(min=1), default=16, show_default=True,
+              help="Requests per concurrency level.")
 @alias_option("--max-new-tokens", "max_tokens", hidden=("--max-tokens",), type=click.IntRange(min=1), default=128,
               show_default=True, help="max_tokens of each request (the random dataset uses --random-output-len).")
 @click.option("--random-input-len", type=click.IntRange(min=1), default=1024, show_default=True,
@@ -107,7 +108,8 @@ def parse_goodput(items) -> dict | None:
               help="Directory for --save-result files.")
 @click.option("--result-filename", default=None,
               help="File name (default: {backend}-{rate}qps[-concurrency{c}]-{model}-{date}.json).")
-@click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True)
+@click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True,
+              help="Sampling temperature of every request (0 = greedy).")
 @click.option("--api-key", envvar="SPECSCOPE_API_KEY", default=None, help="Bearer key (env SPECSCOPE_API_KEY).")
 @click.option("--timeout", "timeout_s", type=click.FloatRange(min=1), default=600.0, show_default=True,
               help="Per-request timeout in seconds.")

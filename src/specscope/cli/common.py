@@ -81,7 +81,8 @@ def dtype_option(*names, short=("fp32", "bf16", "fp16", "auto"), default="auto",
 
 
 def device_option(default="auto"):
-    return click.option("--device", type=click.Choice(["cpu", "cuda", "auto"]), default=default, show_default=True)
+    return click.option("--device", type=click.Choice(["cpu", "cuda", "auto"]), default=default, show_default=True,
+                        help="auto = CUDA when available, else CPU.")
 
 
 def json_option(help="Print one JSON object instead of the human-readable output."):

@@ -206,8 +206,10 @@ def read_prompts(dataset: str | None, limit: int) -> list[str]:
 @alias_option("--dataset", "prompts_file", hidden=("--prompts",), default=None,
               help="Prompts to profile/validate on: 'mt_bench' (packaged MT-bench first turns, the default), "
                    "'spec_bench', or a .jsonl/.json/.txt file. With --run: the run's own prompts.")
-@click.option("--num-prompts", type=click.IntRange(min=1), default=3, show_default=True)
-@click.option("--max-new-tokens", type=click.IntRange(min=2), default=64, show_default=True)
+@click.option("--num-prompts", type=click.IntRange(min=1), default=3, show_default=True,
+              help="Prompts of --dataset to profile / validate on.")
+@click.option("--max-new-tokens", type=click.IntRange(min=2), default=64, show_default=True,
+              help="Most tokens per prompt (with --run: the run's own).")
 @click.option("--max-steps", type=click.IntRange(min=1), default=None, help="Deepest configuration to consider.")
 @click.option("--max-topk", type=click.IntRange(min=1), default=None)
 @click.option("--max-draft-tokens", type=click.IntRange(min=2), default=64, show_default=True)

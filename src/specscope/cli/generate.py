@@ -15,7 +15,8 @@ from specscope.cli.common import (db_option, device_option, draft_option, dtype_
               help="Target: a Hugging Face checkpoint directory or a known name.")
 @click.option("--prompt", required=True, help="Prompt text ('-' reads standard input).")
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the tokenizer's chat template.")
-@click.option("--max-new-tokens", type=click.IntRange(min=1), default=128, show_default=True)
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=128, show_default=True,
+              help="Most tokens to generate (HF max_new_tokens; the API's max_tokens).")
 @click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True, help="0 = greedy.")
 @click.option("--top-p", type=click.FloatRange(min=0, max=1, min_open=True), default=1.0, show_default=True)
 @click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True, help="0 = off.")

@@ -307,3 +307,12 @@ def test_report_renders_in_headless_chromium_without_overflow(stored, tmp_path, 
     assert px.shape[1] == width
     ink = (px.mean(axis=2) < 0.9).mean()                          # share of pixels that are not near-white
     assert 0.01 < ink < 0.9 and float(np.std(px)) > 0.05, (ink, float(np.std(px)))
+
+
+def test_per_token_bars_add_up_to_the_run_tables_ms_per_token(records):
+    from specscope.report import charts
+
+    s = records[2]
+    phases = charts.top_phases(s)
+    total = sum(v * charts._per_token_scale(s, phases) for v in phases.values())
+    assert total == pytest.approx(s["results"]["decode_ms_per_token"], rel=1e-9)

@@ -257,10 +257,10 @@ def save_results(out: dict, config: dict, run_id, result_dir, result_filename, d
 
 
 def _print_table(base, out, n_prompts, metric_names, percentiles, slos):
-    from rich.console import Console
     from rich.table import Table
 
     from specscope.benchserve.run import pct_word
+    from specscope.cli.common import stdout_console
 
     hi = pct_word(max(percentiles))
     t = Table(title=f"bench-serve {base} ({out['model']}, {n_prompts} prompts; ms: median / p{hi})")
@@ -278,4 +278,4 @@ def _print_table(base, out, n_prompts, metric_names, percentiles, slos):
         cells.append("-" if tau is None else f"{tau:.2f}")
         t.add_row(*cells)
     # without a terminal (a log, a pipe) rich would cut the table at 80 columns: give it room instead
-    Console(width=None if sys.stdout.isatty() else 200).print(t)
+    stdout_console().print(t)

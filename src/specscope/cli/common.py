@@ -26,6 +26,14 @@ def setup_runtime(threads: int | None, device: str | None):
     return resolve_device(device)
 
 
+def stdout_console(**kw):
+    """Rich console for tables on stdout: without a terminal (a pipe, a log) rich would cut them at 80 columns,
+    so they get a wide fixed width instead."""
+    from rich.console import Console
+
+    return Console(**kw) if sys.stdout.isatty() else Console(width=200, **kw)
+
+
 def stderr_console():
     from rich.console import Console
 

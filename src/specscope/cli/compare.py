@@ -12,11 +12,9 @@ from specscope.errors import SpecscopeError
 
 def _console():
     """Rich console; piped output gets a wide fixed width instead of wrapping tables at 80 columns."""
-    import sys
+    from specscope.cli.common import stdout_console
 
-    from rich.console import Console
-
-    return Console() if sys.stdout.isatty() else Console(width=160)
+    return stdout_console()
 
 
 VERDICT_STYLE = {"better": "green", "worse": "red", "no significant change": "dim"}

@@ -5,7 +5,8 @@ from __future__ import annotations
 import click
 
 from specscope.cli.common import (alias_option, db_option, device_option, draft_option, dtype_option, emit_json,
-                                  json_option, output_option, setup_runtime, spec_options, stderr_console)
+                                  json_option, output_option, setup_runtime, spec_options, stderr_console,
+                                  stdout_console)
 from specscope.errors import SpecscopeError
 
 _DB = db_option
@@ -106,7 +107,6 @@ def verify_curve(model_name, contexts, tokens, warmup, repeats, dtype, device, t
 
 
 def _print_curve_table(res, ctxs, toks):
-    from rich.console import Console
     from rich.table import Table
 
     from rich.markup import escape
@@ -123,7 +123,7 @@ def _print_curve_table(res, ctxs, toks):
             cells.append(escape(f"{p['median_ms']:.2f} [{p['p10_ms']:.2f}–{p['p90_ms']:.2f}] "
                                 f"{p['median_ms'] / p1['median_ms']:.2f}×"))
         t.add_row(str(n), *cells)
-    Console().print(t)
+    stdout_console().print(t)
 
 
 # ------------------------------------------------------------------------------------------------ breakeven
@@ -385,10 +385,9 @@ class _TuneContext:
 
 
 def _print_tune(out, rows, acc, cost, validation):
-    from rich.console import Console
     from rich.table import Table
 
-    con = Console()
+    con = stdout_console()
     click.echo(f"acceptance: {acc.source}; depth-1 rates by rank: "
                + ", ".join(f"{x:.2f}" for x in acc.rates[0]))
     click.echo(f"plain decoding {cost.decode_ms:.2f} ms/token; measured at k={cost.k0}, n={cost.n0:.1f}: "

@@ -13,11 +13,9 @@ from specscope.cli.common import emit_json, json_option, output_option
 
 def _console():
     """Rich console; piped output gets a wide fixed width instead of wrapping tables at 80 columns."""
-    import sys
+    from specscope.cli.common import stdout_console
 
-    from rich.console import Console
-
-    return Console() if sys.stdout.isatty() else Console(width=160)
+    return stdout_console()
 
 
 from specscope.cli.common import db_option  # noqa: E402

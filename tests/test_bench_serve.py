@@ -348,3 +348,56 @@ def test_load_script_all_requests_ok_on_tiny_model(model_dir, tmp_path):
     assert all(res["checks"].values()) and res["results"]["completed"] == 6
     assert res["results"]["p99_e2el_ms"] >= res["results"]["p50_e2el_ms"] > 0
     assert res["server_metrics"]["num_drafts"] > 0
+
+
+def test_arrivals_follow_vllms_gamma_process():
+    import math
+
+    import numpy as np
+
+    from specscope.benchserve.run import intervals
+
+    assert intervals(5, math.inf, 1.0, 0) == [0.0] * 5                    # all at once
+    poisson = np.array(intervals(20000, 4.0, 1.0, 0))
+    assert poisson.mean() == pytest.approx(0.25, rel=0.03)                  # mean gap 1 / rate
+    assert poisson.std() / poisson.mean() == pytest.approx(1.0, rel=0.05)   # exponential: CV 1
+    bursty = np.array(intervals(20000, 4.0, 0.25, 0))
+    assert bursty.mean() == pytest.approx(0.25, rel=0.05) and bursty.std() / bursty.mean() == pytest.approx(2.0, rel=0.1)
+    assert intervals(10, 4.0, 1.0, 7) == intervals(10, 4.0, 1.0, 7)         # --seed makes it repeatable
+
+
+def test_level_summary_uses_vllm_names_units_and_goodput():
+    from specscope.benchserve.client import RequestResult
+    from specscope.benchserve.run import level_summary
+
+    def req(i, ttft, e2e, toks):
+        return RequestResult(i, ok=True, ttft_s=ttft, e2e_s=e2e, itl_s=[0.01] * (toks - 1), completion_tokens=toks,
+                             prompt_tokens=10)
+
+    rs = [req(0, 0.1, 1.1, 11), req(1, 0.3, 2.3, 11), RequestResult(2, error="HTTP 500: boom")]
+    s = level_summary(4, rs, 2.0, None, ("ttft", "tpot", "e2el"), (50, 99.9), {"ttft": 200.0})
+    assert s["completed"] == 2 and s["failed"] == 1 and s["max_concurrency"] == 4 and s["duration"] == 2.0
+    assert s["total_output_tokens"] == 22 and s["total_input_tokens"] == 20
+    assert s["request_throughput"] == 1.0 and s["output_throughput"] == 11.0 and s["total_token_throughput"] == 21.0
+    assert s["mean_ttft_ms"] == pytest.approx(200.0) and s["median_ttft_ms"] == pytest.approx(200.0)
+    assert s["p99.9_ttft_ms"] == pytest.approx(299.8) and "p50_e2el_ms" in s and "mean_itl_ms" not in s
+    assert s["mean_tpot_ms"] == pytest.approx(((1.0 / 10) + (2.0 / 10)) / 2 * 1e3)
+    assert s["request_goodput"] == 0.5                 # one of the two met TTFT <= 200 ms
+    assert s["error_examples"] == ["HTTP 500: boom"]
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--goodput", "ttft:abc"], "--goodput takes KEY:MS"),
+    (["--goodput", "latency:5"], "--goodput takes KEY:MS"),
+    (["--metric-percentiles", "0,101"], "--metric-percentiles"),
+    (["--percentile-metrics", "ttft,speed"], "--percentile-metrics"),
+    (["--max-concurrency", "0"], "--max-concurrency"),
+    (["--dataset", "random", "--category", "math"], "--category does not apply"),
+    (["--base-url", "localhost:8000"], "--base-url must start with http"),
+    (["ttft:5"], "unexpected extra argument"),
+])
+def test_bench_serve_bad_options_are_one_line(args, needle, capsys):
+    from cli_util import cli, one_error_line
+
+    code, _, err = cli(capsys, "bench-serve", *args)
+    assert needle in one_error_line(code, err)

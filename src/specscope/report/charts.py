@@ -227,7 +227,7 @@ def _single_position(spec: list[dict]) -> bytes:
 @_plain_text
 def verify_curve(curve: dict) -> bytes | None:
     """A verify_curve run: median forward time vs query tokens per context, with the piecewise fit."""
-    from specscope.economics.verify_curve import PiecewiseFit
+    from specscope.economics.verify_curve import PiecewiseFit, noise_words
 
     res = curve.get("results") or {}
     points, fits = res.get("points") or [], res.get("fits") or {}
@@ -244,6 +244,10 @@ def verify_curve(curve: dict) -> bytes | None:
             fit = PiecewiseFit.from_dict(fits[str(L)])
             lo, hi = min(ns), max(ns)
             xs = [lo * (hi / lo) ** (j / 200) for j in range(201)]
+            if noise_words(pts, fits[str(L)]):      # a line through noise would read as a finding
+                ax.plot(xs, [fit(x) for x in xs], ":", color=f"C{i}", alpha=0.5,
+                        label="fit not shown as a finding: too noisy (p10–p90 spread comparable to the median)")
+                continue
             ax.plot(xs, [fit(x) for x in xs], "-", color=f"C{i}", alpha=0.7,
                     label=f"fit: flat {fit.flat_ms:.1f} ms to n≈{fit.knee:.0f}, then +{fit.slope_ms:.2f} ms/token")
             if fit.slope_ms > 0 and lo < fit.knee < hi:

@@ -108,7 +108,7 @@ def main():
         "all_requests_ok": lv["failed"] == 0 and lv["completed"] == args.requests,
         "server_counted_every_request": served == args.requests,
         "server_tokens_match_clients": gen == sum(r["completion_tokens"] for r in reqs),
-        "no_503": scrape.total("specscope:requests_rejected_total") in (0, None),
+        "no_429": scrape.total("specscope:requests_rejected_total") in (0, None),
         "healthy_after_load": health_after == 200,
         "sigterm_exit_0": exit_code == 0,
     }

@@ -75,15 +75,39 @@ def raw_tensors(raw: dict, prefix: str, seed: int = 0, target_hidden: int | None
     if raw.get("fc_norm"):
         for i in range(3):
             t[f"fc_norm.{i}.weight"] = 1 + r(Ht, scale=0.1)
+    if raw.get("norm_before_fc"):
+        t["input_norm.weight"] = 1 + r(3 * Ht, scale=0.1)     # speculators: one norm over cat(low, mid, high)
     return t
 
 
-def write_raw(path: Path, raw: dict, tensors: dict, bin_file: bool = False) -> Path:
+def shrink_text(name: str, **values) -> bytes:
+    """A published config shrunk by editing its text: the published bytes (CRLF, missing final newline, odd
+    spacing) stay as they are, only the numbers change. `values` override or add (as JSON) top-level fields."""
+    import re
+
+    text = (CONFIGS / name).read_bytes().decode()
+    sizes = {**SMALL, "head_dim": SMALL["head_dim"]}
+    for k, v in sizes.items():
+        text, n = re.subn(rf'("{k}"\s*:\s*)-?\d+', rf"\g<1>{v}", text)
+    for k, v in values.items():
+        pat = rf'("{k}"\s*:\s*)(\[[^\]]*\]|[^,\r\n}}]+)'
+        if re.search(pat, text):
+            text = re.sub(pat, lambda m: m.group(1) + json.dumps(v), text, count=1)
+        else:
+            text = text.replace("{", "{" + json.dumps(k) + ": " + json.dumps(v) + ",", 1)
+    return text.encode()
+
+
+def write_raw(path: Path, raw: dict | bytes, tensors: dict, bin_file: bool = False) -> Path:
+    """A drafter directory: config.json (a dict, or the exact bytes to write) and its tensors."""
     from safetensors.torch import save_file
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(raw))
+    if isinstance(raw, bytes):
+        (path / "config.json").write_bytes(raw)
+    else:
+        (path / "config.json").write_text(json.dumps(raw))
     if bin_file:
         torch.save(tensors, path / "pytorch_model.bin")
     else:
@@ -128,6 +152,8 @@ def reference_step(t: dict, prefix: str, cfg: dict, embeds, hidden, positions, k
     n_cached = allk.shape[1] - k.shape[1]
     vis = torch.ones(len(positions), allk.shape[1], dtype=torch.bool)
     vis[:, n_cached:] = torch.tril(torch.ones(len(positions), len(positions), dtype=torch.bool))
+    if cfg.get("window"):
+        vis &= (positions[:, None] - allp[None, :]) < cfg["window"]
     s = s.masked_fill(~vis, float("-inf"))
     a = (s.softmax(-1) @ allv).transpose(0, 1).reshape(-1, nh * hd) @ t[p + "self_attn.o_proj.weight"].T
     h = residual + a
@@ -142,7 +168,7 @@ def ref_cfg(drafter) -> dict:
     c = drafter.config
     return dict(H=c.hidden_size, nh=c.num_attention_heads, nkv=c.num_key_value_heads, hd=c.head_dim,
                 eps=c.rms_norm_eps, theta=c.rope_theta, norm_before_residual=c.norm_before_residual,
-                norm_output=c.norm_output)
+                norm_output=c.norm_output, window=c.sliding_window)
 
 
 def random_drafter(target, draft_vocab: int = 40, seed: int = 0, **flags):

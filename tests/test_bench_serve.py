@@ -270,13 +270,20 @@ vllm:generation_tokens_total{model_name="m"} 1100
     assert spec_delta(None, after)["window"] == "lifetime"
 
 
-def test_spec_delta_sglang_gauges_are_averaged():
+def test_spec_delta_sglang_gauges_leader_rank_and_dp_sum():
     from specscope.ingest.prometheus import parse_text, spec_delta
 
+    # a tp_rank 1 copy is a duplicate of the leader's view; data-parallel ranks add up (accept length: weighted)
     s = parse_text('sglang:spec_accept_length{tp_rank="0"} 2.0\nsglang:spec_accept_length{tp_rank="1"} 3.0\n'
                    'sglang:gen_throughput{tp_rank="0"} 150.5\n')
     d = spec_delta(None, s)
-    assert d["engine"] == "sglang" and d["accept_length"] == 2.5 and d["gen_throughput"] == 150.5
+    assert d["engine"] == "sglang" and d["accept_length"] == 2.0 and d["gen_throughput"] == 150.5
+    dp = parse_text('sglang:gen_throughput{dp_rank="0",tp_rank="0"} 100\nsglang:gen_throughput{dp_rank="1",tp_rank="0"} 50\n'
+                    'sglang:num_running_reqs{dp_rank="0",tp_rank="0"} 3\nsglang:num_running_reqs{dp_rank="1",tp_rank="0"} 1\n'
+                    'sglang:spec_accept_length{dp_rank="0",tp_rank="0"} 3.0\nsglang:spec_accept_length{dp_rank="1",tp_rank="0"} 2.0\n')
+    d = spec_delta(None, dp)
+    assert d["gen_throughput"] == 150 and d["num_running_reqs"] == 4
+    assert d["accept_length"] == pytest.approx((3.0 * 3 + 2.0 * 1) / 4)
 
 
 def test_load_prompts_formats_and_categories(tmp_path):

@@ -56,7 +56,7 @@ def test_one_meaning_per_visible_flag():
     for name, cmd in commands().items():
         opts = visible_opts(cmd)
         assert "--out" not in opts and "--plot" not in opts and "--plot-dir" not in opts, name
-        assert "--prompts" not in opts and "--target" not in opts or name == "export", name
+        assert "--prompts" not in opts and "--target" not in opts, name
         assert "--max-tokens" not in opts and "--engine" not in opts and "--url" not in opts, name
         for flag, dest in meaning.items():
             if flag in opts and dest:
@@ -91,10 +91,19 @@ def test_old_spellings_still_parse_but_are_hidden(tmp_path, capsys):
     assert parse("tune", "--prompts", "p.jsonl", "--plot-dir", "d")["prompts_file"] == "p.jsonl"
     assert parse("verify-curve", "--plot", "c.png")["output"] == "c.png"
     assert parse("ingest", "--engine", "vllm", "f.log")["engine"] == "vllm"
+    p = parse("export", ".", "--format", "speculators", "--out", "o", "--target", "t", "--speculative-tokens", 4)
+    assert (p["output"], p["target_name"], p["steps"]) == ("o", "t", 4)
+    assert parse("export", ".", "--format", "speculators", "-o", "o", "--num-speculative-tokens", 5)["steps"] == 5
+    p = parse("check-drafter", "d", "--target", "t", "--prompts", 2)
+    assert (p["target_name"], p["num_prompts"]) == ("t", 2)
+    p = parse("train", "--workdir", "w", "--select-prompts", 5, "--out", "o")
+    assert (p["select_prompts"], p["output"]) == (5, "o")
     assert parse("ingest", "--format", "vllm", "f.log")["engine"] == "vllm"
     p = parse("bench-serve", "--url", "http://h:1", "--concurrency", "1,4", "--max-tokens", 9)
     assert (p["url"], p["concurrency"], p["max_tokens"]) == ("http://h:1", "1,4", 9)
     for name, old in (("demo", "--prompts"), ("demo", "--out "), ("train", "--target"), ("tune", "--plot-dir"),
+                      ("export", "--target"), ("export", "--out "), ("export", "--speculative-tokens"),
+                      ("check-drafter", "--target"), ("check-drafter", "--prompts"), ("train", "--select-prompts"),
                       ("ingest", "--engine"), ("bench-serve", "--url "), ("bench-serve", "--max-tokens")):
         code, out, _ = cli(capsys, *name.split(), "--help")
         assert code == 0 and old not in out, (name, old)

@@ -121,7 +121,7 @@ BAD_MODELS = {
     "config field missing": (lambda d: (d / "config.json").write_text(json.dumps(
         {k: v for k, v in json.loads((d / "config.json").read_text()).items() if k != "hidden_size"})),
         "missing required field 'hidden_size'"),
-    "config value invalid": (edit_config(num_hidden_layers="three"), "invalid value"),
+    "config value invalid": (edit_config(num_hidden_layers="three"), "num_hidden_layers must be an integer"),
     "no weights": (lambda d: (d / "model.safetensors").unlink(), "has no model.safetensors"),
     "truncated safetensors": (_truncate, "corrupt or truncated"),
     "corrupt safetensors header": (_garble_header, "corrupt or truncated"),

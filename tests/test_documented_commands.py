@@ -60,7 +60,7 @@ def make_standin_cache(cache: Path) -> Path:
 
     d = cache / "models" / "smollm2-135m"
     d.mkdir(parents=True)
-    make_hf_model(d, "llama", layers=2, max_position_embeddings=2048)
+    make_hf_model(d, "llama", layers=4, max_position_embeddings=2048)
     make_tiny_tokenizer(d)
     files = {f.name: {"sha256": "test-stand-in", "size": f.stat().st_size} for f in d.iterdir() if f.is_file()}
     (d / MANIFEST).write_text(json.dumps({"name": "smollm2-135m", "source": "test stand-in", "files": files}))
@@ -137,8 +137,9 @@ class Background:
 class Session:
     """Runs README commands in order, filling placeholders from what the earlier ones made."""
 
-    def __init__(self, capsys, cwd: Path, env: dict):
+    def __init__(self, capsys, cwd: Path, env: dict, drafter: Path | None = None):
         self.capsys, self.cwd, self.env = capsys, cwd, env
+        self.drafter = drafter                  # DRAFTER: the shipped one unless a stand-in is given
         self.generated: list[str] = []          # run ids of `specscope generate`
         self.ingested: list[str] = []
         self.server: Background | None = None
@@ -152,7 +153,7 @@ class Session:
         subs = [("RUN_A", first), ("RUN_B", last), ("RUNS...", runs), ("RUN...", runs),
                 ("INGESTED_A", self.ingested[0] if self.ingested else "?"),
                 ("INGESTED_B", self.ingested[-1] if self.ingested else "?"),
-                ("DRAFTER", str(ASSETS / DEFAULT_DRAFTER))]
+                ("DRAFTER", str(self.drafter or ASSETS / DEFAULT_DRAFTER))]
         spec = next((r for r in reversed(self.generated) if self._is_spec(r)), "?")
         subs.append(("--run ID", f"--run {spec}"))
         for a, b in subs:
@@ -197,7 +198,7 @@ class Session:
             self.server.stop()
 
 
-def _run_readme(tmp_path, monkeypatch, capsys, skip=()):
+def _run_readme(tmp_path, monkeypatch, capsys, skip=(), drafter=None):
     work = tmp_path / "work"
     work.mkdir()
     (work / "sglang.log").write_text(SGLANG_LOG)
@@ -206,7 +207,7 @@ def _run_readme(tmp_path, monkeypatch, capsys, skip=()):
     monkeypatch.chdir(work)
     env = dict(os.environ)
     env.pop("SPECSCOPE_API_KEY", None)
-    s = Session(capsys, work, env)
+    s = Session(capsys, work, env, drafter)
     skipped = []
     try:
         for cmd in readme_commands():
@@ -220,10 +221,16 @@ def _run_readme(tmp_path, monkeypatch, capsys, skip=()):
 
 
 def test_every_readme_command_runs(tmp_path, monkeypatch, capsys):
+    from specscope.models import load_model
+    from specscope.speculative.formats import save_drafter
+    from spec_helpers import random_eagle3
+
     cache = tmp_path / "cache"
-    make_standin_cache(cache)
+    standin = make_standin_cache(cache)
     monkeypatch.setenv("SPECSCOPE_CACHE", str(cache))
-    s, skipped, work = _run_readme(tmp_path, monkeypatch, capsys, skip=NEEDS_REAL_MODEL)
+    drafter = tmp_path / "drafter"      # DRAFTER for the stand-in (the shipped one fits only the real SmolLM2)
+    save_drafter(random_eagle3(load_model(standin, dtype="fp32"), draft_vocab=60), drafter)
+    s, skipped, work = _run_readme(tmp_path, monkeypatch, capsys, skip=NEEDS_REAL_MODEL, drafter=drafter)
     assert skipped == [c for c in readme_commands() if "smollm2-135m-eagle3" in c] and len(skipped) == 1
     assert len(s.ran) == len(readme_commands()) - 1
     # what the commands were to write is there

@@ -56,23 +56,17 @@ def test_sglang_layer_ids_are_output_of_layer(tmp_path, target):
     assert list(d.aux_layers) == [2, 4, 5] and d.config.aux_convention_in_file == "output"
 
 
-def test_published_speculators_config_refusals_then_loads(tmp_path, target):
+def test_published_speculators_config_loads_as_published(tmp_path, target):
+    # four aux ids (the 4th feeds only the verifier's logits), norm_before_fc, sliding window: all honoured
     raw = shrink(published("speculators_eagle3_config.json"))
+    raw["eagle_aux_hidden_state_layer_ids"] = [1, 4, 6, 7]
     t = raw_tensors(raw, "layers.0.")
-    with pytest.raises(SpecscopeError, match="fourth aux layer"):
-        load_drafter(write_raw(tmp_path / "a", raw, t), target)
-    raw["eagle_aux_hidden_state_layer_ids"] = [1, 4, 6]
-    with pytest.raises(SpecscopeError, match="sliding-window"):
-        load_drafter(write_raw(tmp_path / "b", raw, t), target)
-    raw["transformer_layer_config"].update(use_sliding_window=False, layer_types=["full_attention"])
-    with pytest.raises(SpecscopeError, match="norm_before_fc"):
-        load_drafter(write_raw(tmp_path / "c", raw, t), target)
-    raw["norm_before_fc"] = False
     d = load_drafter(write_raw(tmp_path / "d", raw, t), target)
     c = d.config
     assert c.format == "speculators" and c.aux_convention_in_file == "input"
-    assert list(d.aux_layers) == [1, 4, 6]                 # entering-layer ids, taken as they are
-    assert c.norm_before_residual and c.norm_output and c.target_hidden_size == 64   # null -> hidden size
+    assert list(d.aux_layers) == [1, 4, 6] and c.extra["verifier_logits_layer"] == 7   # entering-layer ids as given
+    assert c.norm_before_residual and c.norm_output and c.norm_before_fc and c.target_hidden_size == 64
+    assert c.sliding_window == 2048
     _check_against_reference(d, t, "layers.0.")
 
 
@@ -93,8 +87,9 @@ EXPECTED_KEYS = {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d", "{p
                  "{p}hidden_norm.weight", "{p}input_layernorm.weight", "{p}post_attention_layernorm.weight"}
 
 
-@pytest.mark.parametrize("fmt,prefix", [("sglang", "midlayer."), ("speculators", "layers.0.")])
-@pytest.mark.parametrize("flags", [{}, {"norm_before_residual": True, "norm_output": True, "fc_norm": True}])
+@pytest.mark.parametrize("fmt,prefix,flags", [
+    ("sglang", "midlayer.", {}), ("speculators", "layers.0.", {}),
+    ("speculators", "layers.0.", {"norm_before_residual": True, "norm_output": True, "fc_norm": True})])
 def test_round_trip_exact_names(tmp_path, target, fmt, prefix, flags):
     d = random_drafter(target, **flags)
     save_drafter(d, tmp_path / "d", format=fmt, target_info={"name_or_path": "tiny", "architectures": ["X"]})
@@ -118,10 +113,18 @@ def test_round_trip_exact_names(tmp_path, target, fmt, prefix, flags):
     assert torch.equal(d(e, h, pos)[0], back(e, h, pos)[0])
 
 
+def test_sglang_export_refuses_what_sglang_ignores(tmp_path, target):
+    d = random_drafter(target, norm_before_residual=True, norm_output=True, fc_norm=True)
+    with pytest.raises(SpecscopeError, match=r"norm_before_residual.*norm_output.*fc_norm.*--format speculators"):
+        save_drafter(d, tmp_path / "s", format="sglang")
+    assert not (tmp_path / "s").exists()                  # refused before writing anything
+
+
 def test_cross_format_identical_outputs(tmp_path, target):
-    d = random_drafter(target, norm_before_residual=True)
+    d = random_drafter(target)
     a = load_drafter(save_drafter(d, tmp_path / "s", format="sglang"), target)
-    b = load_drafter(save_drafter(a, tmp_path / "v", format="speculators"), target)
+    b = load_drafter(save_drafter(a, tmp_path / "v", format="speculators",
+                                  target_info={"name_or_path": "tiny", "architectures": ["LlamaForCausalLM"]}), target)
     c = load_drafter(save_drafter(b, tmp_path / "s2", format="sglang"), target)
     e, h, pos = _inputs(d)
     outs = [m(e, h, pos) for m in (d, a, b, c)]
@@ -216,7 +219,7 @@ def test_missing_files(tmp_path):
     raw = shrink(published("specforge_llama3_8b_eagle3.json"))
     (tmp_path / "e" / "config.json").write_text(json.dumps(
         {**raw, "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 4]}}))
-    with pytest.raises(SpecscopeError, match="no model.safetensors or pytorch_model.bin"):
+    with pytest.raises(SpecscopeError, match="no model.safetensors, model.safetensors.index.json or pytorch_model.bin"):
         load_drafter(tmp_path / "e")
     with pytest.raises(SpecscopeError, match="pass the target"):
         write_raw(tmp_path / "f", raw, raw_tensors(raw, "midlayer."))

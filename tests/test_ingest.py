@@ -149,8 +149,12 @@ def test_vllm_v0_cumulative_counters_with_restart(tmp_path):
     lines = [line.format(s=0, a=100, d=200, e=150), line.format(s=5, a=300, d=400, e=450),
              line.format(s=9, a=40, d=80, e=60)]  # restarted: counters began again
     r = ingest_file(write(tmp_path, "v0.log", lines), record=False)["results"]
-    assert r["accepted_tokens"] == 340 and r["drafted_tokens"] == 480
-    assert r["accept_length"] == pytest.approx(1 + 340 / (480 / 4))
+    # V0's accepted count is per position: τ = emitted / drafts, the accepted prefix = emitted - drafts
+    emitted, drafted = 450 + 60, 400 + 80
+    assert r["drafted_tokens"] == drafted and r["num_drafts"] == drafted / 4
+    assert r["accept_length"] == pytest.approx(emitted / (drafted / 4))
+    assert r["accepted_tokens"] == emitted - drafted / 4
+    assert r["v0_reported_acceptance_rate"] == pytest.approx((300 + 40) / drafted)
 
 
 def test_prometheus_scrapes_vllm_deltas_sglang_gauges_and_single_scrape(tmp_path):
@@ -229,7 +233,7 @@ def test_no_recognisable_line_names_the_formats_tried(tmp_path):
     only_bad = write(tmp_path, "cut.log", [sg_decode(0, 1, 100.0, accept=2.0)[:60]])
     with pytest.raises(SpecscopeError, match="did not parse"):
         ingest_file(only_bad, record=False)
-    with pytest.raises(SpecscopeError, match="no such file"):
+    with pytest.raises(SpecscopeError, match="does not exist"):
         ingest_file(tmp_path / "missing.log", record=False)
 
 

@@ -151,7 +151,7 @@ def test_api_key_required_on_v1_routes_only(model_dir):
         assert c.get("/health").status_code == 200 and c.get("/metrics").status_code == 200
 
 
-def test_full_queue_answers_503_then_drains(model_dir):
+def test_full_queue_answers_429_with_retry_after_then_drains(model_dir):
     from specscope.server.app import create_app
 
     eng = _engine(model_dir, max_queue=1)
@@ -165,8 +165,8 @@ def test_full_queue_answers_503_then_drains(model_dir):
     while app.state.worker.q.qsize() < 1 and time.time() < deadline:
         time.sleep(0.02)
     r = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3, "temperature": 0})
-    assert r.status_code == 503 and "queue is full" in r.json()["error"]["message"]
-    assert r.headers["retry-after"] == "1"
+    assert r.status_code == 429 and "queue is full" in r.json()["error"]["message"]
+    assert int(r.headers["retry-after"]) >= 1
     assert "specscope:requests_rejected_total 1.0" in c.get("/metrics").text
     app.state.worker.start()
     t.join(20)
@@ -296,3 +296,106 @@ def test_metrics_prefix_vllm_gives_vllm_names(model_dir):
     assert "vllm:spec_decode_num_drafts_total" in text and "specscope:" not in text
     d = spec_delta(before, parse_text(text))
     assert d["engine"] == "vllm" and d["num_drafts"] == r["spec"]["verify_ct"]
+
+
+def test_speculative_stream_with_a_wide_tree_at_the_context_end(model_dir):
+    """A wide, low-budget tree (steps 5, topk 4, 12 draft tokens: more drafter-cache writes than verified tokens)
+    streamed up to the last position of the context: HTTP 200, every token, no error event, lossless."""
+    import torch
+
+    from specscope.server.app import create_app
+
+    eng = _engine(model_dir, draft=str(model_dir), steps=5, topk=4, draft_tokens=12)  # the model drafts for itself
+    g = torch.Generator().manual_seed(0)
+    for n_new in (20, 23):
+        ids = torch.randint(3, eng.vocab, (eng.context - n_new,), generator=g).tolist()
+        want = _offline(eng, ids, n_new)
+        with TestClient(create_app(eng)) as c:
+            with c.stream("POST", "/v1/completions",
+                          json={"prompt": ids, "max_tokens": n_new, "temperature": 0, "stream": True,
+                                "return_token_ids": True, "stream_options": {"include_usage": True}}) as r:
+                assert r.status_code == 200
+                events = _sse(r.iter_lines())
+        assert events[-1] == "[DONE]"
+        assert not any("error" in e for e in events[:-1]), events[-3:]
+        got = [t for e in events[:-1] if e.get("choices") for t in e["choices"][0].get("token_ids") or []]
+        assert got == want
+        spec = events[-2]["spec"]
+        assert spec["accepted_tokens"] > 0 and spec["verify_ct"] < len(want)
+
+
+def test_queue_time_is_its_own_histogram(model_dir):
+    """Like vLLM's request_queue_time_seconds: waiting for the batch-1 engine is reported apart from decoding."""
+    from specscope.server.app import create_app
+    from specscope.ingest.prometheus import parse_text
+
+    with TestClient(create_app(_engine(model_dir))) as c:
+        for _ in range(2):
+            assert c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3, "temperature": 0}).status_code == 200
+        s = parse_text(c.get("/metrics").text)
+    assert s.total("specscope:request_queue_time_seconds_count") == 2
+    assert s.total("specscope:request_inference_time_seconds_count") == 2
+    assert s.total("specscope:request_queue_time_seconds_sum") >= 0
+    e2e = s.total("specscope:e2e_request_latency_seconds_sum")
+    assert s.total("specscope:request_queue_time_seconds_sum") <= e2e
+
+
+def test_clients_that_hang_up_stop_their_work(model_dir, monkeypatch):
+    """Real HTTP on loopback: a streaming client that disconnects mid-decode stops its decode at the next token,
+    and a queued request whose client left is dropped without decoding."""
+    import httpx
+    import uvicorn
+
+    from specscope.cli.serve import bind_socket
+    from specscope.ingest.prometheus import parse_text
+    from specscope.server.app import create_app
+
+    eng = _engine(model_dir)
+    slow = eng._emit
+
+    def emit_slowly(*a, **k):  # ~20 tokens/s so a hang-up lands mid-decode
+        time.sleep(0.05)
+        return slow(*a, **k)
+
+    monkeypatch.setattr(eng, "_emit", emit_slowly)
+    sock = bind_socket("127.0.0.1", 0)
+    server = uvicorn.Server(uvicorn.Config(create_app(eng), log_level="warning", lifespan="on"))
+    th = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    th.start()
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    try:
+        deadline = time.time() + 20
+        while not server.started and time.time() < deadline:
+            time.sleep(0.02)
+        body = {"prompt": "the quick brown fox", "max_tokens": 200, "temperature": 0, "stream": True}
+        got = {}
+
+        def queued():  # waits behind the first request, then hangs up before its turn
+            try:
+                with httpx.stream("POST", url + "/v1/completions", json=body, timeout=0.5) as r:
+                    got["queued"] = r.status_code
+                    for _ in r.iter_lines():
+                        pass
+            except httpx.HTTPError:
+                got["queued"] = "hung up"
+
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")  # decoding has started
+            t = threading.Thread(target=queued)
+            t.start()
+            t.join(5)
+        # both clients are gone: the server must be idle soon, having cancelled both
+        deadline = time.time() + 10
+        while time.time() < deadline:
+            s = parse_text(httpx.get(url + "/metrics").text)
+            if (s.total("specscope:request_failed_total", reason="cancelled") or 0) >= 2 and \
+                    not s.total("specscope:num_requests_running"):
+                break
+            time.sleep(0.05)
+        assert s.total("specscope:request_failed_total", reason="cancelled") == 2
+        assert (s.total("specscope:generation_tokens_total") or 0) < 100  # far from 2 x 200 decoded
+        assert not s.total("specscope:num_requests_waiting")
+    finally:
+        server.should_exit = True
+        th.join(20)

@@ -70,3 +70,39 @@ def test_speculative_equals_baseline_on_spec_bench(setup):
             if got != ref:
                 mismatches.append((name, cat, next(i for i, (a, b) in enumerate(zip(got + [-1], ref + [-2])) if a != b)))
     assert not mismatches, f"speculative != baseline (drafter, category, first differing index): {mismatches}"
+
+
+REAL_CTX = 1100      # the target's context, clamped on a private copy so each prefill takes seconds, not minutes
+DRAFTER_CTX = 1024   # the drafter declares less than that, as published EAGLE-3 configs do (2048 under 8k+ targets)
+
+
+def test_every_shape_near_the_context_end_on_the_real_model():
+    """tests/test_spec_shapes.py's property on SmolLM2 with the shipped EAGLE-3 drafter: sampled shapes (draft tokens
+    up to the tuner's 64) and the audit's failing ones, prompts ending within `steps` of the context, the drafter's
+    own RoPE table shorter than the prompt. Greedy output equals plain decoding; drafts really get accepted."""
+    from spec_helpers import check_grid, sample_cases
+
+    from specscope.engine.tokenizer import Tokenizer
+    from specscope.models.hub import resolve_model
+    from specscope.models.loader import load_model
+    from specscope.speculative.decode import DEFAULT_DRAFTER, SpecConfig, build_drafter
+    from test_spec_shapes import ISSUE_SHAPES
+
+    try:
+        path = resolve_model("smollm2-135m")
+        target = load_model(path, dtype="fp32", device="cpu")   # not load_target's shared copy: we clamp it
+        drafter = build_drafter(DEFAULT_DRAFTER, target)
+    except SpecscopeError as e:
+        pytest.skip(f"SmolLM2 or its drafter is unavailable: {e}")
+    target.config.max_position_embeddings = REAL_CTX
+    target.rope = target.rope[:, :REAL_CTX]
+    drafter.model.config.max_position_embeddings = DRAFTER_CTX
+    drafter.model.rope = drafter.model.rope[:, :DRAFTER_CTX]
+    ids = Tokenizer(path).encode("\n\n".join(text for _, text in spread_prompts(60)))
+    while len(ids) < REAL_CTX:
+        ids = ids + ids
+    cases = sample_cases(10, REAL_CTX, seed=12, max_new_hi=24, max_dt=64)
+    cases += [(SpecConfig(*s), REAL_CTX - 12 - i % 2, 12) for i, s in enumerate(ISSUE_SHAPES)]
+    stats = check_grid(target, {"eagle3": lambda: drafter}, cases, lambda T: ids[:T])["eagle3"]
+    assert stats["accepted"] >= stats["cycled"] / 2 and stats["ended_inside"] >= 1, stats
+    assert drafter.model.rope.shape[1] >= REAL_CTX       # the table grew past the drafter's declared context

@@ -13,7 +13,8 @@ import os
 import sys
 from pathlib import Path
 
-from specscope.errors import SpecscopeError
+from specscope.errors import SpecscopeError, require_file
+from specscope.jsonio import loads
 
 PACKAGED = Path(__file__).resolve().parent / "assets" / "prompts"
 SPEC_BENCH_FILE = "spec_bench_question.jsonl"
@@ -53,10 +54,7 @@ def _read_jsonl(path: Path) -> list:
     items = []
     for i, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
         if line.strip():
-            try:
-                items.append(json.loads(line))
-            except ValueError:
-                raise SpecscopeError(f"{path}:{i} is not valid JSON") from None
+            items.append(loads(line, f"{path}:{i}"))
     return items
 
 
@@ -67,7 +65,8 @@ def mt_bench_prompts(n: int | None = None) -> tuple[list[dict], str]:
     path = spec_bench_path()
     by: dict[str, list[dict]] = {}
     for obj in _read_jsonl(path):
-        if isinstance(obj, dict) and obj.get("category") in MT_BENCH and obj.get("turns"):
+        turns = obj.get("turns") if isinstance(obj, dict) else None
+        if obj.get("category") in MT_BENCH and isinstance(turns, list) and turns and isinstance(turns[0], str):
             by.setdefault(obj["category"], []).append(
                 {"question_id": obj.get("question_id"), "category": obj["category"], "prompt": obj["turns"][0]})
     order = [c for c in MT_BENCH if c in by]
@@ -111,29 +110,23 @@ def load_prompts(dataset: str, categories: tuple[str, ...] = (), num_prompts: in
         rows, _ = mt_bench_prompts()
         return _finish("mt_bench", spec_bench_path(), rows, categories, num_prompts)
     path = spec_bench_path() if dataset == "spec_bench" else Path(dataset)
-    if not path.is_file():
-        hint = f" (packaged sets: {', '.join(NAMED)})" if not path.suffix else ""
-        raise SpecscopeError(f"dataset file {str(path)!r} does not exist{hint}")
+    if not path.suffix and not path.exists():
+        raise SpecscopeError(f"dataset file {str(path)!r} does not exist (packaged sets: {', '.join(NAMED)})")
+    require_file(path, "dataset file")
     raw = path.read_bytes()
     rows = []
     if path.suffix in (".jsonl", ".json"):
         text = raw.decode("utf-8", errors="replace")
         items = None
         if path.suffix == ".json":
-            try:
-                items = json.loads(text)
-            except ValueError as e:
-                raise SpecscopeError(f"{path}: not valid JSON ({e})") from None
+            items = loads(text, str(path))
             if not isinstance(items, list):
                 raise SpecscopeError(f"{path}: expected a JSON list of prompts")
         else:
             items = []
             for i, line in enumerate(text.splitlines(), 1):
                 if line.strip():
-                    try:
-                        items.append(json.loads(line))
-                    except ValueError:
-                        raise SpecscopeError(f"{path}:{i}: not valid JSON") from None
+                    items.append(loads(line, f"{path}:{i}"))
         for i, obj in enumerate(items, 1):
             p, c = _prompt_of(obj, f"{path}:{i}")
             rows.append({"prompt": p, "category": c})

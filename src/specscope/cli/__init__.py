@@ -6,6 +6,7 @@ Subcommands are imported lazily so `specscope --help` does not pay for torch.
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 
 import click
@@ -27,6 +28,7 @@ COMMANDS = {
     "ingest": "specscope.cli.ingest:ingest",
     "train": "specscope.cli.train:train",
     "export": "specscope.cli.train:export",
+    "check-drafter": "specscope.cli.check:check_drafter",
     "demo": "specscope.cli.demo:demo",
     "report": "specscope.cli.report:report",
 }
@@ -68,3 +70,39 @@ def main(argv=None):
         sys.exit(130)
     except BrokenPipeError:
         sys.exit(0)
+    except Exception as e:  # a bug, not a user error: one line, the traceback kept for the report
+        if os.environ.get("SPECSCOPE_TRACEBACK"):
+            raise
+        where = save_traceback(e)
+        click.echo(f"internal error: {type(e).__name__}: {_first_line(e)} — full traceback in {where}; "
+                   f"please report it", err=True)
+        sys.exit(INTERNAL_ERROR)
+
+
+INTERNAL_ERROR = 70  # EX_SOFTWARE (sysexits.h)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0][:200] if text else "(no message)"
+
+
+def save_traceback(e: BaseException) -> str:
+    """Write the traceback to $XDG_STATE_HOME/specscope/crash-*.txt (else the temp dir); returns the path."""
+    import tempfile
+    import time
+    import traceback
+    from pathlib import Path
+
+    text = (f"specscope {__version__}\nargv: {sys.argv!r}\n\n"
+            + "".join(traceback.format_exception(type(e), e, e.__traceback__)))
+    name = f"crash-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.txt"
+    state = Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state") / "specscope"
+    for d in (state, Path(tempfile.gettempdir())):
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+            (d / name).write_text(text)
+            return str(d / name)
+        except OSError:
+            continue
+    return "(nowhere: no writable state or temp directory)"

@@ -8,7 +8,7 @@ import sys
 
 import click
 
-from specscope.cli.common import alias_option, db_option, emit_json, json_option
+from specscope.cli.common import SEED, TEMPERATURE, alias_option, db_option, emit_json, json_option
 from specscope.errors import SpecscopeError
 
 ENDPOINTS = {"chat": "chat", "completions": "completions", "/v1/chat/completions": "chat",
@@ -93,7 +93,7 @@ def parse_goodput(items) -> dict | None:
 @alias_option("--max-concurrency", "concurrency", hidden=("--concurrency",), default=None,
               help="Most requests in flight; a comma list (e.g. 1,4,16) runs one level each. Default: unbounded.")
 @click.option("--ignore-eos", is_flag=True, help="Ask the server to decode exactly max_tokens (vLLM/SGLang field).")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random dataset and arrivals.")
+@click.option("--seed", type=SEED, default=0, show_default=True, help="Seed of the random dataset and arrivals.")
 @click.option("--percentile-metrics", default="ttft,tpot,itl,e2el", show_default=True,
               help="Metrics to report percentiles of (ttft, tpot, itl, e2el).")
 @click.option("--metric-percentiles", default="99", show_default=True,
@@ -108,7 +108,7 @@ def parse_goodput(items) -> dict | None:
               help="Directory for --save-result files.")
 @click.option("--result-filename", default=None,
               help="File name (default: {backend}-{rate}qps[-concurrency{c}]-{model}-{date}.json).")
-@click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True,
+@click.option("--temperature", type=TEMPERATURE, default=0.0, show_default=True,
               help="Sampling temperature of every request (0 = greedy).")
 @click.option("--api-key", envvar="SPECSCOPE_API_KEY", default=None, help="Bearer key (env SPECSCOPE_API_KEY).")
 @click.option("--timeout", "timeout_s", type=click.FloatRange(min=1), default=600.0, show_default=True,
@@ -177,7 +177,6 @@ def bench_serve(ctx, url, model, endpoint, dataset, category, num_prompts, max_t
     first = out["levels"][0]
     results = {"levels": out["levels"], "tok_per_s": first["output_throughput"],
                "request_throughput": first["request_throughput"], "failed": sum(lv["failed"] for lv in out["levels"])}
-    spec = first.get("spec_decode") or {}
     sm = first.get("server_metrics") or {}
     for key in ("accept_length", "per_position_acceptance", "draft_acceptance_rate"):
         if key in sm:

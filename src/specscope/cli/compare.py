@@ -116,7 +116,8 @@ def _print(res: dict) -> None:
             con.print(f"  ({att['note']})")
         causes = att["likely_causes"][:6]
         if causes:
-            con.print("  likely causes, most likely first:")
+            con.print("  likely causes, most likely first:" if att.get("judgeable", True) else
+                      "  settings that differ (what could explain a difference, if there is one):")
             for c in causes:
                 con.print(f"   {c['score']:.2f}  {c['key']}: {_v(c['a'])} -> {_v(c['b'])}  ({c['why']})")
 

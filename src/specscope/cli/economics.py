@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import click
 
-from specscope.cli.common import (alias_option, db_option, device_option, draft_option, dtype_option, emit_json,
-                                  json_option, output_option, setup_runtime, spec_options, stderr_console,
-                                  stdout_console)
+from specscope.cli.common import (alias_option, check_writable, db_option, device_option, draft_option,
+                                  dtype_option, emit_json, json_option, output_option, setup_runtime, spec_options,
+                                  stderr_console, stdout_console)
 from specscope.errors import SpecscopeError
 
 _DB = db_option
@@ -46,6 +46,9 @@ def verify_curve(model_name, contexts, tokens, warmup, repeats, dtype, device, t
     from specscope.economics.verify_curve import knee_words, measure_curve, parse_int_list
     from specscope.models.hub import resolve_model
     from specscope.models.loader import load_model, parse_dtype
+
+    if output and not no_plot:
+        check_writable(output, "--output")  # before minutes of measuring, not after
 
     ctxs = parse_int_list(contexts, "--context")
     toks = parse_int_list(tokens, "--tokens")
@@ -210,7 +213,8 @@ def read_prompts(dataset: str | None, limit: int) -> list[str]:
               help="Prompts of --dataset to profile / validate on.")
 @click.option("--max-new-tokens", type=click.IntRange(min=2), default=64, show_default=True,
               help="Most tokens per prompt (with --run: the run's own).")
-@click.option("--max-steps", type=click.IntRange(min=1), default=None, help="Deepest configuration to consider.")
+@click.option("--max-steps", type=click.IntRange(1, 64), default=None,
+              help="Deepest configuration to consider (beyond the measured depth the last rate is extrapolated).")
 @click.option("--max-topk", type=click.IntRange(min=1), default=None)
 @click.option("--max-draft-tokens", type=click.IntRange(min=2), default=64, show_default=True)
 @click.option("--top", type=click.IntRange(min=1), default=10, show_default=True, help="Predictions to show.")

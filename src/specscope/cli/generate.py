@@ -6,8 +6,8 @@ import sys
 
 import click
 
-from specscope.cli.common import (db_option, device_option, draft_option, dtype_option, emit_json, json_option,
-                                  setup_runtime, spec_options)
+from specscope.cli.common import (SEED, TEMPERATURE, TOP_K, TOP_P, db_option, device_option, draft_option,
+                                  dtype_option, emit_json, json_option, read_stdin_text, setup_runtime, spec_options)
 
 
 @click.command()
@@ -17,10 +17,10 @@ from specscope.cli.common import (db_option, device_option, draft_option, dtype_
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the tokenizer's chat template.")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=128, show_default=True,
               help="Most tokens to generate (HF max_new_tokens; the API's max_tokens).")
-@click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True, help="0 = greedy.")
-@click.option("--top-p", type=click.FloatRange(min=0, max=1, min_open=True), default=1.0, show_default=True)
-@click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True, help="0 = off.")
-@click.option("--seed", type=int, default=None)
+@click.option("--temperature", type=TEMPERATURE, default=0.0, show_default=True, help="0 = greedy; at most 2.")
+@click.option("--top-p", type=TOP_P, default=1.0, show_default=True, help="Nucleus sampling mass, in (0, 1].")
+@click.option("--top-k", type=TOP_K, default=0, show_default=True, help="0 = off.")
+@click.option("--seed", type=SEED, default=None, help="0..2**63-1.")
 @dtype_option()
 @device_option()
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="CPU threads for torch.")
@@ -35,7 +35,7 @@ def generate(model_name, prompt, chat, max_new_tokens, temperature, top_p, top_k
     from specscope.engine.session import GenerateRequest, run_generate
 
     if prompt == "-":
-        prompt = sys.stdin.read()
+        prompt = read_stdin_text("--prompt -")
     dev = setup_runtime(threads, device)
     req = GenerateRequest(model=model_name, prompt=prompt, chat=chat, max_new_tokens=max_new_tokens,
                           temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, dtype=dtype,

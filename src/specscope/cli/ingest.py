@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import sys
+
 import click
 
 from specscope.cli.common import alias_option, emit_json
 from specscope.errors import SpecscopeError
+
+PROGRESS_MIN_BYTES = 16 << 20   # smaller files ingest in about a second: no bar
 
 
 def _fmt(v, spec=".2f"):
@@ -16,6 +21,50 @@ def _fmt(v, spec=".2f"):
     return format(v, spec)
 
 
+def _tau(r: dict) -> str:
+    """τ with how it was averaged when that is not obvious (SGLang weights its per-line means by running requests)."""
+    s = f"τ {_fmt(r.get('accept_length'), '.3f')}"
+    if r.get("accept_length_weighting"):
+        s += (f" (mean of per-line accept len weighted by {r['accept_length_weighting']}; "
+              f"plain mean {_fmt(r.get('accept_length_unweighted'), '.3f')})")
+    return s
+
+
+def _progress_for(path: str, show: bool | None):
+    """A rich progress bar on stderr for large files on a terminal (or when --progress forces it); else None."""
+    if path == "-" or show is False:
+        return None, None
+    try:
+        size = os.path.getsize(path)
+    except OSError:
+        return None, None
+    if show is None and not (sys.stderr.isatty() and size >= PROGRESS_MIN_BYTES):
+        return None, None
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+
+    from specscope.cli.common import stderr_console
+
+    bar = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                   TimeRemainingColumn(), console=stderr_console(), transient=True)
+    task = bar.add_task(os.path.basename(path), total=size)
+    return bar, lambda done: bar.update(task, completed=done)
+
+
+def _print_report(kinds: dict) -> None:
+    """Per kind of line: read / used / skipped, and why."""
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(box=None, header_style="bold", pad_edge=False)
+    for col in ("lines", "read", "used", "skipped", "why"):
+        t.add_column(col, justify="right" if col in ("read", "used", "skipped") else "left")
+    for kind, k in kinds.items():
+        reasons = [f"{n} {why}" for why, n in k["skipped"].items()]
+        reasons += [f"{n} partly used: {why}" for why, n in k["partial"].items()]
+        t.add_row(kind, str(k["read"]), str(k["used"]), str(sum(k["skipped"].values())), "; ".join(reasons))
+    Console(stderr=True, width=None if sys.stderr.isatty() else 160).print(t)
+
+
 @click.command()
 @click.argument("files", nargs=-1, required=True, type=click.Path(dir_okay=False, allow_dash=True))
 @alias_option("--format", "engine", hidden=("--engine",),
@@ -24,17 +73,26 @@ def _fmt(v, spec=".2f"):
 @click.option("--tag", "tags", multiple=True, help="Tag the stored runs (repeatable).")
 @click.option("--name", default=None, help="Run name (default: '<format> <file name>').")
 @click.option("--no-record", is_flag=True, help="Parse and report only; do not store runs.")
+@click.option("--progress/--no-progress", "progress", default=None,
+              help="Progress bar (default: on a terminal, for files over 16 MB).")
 @click.option("--db", default=None, help="Registry database (default: SPECSCOPE_DB or the XDG data dir).")
 @click.option("--json", "as_json", is_flag=True, help="Print the summaries as JSON.")
-def ingest(files, engine, tags, name, no_record, db, as_json):
+def ingest(files, engine, tags, name, no_record, progress, db, as_json):
     """Read engine logs / metric scrapes (streamed; bad lines are counted, not fatal); one run per file ('-' reads
-    standard input, .gz files are decompressed on the fly)."""
+    standard input, .gz files are decompressed on the fly). Each figure follows the engine's own definition, as
+    tabled in docs/engine-metrics.md; a per-file report says which lines were used, skipped, and why."""
     from specscope.ingest.core import ingest_file
 
     done, failed = [], []
     for f in files:
+        bar, update = _progress_for(f, progress)
         try:
-            done.append(ingest_file(f, engine=engine, tags=tags, name=name, record=not no_record, db=db))
+            if bar is not None:
+                with bar:
+                    done.append(ingest_file(f, engine=engine, tags=tags, name=name, record=not no_record, db=db,
+                                            progress=update))
+            else:
+                done.append(ingest_file(f, engine=engine, tags=tags, name=name, record=not no_record, db=db))
         except SpecscopeError as e:
             failed.append(str(e))
             if not as_json and len(files) > 1:
@@ -45,11 +103,17 @@ def ingest(files, engine, tags, name, no_record, db, as_json):
         for s in done:
             r, i = s["results"], s["results"]["ingest"]
             rec = ", ".join(f"{k} {v}" for k, v in i["recognised"].items() if v)
-            click.echo(f"{s['file']}: {s['format']} — {i['lines']} lines ({rec}; {i['malformed']} malformed, "
-                       f"{i['other']} other)" + (f" -> run {s['run_id']}" if s["run_id"] else ""))
-            parts = [f"τ {_fmt(r.get('accept_length'))}", f"tok/s {_fmt(r.get('tok_per_s'), '.1f')}"]
+            model = s["config"].get("model")
+            click.echo(f"{s['file']}: {s['format']}" + (f" ({s['engine']})" if s["engine"] != s["format"] else "")
+                       + (f", model {model}" if model else "")
+                       + f" — {i['lines']} lines ({rec}; {i['malformed']} malformed, {i['other']} other)"
+                       + (f" -> run {s['run_id']}" if s["run_id"] else ""))
+            parts = [_tau(r), f"tok/s {_fmt(r.get('tok_per_s'), '.1f')}"]
+            if r.get("draft_acceptance_rate") is not None:
+                parts.append(f"acceptance per draft token {r['draft_acceptance_rate']:.3f}")
             if r.get("per_position_acceptance"):
-                parts.append("per-position " + ", ".join(f"{x:.3f}" for x in r["per_position_acceptance"]))
+                parts.append("per-position " + ", ".join("-" if x is None else f"{x:.3f}"
+                                                         for x in r["per_position_acceptance"]))
             if r.get("batch_size"):
                 parts.append(f"batch mean {r['batch_size']['mean']:.1f} max {r['batch_size']['max']}")
             if "cuda_graph" in r:
@@ -57,6 +121,10 @@ def ingest(files, engine, tags, name, no_record, db, as_json):
             if r.get("phases"):
                 parts.append("phases " + ", ".join(f"{k} {v['mean_ms']:.2f} ms" for k, v in r["phases"].items()))
             click.echo("  " + "; ".join(parts))
+            for seg in r.get("segments") or []:
+                click.echo(f"  segment k={seg['k']} ({seg['form']}, {seg['lines']} lines from line "
+                           f"{seg['first_line']}): τ {_fmt(seg['accept_length'], '.3f')}")
+            _print_report(i.get("kinds") or {})
             for ex in i["malformed_examples"][:3]:
                 click.echo(f"  malformed line {ex['line']}: {ex['reason']}", err=True)
             for w in i["warnings"]:

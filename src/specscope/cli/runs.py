@@ -8,7 +8,7 @@ import json
 
 import click
 
-from specscope.cli.common import emit_json, json_option, output_option
+from specscope.cli.common import emit_json, json_option, output_option, write_output
 
 
 def _console():
@@ -145,7 +145,7 @@ def _csv_rows(records: list[dict]) -> tuple[list[str], list[dict]]:
                    "per run, scalar fields flattened to columns.")
 @click.option("--json", "legacy_fmt", flag_value="json", hidden=True)   # old spellings of --format
 @click.option("--csv", "legacy_fmt", flag_value="csv", hidden=True)
-@output_option("Write to this file instead of standard output.", dir_okay=False)
+@output_option("Write to this file instead of standard output.")  # write_output says what is wrong with it
 @db_option
 def export(run_ids, fmt, legacy_fmt, output, db):
     """Export runs as JSON or CSV."""
@@ -162,8 +162,7 @@ def export(run_ids, fmt, legacy_fmt, output, db):
     else:
         text = json.dumps(recs, indent=2, default=str) + "\n"
     if output:
-        with open(output, "w") as f:
-            f.write(text)
+        write_output(output, text)
         click.echo(f"wrote {len(recs)} run(s) to {output}", err=True)
     else:
         click.echo(text, nl=False)

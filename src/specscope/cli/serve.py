@@ -37,7 +37,7 @@ def bind_socket(host: str, port: int):
 @click.option("--api-key", envvar="SPECSCOPE_API_KEY", default=None,
               help="Require 'Authorization: Bearer KEY' on /v1 routes (env SPECSCOPE_API_KEY).")
 @click.option("--max-queue", type=click.IntRange(min=1), default=64, show_default=True,
-              help="Requests allowed to wait; more get 503.")
+              help="Requests allowed to wait; more get 429 with Retry-After.")
 @click.option("--max-prompt-tokens", type=click.IntRange(min=1), default=None,
               help="Longest prompt accepted (default: the model's context - 1).")
 @click.option("--max-tokens-cap", type=click.IntRange(min=1), default=2048, show_default=True,
@@ -61,8 +61,9 @@ def serve(model_name, served_model_name, draft, steps, topk, draft_tokens, dtype
     from specscope.server.app import create_app
     from specscope.server.worker import Engine, ServeConfig
 
-    if draft is None and any(v is not None for v in (steps, topk, draft_tokens)):
-        raise SpecscopeError("--steps/--topk/--draft-tokens need --draft")
+    from specscope.engine.session import preflight
+
+    preflight(model_name, None, draft, steps, topk, draft_tokens)  # bad flags fail before the model loads
     dev = setup_runtime(threads, device)
     cfg = ServeConfig(model=model_name, served_name=served_model_name, draft=draft, steps=steps, topk=topk,
                       draft_tokens=draft_tokens, dtype=dtype, device=str(dev), max_queue=max_queue,

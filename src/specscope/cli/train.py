@@ -6,11 +6,11 @@ from pathlib import Path
 
 import click
 
-from specscope.cli.common import (alias_option, device_option, dtype_option, emit_json, json_option, output_option,
-                                  setup_runtime)
+from specscope.cli.common import (SEED, alias_option, check_writable, device_option, dtype_option, emit_json,
+                                  json_option, output_option, setup_runtime)
 from specscope.errors import SpecscopeError
 
-STAGES = ("data", "vocab", "train")
+STAGES = ("data", "vocab", "train", "select")
 
 
 def _stages(value: str) -> list[str]:
@@ -28,11 +28,21 @@ def _stages(value: str) -> list[str]:
 @click.option("--stages", default="data,vocab,train", show_default=True, help="Which stages to run (comma list).")
 @click.option("--dataset", default=None, type=click.Path(dir_okay=False),
               help="Conversations JSONL (ShareGPT conversations/from/value or OpenAI messages/role/content).")
+@click.option("--prompt-file", "prompt_files", multiple=True, type=click.Path(dir_okay=False),
+              help="Real prompts (JSONL: prompt / question / instruction+input / turns / conversations), answered "
+                   "by the target; repeatable. Prompts overlapping evaluation sets are dropped and counted.")
 @click.option("--synth", type=click.IntRange(min=0), default=0, show_default=True,
               help="Without --dataset: synthesise this many conversations from the target (Magpie).")
 @click.option("--regenerate", type=click.Choice(["none", "greedy", "sample"]), default="none", show_default=True,
               help="Replace the dataset's assistant turns with the target's own answers.")
-@click.option("--synth-batch", type=click.IntRange(min=1), default=16, show_default=True)
+@click.option("--synth-batch", type=click.IntRange(min=1), default=16, show_default=True,
+              help="Conversations synthesised per batched generation.")
+@click.option("--user-temperature", type=click.FloatRange(0.0, 2.0), default=0.8, show_default=True,
+              help="Sampling temperature of synthesised user turns.")
+@click.option("--answer-batch", type=click.IntRange(min=1), default=32, show_default=True,
+              help="Prompts answered per batched generation.")
+@click.option("--capture-batch", type=click.IntRange(min=1), default=4, show_default=True,
+              help="Sequences per capture forward.")
 @click.option("--user-tokens", type=click.IntRange(min=8), default=64, show_default=True)
 @click.option("--response-tokens", type=click.IntRange(min=8), default=192, show_default=True)
 @dtype_option("--gen-dtype", short=("fp32", "bf16", "fp16"), default="fp32",
@@ -53,7 +63,13 @@ def _stages(value: str) -> list[str]:
 @click.option("--eval-every", type=click.IntRange(min=1), default=100, show_default=True)
 @click.option("--ckpt-every", type=click.IntRange(min=1), default=100, show_default=True)
 @click.option("--eval-fraction", type=click.FloatRange(0, 0.5), default=0.05, show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--max-minutes", type=click.FloatRange(min=0.1), default=None,
+              help="Stop training after this many minutes (checkpoint saved; --resume continues).")
+@alias_option("--select-num-prompts", "select_prompts", hidden=("--select-prompts",), type=click.IntRange(min=1),
+              default=12, show_default=True, help="select stage: held-out training prompts decoded per snapshot.")
+@click.option("--select-steps", type=click.IntRange(min=1), default=3, show_default=True,
+              help="select stage: chain length used to rank snapshots by real decoding τ.")
+@click.option("--seed", type=SEED, default=0, show_default=True)
 @click.option("--resume", is_flag=True, help="Continue from the work directory's latest checkpoint.")
 @click.option("--init", "init_from", default=None, help="Fine-tune an existing drafter (either format).")
 @click.option("--export-format", type=click.Choice(["sglang", "speculators"]), default="sglang", show_default=True)
@@ -63,9 +79,10 @@ def _stages(value: str) -> list[str]:
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="CPU threads for torch.")
 @click.option("--no-progress", is_flag=True, help="No progress bars (logs only).")
 @json_option("Print one JSON summary at the end.")
-def train(workdir, target_name, stages, dataset, synth, regenerate, synth_batch, user_tokens, response_tokens,
-          gen_dtype, max_len, draft_vocab, ttt_steps, total_steps, batch_size, lr, warmup, grad_clip, weight_decay,
-          dtype, eval_every, ckpt_every, eval_fraction, seed, resume, init_from, export_format, export_dtype, output,
+def train(workdir, target_name, stages, dataset, prompt_files, synth, regenerate, synth_batch, user_temperature,
+          answer_batch, capture_batch, user_tokens, response_tokens, gen_dtype, max_len, draft_vocab, ttt_steps,
+          total_steps, batch_size, lr, warmup, grad_clip, weight_decay, dtype, eval_every, ckpt_every, eval_fraction,
+          max_minutes, select_prompts, select_steps, seed, resume, init_from, export_format, export_dtype, output,
           device, threads, no_progress, as_json):
     """Train an EAGLE-3 drafter for a target: capture data, build the draft vocabulary, train with TTT.
 
@@ -79,8 +96,16 @@ def train(workdir, target_name, stages, dataset, synth, regenerate, synth_batch,
     from specscope.train.data import CapturedData
     from specscope.train.trainer import TrainConfig, dist_info, train as run_train
 
-    dev = setup_runtime(threads, device)
     todo = _stages(stages)
+    # what can be refused from flags and files is refused before the target loads, not after hours of training
+    check_writable(workdir, "--workdir", is_dir=True)
+    if output is not None:
+        check_writable(output, "--output", is_dir=True)
+    if dataset is not None and "data" in todo:
+        from specscope.errors import require_file
+
+        require_file(dataset, "--dataset")
+    dev = setup_runtime(threads, device)
     work = Path(workdir)
     rank, world = dist_info()
     say = (lambda m: click.echo(m, err=True)) if rank == 0 else (lambda m: None)
@@ -89,20 +114,25 @@ def train(workdir, target_name, stages, dataset, synth, regenerate, synth_batch,
     target, tok, tpath = pipeline.load_target(target_name, dev, "fp32")
     tinfo = pipeline.target_info(target_name, tpath, target)
     init = pipeline.init_drafter(init_from, target) if init_from else None
-    aux = list(init.aux_layers) if init is not None else DrafterConfig.default_aux_layers(
-        target.config.num_hidden_layers)
+    L = target.config.num_hidden_layers
+    aux = list(init.aux_layers) if init is not None else DrafterConfig.default_aux_layers(L)
+    if not all(0 <= i <= L for i in aux):
+        raise SpecscopeError(f"the target has {L} layers, so EAGLE-3's aux layers {aux} (2, L//2, L-3 by default) "
+                             f"fall outside 0..{L}; train for a target with at least 4 layers")
     summary = {"workdir": str(work), "target": tinfo, "stages": todo}
 
     if "data" in todo:
         gen = pipeline.load_target(target_name, dev, gen_dtype)[0] if gen_dtype != "fp32" else target
         man = pipeline.data_stage(work, target, tok, tinfo, dataset=dataset, synth=synth, regenerate=regenerate,
                                   aux_layers=aux, synth_batch=synth_batch, user_tokens=user_tokens,
-                                  response_tokens=response_tokens, max_len=max_len, seed=seed, gen_model=gen, log=say)
+                                  response_tokens=response_tokens, max_len=max_len, seed=seed, gen_model=gen, log=say,
+                                  prompt_files=list(prompt_files), answer_batch=answer_batch,
+                                  capture_batch=capture_batch, user_temperature=user_temperature)
         summary["data"] = {k: man.get(k) for k in ("sequences", "tokens", "loss_tokens", "skipped")}
         del gen
     data = None
-    if "vocab" in todo or "train" in todo:
-        data = CapturedData(work / "data")
+    if "vocab" in todo or "train" in todo or "select" in todo:
+        data = CapturedData(work / "data", device=dev if dev.type == "cuda" else "cpu")
         if data.aux_layers != aux:
             raise SpecscopeError(f"the data in {work / 'data'} was captured at aux layers {data.aux_layers} but the "
                                  f"drafter reads {aux}; capture again into a new --workdir")
@@ -122,16 +152,25 @@ def train(workdir, target_name, stages, dataset, synth, regenerate, synth_batch,
             drafter = pipeline.fresh_drafter(target, v["d2t"], v["t2d"], aux, seed=seed)
         cfg = TrainConfig(ttt_steps=ttt_steps, lr=lr, weight_decay=weight_decay, warmup=warmup,
                           total_steps=total_steps, batch_size=batch_size, grad_clip=grad_clip, dtype=dtype, seed=seed,
-                          eval_every=eval_every, ckpt_every=ckpt_every, eval_fraction=eval_fraction, max_len=max_len)
+                          eval_every=eval_every, ckpt_every=ckpt_every, eval_fraction=eval_fraction, max_len=max_len,
+                          max_minutes=max_minutes)
         last = run_train(drafter, target.embed_tokens.weight.detach(), target.lm_head.weight.detach(), data,
                          work / "train", cfg, dev, resume=resume, progress=not no_progress, log=say,
                          meta={"target": tinfo})
         summary["train"] = last
-        if rank == 0:
+        if rank == 0 and "select" not in todo:
             dest = Path(output) if output else work / "drafter"
             pipeline.export(work, dest, export_format, DTYPES[export_dtype], tinfo)
             summary["drafter"] = str(dest)
             say(f"drafter written to {dest} ({export_format}, {export_dtype})")
+    if "select" in todo and rank == 0:
+        sel = pipeline.select_stage(work, target, tok, data, eval_fraction, seed, n_prompts=select_prompts,
+                                    steps=select_steps, log=say)
+        summary["select"] = {k: sel[k] for k in ("selected_step", "shape")}
+        dest = Path(output) if output else work / "drafter"
+        pipeline.export(work / "train" / "selected.pt", dest, export_format, DTYPES[export_dtype], tinfo)
+        summary["drafter"] = str(dest)
+        say(f"drafter (selected step {sel['selected_step']}) written to {dest} ({export_format}, {export_dtype})")
     if world > 1:
         import torch.distributed as dist
         if dist.is_initialized():
@@ -148,24 +187,65 @@ def train(workdir, target_name, stages, dataset, synth, regenerate, synth_batch,
 @output_option("Directory to write.", hidden=("--out",), file_okay=False)
 @dtype_option(short=("fp32", "bf16", "fp16", "keep"), default="keep",
               help="Weights dtype to write (keep = as stored); bfloat16 / float16 / float32 accepted.")
-@click.option("--target", "target_name", default=None,
-              help="Verifier to record in the speculators config (default: the one the checkpoint names).")
-@json_option()
-def export(source, fmt, output, dtype, target_name, as_json):
+@alias_option("--model", "target_name", hidden=("--target",), default=None,
+              help="The target (verifier): a Hugging Face directory, its config.json, or a known name. Checked "
+                   "against the drafter and recorded (default: the verifier the checkpoint names).")
+@click.option("--verifier-name", default=None,
+              help="Record this as verifier.name_or_path (e.g. the Hugging Face id of a local --model copy).")
+@alias_option("--steps", "--num-speculative-tokens", "steps", hidden=("--speculative-tokens",),
+              type=click.IntRange(min=1), default=None,
+              help="speculators: draft depth recorded as speculative_tokens (vLLM num_speculative_tokens; default: "
+                   "the checkpoint's own, else 3).")
+@json_option("Print what was written (path, format, aux ids, verifier, notes) as one JSON object.")
+def export(source, fmt, output, dtype, target_name, verifier_name, steps, as_json):
     """Write a drafter (training work directory, checkpoint file or drafter directory) in SGLang or speculators form."""
     from specscope.models.loader import DTYPES
-    from specscope.speculative.formats import load_drafter
+    from specscope.speculative.formats import aux_conventions, load_drafter, read_config, resolve_target
     from specscope.train.pipeline import export as do_export
 
-    tinfo = {"name_or_path": target_name} if target_name else None
     if output is None:
         raise SpecscopeError("export needs -o/--output DIR (the directory to write)")
-    path = do_export(source, output, fmt, None if dtype == "keep" else DTYPES[dtype], tinfo)
-    d = load_drafter(path)      # proves the written directory loads
+    check_writable(output, "--output", is_dir=True)
+    target = resolve_target(target_name, verifier_name) if target_name else None
+    tinfo = {"name_or_path": verifier_name} if verifier_name and not target else None
+    notes = _export_notes(Path(source), fmt, target or tinfo)
+    path = do_export(source, output, fmt, None if dtype == "keep" else DTYPES[dtype], tinfo, target=target,
+                     speculative_tokens=steps)
+    d = load_drafter(path, target)      # proves the written directory loads (and still fits the target)
+    raw = read_config(path)
     info = {"out": str(path), "format": fmt, "draft_vocab_size": d.config.draft_vocab_size,
-            "aux_layer_ids": list(d.aux_layers), "dtype": str(d.dtype).replace("torch.", "")}
+            "aux_layer_ids": aux_conventions(d.config), "dtype": str(d.dtype).replace("torch.", "")}
+    if fmt == "speculators":
+        info["verifier"] = raw["speculators_config"]["verifier"]
+        info["speculators_version"] = raw["speculators_version"]
+    info["notes"] = notes
     if as_json:
         emit_json(info)
     else:
-        click.echo(f"wrote {fmt} drafter to {path} (draft vocab {info['draft_vocab_size']}, "
-                   f"aux layers {info['aux_layer_ids']}, {info['dtype']})")
+        aux = info["aux_layer_ids"]
+        click.echo(f"wrote {fmt} drafter to {path} (draft vocab {info['draft_vocab_size']}, {info['dtype']}; aux "
+                   f"layers: hidden-state indices {aux['hidden_state_index']} = SGLang output-of-layer ids "
+                   f"{aux['sglang_output_of_layer']})")
+        if "verifier" in info:
+            click.echo(f"verifier: {info['verifier']['name_or_path']} ({', '.join(info['verifier']['architectures'])})")
+        for n in notes:
+            click.echo(f"note: {n}")
+
+
+def _export_notes(source: Path, fmt: str, target) -> list[str]:
+    """What the conversion changes that a user should know about (a drafter directory as the source)."""
+    from specscope.speculative.formats import read_config
+
+    if not (source.is_dir() and (source / "config.json").exists()):
+        return []
+    raw = read_config(source)
+    notes = []
+    ids = raw.get("eagle_aux_hidden_state_layer_ids")
+    if fmt == "sglang" and isinstance(ids, list) and len(ids) == 4:
+        notes.append(f"the 4th aux id ({ids[3]}, the verifier-logits layer used in training) is not written: "
+                     f"SGLang would read 4 ids as 4 fc inputs")
+    old = ((raw.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
+    new = target.name_or_path if hasattr(target, "name_or_path") else (target or {}).get("name_or_path")
+    if fmt == "speculators" and old and new and old != new:
+        notes.append(f"verifier {old!r} recorded in the source is replaced by {new!r}")
+    return notes

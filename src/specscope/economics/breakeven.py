@@ -39,6 +39,12 @@ def breakeven(inp: BreakevenInputs) -> dict:
         raise SpecscopeError(f"steps must be >= 1, got {inp.steps}")
     if inp.other_ms is None:
         inp.other_ms = 0.0
+    tau = inp.measured_accept_length
+    if tau is not None and math.isfinite(tau) and tau > inp.steps + 1 + 1e-9:
+        src = inp.sources.get("measured_accept_length", "--measured-accept-length")
+        raise SpecscopeError(f"measured accept length τ = {tau:g} ({src}) is impossible with steps = {inp.steps}: "
+                             f"a cycle yields at most {inp.steps + 1} tokens (the drafts + the bonus token); "
+                             f"check τ and --steps")
     cost = CycleCost(inp.decode_ms, inp.draft_ms, inp.verify_ms, inp.other_ms)
     need = cost.break_even_tau
     out = {

@@ -32,7 +32,8 @@ def iid_expected_tokens(alpha: float, gamma: int) -> float:
 def iid_alpha_for(tau: float, gamma: int, tol: float = 1e-12) -> float | None:
     """The per-token acceptance α at which the i.i.d. model yields τ tokens per cycle, or None if τ > γ + 1.
 
-    E(α) rises monotonically from 1 (α=0) to γ+1 (α=1), so bisection finds the unique root."""
+    E(α) rises monotonically from 1 (α=0) to γ+1 (α=1), so bisection finds the unique root; each step evaluates
+    E in closed form, so the cost does not grow with γ (a huge --steps stays instant)."""
     if gamma < 1:
         raise SpecscopeError(f"steps must be >= 1, got {gamma}")
     if tau <= 1.0:
@@ -44,12 +45,19 @@ def iid_alpha_for(tau: float, gamma: int, tol: float = 1e-12) -> float | None:
     lo, hi = 0.0, 1.0
     while hi - lo > tol:
         mid = (lo + hi) / 2
-        # the plain sum: the closed form cancels catastrophically near α = 1
-        if sum(mid ** k for k in range(gamma + 1)) < tau:
+        if _geometric_sum(mid, gamma + 1) < tau:
             lo = mid
         else:
             hi = mid
     return (lo + hi) / 2
+
+
+def _geometric_sum(alpha: float, n: int) -> float:
+    """Σ_{k<n} α^k for α in [0, 1). Written as -expm1(n·ln α) / (1 - α): the naive (1 - α^n) / (1 - α) cancels
+    catastrophically near α = 1, and 1 - α is exact for the α >= 0.5 where that matters."""
+    if alpha <= 0.0:
+        return 1.0
+    return -math.expm1(n * math.log(alpha)) / (1.0 - alpha)
 
 
 def conditional_from_unconditional(a: list[float]) -> list[float]:

@@ -15,11 +15,17 @@ def _plt():
 
 
 def _save(fig, path) -> str:
+    from specscope.errors import SpecscopeError
+
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    _plt().close(fig)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+    except OSError as e:
+        raise SpecscopeError(f"cannot write the plot {path} ({e.strerror or e})") from None
+    finally:
+        _plt().close(fig)
     return str(path)
 
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass, asdict
 
 import torch
 
-from specscope.errors import SpecscopeError
+from specscope.engine.params import check_sampling
 
 
 @dataclass
@@ -17,12 +17,9 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise SpecscopeError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise SpecscopeError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise SpecscopeError(f"top_k must be >= 0, got {self.top_k}")
+        # the one schema the CLI and the server use too (engine/params.py)
+        self.temperature, self.top_p, self.top_k, self.seed = check_sampling(
+            self.temperature, self.top_p, self.top_k, self.seed)
 
     @property
     def greedy(self) -> bool:

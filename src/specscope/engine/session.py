@@ -52,14 +52,56 @@ def stop_ids_for(model, tokenizer) -> list[int]:
     return sorted(ids)
 
 
+def preflight(model: str, max_new_tokens: int | None = None, draft: str | None = None, steps=None, topk=None,
+              draft_tokens=None):
+    """Everything checkable from flags and files before the model loads (8-18 s for a real one): the directory,
+    config.json, weight files, tokenizer, the drafting knobs, the drafter's config, and max_new_tokens against the
+    context. Returns (path, ModelConfig, SpecConfig or None)."""
+    from specscope.engine.tokenizer import check_tokenizer_files
+    from specscope.models.hub import resolve_model
+    from specscope.models.loader import load_config, weight_files
+
+    path = resolve_model(model)
+    cfg, _ = load_config(path)
+    weight_files(path)
+    check_tokenizer_files(path)
+    ctx = cfg.max_position_embeddings
+    if max_new_tokens is not None and max_new_tokens >= ctx:
+        raise SpecscopeError(f"--max-new-tokens {max_new_tokens} leaves no room for a prompt in the model's context "
+                             f"of {ctx} tokens (max_position_embeddings in config.json); use at most {ctx - 1}")
+    if draft is None:
+        if any(v is not None for v in (steps, topk, draft_tokens)):
+            raise SpecscopeError("--steps/--topk/--draft-tokens need --draft")
+        return path, cfg, None
+    from specscope.speculative.decode import SpecConfig, drafter_path
+
+    spec = SpecConfig.from_knobs(steps, topk, draft_tokens)
+    if draft == "ngram":
+        if spec.topk != 1:
+            raise SpecscopeError(f"n-gram drafting proposes a chain; use --topk 1 (got --topk {spec.topk})")
+        return path, cfg, spec
+    dpath = drafter_path(draft)
+    from specscope.speculative.decode import _is_eagle3_config
+    from specscope.speculative.formats import parse_config, read_config
+
+    raw = read_config(dpath)
+    if _is_eagle3_config(raw):
+        parse_config(raw, cfg.num_hidden_layers)
+    else:  # a small HF model as the drafter
+        load_config(dpath)
+        weight_files(dpath)
+    return path, cfg, spec
+
+
 def run_generate(req: GenerateRequest, on_text=None) -> dict:
     from specscope.engine.tokenizer import StreamDecoder
 
+    preflight(req.model, req.max_new_tokens, req.draft, req.steps, req.topk, req.draft_tokens)
+    sp = req.sampling()
     model, tok, path = load_target(req.model, req.dtype, req.device)
     prompt_ids = tok.encode(req.prompt, chat=req.chat)
     if not prompt_ids:
         raise SpecscopeError("the prompt is empty after tokenisation")
-    sp = req.sampling()
     dec = StreamDecoder(tok)
     on_tokens = (lambda ids: on_text(dec.push(ids))) if on_text else None
     stop = stop_ids_for(model, tok)

@@ -7,6 +7,12 @@ from pathlib import Path
 from specscope.errors import SpecscopeError
 
 
+def check_tokenizer_files(path: Path) -> None:
+    """Cheap check (no transformers import) that a model directory carries a tokenizer."""
+    if not (path / "tokenizer.json").is_file() and not (path / "tokenizer.model").is_file():
+        raise SpecscopeError(f"{str(path)!r} has no tokenizer.json; copy the tokenizer files next to the weights")
+
+
 class Tokenizer:
     def __init__(self, path: str | Path):
         import logging
@@ -17,8 +23,7 @@ class Tokenizer:
         transformers.logging.set_verbosity_error()
         logging.getLogger("transformers").setLevel(logging.ERROR)
         path = Path(path)
-        if not (path / "tokenizer.json").exists() and not (path / "tokenizer.model").exists():
-            raise SpecscopeError(f"{str(path)!r} has no tokenizer.json; copy the tokenizer files next to the weights")
+        check_tokenizer_files(path)
         try:
             self.tok = AutoTokenizer.from_pretrained(str(path))
         except Exception as e:
@@ -40,7 +45,11 @@ class Tokenizer:
         return self.tok.encode(text, add_special_tokens=False)
 
     def encode_messages(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        out = self.tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+        try:
+            out = self.tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+        except Exception as e:  # a broken or strict template (jinja errors, raise_exception) is the file's fault
+            raise SpecscopeError(f"the tokenizer's chat template failed on this conversation ({type(e).__name__}: "
+                                 f"{e}); check chat_template in tokenizer_config.json") from None
         if isinstance(out, dict) or hasattr(out, "keys"):
             out = out["input_ids"]
         return list(out)

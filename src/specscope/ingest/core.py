@@ -8,7 +8,7 @@ import hashlib
 import sys
 from pathlib import Path
 
-from specscope.errors import SpecscopeError
+from specscope.errors import SpecscopeError, require_file
 from specscope.ingest.base import MAX_EXAMPLES, Malformed
 from specscope.ingest.lines import split_records
 from specscope.ingest.profile_lines import ProfileParser
@@ -20,19 +20,28 @@ FORMATS = {"sglang": SGLangParser, "vllm": VLLMParser, "specscope": ProfileParse
 MAX_LINE = 1 << 20  # longer physical lines are skipped (counted as malformed) rather than held in memory
 
 
-def iter_lines(path: Path, digest, nbytes: list):
-    """(line number, text or None if overlong, terminated) without loading the file; .gz is read transparently."""
+PROGRESS_EVERY = 1 << 16  # lines between progress callbacks
+
+
+def iter_lines(path: Path, digest, nbytes: list, progress=None):
+    """(line number, text or None if overlong, terminated) without loading the file; .gz is read transparently.
+
+    progress(bytes of the file read so far) is called every PROGRESS_EVERY lines (compressed bytes for .gz).
+    """
     if str(path) == "-":  # a pipe: `kubectl logs pod | specscope ingest -`
         f = contextlib.nullcontext(sys.stdin.buffer)
     else:
         f = (gzip.open if path.suffix == ".gz" else open)(path, "rb")
     with f as f:
+        raw_f = getattr(f, "fileobj", None) or f   # a GzipFile's position is in uncompressed bytes
         n = 0
         while True:
             raw = f.readline(MAX_LINE)
             if not raw:
                 return
             n += 1
+            if progress is not None and n % PROGRESS_EVERY == 0:
+                progress(raw_f.tell())
             digest.update(raw)
             nbytes[0] += len(raw)
             if len(raw) == MAX_LINE and not raw.endswith(b"\n"):
@@ -47,16 +56,16 @@ def iter_lines(path: Path, digest, nbytes: list):
             yield n, raw.decode("utf-8", errors="replace").rstrip("\r\n"), raw.endswith(b"\n")
 
 
-def scan(path: Path, engine: str = "auto") -> dict:
+def scan(path: Path, engine: str = "auto", progress=None) -> dict:
     """Parse a file; returns the parsers and the line accounting (no registry involved)."""
     if engine != "auto" and engine not in FORMATS:
         raise SpecscopeError(f"unknown engine {engine!r}; use one of auto, {', '.join(FORMATS)}")
-    if str(path) != "-" and not path.is_file():
-        raise SpecscopeError(f"{path}: no such file")
+    if str(path) != "-":
+        require_file(path, "log file")
     parsers = [cls() for cls in FORMATS.values()] if engine == "auto" else [FORMATS[engine]()]
     acc = {"lines": 0, "recognised": {p.name: 0 for p in parsers}, "malformed": 0,
            "malformed_by_format": {p.name: 0 for p in parsers}, "other": 0, "malformed_examples": [],
-           "unterminated_last_line": False}
+           "unterminated_last_line": False, "overlong": 0}
     digest = hashlib.sha256()
     nbytes = [0]
 
@@ -69,10 +78,11 @@ def scan(path: Path, engine: str = "auto") -> dict:
                                               "text": (text or "")[:160]})
 
     try:
-        for lineno, text, terminated in iter_lines(path, digest, nbytes):
+        for lineno, text, terminated in iter_lines(path, digest, nbytes, progress):
             acc["lines"] += 1
             acc["unterminated_last_line"] = not terminated
             if text is None:
+                acc["overlong"] += 1
                 bad(lineno, None, f"line longer than {MAX_LINE} bytes", "")
                 continue
             for piece in split_records(text):
@@ -95,11 +105,35 @@ def scan(path: Path, engine: str = "auto") -> dict:
     return acc
 
 
+def line_report(acc: dict, parsers, main) -> dict:
+    """Per kind of line: read, used, skipped and partly used, each with why; plus malformed and other lines."""
+    out = {}
+    for p in parsers:
+        for kind, r in p.line_report().items():
+            if p is not main:
+                used = r["used"]
+                r = dict(r, used=0, skipped=dict(r["skipped"]))
+                if used:
+                    why = f"another format: this run holds the {main.name} data only"
+                    r["skipped"][why] = r["skipped"].get(why, 0) + used
+            out[f"{p.name} {kind}"] = r
+    if acc["other"]:
+        out["other"] = {"read": acc["other"], "used": 0, "skipped": {"no format recognised it": acc["other"]},
+                        "partial": {}}
+    overlong = acc["overlong"]
+    if overlong:
+        out["overlong"] = {"read": overlong, "used": 0,
+                           "skipped": {f"line longer than {MAX_LINE} bytes": overlong}, "partial": {}}
+    return out
+
+
 def ingest_file(path, engine: str = "auto", tags=(), name: str | None = None, record: bool = True,
-                db=None) -> dict:
-    """Parse one file into a registry run (kind "ingest"); returns a summary with the run id."""
+                db=None, progress=None) -> dict:
+    """Parse one file into a registry run (kind "ingest"); returns a summary with the run id.
+
+    progress: called with the bytes read so far (for a progress bar on large files)."""
     path = Path(path)
-    acc = scan(path, engine)
+    acc = scan(path, engine, progress)
     parsers = acc.pop("parsers")
     with_data = sorted((p for p in parsers if p.has_data()), key=lambda p: -p.data_lines)
     if not with_data:
@@ -120,7 +154,8 @@ def ingest_file(path, engine: str = "auto", tags=(), name: str | None = None, re
     ingest_info = {"format": main.name, "lines": acc["lines"], "recognised": acc["recognised"],
                    "malformed": acc["malformed"], "malformed_by_format": acc["malformed_by_format"],
                    "other": acc["other"], "malformed_examples": acc["malformed_examples"],
-                   "unterminated_last_line": acc["unterminated_last_line"], "warnings": warnings}
+                   "unterminated_last_line": acc["unterminated_last_line"],
+                   "kinds": line_report(acc, parsers, main), "warnings": warnings}
     config = {k: v for k, v in out["config"].items() if v is not None}
     # where the numbers came from; kept out of config so `compare` does not list file names as causes
     source = {"file": "<stdin>" if str(path) == "-" else str(path.resolve()), "sha256": acc["sha256"],

@@ -89,11 +89,13 @@ class ProfileParser(FormatParser):
                 b["shares"][key] = number(m.group(3)) / 100.0
                 return self._ok()
         except ValueError as e:
+            self.malformed("profile lines")
             raise Malformed(f"profile line: {e}") from None
         return None
 
     def _ok(self) -> str:
         self.data_lines += 1
+        self.saw("profile lines")
         return OK
 
     def result(self) -> dict:

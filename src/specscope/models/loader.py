@@ -48,10 +48,15 @@ def load_config(path: str | Path) -> tuple[ModelConfig, dict]:
 
 def read_json_object(f: Path) -> dict:
     """A JSON file that must hold an object (config.json and the like), with one-line errors."""
+    from specscope.jsonio import loads
+
+    if not f.is_file():
+        raise SpecscopeError(f"{f} is not a regular file")
     try:
-        d = json.loads(f.read_text())
-    except json.JSONDecodeError as e:
-        raise SpecscopeError(f"{f} is not valid JSON ({e.msg} at line {e.lineno})") from None
+        raw = f.read_bytes()
+    except OSError as e:
+        raise SpecscopeError(f"cannot read {f} ({e.strerror or e})") from None
+    d = loads(raw, str(f))
     if not isinstance(d, dict):
         raise SpecscopeError(f"{f} must hold a JSON object")
     return d
@@ -60,17 +65,18 @@ def read_json_object(f: Path) -> dict:
 def weight_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.exists():
-        try:
-            wm = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError):
-            raise SpecscopeError(f"{index} is corrupt: expected a JSON object with a 'weight_map'") from None
+        wm = read_json_object(index).get("weight_map")
+        if not isinstance(wm, dict) or not all(isinstance(f, str) and f and "/" not in f and f not in (".", "..")
+                                               for f in wm.values()):
+            raise SpecscopeError(f"{index} is corrupt: expected a JSON object with a 'weight_map' of tensor name "
+                                 f"-> shard file name")
         files = sorted({path / f for f in wm.values()})
-        missing = [f.name for f in files if not f.exists()]
+        missing = [f.name for f in files if not f.is_file()]
         if missing:
             raise SpecscopeError(f"shard(s) listed in {index.name} are missing: {', '.join(missing)}")
         return files
     single = path / "model.safetensors"
-    if single.exists():
+    if single.is_file():
         return [single]
     raise SpecscopeError(f"{str(path)!r} has no model.safetensors or model.safetensors.index.json")
 
@@ -225,3 +231,79 @@ def load_model(path: str | Path, dtype: torch.dtype | str | None = None, device:
 
         pack_linears(model)
     return model
+
+
+# ---------------------------------------------------------------- safetensors without a second copy
+
+ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+             "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+             "BOOL": torch.bool}
+
+
+class SafetensorsReader:
+    """Tensors of one or more .safetensors files read straight into tensors we allocate (plain reads, no mmap):
+    resident memory is what we keep, in the stored dtype, and several stored tensors can land in slices of one
+    fused tensor (q/k/v -> qkv) without a concatenation copy."""
+
+    def __init__(self, files: list[Path]):
+        self.entries: dict[str, tuple[Path, torch.dtype, tuple[int, ...], int, int]] = {}
+        for f in files:
+            try:
+                with open(f, "rb") as fh:
+                    n = int.from_bytes(fh.read(8), "little")
+                    if not 0 < n < 100_000_000:
+                        raise ValueError("bad header length")
+                    header = json.loads(fh.read(n))
+                size = f.stat().st_size
+                for name, e in header.items():
+                    if name == "__metadata__":
+                        continue
+                    lo, hi = e["data_offsets"]
+                    if e["dtype"] not in ST_DTYPES:
+                        raise ValueError(f"tensor {name!r} has unsupported dtype {e['dtype']}")
+                    if 8 + n + hi > size:
+                        raise ValueError(f"tensor {name!r} runs past the end of the file")
+                    self.entries[name] = (f, ST_DTYPES[e["dtype"]], tuple(e["shape"]), 8 + n + lo, 8 + n + hi)
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                raise SpecscopeError(f"cannot read {f} ({type(e).__name__}: {e}); the file is corrupt or "
+                                     f"truncated, re-download or re-convert it") from None
+
+    def keys(self):
+        return self.entries.keys()
+
+    def __contains__(self, name):
+        return name in self.entries
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.entries[name][2]
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self.entries[name][1]
+
+    def read(self, name: str, out: torch.Tensor | None = None) -> torch.Tensor:
+        f, dtype, shape, lo, hi = self.entries[name]
+        if out is None:
+            out = torch.empty(shape, dtype=dtype)
+        assert out.is_contiguous() and out.dtype == dtype and out.numel() * out.element_size() == hi - lo
+        buf = out.view(-1).view(torch.uint8).numpy() if out.numel() else None
+        if buf is not None:
+            with open(f, "rb") as fh:
+                fh.seek(lo)
+                if fh.readinto(memoryview(buf)) != hi - lo:
+                    raise SpecscopeError(f"cannot read tensor {name!r} from {f}: the file is truncated")
+        return out
+
+    def cat(self, names: list[str]) -> torch.Tensor:
+        """torch.cat(names, dim=0), read in place; dtypes must agree."""
+        dts = {self.dtype(n) for n in names}
+        if len(dts) != 1:
+            raise SpecscopeError(f"tensors {', '.join(names)} mix dtypes ({', '.join(map(str, dts))})")
+        shapes = [self.shape(n) for n in names]
+        if len({s[1:] for s in shapes}) != 1:
+            raise SpecscopeError(f"tensors {', '.join(names)} have shapes {shapes} that do not stack")
+        out = torch.empty((sum(s[0] for s in shapes), *shapes[0][1:]), dtype=dts.pop())
+        row = 0
+        for n, s in zip(names, shapes):
+            self.read(n, out.narrow(0, row, s[0]))
+            row += s[0]
+        return out

@@ -27,7 +27,8 @@ PRIORS: list[tuple[str, float, frozenset, str]] = [
     ("config.model_hash", 1.0, ALL, "different target weights"),
     ("config.model", 0.9, ALL, "different target model"),
     ("config.dtype", 0.95, ALL | {"tau"}, "dtype sets every matmul's cost (and rounding can flip near-tie argmaxes)"),
-    ("config.engine", 1.0, ALL | {"tau"}, "different engine (baseline / speculative)"),
+    ("config.engine", 1.0, ALL | {"tau"}, "different engine"),
+    ("config.engine_version", 0.8, ALL | {"tau"}, "different engine version"),
     ("config.draft_hash", 0.95, frozenset({"draft", "tau"}), "different drafter weights"),
     ("config.draft", 0.9, frozenset({"draft", "tau"}), "different drafter"),
     ("config.steps", 0.9, DRAFTING, "draft depth: more draft steps, a longer verify, a different τ"),
@@ -118,11 +119,28 @@ def relevance(affects: frozenset, shape: dict) -> float:
     return 0.5
 
 
+SPECSCOPE_MODES = {"baseline", "speculative"}   # config.engine of specscope's own runs
+
+
+def _engine_why(a, b) -> str:
+    """config.engine holds specscope's mode (baseline / speculative) or a production engine (sglang, vllm)."""
+    pair = {a, b}
+    if pair == SPECSCOPE_MODES:
+        return "speculative decoding on vs off (specscope baseline / speculative)"
+    if pair <= SPECSCOPE_MODES | {None}:
+        return "one run's engine mode is unknown"
+    if pair & SPECSCOPE_MODES:
+        return f"different inference engines ({a} vs {b}): a specscope run against a production engine's"
+    return f"different inference engines ({a} vs {b}): scheduler, kernels and metric definitions all differ"
+
+
 def rank(diffs: dict[str, tuple], shape: dict) -> list[dict]:
     """diffs: {flat key: (value in A, value in B)} -> ranked [{key, a, b, score, prior, why}]."""
     out = []
     for key, (a, b) in diffs.items():
         prior, affects, why = prior_for(key)
+        if key == "config.engine":
+            why = _engine_why(a, b)
         score = prior * relevance(affects, shape) * _magnitude(a, b)
         out.append({"key": key, "a": a, "b": b, "score": round(score, 3), "prior": prior, "why": why})
     out.sort(key=lambda d: (-d["score"], d["key"]))

@@ -23,6 +23,10 @@ from specscope.registry import causes, stats
 from specscope.registry.fingerprint import VOLATILE, flatten, load_warning
 
 OOP_MIN_SHARE = 0.03       # phases below 3 % of a cycle are too small to call "out of proportion"
+JUDGED = ("better", "worse", "no significant change")
+HOW_TO_JUDGE = ("record runs that keep per-cycle samples (specscope generate / bench / bench-serve), or repeat each "
+                "setup a few times (ingest every log, tag them) and compare the repeats with --by to see the "
+                "run-to-run spread")
 
 
 # ---- per-run numbers ----------------------------------------------------------------------------------------
@@ -271,9 +275,24 @@ def _attribute(a: dict, b: dict, rows: list[dict], i: int) -> dict:
     any_change = bool(changed_phases or tau_changed or any(_changed(r["verdicts"][i]) for r in rows))
     oop = _out_of_proportion(rows, i, a, b)
     out["out_of_proportion"] = oop
-    if not any_change:
+    judged = [r["label"] for r in rows if r["verdicts"][i] in JUDGED]
+    unjudged = [r for r in rows if r["verdicts"][i] not in JUDGED and (r["changes"][i] or {}).get("change") is not None]
+    out["judged"] = judged
+    out["not_judged"] = [r["label"] for r in unjudged]
+    out["judgeable"] = True
+    if not any_change and not judged:
+        # point values without samples: a difference cannot be told from noise, and "no change" would be a claim
         out["explains"] = None
-        out["summary"] = "no significant change in any metric"
+        out["judgeable"] = False
+        moved = ", ".join(f"{r['label']} {r['changes'][i]['change'] * 100:+.1f}%" for r in unjudged[:4])
+        out["summary"] = ("cannot be judged from these data: no metric has per-cycle samples, so the noise of "
+                          + (f"the differences ({moved}) " if moved else "these values ") + "is unknown")
+        out["how_to_judge"] = HOW_TO_JUDGE
+    elif not any_change:
+        out["explains"] = None
+        out["summary"] = "no significant change in any metric" if not unjudged else (
+            f"no significant change in {', '.join(judged)}; not judged (no per-cycle samples): "
+            + ", ".join(r["label"] for r in unjudged))
     else:
         total = out.get("delta_ms_per_token") or 0.0
         # the phase that moved most in the direction of the total change; opposite moves are named as offsets
@@ -297,13 +316,17 @@ def _attribute(a: dict, b: dict, rows: list[dict], i: int) -> dict:
             parts.append(msg)
         if oop:
             parts.append(oop["message"])
+        if unjudged:
+            parts.append("not judged (no per-cycle samples): " + ", ".join(r["label"] for r in unjudged))
         out["summary"] = "; ".join(parts)
     shape = {"out_of_proportion": oop["phase"] if oop else None, "tau_changed": tau_changed,
              "changed_phases": changed_phases}
     pair = settings_diff([a, b])
     out["likely_causes"] = causes.rank({k: tuple(v) for k, v in pair.items()}, shape)
-    if not any_change and out["likely_causes"]:
-        out["note"] = "settings differ but no metric changed beyond noise"
+    if not any_change and judged and out["likely_causes"]:
+        out["note"] = "settings differ but no judged metric changed beyond noise"
+    elif not judged and not any_change:
+        out["note"] = "to judge: " + HOW_TO_JUDGE
     return out
 
 

@@ -65,6 +65,8 @@ MIGRATIONS = [
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 
+SQLITE_INT_MAX = 2**63 - 1
+
 
 def default_db_path() -> Path:
     env = os.environ.get("SPECSCOPE_DB")
@@ -251,7 +253,7 @@ class Registry:
             if not n.isdigit():
                 raise SpecscopeError(f"bad run reference {ref!r}; use last or last~N")
             row = self._conn.execute("SELECT id FROM runs ORDER BY created_at DESC, rowid DESC LIMIT 1 OFFSET ?",
-                                     (int(n),)).fetchone()
+                                     (min(int(n), SQLITE_INT_MAX),)).fetchone()
             if row is None:
                 raise SpecscopeError(f"no run {ref!r}: the registry {self.path} has fewer runs")
             return row[0]
@@ -305,7 +307,7 @@ class Registry:
             sql += " WHERE " + " AND ".join(where)
         sql += " ORDER BY created_at DESC, rowid DESC"
         if limit:
-            sql += f" LIMIT {int(limit)}"
+            sql += f" LIMIT {min(int(limit), SQLITE_INT_MAX)}"  # SQLite integers are signed 64-bit
         out = []
         for r in self._conn.execute(sql, args).fetchall():
             out.append({"id": r[0], "created_at": r[1], "kind": r[2], "name": r[3],

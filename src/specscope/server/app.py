@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import logging
 import time
+import uuid
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -16,10 +18,16 @@ from specscope.server.metrics import ServerMetrics
 from specscope.server.protocol import ApiError
 from specscope.server.worker import Engine, EngineWorker, Job
 
+log = logging.getLogger("specscope.server")
 
-def error_response(e: ApiError) -> JSONResponse:
-    headers = {401: {"WWW-Authenticate": "Bearer"}, 503: {"Retry-After": "1"}}.get(e.status)
-    return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+def error_response(e: ApiError, headers: dict | None = None) -> JSONResponse:
+    headers = dict(headers or {})
+    if e.status == 401:
+        headers["WWW-Authenticate"] = "Bearer"
+    if e.status in (429, 503):
+        headers["Retry-After"] = str(e.retry_after or 1)
+    return JSONResponse(e.body(), status_code=e.status, headers=headers or None)
 
 
 class CancellingStream(StreamingResponse):
@@ -75,8 +83,13 @@ def create_app(engine: Engine, metrics: ServerMetrics | None = None) -> FastAPI:
         return error_response(e)
 
     @app.exception_handler(Exception)
-    async def _bug(request, e: Exception):  # still a JSON body, and the reason, for a client's logs
-        return error_response(ApiError(500, f"internal error ({type(e).__name__}: {e})"))
+    async def _bug(request, e: Exception):
+        # a bug, not a bad request: the client gets an id to quote, the server log gets the traceback under it
+        rid = "err-" + uuid.uuid4().hex[:16]
+        log.error("internal error in %s %s (request id %s)", request.method, request.url.path, rid,
+                  exc_info=(type(e), e, e.__traceback__))
+        return error_response(ApiError(500, f"internal error (request id {rid}); the server log has the traceback "
+                                            f"under this id; please report it"), {"X-Request-Id": rid})
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request, e: StarletteHTTPException):
@@ -121,9 +134,9 @@ def create_app(engine: Engine, metrics: ServerMetrics | None = None) -> FastAPI:
             raise ApiError(404, f"the model {p.model!r} does not exist; this server serves {engine.name!r}",
                            "model")
         ids = engine.encode(p)
-        job = Job(p, ids, asyncio.get_running_loop())
-        worker.submit(job)
         rid = P.new_id(kind)
+        job = Job(p, ids, asyncio.get_running_loop(), rid)
+        worker.submit(job)
         if p.stream:
             return CancellingStream(stream_events(job, p, rid), job, media_type="text/event-stream",
                                     headers={"Cache-Control": "no-cache"})

@@ -35,7 +35,7 @@ class ServerMetrics:
         self.request_success = Counter(P + "request_success", "Finished requests.", ["finished_reason"], registry=r)
         self.request_failed = Counter(P + "request_failed", "Requests that ended in an error or were cancelled.",
                                       ["reason"], registry=r)
-        self.requests_rejected = Counter(P + "requests_rejected", "Requests refused with 503 (queue full).",
+        self.requests_rejected = Counter(P + "requests_rejected", "Requests refused with 429 (queue full).",
                                          registry=r)
         self.running = Gauge(P + "num_requests_running", "Requests being decoded.", registry=r)
         self.waiting = Gauge(P + "num_requests_waiting", "Requests in the queue.", registry=r)
@@ -43,6 +43,12 @@ class ServerMetrics:
                               buckets=LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram(P + "e2e_request_latency_seconds", "Time from enqueue to the last token.",
                              buckets=LATENCY_BUCKETS, registry=r)
+        # vLLM's split of e2e: waiting for the (batch-1) engine vs being decoded; under load the first dominates
+        self.queue_time = Histogram(P + "request_queue_time_seconds", "Time a request waited in the queue.",
+                                    buckets=LATENCY_BUCKETS, registry=r)
+        self.inference_time = Histogram(P + "request_inference_time_seconds",
+                                        "Time a request spent being decoded (prefill + decode).",
+                                        buckets=LATENCY_BUCKETS, registry=r)
 
     def observe_spec(self, extra: dict) -> None:
         """Count one finished speculative request from GenerationResult.extra."""

@@ -11,15 +11,20 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from specscope.engine.params import ParamError, check_sampling
+
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, type_: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, type_: str | None = None,
+                 retry_after: int | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
+        self.retry_after = retry_after  # seconds, sent as Retry-After (429 / 503)
         self.type = type_ or {401: "authentication_error", 404: "not_found_error", 413: "invalid_request_error",
-                              503: "service_unavailable", 500: "server_error"}.get(status, "invalid_request_error")
+                              429: "rate_limit_error", 503: "service_unavailable",
+                              500: "server_error"}.get(status, "invalid_request_error")
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.status}}
@@ -49,11 +54,13 @@ def _num(body, key, typ, lo=None, hi=None, default=None):
     v = body.get(key, default)
     if v is None:
         return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or (typ is int and not float(v).is_integer()):
+    integral = isinstance(v, int) or (isinstance(v, float) and v.is_integer())  # is_integer: False for inf / nan
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (typ is int and not integral):
         raise ApiError(400, f"'{key}' must be {'an integer' if typ is int else 'a number'}, got {v!r}", key)
     v = typ(v)
     if (lo is not None and v < lo) or (hi is not None and v > hi):
-        raise ApiError(400, f"'{key}' must be in [{lo}, {hi}], got {v}", key)
+        shown = str(v) if len(str(v)) <= 40 else f"a {len(str(v))}-digit number"
+        raise ApiError(400, f"'{key}' must be in [{lo}, {hi}], got {shown}", key)
     return v
 
 
@@ -68,9 +75,12 @@ def _bool(body, key, default=False):
 
 def parse_json(raw: bytes) -> dict:
     try:
+        # NaN / Infinity (a Python extension to JSON) parse, then fail the field checks by name
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise ApiError(400, f"the request body is not valid JSON ({e})") from None
+    except RecursionError:
+        raise ApiError(400, "the request body is nested too deeply to be a request") from None
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     return body
@@ -86,13 +96,16 @@ def _common(body: dict, kind: str, max_tokens_cap: int) -> GenParams:
     key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     # OpenAI: completions default to 16 tokens; chat runs to the end of the context (None, set after tokenizing)
     p.max_tokens = _num({key: mt}, key, int, 1, max_tokens_cap, default=16 if kind == "completion" else None)
-    p.temperature = _num(body, "temperature", float, 0.0, 2.0, default=1.0)
-    p.top_p = _num(body, "top_p", float, 0.0, 1.0, default=1.0)
-    if p.top_p == 0:
-        raise ApiError(400, "'top_p' must be > 0", "top_p")
-    p.top_k = _num(body, "top_k", int, -1, None, default=0)
-    p.top_k = max(p.top_k, 0)  # vLLM uses -1 for "off"
-    p.seed = _num(body, "seed", int, None, None, default=None)
+    # the CLI's schema (engine/params.py); null means the default, as in OpenAI's API
+    get = lambda k, d: d if body.get(k) is None else body[k]  # noqa: E731
+    top_k = get("top_k", 0)
+    if top_k == -1 and not isinstance(top_k, bool):
+        top_k = 0  # vLLM uses -1 for "off"
+    try:
+        p.temperature, p.top_p, p.top_k, p.seed = check_sampling(get("temperature", 1.0), get("top_p", 1.0), top_k,
+                                                                 body.get("seed"), style="api")
+    except ParamError as e:
+        raise ApiError(400, str(e), e.field) from None
     n = _num(body, "n", int, 1, None, default=1)
     if n != 1:
         raise ApiError(400, "only 'n': 1 is supported", "n")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import queue
 import threading
 import time
@@ -49,7 +50,8 @@ class StopString(Exception):
 
 
 class Job:
-    def __init__(self, params: GenParams, prompt_ids: list[int], loop: asyncio.AbstractEventLoop):
+    def __init__(self, params: GenParams, prompt_ids: list[int], loop: asyncio.AbstractEventLoop, rid: str = ""):
+        self.rid = rid
         self.params = params
         self.prompt_ids = prompt_ids
         self.loop = loop
@@ -238,6 +240,7 @@ class EngineWorker:
         self.q: queue.Queue = queue.Queue(maxsize=max_queue)
         self.stopping = False
         self.current: Job | None = None
+        self.service_s = 1.0  # running mean of one request's decode time, for Retry-After
         self.thread = threading.Thread(target=self._loop, name="specscope-engine", daemon=True)
 
     def start(self) -> None:
@@ -249,8 +252,11 @@ class EngineWorker:
         try:
             self.q.put_nowait(job)
         except queue.Full:
+            # 429 + Retry-After (as vLLM / OpenAI do under load): the server is fine, it is just busy
             self.metrics.requests_rejected.inc()
-            raise ApiError(503, f"the request queue is full ({self.q.maxsize} waiting); retry later") from None
+            wait = max(1, min(600, math.ceil(self.service_s * (self.q.qsize() + 1))))
+            raise ApiError(429, f"the request queue is full ({self.q.maxsize} waiting); retry in about {wait} s",
+                           retry_after=wait) from None
         self.metrics.waiting.set(self.q.qsize())
 
     def _loop(self) -> None:
@@ -259,11 +265,13 @@ class EngineWorker:
             self.metrics.waiting.set(self.q.qsize())
             if job is None:
                 return
-            if job.cancelled.is_set():  # the client left while it waited
+            if job.cancelled.is_set():  # the client left while it waited: no decode for nobody
                 self.metrics.request_failed.labels(reason="cancelled").inc()
                 continue
             self.current = job
             self.metrics.running.set(1)
+            t_start = time.perf_counter()
+            self.metrics.queue_time.observe(t_start - job.t_enqueue)
             try:
                 self.engine.run(job, self.metrics)
             except Cancelled:
@@ -272,11 +280,15 @@ class EngineWorker:
             except SpecscopeError as e:
                 self.metrics.request_failed.labels(reason="invalid").inc()
                 job.post("error", ApiError(400, str(e)))
-            except Exception as e:  # keep serving; the client gets a 500 with the reason
-                log.exception("request failed")
+            except Exception as e:  # a bug: keep serving; the client gets a 500 and an id to find the traceback by
+                log.exception("request %s failed", job.rid)
                 self.metrics.request_failed.labels(reason="error").inc()
-                job.post("error", ApiError(500, f"generation failed ({type(e).__name__}: {e})"))
+                job.post("error", ApiError(500, f"internal error during generation ({type(e).__name__}; request id "
+                                                f"{job.rid}); the server log has the traceback; please report it"))
             finally:
+                took = time.perf_counter() - t_start
+                self.metrics.inference_time.observe(took)
+                self.service_s = 0.8 * self.service_s + 0.2 * took
                 self.current = None
                 self.metrics.running.set(0)
 

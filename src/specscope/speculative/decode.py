@@ -53,23 +53,26 @@ class SpecConfig:
     def shape(self) -> str:
         return "chain" if self.topk == 1 else "tree"
 
+    @property
+    def expansion_slots(self) -> int:
+        """Drafter-cache entries one cycle writes past the committed ones: each level after the first expands up
+        to topk frontier nodes, whatever the tree keeps (a wide, shallow-budget tree writes more than it verifies)."""
+        return (self.steps - 1) * self.topk
+
+    def within(self, depth: int) -> "SpecConfig":
+        """This shape drafting at most `depth` (>= 1) levels: near the end of the context a cycle drafts fewer
+        tokens rather than verify positions past it."""
+        if depth >= self.steps:
+            return self
+        depth = max(depth, 1)
+        return SpecConfig(depth, self.topk, min(self.draft_tokens, 1 + self.topk + (depth - 1) * self.topk ** 2))
+
 
 def build_drafter(spec: str, target, dtype="auto", device=None) -> Drafter:
     """'ngram', a shipped drafter name, an EAGLE-3 checkpoint directory, or a small HF model directory/name."""
     if spec == "ngram":
         return NgramDrafter(target.device)
-    path = ASSETS / spec
-    if not path.exists():
-        path = Path(spec).expanduser()
-    if not path.exists():
-        from specscope.models.hub import KNOWN_MODELS, resolve_model
-
-        if spec in KNOWN_MODELS:
-            path = resolve_model(spec)
-        else:
-            shipped = sorted(p.name for p in ASSETS.iterdir()) if ASSETS.exists() else []
-            raise SpecscopeError(f"drafter {spec!r} not found: not 'ngram', a shipped drafter ({', '.join(shipped) or 'none'}), "
-                                 f"nor an existing directory")
+    path = drafter_path(spec)
     from specscope.speculative.formats import load_drafter, read_config, validate_drafter
 
     raw = read_config(path)
@@ -83,6 +86,24 @@ def build_drafter(spec: str, target, dtype="auto", device=None) -> Drafter:
 
     dm = load_model(path, dtype=target.dtype, device=target.device)
     return DraftModelDrafter(dm, target)
+
+
+def drafter_path(spec: str) -> Path:
+    """The directory behind a --draft value other than 'ngram' (a shipped drafter, a path or a known model)."""
+    path = ASSETS / spec
+    if not path.exists():
+        path = Path(spec).expanduser()
+    if not path.exists():
+        from specscope.models.hub import KNOWN_MODELS, resolve_model
+
+        if spec in KNOWN_MODELS:
+            return resolve_model(spec)
+        shipped = sorted(p.name for p in ASSETS.iterdir()) if ASSETS.exists() else []
+        raise SpecscopeError(f"drafter {spec!r} not found: not 'ngram', a shipped drafter ({', '.join(shipped) or 'none'}), "
+                             f"nor an existing directory")
+    if not path.is_dir():
+        raise SpecscopeError(f"drafter {spec!r} is not a directory; pass an EAGLE-3 or Hugging Face checkpoint directory")
+    return path
 
 
 def _is_eagle3_config(raw: dict) -> bool:
@@ -104,6 +125,7 @@ def speculative_generate(target, drafter: Drafter, prompt_ids: list[int], max_ne
     device = target.device
     T = len(prompt_ids)
     max_len = check_context(target, T, max_new_tokens, extra=cfg.draft_tokens + 1)
+    ctx = target.config.max_position_embeddings
     cache = target.new_cache(max_len)
     gen = make_generator(sampling, device)
     stop = StopCriteria(max_new_tokens, stop_ids)
@@ -115,7 +137,8 @@ def speculative_generate(target, drafter: Drafter, prompt_ids: list[int], max_ne
     out = target(ids, torch.arange(T, device=device)[None], cache, logits_idx=[T - 1], aux_layers=aux)
     cache.length = T
     root = int(next_token(out.logits[:, -1], sampling, gen))
-    drafter.start(list(prompt_ids), root, out, max_len)
+    # the drafter's cache: the committed sequence (+1: a draft model also holds the root) and one cycle's expansions
+    drafter.start(list(prompt_ids), root, out, T + max_new_tokens + 1 + cfg.expansion_slots)
     sync(device)
     t1 = time.perf_counter()
 
@@ -130,8 +153,10 @@ def speculative_generate(target, drafter: Drafter, prompt_ids: list[int], max_ne
     ranks = RankCounts(cfg.steps, cfg.topk)       # what `specscope tune --run` predicts other shapes from
     while reason is None:
         tc = time.perf_counter()
+        # the root sits at position cache.length; a node at depth d is verified at cache.length + d < ctx.
+        # The loop runs only while tokens are owed, so the root is at most ctx - 2 and one level always fits.
         with _phase(profiler, "draft"):
-            tree = drafter.propose(cfg, sampling, gen, profiler)
+            tree = drafter.propose(cfg.within(ctx - 1 - cache.length), sampling, gen, profiler)
         with _phase(profiler, "verify"):
             v_ids, v_pos, v_slots, v_mask = tree.verify_inputs(root, cache.length, cache.length)
             vout = target(v_ids, v_pos, cache, v_slots, v_mask, aux_layers=aux)

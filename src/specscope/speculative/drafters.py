@@ -214,9 +214,18 @@ class DraftModelDrafter(TreeDrafter):
                                  f"use a draft model with the same tokenizer")
         self.model = model
         self.target_vocab = V
+        self.target_context = target.config.max_position_embeddings
         self.pending = None
 
     def start(self, prompt_ids, root, target_out, max_len):
+        # positions stay below the target's context (and below max_len: each sits at a slot >= it). A draft model
+        # with a shorter context of its own drafts past it with a longer RoPE table: worse guesses, never a crash.
+        need = min(max_len, self.target_context)
+        if need > self.model.rope.shape[1]:
+            from specscope.models.rope import rope_table
+
+            c = self.model.config
+            self.model.rope = rope_table(c.head_dim, need, c.rope_theta, c.rope_scaling).to(self.model.rope.device)
         self.cache = self.model.new_cache(max_len)
         self.committed = 0
         self.pending = torch.tensor([prompt_ids + [root]], device=self.device)

@@ -1,6 +1,7 @@
 """The EAGLE-3 draft model.
 
-fc fuses three target hidden states (low, mid, high) into one H-wide feature; one decoder layer ("midlayer") takes
+fc fuses three target hidden states (low, mid, high) into one H-wide feature (variants: `fc_norm`, one RMSNorm per
+input; speculators' `norm_before_fc`, one RMSNorm over the 3·Ht concatenation); one decoder layer ("midlayer") takes
 [input_layernorm(embed(token)), hidden_norm(h)] (2H wide, embedding first) and predicts the next token over a reduced
 draft vocabulary (`d2t` maps draft ids to target ids by offset). The target's embedding is shared, never stored here.
 """
@@ -18,6 +19,9 @@ from specscope.errors import SpecscopeError
 from specscope.models.config import ModelConfig
 from specscope.models.llama import MLP, Attention, RMSNorm
 from specscope.models.rope import apply_rope, rope_table
+
+
+ROPE_CHUNK = 4096
 
 
 @dataclass
@@ -39,9 +43,11 @@ class DrafterConfig:
     norm_before_residual: bool = False
     norm_output: bool = False
     fc_norm: bool = False
+    norm_before_fc: bool = False     # speculators: one RMSNorm over cat(low, mid, high) before fc
+    sliding_window: int | None = None   # drafter attention sees only the last `sliding_window` positions
     attention_bias: bool = False
     format: str = "sglang"           # the layout it was loaded from
-    extra: dict = field(default_factory=dict)
+    extra: dict = field(default_factory=dict)   # file metadata kept for re-export (verifier, proposal methods, ...)
 
     def layer_config(self) -> ModelConfig:
         return ModelConfig(
@@ -91,13 +97,27 @@ class Eagle3Drafter(nn.Module):
         Ht, H = cfg.target_hidden_size, cfg.hidden_size
         self.fc = nn.Linear(3 * Ht, H, bias=False)
         self.fc_norm = nn.ModuleList(RMSNorm(Ht, cfg.rms_norm_eps) for _ in range(3)) if cfg.fc_norm else None
+        self.input_norm = RMSNorm(3 * Ht, cfg.rms_norm_eps) if cfg.norm_before_fc else None
         self.midlayer = Eagle3Layer(cfg)
         self.norm = RMSNorm(H, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(H, cfg.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
-        self.register_buffer("rope", rope_table(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
-                                                cfg.rope_scaling), persistent=False)
+        # built lazily to the positions in use (a 262,144-position table is 128 MB of float32 nobody reads)
+        self.register_buffer("rope", self._rope_table(min(cfg.max_position_embeddings, ROPE_CHUNK)), persistent=False)
+
+    def _rope_table(self, n: int) -> torch.Tensor:
+        c = self.config
+        return rope_table(c.head_dim, n, c.rope_theta, c.rope_scaling)
+
+    def rope_upto(self, n: int) -> torch.Tensor:
+        """The cos/sin table covering positions 0..n-1 (grown in ROPE_CHUNK steps, float32, on the drafter's
+        device)."""
+        if n > self.rope.shape[1] or self.rope.is_meta or self.rope.dtype != torch.float32 or \
+                self.rope.device != self.device:
+            size = max(self.rope.shape[1] if not self.rope.is_meta else 0, -(-n // ROPE_CHUNK) * ROPE_CHUNK)
+            self.rope = self._rope_table(size).to(self.device)
+        return self.rope
 
     @property
     def device(self):
@@ -111,15 +131,25 @@ class Eagle3Drafter(nn.Module):
     def aux_layers(self) -> tuple[int, ...]:
         return tuple(self.config.aux_layer_ids)
 
+    def cover_positions(self, n: int) -> None:
+        """Make the RoPE table cover positions 0..n-1. RoPE is defined for any position, and published drafters
+        say max_position_embeddings 2048 under targets with far longer contexts: the table grows (same theta and
+        scaling, float32, existing rows unchanged) instead of failing at position 2048."""
+        self.rope_upto(n)
+
     def new_cache(self, max_len: int, batch: int = 1) -> KVCache:
         c = self.config
+        self.cover_positions(max_len)   # drafting writes a position at a slot >= it, so max_len positions suffice
         return KVCache(1, c.num_key_value_heads, c.head_dim, max_len, batch, self.device, self.dtype)
 
     def fuse(self, aux: list[torch.Tensor]) -> torch.Tensor:
         """cat(low, mid, high) of the target's hidden states -> the drafter's H-wide input feature."""
         if self.fc_norm is not None:
             aux = [n(a) for n, a in zip(self.fc_norm, aux)]
-        return self.fc(torch.cat(aux, dim=-1).to(self.dtype))
+        x = torch.cat(aux, dim=-1).to(self.dtype)
+        if self.input_norm is not None:
+            x = self.input_norm(x)
+        return self.fc(x)
 
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
@@ -136,8 +166,20 @@ class Eagle3Drafter(nn.Module):
                 mask = torch.arange(kv_len, device=slots.device)[None, None, :] <= slots[:, :, None]
         elif mask is None:
             mask = position_ids[:, None, :] <= position_ids[:, :, None]
-        cos = self.rope[0][position_ids].to(hidden.dtype)[:, None]
-        sin = self.rope[1][position_ids].to(hidden.dtype)[:, None]
+        W = self.config.sliding_window
+        if W is not None and max(kv_len, embeds.shape[1]) > W:
+            # keys more than W-1 positions back are out of the window (cache slots are positions for the
+            # committed prefix; tree nodes sit within `depth` of their query, well inside any real window)
+            kpos = torch.arange(kv_len, device=position_ids.device)[None, None, :] if cache is not None \
+                else position_ids[:, None, :]
+            near = kpos > position_ids[:, :, None] - W
+            if mask is None:
+                mask = torch.ones_like(near)
+            mask = mask & near
+        # with a cache every position sits at or below its slot, so kv_len bounds them without a device sync
+        rope = self.rope_upto(kv_len + 1 if cache is not None else int(position_ids.max()) + 1)
+        cos = rope[0][position_ids].to(hidden.dtype)[:, None]
+        sin = rope[1][position_ids].to(hidden.dtype)[:, None]
         h = self.midlayer(embeds.to(self.dtype), hidden, cos, sin, cache, slots, mask, kv_len)
         hn = self.norm(h)
         logits = self.lm_head(hn) if compute_logits else None

@@ -13,13 +13,15 @@ import hashlib
 import json
 import os
 import re
+import zlib
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from specscope.engine.sampling import SamplingParams, next_token
-from specscope.errors import SpecscopeError
+from specscope.errors import SpecscopeError, require_file
 
 ROLE_ALIASES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
                 "bing": "assistant", "bard": "assistant", "model": "assistant", "system": "system"}
@@ -74,8 +76,7 @@ def normalise(obj) -> list[dict]:
 def read_conversations(path: str | Path) -> tuple[list[list[dict]], ReadReport]:
     """Read a JSONL file; malformed lines are counted and skipped, an all-bad file is an error."""
     path = Path(path)
-    if not path.is_file():
-        raise SpecscopeError(f"dataset {str(path)!r} does not exist")
+    require_file(path, "dataset")
     rep, convs = ReadReport(), []
     with open(path, encoding="utf-8", errors="replace") as f:
         for lineno, line in enumerate(f, 1):
@@ -84,6 +85,10 @@ def read_conversations(path: str | Path) -> tuple[list[list[dict]], ReadReport]:
             rep.lines += 1
             try:
                 msgs = normalise(json.loads(line))
+            except RecursionError:
+                rep.malformed += 1
+                rep.note(lineno, "JSON nested too deeply")
+                continue
             except (json.JSONDecodeError, ValueError) as e:
                 rep.malformed += 1
                 rep.note(lineno, str(e) if isinstance(e, ValueError) and not isinstance(e, json.JSONDecodeError)
@@ -133,7 +138,8 @@ def tokenize_conversation(tok, messages: list[dict], max_len: int) -> tuple[list
 @torch.no_grad()
 def batched_generate(model, prompts: list[list[int]], max_new: int, sp: SamplingParams, stop_ids: list[int],
                      generator: torch.Generator | None = None) -> list[list[int]]:
-    """Left-padded batch decoding with our Transformer; returns each row's new ids (stop token included)."""
+    """Left-padded batch decoding with our Transformer; returns each row's new ids (stop token included).
+    New tokens stay on the device until the end (one host sync per step, for the all-done check)."""
     B, dev = len(prompts), model.device
     P = max(len(p) for p in prompts)
     pad = torch.tensor([P - len(p) for p in prompts], device=dev)
@@ -149,21 +155,19 @@ def batched_generate(model, prompts: list[list[int]], max_new: int, sp: Sampling
     pos = (ar[None, :P] - pad[:, None]).clamp(min=0)
     out = model(ids, pos, cache, ar[None, :P].expand(B, P), mask, logits_idx=[P - 1])
     stop = torch.tensor(stop_ids or [-1], device=dev)
-    new = [[] for _ in range(B)]
+    new = torch.full((B, max_new), -1, dtype=torch.long, device=dev)
     done = torch.zeros(B, dtype=torch.bool, device=dev)
     nxt = next_token(out.logits[:, -1], sp, generator)
     for step in range(max_new):
-        for i in range(B):
-            if not done[i]:
-                new[i].append(int(nxt[i]))
+        new[:, step] = torch.where(done, -1, nxt)
         done |= torch.isin(nxt, stop)
-        if bool(done.all()) or step == max_new - 1:
+        if step == max_new - 1 or (step % 4 == 3 and bool(done.all())):
             break
         slot = P + step
         out = model(nxt[:, None], (pos[:, -1:] + step + 1), cache, torch.full((B, 1), slot, device=dev),
                     valid[:, None, :slot + 1])
         nxt = next_token(out.logits[:, -1], sp, generator)
-    return new
+    return [[t for t in row if t >= 0] for row in new.tolist()]
 
 
 def magpie_prefix(tok) -> list[int]:
@@ -180,26 +184,24 @@ def _dedup_key(text: str) -> str:
     return re.sub(r"\W+", " ", text.lower()).strip()
 
 
-def _clean_user_turn(text: str) -> str | None:
-    text = text.strip()
-    if len(text) < 12 or len(text.split()) < 3:
-        return None
-    return text
-
-
 def synthesise(model, tok, out_path: Path, n: int, *, batch: int = 16, user_tokens: int = 64,
-               response_tokens: int = 192, seed: int = 0, user_temperature: float = 1.0,
-               response_temperature: float = 0.0, max_batches: int | None = None, progress=None) -> int:
+               response_tokens: int = 192, seed: int = 0, user_temperature: float = 0.8,
+               response_temperature: float = 0.0, max_batches: int | None = None, overlap=None,
+               progress=None) -> int:
     """Append Magpie conversations to `out_path` until it holds at least `n` distinct user turns (whole batches;
-    callers take the first n). Resumable: existing lines count and the batch index continues where it stopped."""
+    callers take the first n). Resumable: existing lines count and the batch index continues where it stopped.
+    User turns pass `user_turn_problem` (length, language, repetition) and, when given, the evaluation-overlap
+    check; what each rule dropped is counted in the state file (`filtered`)."""
+    from specscope.train.sources import user_turn_problem
+
     out_path = Path(out_path)
     seen, have = set(), 0
     if out_path.exists():
-        for line in out_path.read_text().splitlines():
+        for line in out_path.read_text(encoding="utf-8").split("\n"):
             try:
                 seen.add(_dedup_key(normalise(json.loads(line))[0]["content"]))
                 have += 1
-            except (json.JSONDecodeError, ValueError, IndexError, KeyError):
+            except (json.JSONDecodeError, ValueError, IndexError, KeyError, RecursionError):
                 continue
     prefix = magpie_prefix(tok)
     stop = tok.eos_ids
@@ -208,9 +210,9 @@ def synthesise(model, tok, out_path: Path, n: int, *, batch: int = 16, user_toke
     # batch b is seeded with (seed, b) and always written whole, and the next batch index is kept next to the
     # file: a run resumed after a kill, or extended to a larger n, writes exactly what one uninterrupted run would
     state_path = out_path.with_name(out_path.name + ".state.json")
-    b = json.loads(state_path.read_text())["next_batch"] if state_path.exists() else 0
-    if have and not state_path.exists():
-        b = have  # a file from elsewhere: fresh seeds, never replaying batch 0..
+    state = json.loads(state_path.read_text()) if state_path.exists() else {}
+    b = state.get("next_batch", have)     # a file from elsewhere: fresh seeds, never replaying batch 0..
+    filtered = Counter(state.get("filtered", {}))
     tries = 0
     with open(out_path, "a", encoding="utf-8") as f:
         while have < n:
@@ -222,10 +224,18 @@ def synthesise(model, tok, out_path: Path, n: int, *, batch: int = 16, user_toke
             users = batched_generate(model, [prefix] * batch, user_tokens, user_sp, stop, g)
             texts = []
             for u in users:
+                filtered["sampled"] += 1
                 if not u or u[-1] not in stop:      # cut off mid-sentence: not a complete request
+                    filtered["unfinished"] += 1
                     continue
-                t = _clean_user_turn(tok.decode(u))
-                if t is None or _dedup_key(t) in seen:
+                t = tok.decode([x for x in u if x not in stop]).strip()
+                why = user_turn_problem(t)
+                if why is None and overlap is not None and overlap.problem(t):
+                    why = "overlaps evaluation"
+                if why is None and _dedup_key(t) in seen:
+                    why = "duplicate"
+                if why:
+                    filtered[why] += 1
                     continue
                 seen.add(_dedup_key(t))
                 texts.append(t)
@@ -234,17 +244,56 @@ def synthesise(model, tok, out_path: Path, n: int, *, batch: int = 16, user_toke
             for t, r in zip(texts, resps):
                 body = tok.decode([x for x in r if x not in stop]).strip()
                 if not body:
+                    filtered["empty answer"] += 1
                     continue
                 rec = {"messages": [{"role": "user", "content": t}, {"role": "assistant", "content": body}],
                        "source": "magpie", "truncated": not (r and r[-1] in stop)}
                 f.write(json.dumps(rec, ensure_ascii=False) + "\n")
                 have += 1
-                if progress:
-                    progress(have)
+                filtered["kept"] += 1
             f.flush()
             b += 1
-            state_path.write_text(json.dumps({"next_batch": b, "seed": seed}))
+            state_path.write_text(json.dumps({"next_batch": b, "seed": seed, "filtered": dict(filtered)}))
+            if progress:
+                progress(have)
     return have
+
+
+def answer_prompts(model, tok, items: list[dict], out_path: Path, max_new: int, sp: SamplingParams, *,
+                   batch: int = 32, seed: int = 0, progress=None) -> int:
+    """The target answers each user turn (items: {"id", "prompt", "source"}); conversations are appended to
+    `out_path` a batch at a time. Resumable: ids already in the file are skipped, so a killed run continues where
+    it stopped. Prompts go in length order (less padding); batch i is seeded with (seed, first id)."""
+    out_path = Path(out_path)
+    done = set()
+    if out_path.exists():
+        for line in out_path.read_text(encoding="utf-8").split("\n"):
+            try:
+                done.add(json.loads(line)["id"])
+            except (json.JSONDecodeError, KeyError, TypeError):
+                continue
+    todo = [it for it in items if it["id"] not in done]
+    enc = [(it, tok.encode_messages([{"role": "user", "content": it["prompt"]}])) for it in todo]
+    enc.sort(key=lambda x: len(x[1]))
+    stop = tok.eos_ids
+    n = len(done)
+    with open(out_path, "a", encoding="utf-8") as f:
+        for i in range(0, len(enc), batch):
+            chunk = enc[i:i + batch]
+            g = torch.Generator(device=model.device)
+            g.manual_seed(seed * 1_000_003 + zlib.crc32(str(chunk[0][0]["id"]).encode()))
+            resps = batched_generate(model, [e[1] for e in chunk], max_new, sp, stop, g)
+            for (it, _), r in zip(chunk, resps):
+                body = tok.decode([x for x in r if x not in stop]).strip()
+                rec = {"id": it["id"], "source": it["source"], "truncated": not (r and r[-1] in stop),
+                       "messages": [{"role": "user", "content": it["prompt"]},
+                                    {"role": "assistant", "content": body}]}
+                f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+            f.flush()
+            n += len(chunk)
+            if progress:
+                progress(n)
+    return n
 
 
 def regenerate(model, tok, convs: list[list[dict]], max_new: int, sp: SamplingParams, batch: int = 8,
@@ -376,7 +425,9 @@ def _write_manifest(manifest: dict, mpath: Path):
 class CapturedData:
     """All captured sequences in memory (fp16 features), addressable by index."""
 
-    def __init__(self, data_dir: str | Path):
+    def __init__(self, data_dir: str | Path, device="cpu"):
+        """device="cuda" keeps every feature on the GPU (an H200 holds millions of tokens): batches are then
+        assembled there, with no host-to-device copy per step."""
         from safetensors.torch import load_file
 
         data_dir = Path(data_dir)
@@ -389,7 +440,7 @@ class CapturedData:
         for s in self.manifest["shards"]:
             if not s["file"]:
                 continue
-            t = load_file(str(data_dir / s["file"]))
+            t = load_file(str(data_dir / s["file"]), device=str(device))
             off = t["offsets"].tolist()
             for a, b in zip(off[:-1], off[1:]):
                 self.seqs.append({k: t[k][a:b] for k in ("aux", "hidden", "argmax", "input_ids", "loss_mask")})

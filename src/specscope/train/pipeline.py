@@ -33,40 +33,131 @@ def target_info(name: str, path: Path, model) -> dict:
             "vocab_size": model.config.vocab_size}
 
 
+class Rate:
+    """Progress lines with the measured rate and the time left ("answered 512/7900 (41.2/s, 3m00s left)")."""
+
+    def __init__(self, what: str, total: int, log, start: int = 0, every_s: float = 10.0):
+        import time
+
+        self.what, self.total, self.log, self.every = what, total, log, every_s
+        self.t0 = self.last = time.monotonic()
+        self.start = start
+
+    def __call__(self, n: int, force: bool = False):
+        import time
+
+        now = time.monotonic()
+        if not force and now - self.last < self.every and n < self.total:
+            return
+        self.last = now
+        rate = (n - self.start) / max(now - self.t0, 1e-9)
+        left = (self.total - n) / rate if rate > 0 else float("inf")
+        eta = f"{int(left // 60)}m{int(left % 60):02d}s left" if left != float("inf") else "rate unknown yet"
+        self.log(f"{self.what} {n}/{self.total} ({rate:.1f}/s, {eta})")
+
+
+def gather_prompts(files: list[str], overlap, log=print) -> tuple[list[dict], dict]:
+    """Real prompt files -> de-duplicated items {"id", "prompt", "source"}, with those overlapping evaluation
+    prompts dropped (and counted)."""
+    from specscope.train.data import _dedup_key
+    from specscope.train.sources import read_user_turns
+
+    items, seen, report = [], set(), {"files": [], "dropped_overlap": 0, "dropped_duplicate": 0, "examples": []}
+    for f in files:
+        texts, rep = read_user_turns(f)
+        log(rep.summary())
+        src = Path(f).stem
+        kept = 0
+        for i, t in enumerate(texts):
+            why = overlap.problem(t)
+            if why:
+                report["dropped_overlap"] += 1
+                if len(report["examples"]) < 5:
+                    report["examples"].append({"prompt": t[:120], "why": why})
+                continue
+            k = _dedup_key(t)
+            if k in seen:
+                report["dropped_duplicate"] += 1
+                continue
+            seen.add(k)
+            items.append({"id": f"{src}:{i}", "prompt": t, "source": src})
+            kept += 1
+        report["files"].append({"path": str(f), "lines": rep.lines, "prompts": rep.used, "kept": kept,
+                                "skipped": dict(rep.skipped)})
+    log(f"{len(items)} training prompts kept; {report['dropped_overlap']} dropped for overlapping evaluation "
+        f"prompts, {report['dropped_duplicate']} duplicates")
+    return items, report
+
+
 def data_stage(workdir: Path, model, tok, tinfo: dict, *, dataset: str | None = None, synth: int = 0,
                regenerate: str = "none", aux_layers: list[int], synth_batch: int = 16, user_tokens: int = 64,
-               response_tokens: int = 192, max_len: int = 1024, seed: int = 0, gen_model=None, log=print) -> dict:
+               response_tokens: int = 192, max_len: int = 1024, seed: int = 0, gen_model=None, log=print,
+               prompt_files: list[str] | None = None, answer_batch: int = 32, capture_batch: int = 4,
+               user_temperature: float = 0.8) -> dict:
     from specscope.engine.sampling import SamplingParams
-    from specscope.train.data import capture, read_conversations, regenerate as regen, synthesise
+    from specscope.train.data import (answer_prompts, capture, read_conversations, regenerate as regen,
+                                      synthesise)
+    from specscope.train.sources import EvalOverlap
 
     workdir.mkdir(parents=True, exist_ok=True)
     gen_model = gen_model or model
-    if dataset:
+    out = workdir / "conversations.jsonl"
+    if prompt_files:
+        # real prompts answered by the target, then (optionally) Magpie conversations for breadth
+        overlap = EvalOverlap()
+        items, report = gather_prompts(prompt_files, overlap, log)
+        sp = SamplingParams(temperature=0.0 if regenerate in ("none", "greedy") else 0.8, top_p=0.95, seed=seed)
+        answers = workdir / "answers.jsonl"
+        answer_prompts(gen_model, tok, items, answers, response_tokens, sp, batch=answer_batch, seed=seed,
+                       progress=Rate("answered", len(items), log))
+        if synth > 0:
+            synth_path = workdir / "synth.jsonl"
+            r = Rate("synthesised", synth, log)
+            synthesise(gen_model, tok, synth_path, synth, batch=synth_batch, user_tokens=user_tokens,
+                       response_tokens=response_tokens, seed=seed, user_temperature=user_temperature,
+                       overlap=overlap, progress=r)
+            state = json.loads(synth_path.with_name(synth_path.name + ".state.json").read_text())
+            report["synth_filter"] = state.get("filtered", {})
+        order = {it["id"]: k for k, it in enumerate(items)}
+        recs = [json.loads(l) for l in answers.read_text(encoding="utf-8").split("\n") if l.strip()]
+        recs = sorted((r for r in recs if r["id"] in order), key=lambda r: order[r["id"]])
+        if synth > 0:
+            recs += [json.loads(l) for l in (workdir / "synth.jsonl").read_text(encoding="utf-8").split("\n")
+                     if l.strip()][:synth]
+        tmp = out.with_suffix(".tmp")
+        tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in recs), encoding="utf-8")
+        tmp.replace(out)
+        convs, _ = read_conversations(out)
+        report["conversations"] = len(convs)
+        report["by_source"] = {}
+        for r in recs:
+            report["by_source"][r.get("source", "?")] = report["by_source"].get(r.get("source", "?"), 0) + 1
+        (workdir / "data_report.json").write_text(json.dumps(report, indent=1))
+    elif dataset:
         convs, rep = read_conversations(dataset)
         log(rep.summary())
         if regenerate != "none":
-            out = workdir / "conversations.jsonl"
             if out.exists():
                 convs, _ = read_conversations(out)
                 log(f"reusing {len(convs)} regenerated conversations in {out}")
             else:
                 sp = SamplingParams(temperature=0.0 if regenerate == "greedy" else 0.8, top_p=0.95, seed=seed)
-                convs = regen(gen_model, tok, convs, response_tokens, sp, seed=seed)
+                convs = regen(gen_model, tok, convs, response_tokens, sp, seed=seed, batch=answer_batch)
                 tmp = out.with_suffix(".tmp")
                 tmp.write_text("".join(json.dumps({"messages": c}) + "\n" for c in convs))
                 tmp.replace(out)
     elif synth > 0:
-        out = workdir / "conversations.jsonl"
         have = synthesise(gen_model, tok, out, synth, batch=synth_batch, user_tokens=user_tokens,
-                          response_tokens=response_tokens, seed=seed,
-                          progress=lambda n: log(f"synthesised {n}/{synth} conversations"))
+                          response_tokens=response_tokens, seed=seed, user_temperature=user_temperature,
+                          progress=Rate("synthesised", synth, log))
         convs, rep = read_conversations(out)
         convs = convs[:synth]
         log(f"{have} synthesised conversations in {out}")
     else:
-        raise SpecscopeError("the data stage needs --dataset JSONL or --synth N (conversations to synthesise)")
+        raise SpecscopeError("the data stage needs --prompt-file FILE, --dataset JSONL or --synth N "
+                             "(conversations to synthesise)")
     manifest = capture(model, tok, convs, workdir / "data", aux_layers, max_len=max_len, target_info=tinfo,
-                       progress=lambda n: log(f"captured {n}/{len(convs)} conversations"))
+                       batch=capture_batch, progress=Rate("captured", len(convs), log))
     log(f"data: {manifest['sequences']} sequences, {manifest['tokens']} tokens "
         f"({manifest['loss_tokens']} assistant tokens) in {workdir / 'data'}")
     return manifest
@@ -132,9 +223,12 @@ def _resolve_drafter_path(name: str) -> Path:
 
 
 def export(source: str | Path, out: str | Path, fmt: str, dtype: torch.dtype | None = None,
-           tinfo: dict | None = None, extra_files: dict | None = None) -> Path:
-    """A work directory (its latest checkpoint), a checkpoint file, or a drafter directory -> `out` in `fmt`."""
-    from specscope.speculative.formats import load_drafter, save_drafter
+           tinfo: dict | None = None, extra_files: dict | None = None, target=None,
+           speculative_tokens: int | None = None) -> Path:
+    """A work directory (its latest checkpoint), a checkpoint file, or a drafter directory -> `out` in `fmt`.
+    `target` (formats.TargetFacts) checks the pair and names the verifier; without it the name a checkpoint
+    recorded is kept."""
+    from specscope.speculative.formats import load_drafter, map_problems, pair_problems, save_drafter
     from specscope.train.trainer import drafter_from_checkpoint, latest_checkpoint, load_checkpoint
 
     source = Path(source)
@@ -150,8 +244,82 @@ def export(source: str | Path, out: str | Path, fmt: str, dtype: torch.dtype | N
         st = load_checkpoint(ck)
         drafter, meta = drafter_from_checkpoint(st), st.get("meta", {})
     elif (source / "config.json").exists():
-        drafter = load_drafter(source)
+        drafter = load_drafter(source, target)       # checks the pair when a target is given
     else:
         raise SpecscopeError(f"{source} is not a training work directory, a checkpoint or a drafter directory")
+    if target is not None:
+        problems = pair_problems(drafter.config, target) + map_problems(drafter, target.vocab_size)
+        if problems:
+            raise SpecscopeError(f"drafter does not fit the target {target.name_or_path}: " + "; ".join(problems))
+        tinfo = target.info()
     tinfo = tinfo or meta.get("target")
-    return save_drafter(drafter, out, format=fmt, target_info=tinfo, dtype=dtype, extra_files=extra_files)
+    return save_drafter(drafter, out, format=fmt, target_info=tinfo, dtype=dtype, extra_files=extra_files,
+                        speculative_tokens=speculative_tokens)
+
+
+def heldout_prompts(data, eval_fraction: float, seed: int, n: int) -> list[list[int]]:
+    """Prompt ids (chat template included, up to the first assistant token) of held-out captured sequences: the
+    training split never saw them, and they are training prompts, never evaluation ones."""
+    from specscope.train.trainer import split_indices
+
+    _, held = split_indices(len(data), eval_fraction, seed)
+    out = []
+    for i in held:
+        s = data.seqs[i]
+        m = s["loss_mask"].bool()
+        if not bool(m.any()):
+            continue
+        first = int(m.nonzero()[0])
+        if first >= 2:
+            out.append(s["input_ids"][:first].long().tolist())
+        if len(out) == n:
+            break
+    return out
+
+
+def decoding_tau(target, drafter, prompts: list[list[int]], shape, max_new_tokens: int, stop_ids) -> dict:
+    """Real greedy speculative decoding of `prompts`: mean τ (accept_length) and whether every output equals plain
+    greedy decoding."""
+    from specscope.speculative.decode import speculative_generate
+    from specscope.speculative.drafters import Eagle3TreeDrafter
+
+    taus, acc0 = [], []
+    for ids in prompts:
+        r = speculative_generate(target, Eagle3TreeDrafter(drafter, target), ids, max_new_tokens, stop_ids=stop_ids,
+                                 cfg=shape)
+        taus.append(r.extra["accept_length"])
+        d = r.extra["drafts_per_pos"][0]
+        acc0.append(r.extra["accepted_per_pos"][0] / d if d else 0.0)
+    return {"tau": sum(taus) / len(taus), "acc0": sum(acc0) / len(acc0), "prompts": len(prompts)}
+
+
+def select_stage(workdir: Path, target, tok, data, eval_fraction: float, seed: int, *, n_prompts: int = 12,
+                 max_new_tokens: int = 64, steps: int = 3, log=print) -> dict:
+    """Pick the training snapshot with the best *real decoding* τ (a chain of `steps`) on held-out training
+    prompts; write it as WORKDIR/train/selected.pt (the export source) and the table as select.json."""
+    from specscope.speculative.decode import SpecConfig
+    from specscope.train.trainer import drafter_from_checkpoint, load_checkpoint
+
+    snaps = sorted((workdir / "train" / "snapshots").glob("step-*.pt"))
+    if not snaps:
+        raise SpecscopeError(f"no snapshots in {workdir / 'train' / 'snapshots'}; run the train stage first")
+    prompts = heldout_prompts(data, eval_fraction, seed, n_prompts)
+    shape = SpecConfig.from_knobs(steps=steps, topk=1)
+    rows, best = [], None
+    for f in snaps:
+        st = load_checkpoint(f)
+        d = drafter_from_checkpoint(st).to(target.device).eval()
+        with torch.no_grad():
+            r = decoding_tau(target, d, prompts, shape, max_new_tokens, tok.eos_ids)
+        r.update(step=st["step"], tokens=st["meta"].get("tokens"), ttt_eval=st["meta"].get("eval"), file=f.name)
+        rows.append(r)
+        log(f"snapshot step {st['step']}: real chain-{steps} τ {r['tau']:.3f} (acc0 {r['acc0']:.3f}) on "
+            f"{len(prompts)} held-out training prompts; TTT chain τ {r['ttt_eval']['chain_tau']:.3f}")
+        if best is None or r["tau"] > best[0]["tau"]:
+            best = (r, st)
+    torch.save(best[1], workdir / "train" / "selected.pt")
+    out = {"selected_step": best[0]["step"], "shape": [shape.steps, shape.topk, shape.draft_tokens],
+           "max_new_tokens": max_new_tokens, "snapshots": rows}
+    (workdir / "select.json").write_text(json.dumps(out, indent=1))
+    log(f"selected step {best[0]['step']} (real τ {best[0]['tau']:.3f})")
+    return out

@@ -38,6 +38,7 @@ class TrainConfig:
     ckpt_every: int = 100
     eval_fraction: float = 0.05
     max_len: int = 1024
+    max_minutes: float | None = None   # stop (with a checkpoint) after this much training time in this call
 
     def to_dict(self):
         return asdict(self)
@@ -85,13 +86,16 @@ def batch_indices(train_idx: list[int], step: int, batch_size: int, seed: int) -
 
 
 def collate(seqs: list[dict], device, max_len: int) -> dict:
+    """Pad a batch (built where the features live, then moved: no copy when they already sit on `device`)."""
     T = min(max_len, max(len(s["input_ids"]) for s in seqs))
     B = len(seqs)
     Ht = seqs[0]["aux"].shape[-1]
     H = seqs[0]["hidden"].shape[-1]
-    out = {"aux": torch.zeros(B, T, 3, Ht), "hidden": torch.zeros(B, T, H),
-           "input_ids": torch.zeros(B, T, dtype=torch.long), "argmax": torch.full((B, T), -1, dtype=torch.long),
-           "valid": torch.zeros(B, T, dtype=torch.bool)}
+    at = seqs[0]["aux"].device
+    out = {"aux": torch.zeros(B, T, 3, Ht, device=at), "hidden": torch.zeros(B, T, H, device=at),
+           "input_ids": torch.zeros(B, T, dtype=torch.long, device=at),
+           "argmax": torch.full((B, T), -1, dtype=torch.long, device=at),
+           "valid": torch.zeros(B, T, dtype=torch.bool, device=at)}
     for i, s in enumerate(seqs):
         n = min(T, len(s["input_ids"]))
         out["aux"][i, :n] = s["aux"][:n].float()
@@ -261,6 +265,15 @@ def train(drafter, embed: torch.Tensor, lm_head_w: torch.Tensor, data, out_dir: 
             opt.zero_grad(set_to_none=True)
             step += 1
             done_here += 1
+            if cfg.max_minutes is not None and done_here == 10 and step == 10:
+                # a time budget on a fresh run: fit the cosine schedule to the steps the budget allows (measured
+                # over the first 10), so the learning rate has decayed when time is up
+                fit = int(10 / max(time.time() - t0, 1e-6) * cfg.max_minutes * 60 * 0.9)
+                if fit < cfg.total_steps:
+                    log(f"--max-minutes {cfg.max_minutes}: {fit} steps fit; schedule set to {fit} steps")
+                    cfg.total_steps = max(fit, step + 1)
+                    if bar:
+                        bar.p.update(bar.task, total=cfg.total_steps)
             ntok = torch.tensor([float(batch["valid"].sum())])
             all_reduce_(ntok)
             tokens_seen += int(ntok)
@@ -272,11 +285,22 @@ def train(drafter, embed: torch.Tensor, lm_head_w: torch.Tensor, data, out_dir: 
             last = rec
             if bar:
                 bar.update(step, loss=rec["loss"], acc0=s["acc"][0], tau=s["sim_tau"])
-            if eval_idx and (step % cfg.eval_every == 0 or step == cfg.total_steps) and rank == 0:
+            out_of_time = cfg.max_minutes is not None and time.time() - t0 > cfg.max_minutes * 60
+            if world > 1 and cfg.max_minutes is not None:
+                flag = torch.tensor([float(out_of_time)])
+                out_of_time = bool(all_reduce_(flag) > 0)
+            if eval_idx and (step % cfg.eval_every == 0 or step == cfg.total_steps or out_of_time) and rank == 0:
                 ev = evaluate(loss_mod, data, eval_idx, cfg, device)
                 write_metrics({"step": step, "split": "eval", "tokens": tokens_seen, "acc": ev["acc"],
                                "loss_k": ev["loss"], "sim_tau": ev["sim_tau"], "chain_tau": ev["chain_tau"],
                                "positions": ev["positions"]})
+                # every evaluated step's weights, for checkpoint selection by real decoding (the `select` stage)
+                snap = out_dir / "snapshots"
+                snap.mkdir(parents=True, exist_ok=True)
+                torch.save({"step": step, "model": {k: v.detach().cpu() for k, v in drafter.state_dict().items()},
+                            "drafter_config": drafter.config.to_dict(),
+                            "meta": {**(meta or {}), "tokens": tokens_seen, "eval": ev}}, snap / "tmp.pt")
+                os.replace(snap / "tmp.pt", snap / f"step-{step:07d}.pt")
                 if ev["chain_tau"] > best:
                     # the best held-out checkpoint by per-position chain τ (closer to real chain decoding than SpecForge's
                     # simulated τ); weights only
@@ -289,10 +313,14 @@ def train(drafter, embed: torch.Tensor, lm_head_w: torch.Tensor, data, out_dir: 
                 if bar:
                     bar.note(f"step {step}: held-out acc_0 {ev['acc'][0]:.3f} sim τ {ev['sim_tau']:.2f} "
                              f"chain τ {ev['chain_tau']:.2f}")
-            if step % cfg.ckpt_every == 0 or step == cfg.total_steps:
+            if step % cfg.ckpt_every == 0 or step == cfg.total_steps or out_of_time:
                 if rank == 0:
                     save_checkpoint(ckpt_dir, step, drafter, opt, sched, cfg, {**(meta or {}), "tokens": tokens_seen})
             if stop_after is not None and done_here >= stop_after:
+                break
+            if out_of_time:
+                log(f"--max-minutes {cfg.max_minutes} reached at step {step}/{cfg.total_steps}; "
+                    f"checkpoint saved: continue with --resume")
                 break
     finally:
         if bar:

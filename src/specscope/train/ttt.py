@@ -56,8 +56,9 @@ def ttt_unroll(drafter, embed: torch.Tensor, aux: torch.Tensor, input_ids: torch
     Ks, Vs, out = [], [], []
     for k in range(K):
         pos = torch.arange(k, T + k, device=dev)
-        cos = drafter.rope[0][pos].to(hidden.dtype)[None, None]
-        sin = drafter.rope[1][pos].to(hidden.dtype)[None, None]
+        rope = drafter.rope_upto(T + K)
+        cos = rope[0][pos].to(hidden.dtype)[None, None]
+        sin = rope[1][pos].to(hidden.dtype)[None, None]
         emb = embed[ids[:, 1 + k:1 + k + T]].to(hidden.dtype)
         hn = layer.hidden_norm(hidden)
         residual = hn if layer.norm_before_residual else hidden

@@ -12,7 +12,7 @@ def token_counts(data, vocab_size: int) -> torch.Tensor:
     counts = torch.zeros(vocab_size, dtype=torch.long)
     for s in data.seqs:
         ids = s["input_ids"].long()[s["loss_mask"].bool()]
-        counts += torch.bincount(ids, minlength=vocab_size)[:vocab_size]
+        counts += torch.bincount(ids, minlength=vocab_size)[:vocab_size].cpu()
     return counts
 
 

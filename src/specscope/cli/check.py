@@ -1,0 +1,63 @@
+"""`specscope check-drafter`: will this EAGLE-3 drafter work with this target (and this engine launch)?"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from specscope.cli.common import alias_option, device_option, emit_json, json_option
+
+MARK = {"ok": "ok  ", "warn": "WARN", "fail": "FAIL", "skip": "skip"}
+
+
+@click.command("check-drafter")
+@click.argument("drafter")
+@alias_option("--model", "target_name", hidden=("--target",), required=True,
+              help="The target: a Hugging Face directory, its config.json, or a known name.")
+@click.option("--engine-args", default=None,
+              help="An SGLang / vLLM launch command line, or its server-args log line, to check against the drafter.")
+@alias_option("--num-prompts", "num_prompts", hidden=("--prompts",), type=click.IntRange(min=1), default=3,
+              show_default=True,
+              help="Prompts (the packaged Spec-Bench questions) for coverage and acceptance.")
+@click.option("--max-new-tokens", type=click.IntRange(min=4), default=48, show_default=True,
+              help="Most tokens per prompt in the acceptance measurement.")
+@click.option("--steps", "--speculative-num-steps", "--num-speculative-tokens", "steps", type=click.IntRange(min=1),
+              default=5, show_default=True,
+              help="Draft depth (a chain) for the acceptance measurement. SGLang --speculative-num-steps; vLLM "
+                   "num_speculative_tokens.")
+@click.option("--no-run", is_flag=True, help="Static checks only; do not run the target.")
+@device_option(default="cpu")
+@json_option("Print the checks, faults and acceptance as one JSON object.")
+def check_drafter(drafter, target_name, engine_args, num_prompts, max_new_tokens, steps, no_run, device, as_json):
+    """One report of everything that decides whether DRAFTER (a directory or shipped name) works with the target.
+    Exit status 1 when it names a fault."""
+    from specscope.cli.common import setup_runtime
+    from specscope.speculative.check import check_drafter as run_check, default_prompts
+    from specscope.speculative.decode import ASSETS
+    from specscope.speculative.formats import resolve_target
+
+    path = Path(drafter).expanduser()
+    if not path.exists() and (ASSETS / drafter).is_dir():
+        path = ASSETS / drafter
+    dev = setup_runtime(None, device)
+    facts = resolve_target(target_name)
+    report = run_check(path, facts, engine_args, run=not no_run,
+                       prompts=None if no_run else default_prompts(num_prompts),
+                       max_new_tokens=max_new_tokens, steps=steps, device=str(dev))
+    d = report.to_dict()
+    if as_json:
+        emit_json(d)
+    else:
+        click.echo(f"drafter {path}  ->  target {facts.name_or_path} ({', '.join(facts.architectures) or '?'}, "
+                   f"{facts.num_hidden_layers} layers, hidden {facts.hidden_size}, vocab {facts.vocab_size})")
+        for c in d["checks"]:
+            click.echo(f"  [{MARK[c['status']]}] {c['check']}: {c['detail']}")
+        acc = d["acceptance"]
+        if acc and acc.get("predicted_tau") is not None:
+            click.echo(f"  predicted τ {acc['predicted_tau']:.2f} (teacher-forced)   measured τ "
+                       f"{acc['measured_tau']:.2f} (chain of {acc['steps']}, {acc['prompts']} prompts)")
+        click.echo(f"{len(d['faults'])} fault(s)" if d["faults"] else "no faults")
+    if d["faults"]:
+        sys.exit(1)

@@ -1,0 +1,30 @@
+"""Parsing JSON a user handed us (config files, datasets, prompt files) into one clear error.
+
+`json.loads` raises three different things on hostile input: JSONDecodeError, UnicodeDecodeError on bytes, and
+RecursionError for deeply nested arrays (`[[[[...` 100,000 deep), which no `except ValueError` catches.
+"""
+
+from __future__ import annotations
+
+import json
+
+from specscope.errors import SpecscopeError
+
+
+def loads(text: str | bytes, where: str):
+    """The value in `text`; `where` ("data.jsonl:7") starts the error message."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise SpecscopeError(f"{where} is not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+    except UnicodeDecodeError as e:
+        raise SpecscopeError(f"{where} is not UTF-8 text (byte at offset {e.start})") from None
+    except RecursionError:
+        raise SpecscopeError(f"{where} holds JSON nested too deeply to be a record") from None
+
+
+def loads_object(text: str | bytes, where: str) -> dict:
+    d = loads(text, where)
+    if not isinstance(d, dict):
+        raise SpecscopeError(f"{where}: expected a JSON object, got {type(d).__name__}")
+    return d

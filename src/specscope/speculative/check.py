@@ -1,0 +1,458 @@
+"""`check-drafter`: everything that decides whether an EAGLE-3 drafter will work with a target, in one report.
+
+Static checks need only the drafter and the target's config.json: sizes, aux layer ids (both conventions) against
+the layer count, the d2t/t2d maps, RoPE, tokenizer / chat template, dtype. When the target's weights and tokenizer
+are here (and it is small enough to run), a few prompts measure what the pair does: the share of the target's
+greedy output the draft vocabulary covers, teacher-forced per-position acceptance over the target's own
+continuation (the chain τ it predicts), and the τ a real speculative run gets. An engine launch command line or
+server-args log line is checked against the drafter for the misconfigurations that fail silently in production.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from specscope.errors import SpecscopeError
+from specscope.speculative.eagle3 import DrafterConfig
+from specscope.speculative.formats import (TargetFacts, aux_conventions, detect_format, load_drafter, map_problems,
+                                           parse_config, read_config, weight_reader)
+
+OK, WARN, FAIL, SKIP = "ok", "warn", "fail", "skip"
+# running the target here is "quick" only up to this many parameters (CPU float32 forward of a few prompts)
+MAX_RUN_PARAMS = 2_000_000_000
+FALLBACK_PROMPTS = ("Explain how a hash table works, with a short example.",
+                    "Write a short poem about the sea.",
+                    "What are the main causes of inflation? Answer in three sentences.")
+
+
+@dataclass
+class Report:
+    drafter: dict = field(default_factory=dict)
+    target: dict = field(default_factory=dict)
+    checks: list[dict] = field(default_factory=list)
+    engine: dict | None = None
+    acceptance: dict | None = None
+
+    def add(self, name: str, status: str, detail: str, **data):
+        self.checks.append({"check": name, "status": status, "detail": detail, **data})
+
+    @property
+    def faults(self) -> list[str]:
+        return [f"{c['check']}: {c['detail']}" for c in self.checks if c["status"] == FAIL]
+
+    def to_dict(self) -> dict:
+        return {"ok": not self.faults, "faults": self.faults, "drafter": self.drafter, "target": self.target,
+                "checks": self.checks, "engine": self.engine, "acceptance": self.acceptance}
+
+
+# ---------------------------------------------------------------- engine command lines and log lines
+
+_SGLANG_KEYS = {"speculative_algorithm": "algorithm", "speculative_draft_model_path": "draft",
+                "speculative_num_steps": "steps", "speculative_eagle_topk": "topk",
+                "speculative_num_draft_tokens": "draft_tokens", "speculative_token_map": "token_map",
+                "model_path": "model", "dtype": "dtype"}
+_PY_ARG = re.compile(r"\b(\w+)=('(?:[^'\\]|\\.)*'|\"[^\"]*\"|[^,()\s]+)")
+
+
+def parse_engine_args(text: str) -> dict:
+    """An SGLang / vLLM launch command line, or an SGLang `server_args=ServerArgs(...)` / vLLM `non-default args:`
+    or `speculative_config=SpeculativeConfig(...)` log line -> the speculative settings it names."""
+    text = text.strip()
+    if not text:
+        raise SpecscopeError("--engine-args is empty; pass the engine's launch command line or its server-args "
+                             "log line")
+    if "ServerArgs(" in text:
+        body = text[text.index("ServerArgs(") + len("ServerArgs("):]
+        kv = {k: v.strip("'\"") for k, v in _PY_ARG.findall(body)}
+        return _sglang({k: kv[k] for k in _SGLANG_KEYS if k in kv}, "sglang server-args log line")
+    if "SpeculativeConfig(" in text or "non-default args" in text:
+        return _vllm(_vllm_spec_from_log(text), "vllm log line")
+    try:
+        argv = shlex.split(text)
+    except ValueError as e:
+        raise SpecscopeError(f"cannot split --engine-args as a command line ({e})") from None
+    opts, pos = _options(argv)
+    joined = " ".join(argv[:3])
+    if "sglang" in joined or any(k.startswith("speculative_algorithm") or k == "model_path" for k in opts):
+        return _sglang({k: opts[k] for k in _SGLANG_KEYS if k in opts}, "sglang command line")
+    if "vllm" in joined or "speculative_config" in opts:
+        spec = opts.get("speculative_config")
+        try:
+            spec = json.loads(spec) if spec else {}
+        except json.JSONDecodeError as e:
+            raise SpecscopeError(f"--speculative-config is not valid JSON ({e.msg})") from None
+        model = opts.get("model") or (pos[pos.index("serve") + 1] if "serve" in pos and
+                                      pos.index("serve") + 1 < len(pos) else None)
+        return _vllm({**spec, "_model": model, "_dtype": opts.get("dtype")}, "vllm command line")
+    raise SpecscopeError("--engine-args names neither SGLang (python -m sglang.launch_server ..., "
+                         "server_args=ServerArgs(...)) nor vLLM (vllm serve ... --speculative-config ...)")
+
+
+def _options(argv: list[str]) -> tuple[dict, list[str]]:
+    opts, pos, i = {}, [], 0
+    while i < len(argv):
+        a = argv[i]
+        if a.startswith("--"):
+            key, eq, val = a[2:].partition("=")
+            key = key.replace("-", "_")
+            if not eq:
+                if i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+                    val, i = argv[i + 1], i + 1
+                else:
+                    val = "true"
+            opts[key] = val
+        else:
+            pos.append(a)
+        i += 1
+    return opts, pos
+
+
+def _int(v):
+    try:
+        return int(v) if v not in (None, "None", "") else None
+    except (TypeError, ValueError):
+        return None
+
+
+def _sglang(kv: dict, source: str) -> dict:
+    out = {"engine": "sglang", "source": source}
+    for k, name in _SGLANG_KEYS.items():
+        v = kv.get(k)
+        out[name] = _int(v) if name in ("steps", "topk", "draft_tokens") else (None if v in (None, "None") else v)
+    return out
+
+
+def _vllm_spec_from_log(text: str) -> dict:
+    m = re.search(r"SpeculativeConfig\((.*?)\)(?:,|\s|$)", text)
+    if m:
+        return {k: v.strip("'\"") for k, v in _PY_ARG.findall(m.group(1))}
+    m = re.search(r"['\"]speculative_config['\"]\s*:\s*(\{.*?\})", text)
+    if m:
+        import ast
+        try:
+            return dict(ast.literal_eval(m.group(1)))
+        except (ValueError, SyntaxError):
+            pass
+    raise SpecscopeError("the vLLM log line holds no speculative_config")
+
+
+def _vllm(spec: dict, source: str) -> dict:
+    return {"engine": "vllm", "source": source, "algorithm": spec.get("method"), "draft": spec.get("model"),
+            "num_speculative_tokens": _int(spec.get("num_speculative_tokens") or spec.get("num_spec_tokens")),
+            "model": spec.get("_model"), "dtype": spec.get("_dtype")}
+
+
+def engine_checks(report: Report, eng: dict, cfg: DrafterConfig | None, has_token_map: bool):
+    """Named misconfigurations of a launch against this drafter."""
+    report.engine = eng
+    algo = (eng.get("algorithm") or "").upper()
+    if eng["engine"] == "sglang":
+        if not algo:
+            report.add("engine: algorithm", FAIL, "no --speculative-algorithm: SGLang runs without speculation")
+        elif algo == "EAGLE" and cfg is not None:
+            report.add("engine: algorithm", FAIL,
+                       "--speculative-algorithm EAGLE with an EAGLE-3 drafter: SGLang does not capture the target's "
+                       "aux hidden states, every draft is rejected and τ is exactly 1.00 with no error; "
+                       "use --speculative-algorithm EAGLE3")
+        elif algo not in ("EAGLE3",):
+            report.add("engine: algorithm", WARN, f"--speculative-algorithm {eng['algorithm']} is not EAGLE3")
+        else:
+            report.add("engine: algorithm", OK, "EAGLE3")
+        steps, topk, n = eng.get("steps"), eng.get("topk"), eng.get("draft_tokens")
+        if steps and topk and n:
+            most = topk + (steps - 1) * topk * topk + 1
+            if topk == 1:
+                most = steps + 1
+            if n > most:
+                report.add("engine: draft tokens", FAIL,
+                           f"--speculative-num-draft-tokens {n} is more than --speculative-num-steps {steps} x "
+                           f"--speculative-eagle-topk {topk} can propose ({most} with the root); lower it to {most} "
+                           f"or raise steps/topk")
+            else:
+                report.add("engine: draft tokens", OK, f"{n} draft tokens fit steps={steps}, topk={topk} "
+                                                         f"(at most {most})")
+        if cfg is not None and cfg.draft_vocab_size < cfg.vocab_size and not has_token_map and \
+                not eng.get("token_map"):
+            report.add("engine: token map", FAIL,
+                       f"the drafter predicts over a {cfg.draft_vocab_size}-token draft vocabulary but neither its "
+                       f"checkpoint (d2t) nor --speculative-token-map gives the map to target ids")
+    else:
+        if algo in ("EAGLE",) and cfg is not None:
+            report.add("engine: method", FAIL, "speculative_config method 'eagle' with an EAGLE-3 drafter: vLLM "
+                                               "builds an EAGLE-1 head without aux hidden states; use 'eagle3'")
+        elif algo not in ("EAGLE3", ""):
+            report.add("engine: method", WARN, f"speculative_config method {eng['algorithm']!r} is not eagle3")
+        elif not algo:
+            report.add("engine: method", WARN, "speculative_config names no method (vLLM infers it from the "
+                                               "drafter's config)")
+        else:
+            report.add("engine: method", OK, "eagle3")
+        if cfg is not None and cfg.draft_vocab_size < cfg.vocab_size and not has_token_map:
+            report.add("engine: token map", FAIL,
+                       f"the drafter predicts over a {cfg.draft_vocab_size}-token draft vocabulary but its "
+                       f"checkpoint has no d2t map to target ids")
+
+
+# ---------------------------------------------------------------- static checks
+
+def static_checks(report: Report, path: Path, facts: TargetFacts):
+    """Returns (drafter or None, DrafterConfig or None, has_token_map)."""
+    raw = read_config(path)
+    try:
+        fmt = detect_format(raw)
+        cfg = parse_config(raw, facts.num_hidden_layers)
+    except SpecscopeError as e:
+        report.add("config", FAIL, str(e))
+        return None, None, False
+    report.add("config", OK, f"{fmt} layout, {cfg.hidden_size} hidden, draft vocab {cfg.draft_vocab_size}"
+               + ("".join(f", {f}" for f in ("norm_before_residual", "norm_output", "fc_norm", "norm_before_fc")
+                          if getattr(cfg, f))))
+    keys = set(weight_reader(path).keys())
+    has_map = "d2t" in keys
+    report.drafter.update(path=str(path), format=fmt, hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size,
+                          draft_vocab_size=cfg.draft_vocab_size, aux_layer_ids=aux_conventions(cfg))
+    # sizes
+    t = facts
+    sizes = []
+    if cfg.target_hidden_size != t.hidden_size:
+        sizes.append(f"fc expects target hidden size {cfg.target_hidden_size}, the target's is {t.hidden_size}")
+    if cfg.hidden_size != t.hidden_size:
+        sizes.append(f"drafter hidden size {cfg.hidden_size} differs from the target's {t.hidden_size} (it reads "
+                     f"the target's embeddings)")
+    report.add("hidden size", FAIL if sizes else OK, "; ".join(sizes) or f"{cfg.hidden_size} = target's")
+    if cfg.vocab_size != t.vocab_size:
+        report.add("vocab", FAIL, f"drafter was built for a target vocabulary of {cfg.vocab_size} tokens, the "
+                                  f"target has {t.vocab_size}: it belongs to a different model")
+    else:
+        report.add("vocab", OK, f"{cfg.vocab_size} tokens, draft vocabulary {cfg.draft_vocab_size}")
+    # aux layer ids, in both conventions
+    L = t.num_hidden_layers
+    ids = list(cfg.aux_layer_ids)
+    default = DrafterConfig.default_aux_layers(L)
+    both = f"hidden-state indices {ids} (SGLang/SpecForge output-of-layer ids {[i - 1 for i in ids]})"
+    bad = [i for i in ids if not 0 <= i <= L]
+    if bad:
+        report.add("aux layers", FAIL, f"{both} are out of range for a target with {L} layers (valid hidden-state "
+                                       f"indices 0..{L}); {_aux_hint(ids, default)}")
+    elif ids != default and (all(i - 1 == d for i, d in zip(ids, default)) or
+                             all(i + 1 == d for i, d in zip(ids, default))):
+        report.add("aux layers", FAIL, f"{both} are off by one from the usual {default} for {L} layers: the ids "
+                                       f"were most likely written in the other convention; {_aux_hint(ids, default)}")
+    elif ids != default:
+        report.add("aux layers", WARN, f"{both} are not the usual {default} for {L} layers; fine if the drafter "
+                                       f"was trained on them")
+    else:
+        report.add("aux layers", OK, f"{both}, the usual choice for {L} layers")
+    # token maps: file presence here, validity once loaded
+    if cfg.draft_vocab_size < cfg.vocab_size and not has_map:
+        report.add("token map", FAIL, f"draft vocabulary {cfg.draft_vocab_size} < {cfg.vocab_size} but the "
+                                      f"checkpoint has no d2t: draft ids cannot be mapped to target ids")
+    # RoPE
+    rope = []
+    if t.rope_theta is not None and float(cfg.rope_theta) != float(t.rope_theta):
+        rope.append(f"rope_theta {cfg.rope_theta:g} vs the target's {t.rope_theta:g}")
+    if (cfg.rope_scaling or None) != (t.rope_scaling or None):
+        rope.append(f"rope scaling {_scaling(cfg.rope_scaling)} vs the target's {_scaling(t.rope_scaling)}")
+    if t.max_position_embeddings and cfg.max_position_embeddings < int(t.max_position_embeddings):
+        rope.append(f"max_position_embeddings {cfg.max_position_embeddings} < the target's "
+                    f"{t.max_position_embeddings} (positions beyond were never seen in training)")
+    report.add("rope", WARN if rope else OK,
+               ("; ".join(rope) + ": the drafter's positions differ from the target's; fine only if it was "
+                "trained this way") if rope else
+               f"θ {cfg.rope_theta:g}, scaling {_scaling(cfg.rope_scaling)}, {cfg.max_position_embeddings} positions")
+    # verifier recorded in the drafter
+    ver = (cfg.extra.get("verifier") or {}).get("name_or_path")
+    if ver and t.name_or_path and Path(str(ver)).name.lower() != Path(str(t.name_or_path)).name.lower():
+        report.add("verifier", WARN, f"the drafter names verifier {ver!r}, checked here against {t.name_or_path!r}")
+    # dtype
+    sd = str(raw.get("torch_dtype") or raw.get("dtype") or (raw.get("transformer_layer_config") or {}).get(
+        "torch_dtype") or "unknown")
+    report.add("dtype", OK if (not t.torch_dtype or sd == t.torch_dtype) else WARN,
+               f"drafter stored as {sd}, target config {t.torch_dtype or 'unknown'}"
+               + ("" if (not t.torch_dtype or sd == t.torch_dtype) else
+                  "; engines cast the drafter to the target's dtype"))
+    drafter = None
+    if has_map or cfg.draft_vocab_size == cfg.vocab_size:
+        try:
+            drafter = load_drafter(path, facts, validate=False)     # pair faults are reported above, not raised
+        except SpecscopeError as e:
+            report.add("weights", FAIL, str(e))
+            return None, cfg, has_map
+        problems = map_problems(drafter, t.vocab_size) if cfg.vocab_size == t.vocab_size else []
+        report.add("token map", FAIL if problems else OK, "; ".join(problems) or
+                   f"d2t maps {cfg.draft_vocab_size} draft ids one-to-one into the target vocabulary, t2d agrees")
+    return drafter, cfg, has_map
+
+
+def _aux_hint(ids, default):
+    return f"for this target write hidden-state indices {default} (speculators/vLLM) or output-of-layer ids " \
+           f"{[d - 1 for d in default]} (SGLang eagle_config)"
+
+
+def _scaling(rs) -> str:
+    if not rs:
+        return "none"
+    return f"{rs.get('rope_type')}" + (f" x{rs['factor']}" if "factor" in rs else "")
+
+
+def tokenizer_checks(report: Report, drafter_path: Path, facts: TargetFacts):
+    """Tokenizer / chat template: the target's against its config, and the drafter's own copy if it ships one."""
+    tdir = facts.path
+    if tdir is None or not ((tdir / "tokenizer.json").exists() or (tdir / "tokenizer.model").exists()):
+        report.add("tokenizer", SKIP, "the target has no tokenizer files here")
+        return None
+    from specscope.engine.tokenizer import Tokenizer
+
+    tok = Tokenizer(tdir)
+    n = len(tok.tok)
+    notes, status = [f"target tokenizer has {n} tokens (config vocab {facts.vocab_size})"], OK
+    if n > facts.vocab_size:
+        status = FAIL
+        notes.append("the tokenizer has ids beyond the embedding table")
+    if (drafter_path / "tokenizer.json").exists() or (drafter_path / "tokenizer_config.json").exists():
+        try:
+            dtok = Tokenizer(drafter_path)
+            if len(dtok.tok) != n or dtok.tok.get_vocab() != tok.tok.get_vocab():
+                status = FAIL
+                notes.append(f"the drafter ships a different tokenizer ({len(dtok.tok)} tokens)")
+            if (dtok.tok.chat_template or None) != (tok.tok.chat_template or None):
+                status = status if status == FAIL else WARN
+                notes.append("the drafter's chat template differs from the target's: it was trained on "
+                             "differently formatted prompts")
+            else:
+                notes.append("drafter's tokenizer and chat template agree")
+        except SpecscopeError as e:
+            notes.append(f"the drafter's tokenizer files do not load ({e})")
+    else:
+        notes.append("the drafter ships no tokenizer (it uses the target's)")
+    notes.append("chat template present" if tok.tok.chat_template else "no chat template")
+    report.add("tokenizer", status, "; ".join(notes))
+    return tok
+
+
+# ---------------------------------------------------------------- measured on a few prompts
+
+def can_run(facts: TargetFacts) -> str | None:
+    """None when the target can run here, else why not."""
+    from specscope.models.config import ModelConfig
+
+    if facts.path is None or not (any(facts.path.glob("*.safetensors"))):
+        return "the target's weights are not here (config.json only)"
+    try:
+        mc = ModelConfig.from_hf(json.loads((facts.path / "config.json").read_text()))
+    except SpecscopeError as e:
+        return f"this toolkit cannot run the target ({e})"
+    params = mc.num_hidden_layers * (4 * mc.hidden_size ** 2 + 3 * mc.hidden_size * mc.intermediate_size) + \
+        2 * mc.vocab_size * mc.hidden_size
+    if params > MAX_RUN_PARAMS:
+        return f"the target has ~{params / 1e9:.1f}B parameters; too large for a quick check here"
+    return None
+
+
+def measure(report: Report, drafter_path: Path, facts: TargetFacts, tok, prompts: list[str], max_new_tokens: int,
+            steps: int, device: str = "cpu"):
+    """Coverage of the target's greedy output, teacher-forced per-position acceptance (predicted τ) and the τ of a
+    real chain speculative run with `steps` draft tokens, on the same prompts."""
+    from specscope.models.loader import load_model
+    from specscope.speculative.decode import SpecConfig, speculative_generate
+    from specscope.speculative.drafters import Eagle3TreeDrafter
+    from specscope.train.ttt import ttt_unroll
+
+    target = load_model(facts.path, "fp32", device)
+    drafter = load_drafter(drafter_path, target)
+    K = steps
+    cfgk = SpecConfig(steps=K, topk=1, draft_tokens=K + 1)
+    chat = bool(tok.tok.chat_template)
+    covered = total = 0
+    ok_sum = [0] * K
+    rows = 0
+    tokens = cycles = 0
+    for p in prompts:
+        ids = tok.encode(p, chat=chat)
+        res = speculative_generate(target, Eagle3TreeDrafter(drafter, target), ids, max_new_tokens,
+                                   stop_ids=tok.eos_ids, cfg=cfgk)
+        out_ids = res.token_ids
+        tokens += sum(res.extra["accept_lengths"])         # accepted + bonus per cycle (not the prefill's token)
+        cycles += res.extra["cycles"]
+        t2d = drafter.t2d.cpu()
+        covered += int(t2d[torch.tensor(out_ids, dtype=torch.long)].sum()) if out_ids else 0
+        total += len(out_ids)
+        seq = torch.tensor([ids + out_ids], device=target.device)
+        T, P = seq.shape[1], len(ids)
+        with torch.no_grad():
+            fo = target(seq, torch.arange(T, device=target.device)[None], aux_layers=drafter.aux_layers)
+            am = fo.logits[0].argmax(-1)                     # the target's choice after each position
+            aux = torch.stack(fo.aux_hidden, dim=2)
+            logits = ttt_unroll(drafter, target.embed_tokens.weight, aux, seq, K)
+        # row t: feature f_t and token x[t+1] -> step k predicts the target's choice after position t+1+k
+        alive = None
+        lo, hi = P - 1, T - 1 - K                            # rows whose K checks lie in the continuation
+        if hi <= lo:
+            continue
+        for k, lg in enumerate(logits):
+            pred = drafter.draft_to_target(lg[0].argmax(-1))[lo:hi]
+            ok = pred == am[lo + 1 + k:hi + 1 + k]
+            alive = ok if alive is None else alive & ok
+            ok_sum[k] += int(alive.sum())
+        rows += hi - lo
+    per_pos = [s / rows for s in ok_sum] if rows else []
+    acc = {"prompts": len(prompts), "steps": K, "max_new_tokens": max_new_tokens,
+           "coverage": covered / total if total else None, "output_tokens": total,
+           "per_position_acceptance": per_pos, "predicted_tau": (1 + sum(per_pos)) if per_pos else None,
+           "measured_tau": tokens / cycles if cycles else None, "teacher_forced_rows": rows}
+    report.acceptance = acc
+    if total:
+        report.add("coverage", OK if acc["coverage"] >= 0.9 else WARN,
+                   f"the draft vocabulary covers {acc['coverage']:.1%} of the target's {total} greedy output "
+                   f"tokens on {len(prompts)} prompts" + ("" if acc["coverage"] >= 0.9 else
+                                                          "; uncovered tokens can never be drafted"))
+    if per_pos:
+        low = acc["measured_tau"] is not None and acc["measured_tau"] < 1.05
+        report.add("acceptance", WARN if low else OK,
+                   f"teacher-forced per-position acceptance {', '.join(f'{a:.2f}' for a in per_pos)} -> predicted "
+                   f"τ {acc['predicted_tau']:.2f}; measured τ {acc['measured_tau']:.2f} (chain of {K})"
+                   + ("; the drafter proposes almost nothing the target accepts" if low else ""))
+
+
+# ---------------------------------------------------------------- the whole check
+
+def check_drafter(drafter_path: str | Path, facts: TargetFacts, engine_args: str | None = None,
+                  run: bool = True, prompts: list[str] | None = None, max_new_tokens: int = 48,
+                  steps: int = 5, device: str = "cpu") -> Report:
+    path = Path(drafter_path)
+    if not path.is_dir():
+        raise SpecscopeError(f"drafter {str(path)!r} is not a directory")
+    report = Report(target={"name_or_path": facts.name_or_path, "architectures": facts.architectures,
+                            "hidden_size": facts.hidden_size, "vocab_size": facts.vocab_size,
+                            "num_hidden_layers": facts.num_hidden_layers, "rope_theta": facts.rope_theta,
+                            "rope_scaling": facts.rope_scaling,
+                            "max_position_embeddings": facts.max_position_embeddings})
+    eng = parse_engine_args(engine_args) if engine_args else None     # a bad command line fails before the work
+    drafter, cfg, has_map = static_checks(report, path, facts)
+    tok = tokenizer_checks(report, path, facts)
+    if eng is not None:
+        engine_checks(report, eng, cfg, has_map)
+    if not run:
+        report.add("acceptance", SKIP, "not measured (--no-run)")
+    elif report.faults:
+        report.add("acceptance", SKIP, "not measured: fix the faults above first")
+    elif (why := can_run(facts)) or tok is None:
+        report.add("acceptance", SKIP, f"not measured: {why or 'the target has no tokenizer here'}")
+    else:
+        measure(report, path, facts, tok, prompts or default_prompts(), max_new_tokens, steps, device)
+    return report
+
+
+def default_prompts(n: int = 3) -> list[str]:
+    from specscope.prompts import load_prompts
+
+    try:
+        return [r["prompt"] for r in load_prompts("spec_bench", num_prompts=n)["prompts"]]
+    except SpecscopeError:
+        return list(FALLBACK_PROMPTS[:n])

@@ -23,7 +23,6 @@ import torch
 import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
-QUESTIONS = ROOT.parent / "shared" / "data" / "spec_bench_question.jsonl"
 MT_BENCH = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -193,7 +192,8 @@ def table(results: dict):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--questions", type=Path, default=QUESTIONS)
+    ap.add_argument("--questions", type=Path, default=None,
+                    help="Spec-Bench question file (default: the copy packaged with specscope)")
     ap.add_argument("--limit", type=int, default=None, help="first N of the 80 MT-bench prompts")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
@@ -213,6 +213,9 @@ def main(argv=None):
     bad = [d for d in dtypes if d not in DTYPES]
     if bad or args.threads < 1 or args.max_new_tokens < 1 or (args.limit is not None and args.limit < 1):
         ap.error(f"invalid arguments (dtypes {bad or dtypes}, threads {args.threads}, limit {args.limit})")
+    from specscope.prompts import spec_bench_path
+
+    args.questions = args.questions or spec_bench_path()
     if not args.questions.exists():
         ap.error(f"{args.questions} not found; pass --questions")
     path = resolve_model(args.model)

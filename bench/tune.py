@@ -19,7 +19,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_PROMPTS = Path("/work/shared/data/spec_bench_question.jsonl")
 
 
 def layerskip_drafter(model_dir: Path, layers: int, cache: Path) -> Path:
@@ -54,7 +53,8 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--draft", default="smollm2-135m-eagle3",
                     help="drafter name or directory; layerskip:K = the target's first K layers as a stand-in")
-    ap.add_argument("--prompts", default=str(DEFAULT_PROMPTS) if DEFAULT_PROMPTS.exists() else None)
+    ap.add_argument("--prompts", default="spec_bench",
+                    help="'spec_bench' (the packaged question file, in file order), 'mt_bench' or a prompt file")
     ap.add_argument("--num-prompts", type=int, default=3)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--profile", default="5,4,16", help="steps,topk,draft_tokens of the one profiled run")

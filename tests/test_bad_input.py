@@ -192,7 +192,7 @@ SGLANG_URL = "http://127.0.0.1:9"  # nothing listens on the discard port; datase
 
 
 def bench(w, dataset, *extra):
-    return ["bench-serve", "--url", SGLANG_URL, "--dataset", dataset, "--no-record", *extra]
+    return ["bench-serve", "--base-url", SGLANG_URL, "--dataset", dataset, "--no-record", *extra]
 
 
 CLI_CASES = {
@@ -215,7 +215,7 @@ CLI_CASES = {
         ["UTF-8", "0xff"], True),
     "dataset line nested 200,000 deep": (lambda w: bench(w, fpath(w, "deep.jsonl", DEEP_200K + "\n")),
                                          ["deep.jsonl:1", "nested too deeply"], True),
-    "runs export -o /proc/x.csv": (lambda w: ["runs", "export", "last", "--csv", "-o", "/proc/x.csv"],
+    "runs export -o /proc/x.csv": (lambda w: ["runs", "export", "last", "--format", "csv", "-o", "/proc/x.csv"],
                                    ["/proc/x.csv"], True),
     "breakeven τ above steps + 1": (
         lambda w: ["breakeven", "--decode-ms", "10", "--verify-ms", "12", "--draft-ms", "3", "--steps", "2",
@@ -249,10 +249,10 @@ CLI_CASES = {
     "--draft a file": (lambda w: gen(w, "--draft", fpath(w, "x.bin", b"x")), ["x.bin", "not a directory"], True),
     "bench-serve --temperature nan": (lambda w: bench(w, "spec_bench", "--temperature", "nan"),
                                       ["--temperature", "nan"], True),
-    "train --seed -1": (lambda w: ["train", "--workdir", w["tmp"] / "wd", "--target", w["model"], "--seed", "-1"],
+    "train --seed -1": (lambda w: ["train", "--workdir", w["tmp"] / "wd", "--model", w["model"], "--seed", "-1"],
                         ["--seed", "-1"], True),
     "train --dataset /dev/zero": (
-        lambda w: ["train", "--workdir", w["tmp"] / "wd", "--target", w["model"], "--stages", "data",
+        lambda w: ["train", "--workdir", w["tmp"] / "wd", "--model", w["model"], "--stages", "data",
                    "--dataset", "/dev/zero"], ["/dev/zero", "not a regular file"], True),
     "serve --draft ngram --topk 2": (lambda w: ["serve", "--model", w["model"], "--draft", "ngram", "--topk", "2",
                                                 "--port", "0"], ["n-gram", "--topk 1"], True),
@@ -269,15 +269,15 @@ CLI_CASES = {
     "breakeven τ nan": (lambda w: ["breakeven", "--decode-ms", "1", "--verify-ms", "2", "--draft-ms", "1",
                                    "--steps", "2", "--measured-accept-length", "nan"], ["τ", "nan"], True),
     # -- output paths: refused before the work, not after it
-    "train --workdir /proc/x": (lambda w: ["train", "--workdir", "/proc/x", "--target", w["model"]],
+    "train --workdir /proc/x": (lambda w: ["train", "--workdir", "/proc/x", "--model", w["model"]],
                                 ["--workdir", "/proc/x"], True),
-    "train --out /proc/y": (lambda w: ["train", "--workdir", w["tmp"] / "wd", "--out", "/proc/y", "--target",
-                                       w["model"]], ["--out", "/proc/y"], True),
-    "export --out /proc/x": (lambda w: ["export", w["drafter"], "--format", "speculators", "--out", "/proc/x"],
-                             ["--out", "/proc/x"], True),
-    "verify-curve --plot /proc/x.png": (lambda w: ["verify-curve", "--model", w["model"], "--plot", "/proc/x.png",
-                                                   "--no-record"], ["--plot", "/proc/x.png"], True),
-    "train for a 2-layer target": (lambda w: ["train", "--workdir", w["tmp"] / "wd", "--target", _two_layers(w),
+    "train -o /proc/y": (lambda w: ["train", "--workdir", w["tmp"] / "wd", "-o", "/proc/y", "--model",
+                                    w["model"]], ["--output", "/proc/y"], True),
+    "export -o /proc/x": (lambda w: ["export", w["drafter"], "--format", "speculators", "-o", "/proc/x"],
+                          ["--output", "/proc/x"], True),
+    "verify-curve -o /proc/x.png": (lambda w: ["verify-curve", "--model", w["model"], "-o", "/proc/x.png",
+                                               "--no-record"], ["--output", "/proc/x.png"], True),
+    "train for a 2-layer target": (lambda w: ["train", "--workdir", w["tmp"] / "wd", "--model", _two_layers(w),
                                               "--stages", "data", "--synth", "2"], ["2 layers", "at least 4"], False),
     # -- prompts
     "--prompt - invalid UTF-8 mid-text": (
@@ -382,7 +382,7 @@ CLI_CASES = {
                              ["c.log.gz", "cannot read"], True),
     "ingest deeply nested JSON lines": (lambda w: ["ingest", fpath(w, "n.log", DEEP_200K[:20000] + "\n")],
                                         ["n.log"], True),
-    "ingest --engine bogus": (lambda w: ["ingest", "--engine", "bogus", fpath(w, "x.log", "x\n")], ["--engine"],
+    "ingest --format bogus": (lambda w: ["ingest", "--format", "bogus", fpath(w, "x.log", "x\n")], ["--format"],
                               True),
     # -- registry ids and paths
     "runs show unknown id": (lambda w: ["runs", "show", "nope"], ["'nope'"], True),

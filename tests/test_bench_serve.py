@@ -91,13 +91,58 @@ def _offline_text(model_dir, prompt, n):
     return tok.decode(generate(model, tok.encode(prompt), n, SamplingParams(), stop_ids_for(model, tok)).token_ids)
 
 
-def test_serve_and_bench_serve_end_to_end(model_dir, tmp_path):
+@pytest.fixture(scope="module")
+def spec_server(model_dir):
+    """`specscope serve` with n-gram drafting (SGLang's spelling of --steps), shared by the tests below."""
+    server = Server(["--model", str(model_dir), "--draft", "ngram", "--speculative-num-steps", "3"], _env())
+    yield server
+    server.stop()
+
+
+def test_bench_serve_random_dataset_at_a_request_rate_writes_vllm_result(spec_server, tmp_path):
+    """The acceptance command: Poisson arrivals at 4 req/s, 32 random prompts of 64 words, 32 output tokens
+    (exact with --ignore-eos), result JSON in `vllm bench serve`'s layout and units, with a speculative section."""
+    from specscope.registry import open_registry
+
+    res_dir = tmp_path / "results"
+    r = subprocess.run([sys.executable, "-m", "specscope", "bench-serve", "--base-url", spec_server.url,
+                        "--request-rate", "4", "--num-prompts", "32", "--dataset", "random", "--random-input-len",
+                        "64", "--random-output-len", "32", "--ignore-eos", "--save-result", "--result-dir",
+                        str(res_dir), "--metric-percentiles", "50,90,99", "--goodput", "ttft:60000", "tpot:60000"],
+                       capture_output=True, text=True, timeout=600, env=_env())
+    assert r.returncode == 0, r.stderr
+    assert "\r" not in r.stderr and "\r" not in r.stdout               # no in-place progress without a terminal
+    assert max(len(line) for line in r.stdout.splitlines()) > 80      # the table is not cut at 80 columns
+    files = list(res_dir.glob("openai-chat-4.0qps-*.json"))
+    assert len(files) == 1, list(res_dir.iterdir())
+    res = json.loads(files[0].read_text())
+    for key in ("date", "backend", "model_id", "num_prompts", "request_rate", "burstiness", "max_concurrency",
+                "duration", "completed", "total_input_tokens", "total_output_tokens", "request_throughput",
+                "request_goodput", "output_throughput", "total_token_throughput"):
+        assert key in res, key
+    for m in ("ttft", "tpot", "itl", "e2el"):
+        for stat in ("mean", "median", "std", "p50", "p90", "p99"):
+            assert f"{stat}_{m}_ms" in res, (stat, m)
+    assert res["request_rate"] == 4.0 and res["burstiness"] == 1.0 and res["max_concurrency"] is None
+    assert res["num_prompts"] == res["completed"] == 32 and res["failed"] == 0
+    assert res["total_output_tokens"] == 32 * 32                     # --ignore-eos: exactly --random-output-len
+    assert res["total_input_tokens"] >= 32 * 64                      # 64 words + the chat template
+    assert res["request_goodput"] == pytest.approx(res["request_throughput"])   # generous SLOs: all good
+    # 32 arrivals at 4/s take about 8 s; all-at-once would take a fraction of that on this tiny model
+    assert res["duration"] > 3.0
+    assert res["mean_ttft_ms"] > 0 and res["p99_e2el_ms"] >= res["median_e2el_ms"] > res["median_ttft_ms"]
+    assert res["spec_decode"]["accept_length"] >= 1.0 and res["spec_decode"]["num_drafts"] > 0
+    run = open_registry().get_run(res["specscope_run_id"])
+    assert run["kind"] == "bench_serve" and run["config"]["prompt_set"] == "random"
+
+
+def test_serve_and_bench_serve_end_to_end(model_dir, spec_server, tmp_path):
     pytest.importorskip("specscope.speculative.decode")
     from specscope.registry import open_registry
 
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps({"prompt": p, "category": "c"}) + "\n" for p in PROMPTS))
-    spec = Server(["--model", str(model_dir), "--draft", "ngram", "--steps", "3"], _env())
+    spec = spec_server
     keyed = Server(["--model", str(model_dir), "--api-key", "k3y"], _env())
     try:
         # --- bench-serve at concurrency 1 and 4 against the speculative server -----------------------------
@@ -114,9 +159,9 @@ def test_serve_and_bench_serve_end_to_end(model_dir, tmp_path):
         for x in per_req:  # greedy speculative output == offline greedy baseline, at every concurrency
             assert x["text"] == want[x["index"]], (x["concurrency"], x["index"])
         for lv in run["results"]["levels"]:
-            mine = [x for x in per_req if x["concurrency"] == lv["concurrency"]]
+            mine = [x for x in per_req if x["concurrency"] == lv["max_concurrency"]]
             m = lv["server_metrics"]
-            assert lv["errors"] == 0 and lv["ttft_s"]["p50"] > 0 and lv["e2e_s"]["p99"] >= lv["e2e_s"]["p50"]
+            assert lv["failed"] == 0 and lv["median_ttft_ms"] > 0 and lv["p99_e2el_ms"] >= lv["median_e2el_ms"]
             assert m["engine"] == "specscope" and m["window"] == "delta"
             # the /metrics deltas agree with what the server told each client
             assert m["generation_tokens"] == sum(x["completion_tokens"] for x in mine)
@@ -189,7 +234,6 @@ def test_serve_and_bench_serve_end_to_end(model_dir, tmp_path):
         assert lines[-2:] == ["data: [DONE]", ""] or lines[-1] == "data: [DONE]"
         assert keyed.proc.wait(30) == 0
     finally:
-        spec.stop()
         keyed.stop()
 
 
@@ -309,5 +353,58 @@ def test_load_script_all_requests_ok_on_tiny_model(model_dir, tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     res = json.loads(out.read_text())
     assert all(res["checks"].values()) and res["results"]["completed"] == 6
-    assert res["results"]["e2e_s"]["p99"] >= res["results"]["e2e_s"]["p50"] > 0
+    assert res["results"]["p99_e2el_ms"] >= res["results"]["p50_e2el_ms"] > 0
     assert res["server_metrics"]["num_drafts"] > 0
+
+
+def test_arrivals_follow_vllms_gamma_process():
+    import math
+
+    import numpy as np
+
+    from specscope.benchserve.run import intervals
+
+    assert intervals(5, math.inf, 1.0, 0) == [0.0] * 5                    # all at once
+    poisson = np.array(intervals(20000, 4.0, 1.0, 0))
+    assert poisson.mean() == pytest.approx(0.25, rel=0.03)                  # mean gap 1 / rate
+    assert poisson.std() / poisson.mean() == pytest.approx(1.0, rel=0.05)   # exponential: CV 1
+    bursty = np.array(intervals(20000, 4.0, 0.25, 0))
+    assert bursty.mean() == pytest.approx(0.25, rel=0.05) and bursty.std() / bursty.mean() == pytest.approx(2.0, rel=0.1)
+    assert intervals(10, 4.0, 1.0, 7) == intervals(10, 4.0, 1.0, 7)         # --seed makes it repeatable
+
+
+def test_level_summary_uses_vllm_names_units_and_goodput():
+    from specscope.benchserve.client import RequestResult
+    from specscope.benchserve.run import level_summary
+
+    def req(i, ttft, e2e, toks):
+        return RequestResult(i, ok=True, ttft_s=ttft, e2e_s=e2e, itl_s=[0.01] * (toks - 1), completion_tokens=toks,
+                             prompt_tokens=10)
+
+    rs = [req(0, 0.1, 1.1, 11), req(1, 0.3, 2.3, 11), RequestResult(2, error="HTTP 500: boom")]
+    s = level_summary(4, rs, 2.0, None, ("ttft", "tpot", "e2el"), (50, 99.9), {"ttft": 200.0})
+    assert s["completed"] == 2 and s["failed"] == 1 and s["max_concurrency"] == 4 and s["duration"] == 2.0
+    assert s["total_output_tokens"] == 22 and s["total_input_tokens"] == 20
+    assert s["request_throughput"] == 1.0 and s["output_throughput"] == 11.0 and s["total_token_throughput"] == 21.0
+    assert s["mean_ttft_ms"] == pytest.approx(200.0) and s["median_ttft_ms"] == pytest.approx(200.0)
+    assert s["p99.9_ttft_ms"] == pytest.approx(299.8) and "p50_e2el_ms" in s and "mean_itl_ms" not in s
+    assert s["mean_tpot_ms"] == pytest.approx(((1.0 / 10) + (2.0 / 10)) / 2 * 1e3)
+    assert s["request_goodput"] == 0.5                 # one of the two met TTFT <= 200 ms
+    assert s["error_examples"] == ["HTTP 500: boom"]
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--goodput", "ttft:abc"], "--goodput takes KEY:MS"),
+    (["--goodput", "latency:5"], "--goodput takes KEY:MS"),
+    (["--metric-percentiles", "0,101"], "--metric-percentiles"),
+    (["--percentile-metrics", "ttft,speed"], "--percentile-metrics"),
+    (["--max-concurrency", "0"], "--max-concurrency"),
+    (["--dataset", "random", "--category", "math"], "--category does not apply"),
+    (["--base-url", "localhost:8000"], "--base-url must start with http"),
+    (["ttft:5"], "unexpected extra argument"),
+])
+def test_bench_serve_bad_options_are_one_line(args, needle, capsys):
+    from cli_util import cli, one_error_line
+
+    code, _, err = cli(capsys, "bench-serve", *args)
+    assert needle in one_error_line(code, err)

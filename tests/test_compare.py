@@ -1,5 +1,7 @@
 """compare: planted regressions are found and attributed; same-distribution runs are not called different."""
 
+import re
+
 import numpy as np
 import pytest
 
@@ -251,3 +253,27 @@ def test_benchmarks_compare_per_prompt_tok_s_paired_by_prompt():
     c = bench(base * 1.05 * rng.lognormal(0, 0.01, 20), "sha256:q", 52)
     tok = rows_by(compare_runs([a, c]))["tok_per_s"]
     assert "paired" not in tok["changes"][1] and tok["verdicts"][1] == "no significant change"
+
+
+def test_attribution_reads_as_numbers_and_says_what_over_100_percent_means():
+    """verify slows by more than the whole ms/token change because draft got faster: the summary says so, with
+    no more digits than the data carry."""
+    a = synth(40, scale={"verify": 1.0, "draft": 1.0})
+    b = synth(41, scale={"verify": 1.5, "draft": 0.2})
+    att = compare_runs([a, b])["attribution"][0]
+    assert att["explains"] == "verify"
+    m = re.search(r"verify accounts for (\S+) of the (\S+) ms/token change \((\d+)%; over 100% because other "
+                  r"changes went the other way\)", att["summary"])
+    assert m, att["summary"]
+    assert int(m.group(3)) > 100
+    for num in m.group(1, 2):
+        assert len(num.lstrip("+-").replace(".", "")) <= 4, num      # e.g. +2.41, not +2.41234
+
+
+def test_runs_timed_under_load_are_named():
+    quiet, busy = synth(50), synth(51, env_over={"cpu__load_1m": 40})
+    assert compare_runs([quiet, busy])["load_warnings"] == {
+        "#1": "recorded with a 1-minute load average of 40 on 16 usable cores: other work competed for the CPUs, "
+              "so its timings are not comparable with a quiet run"}
+    ingested = dict(busy, env=dict(busy["env"], ingested=True))     # the engine ran elsewhere: no local load
+    assert compare_runs([quiet, ingested])["load_warnings"] == {}

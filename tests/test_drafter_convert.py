@@ -1,5 +1,5 @@
 """Published drafters to the engines: every upstream layout (shrunk, with its real quirks) loads and converts with
-`export --target`, round trips are byte-stable, incompatibilities come all at once, loading stays within 1.5x the
+`export --model`, round trips are byte-stable, incompatibilities come all at once, loading stays within 1.5x the
 file size, and `check-drafter` names each fault of a broken pair or engine launch."""
 
 import json
@@ -216,7 +216,7 @@ def _target_config(tmp_path, arch="Qwen3ForCausalLM", **over):
 def test_export_published_to_speculators_with_target_config(tmp_path, capsys):
     src, _ = _published_dir(tmp_path / "src", "specforge_qwen3_eagle3.json", "midlayer.")
     cfgf = _target_config(tmp_path)
-    code, out, err = cli(capsys, "export", src, "--format", "speculators", "--out", tmp_path / "v", "--target", cfgf,
+    code, out, err = cli(capsys, "export", src, "--format", "speculators", "-o", tmp_path / "v", "--model", cfgf,
                          "--verifier-name", "Qwen/Qwen3-8B", "--json")
     assert code == 0, err
     info = json.loads(out)
@@ -228,8 +228,8 @@ def test_export_published_to_speculators_with_target_config(tmp_path, capsys):
     assert info["aux_layer_ids"]["sglang_output_of_layer"] == [1, 3, 4]
     assert raw["transformer_layer_config"]["rms_norm_eps"] == 1e-06
     assert raw["torch_dtype"] == "float32"
-    # no --target: the verifier recorded in the directory is kept on re-export, version and tokens too
-    code, _, err = cli(capsys, "export", tmp_path / "v", "--format", "speculators", "--out", tmp_path / "v2")
+    # no --model: the verifier recorded in the directory is kept on re-export, version and tokens too
+    code, _, err = cli(capsys, "export", tmp_path / "v", "--format", "speculators", "-o", tmp_path / "v2")
     assert code == 0, err
     raw2 = json.loads((tmp_path / "v2" / "config.json").read_text())
     assert raw2["speculators_config"] == raw["speculators_config"]
@@ -239,7 +239,7 @@ def test_export_safeailab_dir_needs_only_a_target_config(tmp_path, capsys):
     # the most common conversion: a SafeAILab drafter (no aux ids, plain LlamaForCausalLM) -> vLLM
     src, _ = _published_dir(tmp_path / "src", "eagle3_llama31_8b_config.json", "midlayer.")
     cfgf = _target_config(tmp_path, arch="LlamaForCausalLM", model_type="llama")
-    code, out, err = cli(capsys, "export", src, "--format", "speculators", "--out", tmp_path / "v", "--target", cfgf,
+    code, out, err = cli(capsys, "export", src, "--format", "speculators", "-o", tmp_path / "v", "--model", cfgf,
                          "--verifier-name", "meta-llama/Llama-3.1-8B-Instruct")
     assert code == 0, err
     raw = json.loads((tmp_path / "v" / "config.json").read_text())
@@ -247,16 +247,16 @@ def test_export_safeailab_dir_needs_only_a_target_config(tmp_path, capsys):
     assert raw["speculators_config"]["verifier"]["name_or_path"] == "meta-llama/Llama-3.1-8B-Instruct"
     assert raw["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
     assert "hidden-state indices [2, 4, 5] = SGLang output-of-layer ids [1, 3, 4]" in out
-    line = one_error_line(*cli(capsys, "export", src, "--format", "speculators", "--out", tmp_path / "w",
-                               "--target", "meta-llama/Llama-3.1-8B-Instruct")[::2])
+    line = one_error_line(*cli(capsys, "export", src, "--format", "speculators", "-o", tmp_path / "w",
+                               "--model", "meta-llama/Llama-3.1-8B-Instruct")[::2])
     assert "config.json" in line and "--verifier-name meta-llama/Llama-3.1-8B-Instruct" in line
 
 
 def test_export_keeps_published_speculators_metadata(tmp_path, capsys, tdir):
     src, _ = _published_dir(tmp_path / "src", "speculators_eagle3_config.json", "layers.0.",
                             eagle_aux_hidden_state_layer_ids=[2, 4, 5, 7])
-    code, out, err = cli(capsys, "export", src, "--format", "speculators", "--out", tmp_path / "v",
-                         "--target", tdir, "--speculative-tokens", "5", "--json")
+    code, out, err = cli(capsys, "export", src, "--format", "speculators", "-o", tmp_path / "v",
+                         "--model", tdir, "--steps", "5", "--json")
     assert code == 0, err
     raw = json.loads((tmp_path / "v" / "config.json").read_text())
     assert raw["speculators_version"] == "0.8.0.dev0"                       # the source's, not a constant
@@ -269,7 +269,7 @@ def test_export_keeps_published_speculators_metadata(tmp_path, capsys, tdir):
     assert info["aux_layer_ids"]["verifier_logits_layer"] == 7
     assert info["notes"] == [f"verifier '/model/from_s3' recorded in the source is replaced by '{tdir.resolve()}'"]
     # SGLang cannot run it as published: every ignored feature named in one error, nothing written
-    code, _, err = cli(capsys, "export", src, "--format", "sglang", "--out", tmp_path / "s", "--target", tdir)
+    code, _, err = cli(capsys, "export", src, "--format", "sglang", "-o", tmp_path / "s", "--model", tdir)
     line = one_error_line(code, err)
     for flag in ("norm_before_residual", "norm_output", "norm_before_fc", "sliding_window=2048"):
         assert flag in line
@@ -282,7 +282,7 @@ def test_export_plain_speculators_to_sglang_drops_the_4th_aux_id(tmp_path, capsy
                norm_output=False)
     raw["transformer_layer_config"].update(use_sliding_window=False, layer_types=["full_attention"])
     src = write_raw(tmp_path / "src", raw, raw_tensors(raw, "layers.0."))
-    code, out, err = cli(capsys, "export", src, "--format", "sglang", "--out", tmp_path / "s", "--target", tdir)
+    code, out, err = cli(capsys, "export", src, "--format", "sglang", "-o", tmp_path / "s", "--model", tdir)
     assert code == 0, err
     assert "note: the 4th aux id (7" in out
     back = json.loads((tmp_path / "s" / "config.json").read_text())
@@ -296,8 +296,8 @@ def test_round_trip_sglang_speculators_sglang_byte_stable(tmp_path, capsys):
         str(src / "model.safetensors")).items()}
     save_file(t, str(src / "model.safetensors"))
     cfgf = _target_config(tmp_path, arch="LlamaForCausalLM", model_type="llama")
-    assert cli(capsys, "export", src, "--format", "speculators", "--out", tmp_path / "v", "--target", cfgf)[0] == 0
-    assert cli(capsys, "export", tmp_path / "v", "--format", "sglang", "--out", tmp_path / "s")[0] == 0
+    assert cli(capsys, "export", src, "--format", "speculators", "-o", tmp_path / "v", "--model", cfgf)[0] == 0
+    assert cli(capsys, "export", tmp_path / "v", "--format", "sglang", "-o", tmp_path / "s")[0] == 0
     back = load_file(str(tmp_path / "s" / "model.safetensors"))
     assert set(back) == set(t)
     for k in t:
@@ -319,15 +319,15 @@ def test_export_errors(tmp_path, capsys, tdir):
     src, _ = _published_dir(tmp_path / "src", "specforge_llama3_8b_eagle3.json", "midlayer.",
                             eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 3, 4]})
     # a speculators drafter must name its verifier: vLLM serves it as the target
-    line = one_error_line(*cli(capsys, "export", src, "--format", "speculators", "--out", tmp_path / "a")[::2])
-    assert "--target" in line
+    line = one_error_line(*cli(capsys, "export", src, "--format", "speculators", "-o", tmp_path / "a")[::2])
+    assert "--model" in line
     # a target that does not fit: every mismatch named
     bad = _target_config(tmp_path, hidden_size=48, vocab_size=120, num_hidden_layers=3)
-    line = one_error_line(*cli(capsys, "export", src, "--format", "speculators", "--out", tmp_path / "b",
-                               "--target", bad)[::2])
+    line = one_error_line(*cli(capsys, "export", src, "--format", "speculators", "-o", tmp_path / "b",
+                               "--model", bad)[::2])
     assert "hidden size is 48" in line and "has 120" in line and "3 layers" in line
-    line = one_error_line(*cli(capsys, "export", src, "--format", "speculators", "--out", tmp_path / "c",
-                               "--target", tmp_path / "nowhere")[::2])
+    line = one_error_line(*cli(capsys, "export", src, "--format", "speculators", "-o", tmp_path / "c",
+                               "--model", tmp_path / "nowhere")[::2])
     assert "nowhere" in line
 
 
@@ -472,15 +472,15 @@ def test_parse_engine_args_forms():
 
 def test_check_drafter_cli(tmp_path, capsys, target, tdir):
     good = _good_drafter(tmp_path, target)
-    code, out, err = cli(capsys, "check-drafter", good, "--target", tdir, "--no-run", "--engine-args",
+    code, out, err = cli(capsys, "check-drafter", good, "--model", tdir, "--no-run", "--engine-args",
                          "python -m sglang.launch_server --model-path x --speculative-algorithm EAGLE")
     assert code == 1 and "[FAIL] engine: algorithm" in out and "1 fault(s)" in out
-    code, out, err = cli(capsys, "check-drafter", good, "--target", tdir, "--json", "--prompts", "1",
+    code, out, err = cli(capsys, "check-drafter", good, "--model", tdir, "--json", "--num-prompts", "1",
                          "--max-new-tokens", "8", "--steps", "2")
     assert code == 0, err
     rep = json.loads(out)
     assert rep["ok"] and rep["acceptance"]["predicted_tau"] >= 1
-    line = one_error_line(*cli(capsys, "check-drafter", good, "--target", tdir, "--engine-args", "  ")[::2])
+    line = one_error_line(*cli(capsys, "check-drafter", good, "--model", tdir, "--engine-args", "  ")[::2])
     assert "--engine-args" in line
 
 
@@ -519,7 +519,7 @@ def test_full_size_llama31_8b_drafter_peak_memory(tmp_path):
 
 @pytest.mark.slow
 def test_check_shipped_drafter_with_smollm2(capsys):
-    code, out, err = cli(capsys, "check-drafter", "smollm2-135m-eagle3", "--target", "smollm2-135m", "--prompts", "2",
+    code, out, err = cli(capsys, "check-drafter", "smollm2-135m-eagle3", "--model", "smollm2-135m", "--num-prompts", "2",
                          "--max-new-tokens", "32")
     assert code == 0, out + err
     assert "predicted τ" in out and "measured τ" in out and "no faults" in out

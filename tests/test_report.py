@@ -184,3 +184,135 @@ def test_dollar_signs_in_run_labels_are_plain_text(records):
     s["id"], s["config"]["draft"] = "abcd1234", "/drafters/x$^$y"     # as mathtext this fails to parse
     html = build_report([s])
     assert len(alts(html)) == 3 and "x$^$y" in html
+
+
+# ------------------------------------------------------------------------------------------ trustworthy pictures
+
+def _busy(rec, load=9, cores=2):
+    rec = copy.deepcopy(rec)
+    rec["env"].setdefault("cpu", {}).update(load_1m=load, cores_usable=cores)
+    return rec
+
+
+def test_runs_recorded_under_load_are_flagged_in_report_and_compare(records, tmp_path, capsys):
+    b, _, s, _, _ = records
+    with open_registry() as reg:
+        quiet = reg.add_run(_busy(b, load=1))
+        busy = reg.add_run(_busy(s, load=9))
+    out = tmp_path / "r.html"
+    code, _, err = cli(capsys, "report", quiet, busy, "-o", out)
+    assert code == 0, err
+    page = out.read_text()
+    assert "Were these runs comparable?" in page and busy[:8] in page.split("Were these runs comparable?")[1][:400]
+    assert "load average of 9 on 2 usable cores" in page
+    code, stdout, err = cli(capsys, "compare", quiet, busy)
+    assert code == 0, err
+    assert f"run {busy} was recorded with a 1-minute load average of 9 on 2 usable cores" in stdout
+    code, stdout, _ = cli(capsys, "compare", quiet, busy, "--json")
+    assert list(json.loads(stdout)["load_warnings"]) == [busy]
+
+
+def test_ingested_runs_show_drafter_acceptance_and_ingest_notes(tmp_path, capsys):
+    """A vLLM log with per-position acceptance but no phase timings: acceptance chart, drafter not 'none',
+    the malformed-line count and the warnings on the page."""
+    ingest = {"format": "vllm", "lines": 120, "recognised": {"spec_decode": 10, "throughput": 4}, "malformed": 2,
+              "other": 104, "malformed_examples": [{"line": 17, "reason": "truncated metrics line"}],
+              "warnings": ["2 malformed line(s) skipped (corrupt, truncated or interleaved)"]}
+    rec = make_record("ingest", "vllm log", config={"engine": "vllm", "steps": 3},
+                      results={"tok_per_s": 90.0, "accept_length": 2.1, "drafted_tokens": 300,
+                               "per_position_acceptance": [0.6, 0.35, 0.15], "ingest": ingest},
+                      env={"ingested": True})
+    with open_registry() as reg:
+        rid = reg.add_run(rec)
+    out = tmp_path / "r.html"
+    code, _, err = cli(capsys, "report", rid, "-o", out)
+    assert code == 0, err
+    page = out.read_text()
+    assert "per-position acceptance rate" in alts(page)
+    assert "Ingested logs" in sections(page) and "truncated metrics line" in page and "malformed line(s)" in page
+    runs_table = page.split("<h2>Runs</h2>")[1].split("</table>")[0]
+    assert ">none<" not in runs_table and "not named in the log" in runs_table
+
+
+def test_one_step_run_gets_a_bar_not_a_single_dot(target):
+    from specscope.report import charts
+
+    one = _profiled(target, True, steps=1)
+    assert len(one["results"]["per_position_acceptance"]) == 1
+    img = charts.per_position([one])
+    assert img and img.startswith(b"\x89PNG")
+    # the single-position chart is the bar chart: short (one bar), not the tall line chart
+    import struct
+
+    width, height = struct.unpack(">II", img[16:24])
+    assert width == 480 and height < 300
+
+
+def test_verify_curve_too_noisy_to_fit_says_so():
+    from specscope.economics.verify_curve import knee_words
+
+    fit = {"flat_ms": 300.0, "slope_ms_per_token": 40.0, "knee_tokens": 1.0, "rel_rmse": 0.4}
+    noisy = [{"context": 64, "tokens": n, "median_ms": m, "p10_ms": 200.0, "p90_ms": 1300.0}
+             for n, m in ((1, 320.0), (2, 600.0), (4, 450.0), (8, 900.0))]
+    words = knee_words(fit, 8, noisy)
+    assert words.startswith("too noisy to fit") and "200–1300 ms" in words and "compute-bound" not in words
+    quiet = [dict(p, p10_ms=p["median_ms"] * 0.97, p90_ms=p["median_ms"] * 1.03) for p in noisy]
+    assert "compute-bound already at n = 1" in knee_words(dict(fit, rel_rmse=0.05), 8, quiet)
+
+
+def test_page_does_not_break_words(stored, tmp_path, capsys):
+    out = tmp_path / "r.html"
+    code, _, err = cli(capsys, "report", stored["S"], stored["B"], "-o", out)
+    assert code == 0, err
+    page = out.read_text()
+    assert "overflow-wrap:anywhere" not in page and "word-break:break-word" not in page
+    assert "white-space:nowrap" in page.split("th{")[1].split("}")[0]    # headers never break mid-word
+
+
+def test_breakeven_hint_names_no_flag_report_lacks(stored, tmp_path, capsys):
+    out = tmp_path / "r.html"
+    code, _, err = cli(capsys, "report", stored["S2"], "-o", out)
+    assert code == 0, err
+    page = out.read_text()
+    assert "--decode-ms" not in page.split("Break-even")[1].split("<h2>")[0].replace(
+        "specscope breakeven --run ID --help", "") and "--baseline-run" not in page
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("width", [1280, 700])
+def test_report_renders_in_headless_chromium_without_overflow(stored, tmp_path, capsys, width):
+    """The page as a browser draws it: a non-blank screenshot, no sideways scrolling at a laptop and a narrow
+    window width, every inline image decodes. Skipped where Chromium is not installed."""
+    import importlib.util
+    import shutil
+    from pathlib import Path
+
+    if not any(shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome")):
+        pytest.skip("chromium is not installed (apt-get install -y chromium)")
+    spec = importlib.util.spec_from_file_location(
+        "render_report", Path(__file__).resolve().parents[1] / "bench" / "render_report.py")
+    rr = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rr)
+    out = tmp_path / "r.html"
+    code, _, err = cli(capsys, "report", *stored.values(), "-o", out)
+    assert code == 0, err
+    lay = rr.layout(out, width)
+    assert lay["scrollWidth"] <= lay["clientWidth"], lay          # no layout overflow
+    assert lay["images"] == len(alts(out.read_text())) > 0 and lay["broken"] == 0, lay
+    png = rr.screenshot(out, tmp_path / f"r{width}.png", width=width, height=1600)
+    import matplotlib.image as mpimg
+    import numpy as np
+
+    px = mpimg.imread(str(png))[..., :3]
+    assert px.shape[1] == width
+    ink = (px.mean(axis=2) < 0.9).mean()                          # share of pixels that are not near-white
+    assert 0.01 < ink < 0.9 and float(np.std(px)) > 0.05, (ink, float(np.std(px)))
+
+
+def test_per_token_bars_add_up_to_the_run_tables_ms_per_token(records):
+    from specscope.report import charts
+
+    s = records[2]
+    phases = charts.top_phases(s)
+    total = sum(v * charts._per_token_scale(s, phases) for v in phases.values())
+    assert total == pytest.approx(s["results"]["decode_ms_per_token"], rel=1e-9)

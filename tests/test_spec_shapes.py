@@ -80,7 +80,8 @@ def test_short_drafter_context_drafts_as_if_declared_long(target):
     b = speculative_generate(target, Eagle3TreeDrafter(full, target), prompt, 12, stop_ids=(), cfg=cfg)
     assert a.token_ids == b.token_ids
     assert a.extra["accept_lengths"] == b.extra["accept_lengths"]
-    assert short.rope.shape[1] >= 30 + 12 and torch.equal(short.rope, full.rope[:, :short.rope.shape[1]])
+    n = min(short.rope.shape[1], full.rope.shape[1])   # tables grow in chunks: compare what both hold
+    assert short.rope.shape[1] >= 30 + 12 and torch.equal(short.rope[:, :n], full.rope[:, :n])
 
 
 def test_short_draft_model_context_does_not_crash(tmp_path, target):

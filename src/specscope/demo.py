@@ -17,8 +17,8 @@ from pathlib import Path
 
 from specscope.errors import SpecscopeError
 
-MT_BENCH = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
-# Used only when the Spec-Bench question file is not next to the checkout (e.g. an installed wheel).
+# Used only when the packaged Spec-Bench question file is missing (a broken install); said loudly.
+FALLBACK_NAME = "built-in demo prompts (the packaged Spec-Bench file is missing)"
 FALLBACK_PROMPTS = (
     "Write a short blog post about a weekend trip to the mountains, with two things to see and one to eat.",
     "You are a tour guide in Rome. Greet a group of visitors and describe the first stop of the day.",
@@ -60,37 +60,21 @@ class DemoUI:
 
 
 def pick_prompts(n: int) -> tuple[list[dict], str]:
-    """The first `n` MT-bench first turns of the Spec-Bench file, one category after another (writing, roleplay,
-    reasoning, math, coding, ...) rather than the first few writing ones. Returns (prompts, prompt set name)."""
+    """The first `n` MT-bench first turns of the packaged Spec-Bench file, one category after another (writing,
+    roleplay, reasoning, math, coding, ...). Returns (prompts, prompt set name). Without the file (a broken
+    install) the built-in prompts stand in, with a warning on stderr and in the summary."""
     if n < 1:
-        raise SpecscopeError(f"--prompts must be >= 1, got {n}")
-    from specscope.prompts import spec_bench_path
+        raise SpecscopeError(f"--num-prompts must be >= 1, got {n}")
+    from specscope.prompts import PACKAGED, SPEC_BENCH_FILE, mt_bench_prompts, spec_bench_path, warn
 
     try:
-        path = spec_bench_path()
-    except SpecscopeError:
-        path = None
-    if path is None or not path.is_file():
+        spec_bench_path()
+    except SpecscopeError as e:
+        warn(f"{e}; the demo falls back to {len(FALLBACK_PROMPTS)} built-in prompts, not MT-bench "
+             f"(expected {PACKAGED / SPEC_BENCH_FILE})")
         rows = [{"question_id": None, "category": None, "prompt": p} for p in FALLBACK_PROMPTS]
-        return (rows * (n // len(rows) + 1))[:n], "built-in demo prompts (Spec-Bench file not found)"
-    by: dict[str, list[dict]] = {}
-    for i, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        from specscope.jsonio import loads_object
-
-        obj = loads_object(line, f"{path}:{i}")
-        if obj.get("category") in MT_BENCH and isinstance(obj.get("turns"), list) and obj["turns"] \
-                and isinstance(obj["turns"][0], str):
-            by.setdefault(obj["category"], []).append(
-                {"question_id": obj.get("question_id"), "category": obj["category"], "prompt": obj["turns"][0]})
-    order = [c for c in MT_BENCH if c in by]
-    out = []
-    for j in range(max((len(v) for v in by.values()), default=0)):
-        out += [by[c][j] for c in order if j < len(by[c])]
-    if not out:
-        raise SpecscopeError(f"{path} holds no MT-bench questions (categories {', '.join(MT_BENCH)})")
-    return out[:n], f"spec-bench mt_bench first turns ({min(n, len(out))})"
+        return (rows * (n // len(rows) + 1))[:n], FALLBACK_NAME
+    return mt_bench_prompts(n)
 
 
 def run_demo(opts: DemoOptions, ui: DemoUI | None = None) -> dict:
@@ -121,7 +105,7 @@ def run_demo(opts: DemoOptions, ui: DemoUI | None = None) -> dict:
     try:        # now rather than after minutes of decoding
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise SpecscopeError(f"cannot use --out {str(out_dir)!r}: {e.strerror or e}") from None
+        raise SpecscopeError(f"cannot use --output {str(out_dir)!r}: {e.strerror or e}") from None
     dev = str(opts.device)
 
     _check_shipped(draft)            # before loading anything: on a fresh machine that takes a while
@@ -216,6 +200,7 @@ def run_demo(opts: DemoOptions, ui: DemoUI | None = None) -> dict:
         "runs": {"baseline": brec["id"], "speculative": srec["id"],
                  "verify_curve": curve_rec["id"] if curve_rec else None},
         "db": db_path, "report": None,
+        "warnings": _warnings(prompt_set, brec),
     }
     if opts.report:
         ui.stage("writing the HTML report")
@@ -230,6 +215,20 @@ def run_demo(opts: DemoOptions, ui: DemoUI | None = None) -> dict:
     summary_path.write_text(json.dumps(result, indent=1, default=str))
     result["summary_json"] = str(summary_path)
     return result
+
+
+def _warnings(prompt_set: str, brec: dict) -> list[str]:
+    """What makes these numbers less than they seem: said in the summary, the JSON and the report."""
+    from specscope.registry.fingerprint import load_warning
+
+    out = []
+    if prompt_set == FALLBACK_NAME:
+        out.append("the packaged Spec-Bench file is missing: these are built-in prompts, not MT-bench "
+                   "(reinstall specscope)")
+    w = load_warning(brec.get("env"))
+    if w:
+        out.append(f"these runs were {w}; run the demo again on a quieter machine before trusting the speedup")
+    return out
 
 
 def _check_shipped(draft: str) -> None:
@@ -262,13 +261,21 @@ def _prompt_stats(p: dict, ids: list[int], b, s) -> dict:
                 "tok_per_s": round(r.tok_per_s, 4), "stop_reason": r.stop_reason}
 
     sp = side(s)
-    sp.update(accept_length=round(s.extra["accept_length"], 4), cycles=s.extra["cycles"])
+    sp.update(accept_length=round(s.extra["accept_length"], 4), cycles=s.extra["cycles"],
+              verify_tokens_mean=s.extra.get("verify_tokens_mean"),
+              acceptance_by_depth_rank=s.extra.get("acceptance_by_depth_rank"))
     return {"question_id": p.get("question_id"), "category": p.get("category"), "prompt_tokens": len(ids),
             "baseline": side(b), "speculative": sp, "identical": b.token_ids == s.token_ids}
 
 
+def _weighted(pairs):
+    pairs = [(v, w) for v, w in pairs if v is not None and w]
+    return sum(v * w for v, w in pairs) / sum(w for _, w in pairs) if pairs else None
+
+
 def _records(config, draft, drafter, cfg, bprof, sprof, per_prompt, opts) -> tuple[dict, dict]:
     from specscope.registry import make_record
+    from specscope.speculative.acceptance import RankCounts
 
     def totals(side):
         toks = sum(r[side]["tokens"] for r in per_prompt)
@@ -281,7 +288,8 @@ def _records(config, draft, drafter, cfg, bprof, sprof, per_prompt, opts) -> tup
         return [{"question_id": r["question_id"], "category": r["category"], "prompt_tokens": r["prompt_tokens"],
                  **r[side]} for r in per_prompt]
 
-    brec = make_record("baseline", f"demo baseline ({len(per_prompt)} prompts)",
+    n_prompts = f"{len(per_prompt)} prompt{'s' if len(per_prompt) != 1 else ''}"
+    brec = make_record("baseline", f"demo baseline ({n_prompts})",
                        config={**config, "draft": None, "steps": None, "topk": None, "draft_tokens": None,
                                "engine": "baseline"},
                        profiler=bprof, results=totals("baseline"), samples={"per_prompt": flat("baseline")},
@@ -293,9 +301,14 @@ def _records(config, draft, drafter, cfg, bprof, sprof, per_prompt, opts) -> tup
             "baseline": {"decode_ms_per_token": bres.get("decode_ms_per_token"), "tok_per_s": bres.get("tok_per_s")},
             "identical_outputs": sum(r["identical"] for r in per_prompt), "prompts": len(per_prompt),
             "mean_context": sum(r["prompt_tokens"] + r["speculative"]["tokens"] / 2 for r in per_prompt)
-            / len(per_prompt)}
+            / len(per_prompt),
+            # acceptance by (depth, sibling rank): `specscope tune --run` predicts other shapes from it
+            "acceptance_by_depth_rank": RankCounts.merge([r["speculative"].get("acceptance_by_depth_rank")
+                                                          for r in per_prompt]),
+            "verify_tokens_mean": _weighted([(r["speculative"].get("verify_tokens_mean"), r["speculative"]["cycles"])
+                                             for r in per_prompt])}
     srec = make_record("speculative", f"demo {draft} s{cfg.steps} k{cfg.topk} n{cfg.draft_tokens} "
-                                      f"({len(per_prompt)} prompts)",
+                                      f"({n_prompts})",
                        config={**config, "draft": _draft_ref(draft), "drafter_kind": getattr(drafter, "kind", None),
                                "steps": cfg.steps, "topk": cfg.topk, "draft_tokens": cfg.draft_tokens,
                                "engine": "speculative"},

@@ -37,9 +37,12 @@ class RequestResult:
         return d
 
 
-def request_body(endpoint: str, model: str, prompt: str, max_tokens: int, temperature: float) -> dict:
+def request_body(endpoint: str, model: str, prompt: str, max_tokens: int, temperature: float,
+                 ignore_eos: bool = False) -> dict:
     body = {"model": model, "max_tokens": max_tokens, "temperature": temperature, "stream": True,
             "stream_options": {"include_usage": True}}
+    if ignore_eos:
+        body["ignore_eos"] = True       # vLLM / SGLang / specscope extension: decode exactly max_tokens
     if endpoint == "chat":
         body["messages"] = [{"role": "user", "content": prompt}]
     else:

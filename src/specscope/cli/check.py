@@ -7,26 +7,30 @@ from pathlib import Path
 
 import click
 
-from specscope.cli.common import emit_json
+from specscope.cli.common import alias_option, device_option, emit_json, json_option
 
 MARK = {"ok": "ok  ", "warn": "WARN", "fail": "FAIL", "skip": "skip"}
 
 
 @click.command("check-drafter")
 @click.argument("drafter")
-@click.option("--target", "target_name", required=True,
+@alias_option("--model", "target_name", hidden=("--target",), required=True,
               help="The target: a Hugging Face directory, its config.json, or a known name.")
 @click.option("--engine-args", default=None,
               help="An SGLang / vLLM launch command line, or its server-args log line, to check against the drafter.")
-@click.option("--prompts", "n_prompts", type=click.IntRange(min=1), default=3, show_default=True,
-              help="Sample prompts for coverage and acceptance (from Spec-Bench when it is here).")
-@click.option("--max-new-tokens", type=click.IntRange(min=4), default=48, show_default=True)
-@click.option("--steps", type=click.IntRange(min=1), default=5, show_default=True,
-              help="Chain length for the acceptance measurement.")
+@alias_option("--num-prompts", "num_prompts", hidden=("--prompts",), type=click.IntRange(min=1), default=3,
+              show_default=True,
+              help="Prompts (the packaged Spec-Bench questions) for coverage and acceptance.")
+@click.option("--max-new-tokens", type=click.IntRange(min=4), default=48, show_default=True,
+              help="Most tokens per prompt in the acceptance measurement.")
+@click.option("--steps", "--speculative-num-steps", "--num-speculative-tokens", "steps", type=click.IntRange(min=1),
+              default=5, show_default=True,
+              help="Draft depth (a chain) for the acceptance measurement. SGLang --speculative-num-steps; vLLM "
+                   "num_speculative_tokens.")
 @click.option("--no-run", is_flag=True, help="Static checks only; do not run the target.")
-@click.option("--device", type=click.Choice(["cpu", "cuda", "auto"]), default="cpu", show_default=True)
-@click.option("--json", "as_json", is_flag=True)
-def check_drafter(drafter, target_name, engine_args, n_prompts, max_new_tokens, steps, no_run, device, as_json):
+@device_option(default="cpu")
+@json_option("Print the checks, faults and acceptance as one JSON object.")
+def check_drafter(drafter, target_name, engine_args, num_prompts, max_new_tokens, steps, no_run, device, as_json):
     """One report of everything that decides whether DRAFTER (a directory or shipped name) works with the target.
     Exit status 1 when it names a fault."""
     from specscope.cli.common import setup_runtime
@@ -40,7 +44,7 @@ def check_drafter(drafter, target_name, engine_args, n_prompts, max_new_tokens, 
     dev = setup_runtime(None, device)
     facts = resolve_target(target_name)
     report = run_check(path, facts, engine_args, run=not no_run,
-                       prompts=None if no_run else default_prompts(n_prompts),
+                       prompts=None if no_run else default_prompts(num_prompts),
                        max_new_tokens=max_new_tokens, steps=steps, device=str(dev))
     d = report.to_dict()
     if as_json:

@@ -26,6 +26,14 @@ def setup_runtime(threads: int | None, device: str | None):
     return resolve_device(device)
 
 
+def stdout_console(**kw):
+    """Rich console for tables on stdout: without a terminal (a pipe, a log) rich would cut them at 80 columns,
+    so they get a wide fixed width instead."""
+    from rich.console import Console
+
+    return Console(**kw) if sys.stdout.isatty() else Console(width=200, **kw)
+
+
 def stderr_console():
     from rich.console import Console
 
@@ -36,6 +44,97 @@ def is_tty() -> bool:
     return sys.stdout.isatty()
 
 
+# ------------------------------------------------------------------------------------------------ flag conventions
+# One meaning per flag across commands, spelled as Hugging Face / vLLM / SGLang spell it. Old spellings stay as
+# hidden aliases for one release (AliasOption), so scripts keep working while --help shows one name.
+
+class AliasOption(click.Option):
+    """A click option whose `hidden_aliases` still parse but are left out of --help."""
+
+    def __init__(self, *args, hidden_aliases=(), **kwargs):
+        super().__init__(*args, **kwargs)
+        self.hidden_aliases = set(hidden_aliases)
+
+    def get_help_record(self, ctx):
+        saved = self.opts
+        self.opts = [o for o in self.opts if o not in self.hidden_aliases] or saved
+        try:
+            return super().get_help_record(ctx)
+        finally:
+            self.opts = saved
+
+
+def alias_option(*names, hidden=(), **kwargs):
+    """click.option with old spellings `hidden` (they parse, --help does not show them)."""
+    return click.option(*names, *hidden, cls=AliasOption, hidden_aliases=hidden, **kwargs)
+
+
+# HF / vLLM / SGLang dtype spellings -> ours
+DTYPE_ALIASES = {"float32": "fp32", "float": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16"}
+
+
+def dtype_option(*names, short=("fp32", "bf16", "fp16", "auto"), default="auto", help=None):
+    """--dtype accepting the short forms and torch / Hugging Face / vLLM spellings (bfloat16, float16, float32,
+    half, float); the command sees the short form."""
+    names = names or ("--dtype",)
+    longs = [k for k, v in DTYPE_ALIASES.items() if v in short]
+
+    def norm(ctx, param, value):
+        return DTYPE_ALIASES.get(value, value) if value is not None else value
+
+    return click.option(*names, type=click.Choice([*short, *longs], case_sensitive=False), default=default,
+                        show_default=default is not None, callback=norm,
+                        help=help or ("auto = fp32 on CPU, bf16 on CUDA. bfloat16 / float16 / float32 also accepted."
+                                      if "auto" in short else "bfloat16 / float16 / float32 also accepted."))
+
+
+def device_option(default="auto"):
+    return click.option("--device", type=click.Choice(["cpu", "cuda", "auto"]), default=default, show_default=True,
+                        help="auto = CUDA when available, else CPU.")
+
+
+def json_option(help="Print one JSON object instead of the human-readable output."):
+    return click.option("--json", "as_json", is_flag=True, help=help)
+
+
+def db_option(f):
+    return click.option("--db", default=None,
+                        help="Registry database (default: $SPECSCOPE_DB or $XDG_DATA_HOME/specscope/runs.db).")(f)
+
+
+def output_option(help, default=None, hidden=(), file_okay=True, dir_okay=True, show_default=False):
+    """-o/--output: the one spelling of "where to write" in every command."""
+    return alias_option("-o", "--output", "output", hidden=hidden, default=default, show_default=show_default,
+                        type=click.Path(file_okay=file_okay, dir_okay=dir_okay), help=help)
+
+
+def spec_options(steps_help="Draft depth: drafter steps per cycle (tree depth / chain length).",
+                 steps_default=None, topk_default=None, draft_tokens_default=None, draft_tokens_help=None):
+    """--steps / --topk / --draft-tokens with SGLang's and vLLM's spellings as aliases:
+    --speculative-num-steps (SGLang) and --num-speculative-tokens (vLLM, a chain) = --steps;
+    --speculative-eagle-topk = --topk; --speculative-num-draft-tokens = --draft-tokens."""
+    def deco(f):
+        for opt in reversed([
+            click.option("--steps", "--speculative-num-steps", "--num-speculative-tokens", "steps",
+                         type=click.IntRange(min=1), default=steps_default, show_default=steps_default is not None,
+                         help=steps_help + " SGLang --speculative-num-steps; vLLM num_speculative_tokens."),
+            click.option("--topk", "--speculative-eagle-topk", "topk", type=click.IntRange(min=1),
+                         default=topk_default, show_default=topk_default is not None,
+                         help="Tree branching; 1 = chain. SGLang --speculative-eagle-topk."),
+            click.option("--draft-tokens", "--speculative-num-draft-tokens", "draft_tokens",
+                         type=click.IntRange(min=2), default=draft_tokens_default,
+                         show_default=draft_tokens_default is not None,
+                         help=(draft_tokens_help or "Tokens verified per cycle (tree nodes + root).")
+                         + " SGLang --speculative-num-draft-tokens."),
+        ]):
+            f = opt(f)
+        return f
+    return deco
+
+
+def draft_option(help="Drafter: EAGLE-3 directory or name, 'ngram', or a small HF model. "
+                      "SGLang --speculative-draft-model-path."):
+    return click.option("--draft", "--speculative-draft-model-path", "draft", default=None, help=help)
 class SamplingParam(click.ParamType):
     """A click type checked by the sampling schema (engine/params.py), so the CLI refuses exactly what the server
     and SamplingParams refuse: `--temperature nan`, `--seed 99999999999999999999`, ..."""

@@ -6,17 +6,15 @@ import json
 
 import click
 
-from specscope.cli.common import emit_json
+from specscope.cli.common import db_option, emit_json, json_option
 from specscope.errors import SpecscopeError
 
 
 def _console():
     """Rich console; piped output gets a wide fixed width instead of wrapping tables at 80 columns."""
-    import sys
+    from specscope.cli.common import stdout_console
 
-    from rich.console import Console
-
-    return Console() if sys.stdout.isatty() else Console(width=160)
+    return stdout_console()
 
 
 VERDICT_STYLE = {"better": "green", "worse": "red", "no significant change": "dim"}
@@ -30,8 +28,8 @@ VERDICT_STYLE = {"better": "green", "worse": "red", "no significant change": "di
 @click.option("--tag", default=None, help="Add every run with this tag to RUN_IDS.")
 @click.option("--min-effect", type=click.FloatRange(min=0), default=2.0, show_default=True,
               help="Smallest change (%) called a change, however significant.")
-@click.option("--json", "as_json", is_flag=True)
-@click.option("--db", default=None, help="Registry database (default: SPECSCOPE_DB or the XDG data dir).")
+@json_option("Print the comparison as one JSON object.")
+@db_option
 def compare(run_ids, by, metric, tag, min_effect, as_json, db):
     """Compare runs: per-phase side by side with noise-aware verdicts, what differs, and the likely causes.
 
@@ -98,6 +96,8 @@ def _print(res: dict) -> None:
             cells += [_v(row["values"][i]), delta, f"[{style}]{verdict}[/{style}]"]
         t.add_row(*cells)
     con.print(t)
+    for rid, w in (res.get("load_warnings") or {}).items():
+        con.print(f"[bold yellow]warning:[/bold yellow] run {rid} was {w}")
     for title, diff in (("configuration differences", res["config_diff"]),
                         ("environment differences", res["env_diff"])):
         if not diff:

@@ -6,7 +6,8 @@ import sys
 
 import click
 
-from specscope.cli.common import emit_json, setup_runtime, stderr_console
+from specscope.cli.common import (alias_option, db_option, draft_option, dtype_option, emit_json, json_option,
+                                  output_option, setup_runtime, spec_options, stderr_console)
 
 
 class _RichUI:
@@ -72,26 +73,23 @@ class _RichUI:
 
 
 @click.command()
-@click.option("--prompts", "num_prompts", type=click.IntRange(min=1, max=80), default=4, show_default=True,
-              help="MT-bench first turns to decode (one per category in turn).")
-@click.option("--out", "out_dir", default="specscope-demo", show_default=True,
-              help="Directory for report.html and summary.json.")
-@click.option("--draft", default=None,
-              help="Drafter: the shipped EAGLE-3 one by default; 'ngram', an EAGLE-3 directory or a small HF model.")
-@click.option("--max-new-tokens", type=click.IntRange(min=2), default=112, show_default=True)
+@alias_option("--num-prompts", "num_prompts", hidden=("--prompts",), type=click.IntRange(min=1, max=80), default=4,
+              show_default=True, help="MT-bench first turns to decode (one per category in turn; packaged set).")
+@output_option("Directory for report.html and summary.json.", default="specscope-demo", hidden=("--out",),
+               file_okay=False, show_default=True)
+@draft_option("Drafter: the shipped EAGLE-3 one by default; 'ngram', an EAGLE-3 directory or a small HF model.")
+@click.option("--max-new-tokens", type=click.IntRange(min=2), default=112, show_default=True,
+              help="Most tokens to generate per prompt.")
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="CPU threads for torch.")
 @click.option("--model", "model_name", default="smollm2-135m", show_default=True,
               help="Target: a known name (pulled on first use) or a Hugging Face checkpoint directory.")
-@click.option("--steps", type=click.IntRange(min=1), default=None,
-              help="Draft depth (default: the shipped drafter's tuned 1 level x top-k 3, 4 tokens; else 5).")
-@click.option("--topk", type=click.IntRange(min=1), default=None, help="Tree branching; 1 = chain (default).")
-@click.option("--draft-tokens", type=click.IntRange(min=2), default=None, help="Tokens verified per cycle.")
-@click.option("--dtype", type=click.Choice(["fp32", "bf16", "fp16", "auto"]), default="auto", show_default=True)
+@spec_options("Draft depth (default: the shipped drafter's tuned shape; else 5).")
+@dtype_option()
 @click.option("--device", type=click.Choice(["cpu", "cuda", "auto"]), default="cpu", show_default=True)
 @click.option("--no-verify-curve", is_flag=True, help="Skip the short verify-cost measurement.")
-@click.option("--db", default=None, help="Registry database (default: SPECSCOPE_DB or the XDG data dir).")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (no streaming).")
-def demo(num_prompts, out_dir, draft, max_new_tokens, threads, model_name, steps, topk, draft_tokens, dtype, device,
+@db_option
+@json_option("Print one JSON object (no streaming).")
+def demo(num_prompts, output, draft, max_new_tokens, threads, model_name, steps, topk, draft_tokens, dtype, device,
          no_verify_curve, db, as_json):
     """The tour: plain vs speculative (EAGLE-3) decoding of a few MT-bench prompts on the demo model, with the
     profile, τ, the speedup and the break-even, both runs stored and an HTML report written."""
@@ -99,7 +97,7 @@ def demo(num_prompts, out_dir, draft, max_new_tokens, threads, model_name, steps
 
     dev = setup_runtime(threads, device)
     opts = DemoOptions(model=model_name, draft=draft, prompts=num_prompts, max_new_tokens=max_new_tokens,
-                       steps=steps, topk=topk, draft_tokens=draft_tokens, dtype=dtype, device=str(dev), out=out_dir,
+                       steps=steps, topk=topk, draft_tokens=draft_tokens, dtype=dtype, device=str(dev), out=output,
                        db=db, verify_curve=not no_verify_curve)
     if as_json:
         emit_json(run_demo(opts, DemoUI()))
@@ -129,6 +127,8 @@ def _print_summary(res: dict) -> None:
     con.print(f"[bold]Speedup: [{color}]{sp:.2f}×[/{color}][/bold] decode "
               f"({res['speedup_end_to_end']:.2f}× end to end, prefill included); outputs identical to plain "
               f"decoding: {res['identical_outputs']}/{res['prompts']}")
+    for w in res.get("warnings") or []:
+        con.print(f"[bold yellow]warning:[/bold yellow] {w}")
     con.print("\n[bold]Speculative cycle profile[/bold]")
     for line in res["profile_lines"]["speculative"]:
         con.print("  " + line)

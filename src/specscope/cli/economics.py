@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import click
 
-from specscope.cli.common import check_writable, emit_json, setup_runtime, stderr_console
+from specscope.cli.common import (alias_option, check_writable, db_option, device_option, draft_option,
+                                  dtype_option, emit_json, json_option, output_option, setup_runtime, spec_options,
+                                  stderr_console, stdout_console)
 from specscope.errors import SpecscopeError
 
-_DB = click.option("--db", default=None, help="Registry database (default: SPECSCOPE_DB or the XDG data dir).")
+_DB = db_option
 
 
 def _open(db):
@@ -27,17 +29,17 @@ def _open(db):
               help="Query tokens per forward (what a cycle verifies), comma-separated.")
 @click.option("--warmup", type=int, default=1, show_default=True, help="Untimed forwards per point.")
 @click.option("--repeats", type=int, default=5, show_default=True, help="Timed forwards per point.")
-@click.option("--dtype", type=click.Choice(["fp32", "bf16", "fp16", "auto"]), default="auto", show_default=True)
-@click.option("--device", type=click.Choice(["cpu", "cuda", "auto"]), default="auto", show_default=True)
+@dtype_option()
+@device_option()
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="CPU threads for torch.")
-@click.option("--plot", "plot_path", default=None,
-              help="PNG to write (default: verify-curve-<run id>.png in the current directory).")
+@output_option("PNG to write (default: verify-curve-<run id>.png in the current directory).", hidden=("--plot",),
+               dir_okay=False)
 @click.option("--no-plot", is_flag=True, help="Do not write a PNG.")
 @click.option("--no-record", is_flag=True, help="Do not store the curve in the registry.")
 @click.option("--name", default="", help="Run name in the registry.")
 @_DB
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def verify_curve(model_name, contexts, tokens, warmup, repeats, dtype, device, threads, plot_path, no_plot,
+@json_option()
+def verify_curve(model_name, contexts, tokens, warmup, repeats, dtype, device, threads, output, no_plot,
                  no_record, name, db, as_json):
     """Measure the target's forward time for n query tokens at each context length, fit where it stops being
     flat (the knee), store the curve as a run and plot it."""
@@ -45,8 +47,8 @@ def verify_curve(model_name, contexts, tokens, warmup, repeats, dtype, device, t
     from specscope.models.hub import resolve_model
     from specscope.models.loader import load_model, parse_dtype
 
-    if plot_path and not no_plot:
-        check_writable(plot_path, "--plot")  # before minutes of measuring, not after
+    if output and not no_plot:
+        check_writable(output, "--output")  # before minutes of measuring, not after
 
     ctxs = parse_int_list(contexts, "--context")
     toks = parse_int_list(tokens, "--tokens")
@@ -84,9 +86,10 @@ def verify_curve(model_name, contexts, tokens, warmup, repeats, dtype, device, t
     if not no_plot:
         from specscope.economics.plots import plot_verify_curve
 
-        png = plot_verify_curve(res, plot_path or f"verify-curve-{run_id or 'unrecorded'}.png",
+        png = plot_verify_curve(res, output or f"verify-curve-{run_id or 'unrecorded'}.png",
                                 title=f"verify cost: {model_name} {config['dtype']} {dev}")
-    words = {L: knee_words(f, max(toks)) for L, f in res["fits"].items()}
+    words = {L: knee_words(f, max(toks), [p for p in res["points"] if str(p["context"]) == L])
+             for L, f in res["fits"].items()}
     if as_json:
         emit_json({"run_id": run_id, "config": config, **results, "knee": words, "plot": png})
         return
@@ -107,7 +110,6 @@ def verify_curve(model_name, contexts, tokens, warmup, repeats, dtype, device, t
 
 
 def _print_curve_table(res, ctxs, toks):
-    from rich.console import Console
     from rich.table import Table
 
     from rich.markup import escape
@@ -124,7 +126,7 @@ def _print_curve_table(res, ctxs, toks):
             cells.append(escape(f"{p['median_ms']:.2f} [{p['p10_ms']:.2f}–{p['p90_ms']:.2f}] "
                                 f"{p['median_ms'] / p1['median_ms']:.2f}×"))
         t.add_row(str(n), *cells)
-    Console().print(t)
+    stdout_console().print(t)
 
 
 # ------------------------------------------------------------------------------------------------ breakeven
@@ -134,14 +136,15 @@ def _print_curve_table(res, ctxs, toks):
 @click.option("--verify-ms", type=float, default=None, help="Target verify forward, ms per cycle.")
 @click.option("--draft-ms", type=float, default=None, help="Drafting, ms per cycle (all steps).")
 @click.option("--other-ms", type=float, default=None, help="Accept + commit + bookkeeping, ms per cycle (default 0).")
-@click.option("--steps", type=int, default=None, help="Draft depth: a cycle yields at most steps + 1 tokens.")
+@click.option("--steps", "--speculative-num-steps", "steps", type=int, default=None,
+              help="Draft depth: a cycle yields at most steps + 1 tokens.")
 @click.option("--measured-tok-s", type=float, default=None, help="Measured speculative tok/s (gives the speedup).")
 @click.option("--measured-accept-length", type=float, default=None,
               help="Measured τ (accepted + 1 per cycle; gives the speedup).")
 @click.option("--run", "run_ref", default=None, help="A stored speculative run (id, prefix or last).")
 @click.option("--baseline-run", "baseline_ref", default=None, help="A stored baseline run for T_decode.")
 @_DB
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@json_option()
 def breakeven(decode_ms, verify_ms, draft_ms, other_ms, steps, measured_tok_s, measured_accept_length, run_ref,
               baseline_ref, db, as_json):
     """The τ (and i.i.d. acceptance α) a configuration needs to beat plain decoding, the most it can reach, and
@@ -184,43 +187,11 @@ def breakeven(decode_ms, verify_ms, draft_ms, other_ms, steps, measured_tok_s, m
 
 # ------------------------------------------------------------------------------------------------ tune
 
-DEFAULT_PROMPTS = (
-    "Explain how a hash map works and when to use one.",
-    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
-    "List five tips for staying productive when working from home, with one sentence each.",
-    "What causes the seasons on Earth? Answer in a short paragraph.",
-)
+def read_prompts(dataset: str | None, limit: int) -> list[str]:
+    """First turns of a packaged set ('mt_bench' by default, 'spec_bench') or of a prompt file."""
+    from specscope.prompts import load_prompts
 
-
-def read_prompts(path: str | None, limit: int) -> list[str]:
-    """Prompts from a .jsonl (first of `turns`, or `prompt`/`text`) or a text file (one per line)."""
-    if path is None:
-        return list(DEFAULT_PROMPTS[:limit])
-    from pathlib import Path
-
-    from specscope.errors import require_file
-    from specscope.jsonio import loads_object
-
-    p = Path(path)
-    require_file(p, "prompt file")
-    out = []
-    for i, line in enumerate(p.read_bytes().decode("utf-8", errors="replace").splitlines(), 1):
-        if not line.strip():
-            continue
-        if p.suffix == ".jsonl":
-            obj = loads_object(line, f"{path}:{i}")
-            turns = obj.get("turns")
-            text = (turns[0] if isinstance(turns, list) and turns else None) or obj.get("prompt") or obj.get("text")
-            if not isinstance(text, str) or not text:
-                raise SpecscopeError(f"{path}:{i} has no 'turns', 'prompt' or 'text'")
-            out.append(text)
-        else:
-            out.append(line)
-        if len(out) >= limit:
-            break
-    if not out:
-        raise SpecscopeError(f"prompt file {path!r} holds no prompts")
-    return out
+    return [r["prompt"] for r in load_prompts(dataset or "mt_bench", num_prompts=limit)["prompts"]]
 
 
 @click.command()
@@ -232,14 +203,16 @@ def read_prompts(path: str | None, limit: int) -> list[str]:
 @click.option("--profile", "do_profile", is_flag=True,
               help="First make the profiled run (baseline + speculative with rank-wise acceptance) and store it.")
 @click.option("--model", "model_name", default="smollm2-135m", show_default=True, help="Target (with --profile).")
-@click.option("--draft", default=None, help="Drafter (with --profile; default: the run's).")
-@click.option("--steps", type=click.IntRange(min=1), default=5, show_default=True, help="Profiled depth.")
-@click.option("--topk", type=click.IntRange(min=1), default=4, show_default=True, help="Profiled branching.")
-@click.option("--draft-tokens", type=click.IntRange(min=2), default=24, show_default=True,
-              help="Profiled tokens per verify (a wide tree measures more ranks).")
-@click.option("--prompts", "prompts_file", default=None, help="Prompt file (.jsonl with turns, or one per line).")
-@click.option("--num-prompts", type=click.IntRange(min=1), default=3, show_default=True)
-@click.option("--max-new-tokens", type=click.IntRange(min=2), default=64, show_default=True)
+@draft_option("Drafter (with --profile; default: the run's).")
+@spec_options("Profiled depth.", steps_default=5, topk_default=4, draft_tokens_default=24,
+              draft_tokens_help="Profiled tokens per verify (a wide tree measures more ranks).")
+@alias_option("--dataset", "prompts_file", hidden=("--prompts",), default=None,
+              help="Prompts to profile/validate on: 'mt_bench' (packaged MT-bench first turns, the default), "
+                   "'spec_bench', or a .jsonl/.json/.txt file. With --run: the run's own prompts.")
+@click.option("--num-prompts", type=click.IntRange(min=1), default=3, show_default=True,
+              help="Prompts of --dataset to profile / validate on.")
+@click.option("--max-new-tokens", type=click.IntRange(min=2), default=64, show_default=True,
+              help="Most tokens per prompt (with --run: the run's own).")
 @click.option("--max-steps", type=click.IntRange(1, 64), default=None,
               help="Deepest configuration to consider (beyond the measured depth the last rate is extrapolated).")
 @click.option("--max-topk", type=click.IntRange(min=1), default=None)
@@ -249,15 +222,16 @@ def read_prompts(path: str | None, limit: int) -> list[str]:
               help="Per-cycle phase statistic the costs come from (median ignores scheduler stalls).")
 @click.option("--validate", "n_validate", type=click.IntRange(min=0), default=0,
               help="Measure the top N predictions with the real engine.")
-@click.option("--dtype", type=click.Choice(["fp32", "bf16", "fp16", "auto"]), default="auto", show_default=True)
-@click.option("--device", type=click.Choice(["cpu", "cuda", "auto"]), default="auto", show_default=True)
-@click.option("--threads", type=click.IntRange(min=1), default=None)
-@click.option("--plot-dir", default=None, help="Write tau-needed.png (and predicted-vs-measured.png) here.")
+@dtype_option()
+@device_option()
+@click.option("--threads", type=click.IntRange(min=1), default=None, help="CPU threads for torch.")
+@output_option("Directory for tau-needed.png (and predicted-vs-measured.png).", hidden=("--plot-dir",),
+               file_okay=False)
 @_DB
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@json_option()
 def tune(run_ref, baseline_ref, curve_ref, decode_ms, do_profile, model_name, draft, steps, topk, draft_tokens,
          prompts_file, num_prompts, max_new_tokens, max_steps, max_topk, max_draft_tokens, top, stat, n_validate, dtype,
-         device, threads, plot_dir, db, as_json):
+         device, threads, output, db, as_json):
     """Predict the best (steps, topk, draft_tokens) from one profiled run, without a sweep; --validate N measures
     the top N predictions and reports predicted vs measured speedup."""
     from specscope.economics import tune as T
@@ -288,6 +262,9 @@ def tune(run_ref, baseline_ref, curve_ref, decode_ms, do_profile, model_name, dr
         curve = VerifyCurve.from_run(curve_run)
     elif do_profile or n_validate:
         curve = ctx.quick_curve(run, max_draft_tokens, db, say)
+    if base is None and decode_ms is None:
+        # a run made without a baseline (e.g. `specscope generate --draft ...`): measure plain decoding here
+        decode_ms = ctx.plain_decode_ms(say)
     cost = T.CostModel.from_runs(run, base, curve, decode_ms, stat)
     configs = T.candidate_configs(acc, max_steps, max_topk, max_draft_tokens)
     rows = T.rank(acc, cost, configs)
@@ -304,6 +281,7 @@ def tune(run_ref, baseline_ref, curve_ref, decode_ms, do_profile, model_name, dr
                                "label": f"s{r['steps']} k{r['topk']} n{r['draft_tokens']}"})
         out["validation"] = validation
         out["validation_error"] = T.error_summary(validation)
+    plot_dir = output
     if plot_dir:
         from pathlib import Path
 
@@ -374,6 +352,13 @@ class _TuneContext:
             f"(τ {srec['results']['accept_length']:.2f})")
         return srec, brec
 
+    def plain_decode_ms(self, say) -> float:
+        from specscope.economics.probe import plain_decode_ms
+
+        target, _, ids, stop, _ = self.load()
+        say(f"no baseline run recorded with this run: measuring plain decoding on {len(ids)} prompt(s) ...")
+        return plain_decode_ms(target, ids, self.max_new_tokens, stop)
+
     def quick_curve(self, run, max_tokens, db, say):
         """A verify curve at the run's mean context, over the widths the candidates need."""
         from specscope.economics.verify_curve import VerifyCurve, measure_curve
@@ -404,10 +389,9 @@ class _TuneContext:
 
 
 def _print_tune(out, rows, acc, cost, validation):
-    from rich.console import Console
     from rich.table import Table
 
-    con = Console()
+    con = stdout_console()
     click.echo(f"acceptance: {acc.source}; depth-1 rates by rank: "
                + ", ".join(f"{x:.2f}" for x in acc.rates[0]))
     click.echo(f"plain decoding {cost.decode_ms:.2f} ms/token; measured at k={cost.k0}, n={cost.n0:.1f}: "

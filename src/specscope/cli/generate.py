@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import sys
+
 import click
 
-from specscope.cli.common import SEED, TEMPERATURE, TOP_K, TOP_P, emit_json, read_stdin_text, setup_runtime
+from specscope.cli.common import (SEED, TEMPERATURE, TOP_K, TOP_P, db_option, device_option, draft_option,
+                                  dtype_option, emit_json, json_option, read_stdin_text, setup_runtime, spec_options)
 
 
 @click.command()
@@ -12,23 +15,20 @@ from specscope.cli.common import SEED, TEMPERATURE, TOP_K, TOP_P, emit_json, rea
               help="Target: a Hugging Face checkpoint directory or a known name.")
 @click.option("--prompt", required=True, help="Prompt text ('-' reads standard input).")
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the tokenizer's chat template.")
-@click.option("--max-new-tokens", type=click.IntRange(min=1), default=128, show_default=True)
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=128, show_default=True,
+              help="Most tokens to generate (HF max_new_tokens; the API's max_tokens).")
 @click.option("--temperature", type=TEMPERATURE, default=0.0, show_default=True, help="0 = greedy; at most 2.")
-@click.option("--top-p", type=TOP_P, default=1.0, show_default=True)
+@click.option("--top-p", type=TOP_P, default=1.0, show_default=True, help="Nucleus sampling mass, in (0, 1].")
 @click.option("--top-k", type=TOP_K, default=0, show_default=True, help="0 = off.")
 @click.option("--seed", type=SEED, default=None, help="0..2**63-1.")
-@click.option("--dtype", type=click.Choice(["fp32", "bf16", "fp16", "auto"]), default="auto", show_default=True,
-              help="auto = fp32 on CPU, bf16 on CUDA.")
-@click.option("--device", type=click.Choice(["cpu", "cuda", "auto"]), default="auto", show_default=True)
+@dtype_option()
+@device_option()
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="CPU threads for torch.")
-@click.option("--draft", default=None, help="Drafter: EAGLE-3 directory or name, 'ngram', or a small HF model.")
-@click.option("--steps", type=click.IntRange(min=1), default=None, help="Draft depth (tree) / chain length.")
-@click.option("--topk", type=click.IntRange(min=1), default=None, help="Tree branching; 1 = chain.")
-@click.option("--draft-tokens", type=click.IntRange(min=2), default=None,
-              help="Tokens verified per cycle (tree nodes + root).")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming.")
+@draft_option()
+@spec_options()
+@json_option("Print one JSON object (with run_id) instead of streaming.")
 @click.option("--no-record", is_flag=True, help="Do not store this run in the registry.")
-@click.option("--db", default=None, help="Registry database (default: SPECSCOPE_DB or the XDG data dir).")
+@db_option
 def generate(model_name, prompt, chat, max_new_tokens, temperature, top_p, top_k, seed, dtype, device, threads,
              draft, steps, topk, draft_tokens, as_json, no_record, db):
     """Generate text from one prompt with baseline or speculative decoding."""
@@ -46,7 +46,7 @@ def generate(model_name, prompt, chat, max_new_tokens, temperature, top_p, top_k
         res = run_generate(req)
         emit_json(res)
         return
-    out = click.get_text_stream("stdout")
+    out = sys.stdout
 
     def stream(text):
         out.write(text)

@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from specscope.cli.common import emit_json
+from specscope.cli.common import alias_option, db_option, emit_json
 from specscope.errors import SpecscopeError
 
 PROGRESS_MIN_BYTES = 16 << 20   # smaller files ingest in about a second: no bar
@@ -67,14 +67,15 @@ def _print_report(kinds: dict) -> None:
 
 @click.command()
 @click.argument("files", nargs=-1, required=True, type=click.Path(dir_okay=False, allow_dash=True))
-@click.option("--engine", type=click.Choice(["auto", "sglang", "vllm", "specscope", "prometheus"]), default="auto",
+@alias_option("--format", "engine", hidden=("--engine",),
+              type=click.Choice(["auto", "sglang", "vllm", "specscope", "prometheus"]), default="auto",
               show_default=True, help="Format of the files; auto detects it line by line.")
 @click.option("--tag", "tags", multiple=True, help="Tag the stored runs (repeatable).")
 @click.option("--name", default=None, help="Run name (default: '<format> <file name>').")
 @click.option("--no-record", is_flag=True, help="Parse and report only; do not store runs.")
 @click.option("--progress/--no-progress", "progress", default=None,
               help="Progress bar (default: on a terminal, for files over 16 MB).")
-@click.option("--db", default=None, help="Registry database (default: SPECSCOPE_DB or the XDG data dir).")
+@db_option
 @click.option("--json", "as_json", is_flag=True, help="Print the summaries as JSON.")
 def ingest(files, engine, tags, name, no_record, progress, db, as_json):
     """Read engine logs / metric scrapes (streamed; bad lines are counted, not fatal); one run per file ('-' reads

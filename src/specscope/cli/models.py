@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from specscope.cli.common import emit_json
+from specscope.cli.common import emit_json, stdout_console
 
 
 @click.group()
@@ -33,7 +33,6 @@ def list_(as_json):
     if as_json:
         emit_json({"cache": str(models_dir()), "models": rows, "known": list(KNOWN_MODELS)})
         return
-    from rich.console import Console
     from rich.table import Table
 
     t = Table(title=f"cached models ({models_dir()})")
@@ -42,6 +41,6 @@ def list_(as_json):
     for r in rows:
         t.add_row(r["name"], f"{r['size_bytes'] / 1e6:.0f} MB", "yes" if r["complete"] else "no",
                   r["source"] or "-", r["path"])
-    Console().print(t)
+    stdout_console().print(t)
     if not rows:
         click.echo(f"nothing cached; known models: {', '.join(KNOWN_MODELS)} (specscope models pull NAME)")

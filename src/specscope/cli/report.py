@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import click
 
-from specscope.cli.common import emit_json
+from specscope.cli.common import db_option, emit_json, json_option
 
 
 @click.command()
 @click.argument("run_ids", nargs=-1)
 @click.option("-o", "--output", default="report.html", show_default=True, help="HTML file to write.")
 @click.option("--title", default=None, help="Page title (default: the runs' labels).")
-@click.option("--db", default=None, help="Registry database (default: SPECSCOPE_DB or the XDG data dir).")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@db_option
+@json_option("Print {path, runs, linked, bytes} as JSON.")
 def report(run_ids, output, title, db, as_json):
     """Write an HTML report of stored runs: cycle time breakdown, τ histogram, per-position acceptance, the verify
     curve, the break-even chart, the compare table (several runs) and the environment fingerprint.

@@ -8,20 +8,17 @@ import json
 
 import click
 
-from specscope.cli.common import emit_json, write_output
+from specscope.cli.common import emit_json, json_option, output_option, write_output
 
 
 def _console():
     """Rich console; piped output gets a wide fixed width instead of wrapping tables at 80 columns."""
-    import sys
+    from specscope.cli.common import stdout_console
 
-    from rich.console import Console
-
-    return Console() if sys.stdout.isatty() else Console(width=160)
+    return stdout_console()
 
 
-db_option = click.option("--db", default=None,
-                         help="Registry database (default: SPECSCOPE_DB or $XDG_DATA_HOME/specscope/runs.db).")
+from specscope.cli.common import db_option  # noqa: E402
 
 
 def _open(db):
@@ -49,7 +46,7 @@ def _fmt(v, nd=2):
 @click.option("--name", default=None, help="Only runs whose name contains this.")
 @click.option("--model", default=None, help="Only runs whose model path contains this.")
 @click.option("--limit", type=click.IntRange(min=1), default=50, show_default=True)
-@click.option("--json", "as_json", is_flag=True)
+@json_option("Print the runs as a JSON list.")
 @db_option
 def list_cmd(kind, tag, name, model, limit, as_json, db):
     """Newest runs first."""
@@ -76,7 +73,7 @@ def list_cmd(kind, tag, name, model, limit, as_json, db):
 @runs.command()
 @click.argument("run_id")
 @click.option("--samples", is_flag=True, help="Include per-cycle samples (JSON only).")
-@click.option("--json", "as_json", is_flag=True)
+@json_option("Print the whole record as JSON.")
 @db_option
 def show(run_id, samples, as_json, db):
     """One run: configuration, results, per-phase profile and environment."""
@@ -143,13 +140,16 @@ def _csv_rows(records: list[dict]) -> tuple[list[str], list[dict]]:
 
 @runs.command()
 @click.argument("run_ids", nargs=-1, required=True)
-@click.option("--json", "fmt", flag_value="json", default=True, help="Full records with samples (default).")
-@click.option("--csv", "fmt", flag_value="csv", help="One row per run, scalar fields flattened to columns.")
-@click.option("-o", "--output", default=None,
-              help="Write to this file instead of standard output.")
+@click.option("--format", "fmt", type=click.Choice(["json", "csv"]), default=None,
+              help="json: full records with samples (default; also from an -o name ending .csv/.json); csv: one row "
+                   "per run, scalar fields flattened to columns.")
+@click.option("--json", "legacy_fmt", flag_value="json", hidden=True)   # old spellings of --format
+@click.option("--csv", "legacy_fmt", flag_value="csv", hidden=True)
+@output_option("Write to this file instead of standard output.")  # write_output says what is wrong with it
 @db_option
-def export(run_ids, fmt, output, db):
+def export(run_ids, fmt, legacy_fmt, output, db):
     """Export runs as JSON or CSV."""
+    fmt = fmt or legacy_fmt or ("csv" if output and str(output).lower().endswith(".csv") else "json")
     with _open(db) as reg:
         recs = [reg.get_run(i) for i in run_ids]
     if fmt == "csv":
@@ -172,7 +172,7 @@ def export(run_ids, fmt, output, db):
 @click.argument("run_id")
 @click.argument("tag")
 @click.option("--remove", is_flag=True, help="Remove the tag instead.")
-@click.option("--json", "as_json", is_flag=True)
+@json_option("Print {id, tags} as JSON.")
 @db_option
 def tag(run_id, tag, remove, as_json, db):
     """Add (or --remove) a tag on a run."""
@@ -187,7 +187,7 @@ def tag(run_id, tag, remove, as_json, db):
 
 @runs.command()
 @click.argument("run_ids", nargs=-1, required=True)
-@click.option("--json", "as_json", is_flag=True)
+@json_option("Print the deleted ids as JSON.")
 @db_option
 def delete(run_ids, as_json, db):
     """Delete runs."""

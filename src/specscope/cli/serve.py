@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import click
 
+from specscope.cli.common import device_option, draft_option, dtype_option, spec_options
 from specscope.errors import SpecscopeError
 
 
@@ -26,12 +27,10 @@ def bind_socket(host: str, port: int):
 @click.option("--model", "model_name", default="smollm2-135m", show_default=True,
               help="Target: a Hugging Face checkpoint directory or a known name.")
 @click.option("--served-model-name", default=None, help="Model id clients use (default: the directory name).")
-@click.option("--draft", default=None, help="Drafter: EAGLE-3 directory or name, 'ngram', or a small HF model.")
-@click.option("--steps", type=click.IntRange(min=1), default=None, help="Draft depth (tree) / chain length.")
-@click.option("--topk", type=click.IntRange(min=1), default=None, help="Tree branching; 1 = chain.")
-@click.option("--draft-tokens", type=click.IntRange(min=2), default=None, help="Tokens verified per cycle.")
-@click.option("--dtype", type=click.Choice(["fp32", "bf16", "fp16", "auto"]), default="auto", show_default=True)
-@click.option("--device", type=click.Choice(["cpu", "cuda", "auto"]), default="auto", show_default=True)
+@draft_option()
+@spec_options()
+@dtype_option()
+@device_option()
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="CPU threads for torch.")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (loopback by default).")
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True, help="0 = any free port.")

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import click
 
-from specscope.cli.common import SEED, check_writable, emit_json, setup_runtime
+from specscope.cli.common import (SEED, alias_option, check_writable, device_option, dtype_option, emit_json,
+                                  json_option, output_option, setup_runtime)
 from specscope.errors import SpecscopeError
 
 STAGES = ("data", "vocab", "train", "select")
@@ -22,8 +23,8 @@ def _stages(value: str) -> list[str]:
 
 @click.command()
 @click.option("--workdir", required=True, type=click.Path(file_okay=False), help="Where data, checkpoints go.")
-@click.option("--target", "target_name", default="smollm2-135m", show_default=True,
-              help="Target model: a Hugging Face checkpoint directory or a known name.")
+@alias_option("--model", "target_name", hidden=("--target",), default="smollm2-135m", show_default=True,
+              help="Target model the drafter is for: a Hugging Face checkpoint directory or a known name.")
 @click.option("--stages", default="data,vocab,train", show_default=True, help="Which stages to run (comma list).")
 @click.option("--dataset", default=None, type=click.Path(dir_okay=False),
               help="Conversations JSONL (ShareGPT conversations/from/value or OpenAI messages/role/content).")
@@ -34,7 +35,8 @@ def _stages(value: str) -> list[str]:
               help="Without --dataset: synthesise this many conversations from the target (Magpie).")
 @click.option("--regenerate", type=click.Choice(["none", "greedy", "sample"]), default="none", show_default=True,
               help="Replace the dataset's assistant turns with the target's own answers.")
-@click.option("--synth-batch", type=click.IntRange(min=1), default=16, show_default=True)
+@click.option("--synth-batch", type=click.IntRange(min=1), default=16, show_default=True,
+              help="Conversations synthesised per batched generation.")
 @click.option("--user-temperature", type=click.FloatRange(0.0, 2.0), default=0.8, show_default=True,
               help="Sampling temperature of synthesised user turns.")
 @click.option("--answer-batch", type=click.IntRange(min=1), default=32, show_default=True,
@@ -43,45 +45,44 @@ def _stages(value: str) -> list[str]:
               help="Sequences per capture forward.")
 @click.option("--user-tokens", type=click.IntRange(min=8), default=64, show_default=True)
 @click.option("--response-tokens", type=click.IntRange(min=8), default=192, show_default=True)
-@click.option("--gen-dtype", type=click.Choice(["fp32", "bf16", "fp16"]), default="fp32", show_default=True,
+@dtype_option("--gen-dtype", short=("fp32", "bf16", "fp16"), default="fp32",
               help="Target dtype for synthesis/regeneration (features are always captured in fp32).")
 @click.option("--max-len", type=click.IntRange(min=8), default=1024, show_default=True)
 @click.option("--draft-vocab", type=click.IntRange(min=1), default=8192, show_default=True)
 @click.option("--ttt-steps", type=click.IntRange(min=1), default=7, show_default=True, help="K unrolled TTT steps.")
-@click.option("--steps", "total_steps", type=click.IntRange(min=1), default=1000, show_default=True,
-              help="Optimizer steps.")
+@alias_option("--max-train-steps", "total_steps", hidden=("--steps",), type=click.IntRange(min=1), default=1000,
+              show_default=True, help="Optimizer steps (--steps elsewhere is the draft depth).")
 @click.option("--batch-size", type=click.IntRange(min=1), default=8, show_default=True,
               help="Sequences per optimizer step (global).")
 @click.option("--lr", type=float, default=3e-4, show_default=True)
 @click.option("--warmup", type=click.IntRange(min=1), default=20, show_default=True)
 @click.option("--grad-clip", type=float, default=0.5, show_default=True)
 @click.option("--weight-decay", type=float, default=0.0, show_default=True)
-@click.option("--dtype", type=click.Choice(["fp32", "bf16"]), default="fp32", show_default=True,
-              help="Training compute dtype (bf16 = autocast, fp32 master weights).")
+@dtype_option(short=("fp32", "bf16"), default="fp32",
+              help="Training compute dtype (bf16 = autocast, fp32 master weights); bfloat16 / float32 accepted.")
 @click.option("--eval-every", type=click.IntRange(min=1), default=100, show_default=True)
 @click.option("--ckpt-every", type=click.IntRange(min=1), default=100, show_default=True)
 @click.option("--eval-fraction", type=click.FloatRange(0, 0.5), default=0.05, show_default=True)
 @click.option("--max-minutes", type=click.FloatRange(min=0.1), default=None,
               help="Stop training after this many minutes (checkpoint saved; --resume continues).")
-@click.option("--select-prompts", type=click.IntRange(min=1), default=12, show_default=True,
-              help="select stage: held-out training prompts decoded per snapshot.")
+@alias_option("--select-num-prompts", "select_prompts", hidden=("--select-prompts",), type=click.IntRange(min=1),
+              default=12, show_default=True, help="select stage: held-out training prompts decoded per snapshot.")
 @click.option("--select-steps", type=click.IntRange(min=1), default=3, show_default=True,
               help="select stage: chain length used to rank snapshots by real decoding τ.")
 @click.option("--seed", type=SEED, default=0, show_default=True)
 @click.option("--resume", is_flag=True, help="Continue from the work directory's latest checkpoint.")
 @click.option("--init", "init_from", default=None, help="Fine-tune an existing drafter (either format).")
 @click.option("--export-format", type=click.Choice(["sglang", "speculators"]), default="sglang", show_default=True)
-@click.option("--export-dtype", type=click.Choice(["fp32", "bf16", "fp16"]), default="bf16", show_default=True)
-@click.option("--out", default=None, type=click.Path(file_okay=False),
-              help="Exported drafter directory (default WORKDIR/drafter).")
-@click.option("--device", type=click.Choice(["cpu", "cuda", "auto"]), default="auto", show_default=True)
-@click.option("--threads", type=click.IntRange(min=1), default=None)
+@dtype_option("--export-dtype", short=("fp32", "bf16", "fp16"), default="bf16")
+@output_option("Exported drafter directory (default WORKDIR/drafter).", hidden=("--out",), file_okay=False)
+@device_option()
+@click.option("--threads", type=click.IntRange(min=1), default=None, help="CPU threads for torch.")
 @click.option("--no-progress", is_flag=True, help="No progress bars (logs only).")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON summary at the end.")
+@json_option("Print one JSON summary at the end.")
 def train(workdir, target_name, stages, dataset, prompt_files, synth, regenerate, synth_batch, user_temperature,
           answer_batch, capture_batch, user_tokens, response_tokens, gen_dtype, max_len, draft_vocab, ttt_steps,
           total_steps, batch_size, lr, warmup, grad_clip, weight_decay, dtype, eval_every, ckpt_every, eval_fraction,
-          max_minutes, select_prompts, select_steps, seed, resume, init_from, export_format, export_dtype, out,
+          max_minutes, select_prompts, select_steps, seed, resume, init_from, export_format, export_dtype, output,
           device, threads, no_progress, as_json):
     """Train an EAGLE-3 drafter for a target: capture data, build the draft vocabulary, train with TTT.
 
@@ -98,8 +99,8 @@ def train(workdir, target_name, stages, dataset, prompt_files, synth, regenerate
     todo = _stages(stages)
     # what can be refused from flags and files is refused before the target loads, not after hours of training
     check_writable(workdir, "--workdir", is_dir=True)
-    if out is not None:
-        check_writable(out, "--out", is_dir=True)
+    if output is not None:
+        check_writable(output, "--output", is_dir=True)
     if dataset is not None and "data" in todo:
         from specscope.errors import require_file
 
@@ -158,7 +159,7 @@ def train(workdir, target_name, stages, dataset, prompt_files, synth, regenerate
                          meta={"target": tinfo})
         summary["train"] = last
         if rank == 0 and "select" not in todo:
-            dest = Path(out) if out else work / "drafter"
+            dest = Path(output) if output else work / "drafter"
             pipeline.export(work, dest, export_format, DTYPES[export_dtype], tinfo)
             summary["drafter"] = str(dest)
             say(f"drafter written to {dest} ({export_format}, {export_dtype})")
@@ -166,7 +167,7 @@ def train(workdir, target_name, stages, dataset, prompt_files, synth, regenerate
         sel = pipeline.select_stage(work, target, tok, data, eval_fraction, seed, n_prompts=select_prompts,
                                     steps=select_steps, log=say)
         summary["select"] = {k: sel[k] for k in ("selected_step", "shape")}
-        dest = Path(out) if out else work / "drafter"
+        dest = Path(output) if output else work / "drafter"
         pipeline.export(work / "train" / "selected.pt", dest, export_format, DTYPES[export_dtype], tinfo)
         summary["drafter"] = str(dest)
         say(f"drafter (selected step {sel['selected_step']}) written to {dest} ({export_format}, {export_dtype})")
@@ -181,29 +182,35 @@ def train(workdir, target_name, stages, dataset, prompt_files, synth, regenerate
 
 @click.command()
 @click.argument("source", type=click.Path(exists=True))
-@click.option("--format", "fmt", type=click.Choice(["sglang", "speculators"]), required=True)
-@click.option("--out", required=True, type=click.Path(file_okay=False), help="Directory to write.")
-@click.option("--dtype", type=click.Choice(["fp32", "bf16", "fp16", "keep"]), default="keep", show_default=True)
-@click.option("--target", "target_name", default=None,
+@click.option("--format", "fmt", type=click.Choice(["sglang", "speculators"]), required=True,
+              help="sglang: SGLang's EAGLE-3 layout; speculators: vLLM's (speculators) layout.")
+@output_option("Directory to write.", hidden=("--out",), file_okay=False)
+@dtype_option(short=("fp32", "bf16", "fp16", "keep"), default="keep",
+              help="Weights dtype to write (keep = as stored); bfloat16 / float16 / float32 accepted.")
+@alias_option("--model", "target_name", hidden=("--target",), default=None,
               help="The target (verifier): a Hugging Face directory, its config.json, or a known name. Checked "
                    "against the drafter and recorded (default: the verifier the checkpoint names).")
 @click.option("--verifier-name", default=None,
-              help="Record this as verifier.name_or_path (e.g. the Hugging Face id of a local --target copy).")
-@click.option("--speculative-tokens", type=click.IntRange(min=1), default=None,
-              help="speculators: tokens per proposal (default: the checkpoint's own, else 3).")
-@click.option("--json", "as_json", is_flag=True)
-def export(source, fmt, out, dtype, target_name, verifier_name, speculative_tokens, as_json):
+              help="Record this as verifier.name_or_path (e.g. the Hugging Face id of a local --model copy).")
+@alias_option("--steps", "--num-speculative-tokens", "steps", hidden=("--speculative-tokens",),
+              type=click.IntRange(min=1), default=None,
+              help="speculators: draft depth recorded as speculative_tokens (vLLM num_speculative_tokens; default: "
+                   "the checkpoint's own, else 3).")
+@json_option("Print what was written (path, format, aux ids, verifier, notes) as one JSON object.")
+def export(source, fmt, output, dtype, target_name, verifier_name, steps, as_json):
     """Write a drafter (training work directory, checkpoint file or drafter directory) in SGLang or speculators form."""
     from specscope.models.loader import DTYPES
     from specscope.speculative.formats import aux_conventions, load_drafter, read_config, resolve_target
     from specscope.train.pipeline import export as do_export
 
-    check_writable(out, "--out", is_dir=True)
+    if output is None:
+        raise SpecscopeError("export needs -o/--output DIR (the directory to write)")
+    check_writable(output, "--output", is_dir=True)
     target = resolve_target(target_name, verifier_name) if target_name else None
     tinfo = {"name_or_path": verifier_name} if verifier_name and not target else None
     notes = _export_notes(Path(source), fmt, target or tinfo)
-    path = do_export(source, out, fmt, None if dtype == "keep" else DTYPES[dtype], tinfo, target=target,
-                     speculative_tokens=speculative_tokens)
+    path = do_export(source, output, fmt, None if dtype == "keep" else DTYPES[dtype], tinfo, target=target,
+                     speculative_tokens=steps)
     d = load_drafter(path, target)      # proves the written directory loads (and still fits the target)
     raw = read_config(path)
     info = {"out": str(path), "format": fmt, "draft_vocab_size": d.config.draft_vocab_size,

@@ -6,23 +6,17 @@ from __future__ import annotations
 import time
 
 from specscope.errors import SpecscopeError
+from specscope.speculative.acceptance import RankCounts
 
 
-class RankRecorder:
-    """Wraps a drafter: after each verify it sees the proposed tree and the accepted rows, and counts, along the
-    accepted path, which sibling ranks were offered and which one the target accepted.
-
-    A tree lists siblings in descending draft score, so a child's rank is its order among its parent's kept
-    children (kept siblings are always the top ranks: selection is by score)."""
+class RankRecorder(RankCounts):
+    """Wraps a drafter and counts acceptance by (depth, sibling rank) after each verify (see RankCounts). The
+    engine records the same counts itself (`GenerationResult.extra["acceptance_by_depth_rank"]`); this wrapper
+    serves callers that drive a drafter directly."""
 
     def __init__(self, drafter, steps: int, topk: int):
+        super().__init__(steps, topk)
         self.inner = drafter
-        self.accepted = [[0] * topk for _ in range(steps)]
-        self.offered = [[0] * topk for _ in range(steps)]
-        # the same along the all-rank-1 path only: what a chain of the same drafter would see
-        self.top_accepted = [0] * steps
-        self.top_offered = [0] * steps
-        self.tree_sizes: list[int] = []
         self._tree = None
 
     def __getattr__(self, name):          # kind, aux_layers, ... of the wrapped drafter
@@ -38,44 +32,8 @@ class RankRecorder:
 
     def commit(self, rows, verify_out, new_tokens):
         if self._tree is not None:
-            self._record(list(rows))
+            self.add(self._tree, list(rows))
         return self.inner.commit(rows, verify_out, new_tokens)
-
-    def _record(self, rows):
-        tree = self._tree
-        self.tree_sizes.append(tree.size)
-        kids: dict[int, list[int]] = {}
-        for i, par in enumerate(tree.parents.tolist()):
-            kids.setdefault(par, []).append(i)
-        steps, topk = len(self.offered), len(self.offered[0])
-        if tree.size == 0:
-            # nothing proposed (n-gram without a match): for τ it is a first draft rejected
-            self.offered[0][0] += 1
-            self.top_offered[0] += 1
-            return
-        top_path = True                               # every accepted node so far was its parent's rank 1
-        for d in range(1, len(rows) + 1):             # parent at depth d-1 was accepted (row 0 = the root)
-            if d > steps:
-                break
-            children = kids.get(rows[d - 1] - 1, [])
-            if not children:
-                break
-            for r in range(min(len(children), topk)):
-                self.offered[d - 1][r] += 1
-            if top_path:
-                self.top_offered[d - 1] += 1
-            rank = None
-            if d < len(rows) and rows[d] - 1 in children:
-                rank = children.index(rows[d] - 1)
-                if rank < topk:
-                    self.accepted[d - 1][rank] += 1
-            if top_path and rank == 0:
-                self.top_accepted[d - 1] += 1
-            top_path = top_path and rank == 0
-
-    def counts(self) -> dict:
-        return {"accepted": self.accepted, "offered": self.offered, "top_path_accepted": self.top_accepted,
-                "top_path_offered": self.top_offered}
 
 
 def encode_prompts(tokenizer, prompts: list[str], chat: bool = True) -> list[list[int]]:
@@ -112,6 +70,20 @@ def run_pair(target, drafter, prompt_ids, max_new_tokens, stop_ids, cfg, base_pr
         raise SpecscopeError("no decode tokens were produced; raise --max-new-tokens")
     return {"baseline_ms_per_token": bs * 1e3 / bt if baseline else None, "ms_per_token": ss * 1e3 / st,
             "tokens": int(st), "accept_length": acc / cycles if cycles else 0.0}
+
+
+def plain_decode_ms(target, prompt_ids, max_new_tokens, stop_ids) -> float:
+    """Plain decoding ms/token over the prompts (decode only; one short untimed pass first)."""
+    from specscope.engine.generate import generate
+
+    generate(target, prompt_ids[0], min(8, max_new_tokens), None, stop_ids)
+    toks = secs = 0.0
+    for ids in prompt_ids:
+        n, s = _decode(generate(target, ids, max_new_tokens, None, stop_ids))
+        toks, secs = toks + n, secs + s
+    if toks <= 0:
+        raise SpecscopeError("no decode tokens were produced; raise --max-new-tokens")
+    return secs * 1e3 / toks
 
 
 def profile(target, drafter, prompt_ids, cfg, max_new_tokens, stop_ids, config: dict, db=None, record=True,

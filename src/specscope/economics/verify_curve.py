@@ -237,8 +237,29 @@ def measure_curve(model, contexts, tokens, warmup: int = 2, repeats: int = 5, pr
     return {"points": points, "fits": fits, "samples": samples}
 
 
-def knee_words(fit: dict, max_tokens: int) -> str:
-    """Say what the knee means: how many tokens verify for about the price of one."""
+NOISY_SPREAD = 0.5      # (p90 - p10) / median above this at a typical point: the shape is not readable
+
+
+def noise_words(points: list[dict], fit: dict | None = None) -> str | None:
+    """Why a curve's fit cannot be trusted (p10–p90 spreads comparable to the medians, or a poor fit), or None."""
+    spreads = sorted((p["p90_ms"] - p["p10_ms"]) / p["median_ms"] for p in points
+                     if p.get("median_ms") and p.get("p10_ms") is not None and p.get("p90_ms") is not None)
+    typical = spreads[len(spreads) // 2] if spreads else 0.0
+    rmse = (fit or {}).get("rel_rmse") or 0.0
+    if typical <= NOISY_SPREAD and rmse <= 0.25:
+        return None
+    lo = min(p["p10_ms"] for p in points if p.get("p10_ms") is not None)
+    hi = max(p["p90_ms"] for p in points if p.get("p90_ms") is not None)
+    return (f"too noisy to fit: p10–p90 bars span {lo:.0f}–{hi:.0f} ms (typical spread {typical * 100:.0f}% of "
+            f"the median, fit error {rmse * 100:.0f}%); measure again on a quiet machine or with more --repeats")
+
+
+def knee_words(fit: dict, max_tokens: int, points: list[dict] | None = None) -> str:
+    """Say what the knee means: how many tokens verify for about the price of one — or that the points (this
+    context's measurements, when given) are too noisy to say anything."""
+    noisy = noise_words(points, fit) if points else None
+    if noisy:
+        return noisy
     flat, slope, knee = fit["flat_ms"], fit["slope_ms_per_token"], fit["knee_tokens"]
     if slope == 0.0 or slope * (max_tokens - knee) < 0.05 * flat:
         return f"flat at {flat:.2f} ms up to {max_tokens} tokens (no knee in range: still bandwidth-bound)"

@@ -164,6 +164,8 @@ def _record_run(req: GenerateRequest, path, model, spec, res, prof, out: dict, l
     results = {"tok_per_s": out["tok_per_s"], "seconds": out["seconds"], "prefill_seconds": out["prefill_seconds"],
                "num_tokens": out["num_tokens"], "prompt_tokens": out["prompt_tokens"],
                "stop_reason": out["stop_reason"]}
+    if spec is not None:    # so that `specscope tune --run` can predict other tree shapes from this run
+        results.update({k: res.extra.get(k) for k in ("acceptance_by_depth_rank", "verify_tokens_mean")})
     try:
         rec = make_record("generate", name=req.extra.get("name", ""), config=config, profiler=prof,
                           results=results, tags=req.extra.get("tags", ()))

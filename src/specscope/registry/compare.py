@@ -20,7 +20,7 @@ import statistics
 from specscope.errors import SpecscopeError
 from specscope.profile.cycle import PHASE_LABELS, TOP_PHASES
 from specscope.registry import causes, stats
-from specscope.registry.fingerprint import VOLATILE, flatten
+from specscope.registry.fingerprint import VOLATILE, flatten, load_warning
 
 OOP_MIN_SHARE = 0.03       # phases below 3 % of a cycle are too small to call "out of proportion"
 JUDGED = ("better", "worse", "no significant change")
@@ -214,6 +214,9 @@ def compare_runs(runs: list[dict], alpha: float = 0.05, min_effect: float = 0.02
         "config_diff": {k: v for k, v in diff.items() if k.startswith("config.")},
         "env_diff": {k: v for k, v in diff.items() if k.startswith("env.")},
         "attribution": attributions,
+        # "were these runs comparable?": a run timed on an oversubscribed machine is not
+        "load_warnings": {r.get("id") or f"#{i}": w for i, r in enumerate(runs)
+                          if (w := load_warning(r.get("env")))},
     }
 
 
@@ -300,12 +303,16 @@ def _attribute(a: dict, b: dict, rows: list[dict], i: int) -> dict:
         if "tok_per_s_change" in out:
             parts.append(f"tok/s {out['tok_per_s_change'] * 100:+.1f}% ({out['tok_per_s_verdict']})")
         if lead:
-            msg = (f"{lead['phase']} accounts for {lead['delta_ms_per_token']:+.3f} of the {total:+.3f} ms/token "
-                   f"change ({lead['share'] * 100:.0f}%)")
+            msg = (f"{lead['phase']} accounts for {_ms(lead['delta_ms_per_token'])} of the {_ms(total)} ms/token "
+                   f"change ({lead['share'] * 100:.0f}%")
             offsets = [c for c in contributions if c["delta_ms_per_token"] * total < 0
                        and abs(c["delta_ms_per_token"]) > 0.25 * abs(total)]
+            if lead["share"] is not None and lead["share"] > 1.005:
+                # the phases do not all move together: the others made up part of it
+                msg += "; over 100% because other changes went the other way"
+            msg += ")"
             if offsets:
-                msg += ", offset by " + ", ".join(f"{c['phase']} {c['delta_ms_per_token']:+.3f}" for c in offsets)
+                msg += ", offset by " + ", ".join(f"{c['phase']} {_ms(c['delta_ms_per_token'])}" for c in offsets)
             parts.append(msg)
         if oop:
             parts.append(oop["message"])
@@ -419,3 +426,9 @@ def matrix(runs: list[dict], keys: list[str], metric: str = "tok_per_s") -> dict
                          "n": len(rs), "runs": [r.get("id") for r in rs]})
         grid.append(line)
     return {"by": keys, "metric": metric, "rows": rows, "cols": cols, "cells": grid}
+
+
+def _ms(x: float) -> str:
+    """A ms/token change with three significant digits or so: +894 / +12.3 / +0.412."""
+    a = abs(x)
+    return f"{x:+.0f}" if a >= 100 else f"{x:+.1f}" if a >= 10 else f"{x:+.2f}" if a >= 1 else f"{x:+.3f}"

@@ -277,3 +277,17 @@ def flatten(d: dict, prefix: str = "") -> dict:
         else:
             out[key] = v
     return out
+
+
+def load_warning(env: dict | None) -> str | None:
+    """A run timed while the machine was oversubscribed (1-minute load average above the usable cores): its
+    timings measure the contention as much as the code, so it is not comparable with a quiet run."""
+    env = env or {}
+    if env.get("ingested"):
+        return None             # the engine ran elsewhere; the local load says nothing about it
+    cpu = env.get("cpu") or {}
+    load, cores = cpu.get("load_1m"), cpu.get("cores_usable") or cpu.get("cores_logical")
+    if not isinstance(load, (int, float)) or not isinstance(cores, int) or cores < 1 or load <= cores:
+        return None
+    return (f"recorded with a 1-minute load average of {load} on {cores} usable core{'s' if cores > 1 else ''}: "
+            f"other work competed for the CPUs, so its timings are not comparable with a quiet run")

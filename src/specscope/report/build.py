@@ -75,7 +75,9 @@ def build_report(runs: list[dict], linked: dict | None = None, title: str | None
     body = [f"<h1>{_e(title)}</h1>",
             f"<p class=meta>{len(runs)} run(s) · written {_dt.datetime.now().astimezone().strftime('%Y-%m-%d %H:%M %Z')}"
             f" · specscope {_e(_version())}</p>"]
+    body += _load_section(runs + [r for r in linked.values() if r not in runs])
     body += _summary(runs)
+    body += _ingest_section(runs)
     body += _profile_section(perf)
     body += _breakeven_section(perf, by_id)
     for c in curves:
@@ -93,11 +95,12 @@ def _summary(runs):
     rows = []
     for r in runs:
         cfg, res = r.get("config") or {}, r.get("results") or {}
-        shape = (f"steps {cfg['steps']}, topk {cfg['topk']}, {cfg['draft_tokens']} tokens"
-                 if cfg.get("steps") else "")
+        # ingested logs may name only some of the knobs
+        shape = ", ".join(f"{k} {cfg[key]}" for k, key in (("steps", "steps"), ("topk", "topk"),
+                                                            ("draft tokens", "draft_tokens")) if cfg.get(key))
         rows.append([_code(r.get("id") or "-"), f"<span class=k>{_e(r.get('kind') or '-')}</span>", _e(r.get("name") or ""),
-                     _e(_short(cfg.get("model") or cfg.get("model_name"))),
-                     _e(_short(cfg.get("draft")) or "none") + (f"<br><small>{_e(shape)}</small>" if shape else ""),
+                     _path(_short(cfg.get("model") or cfg.get("model_name"))),
+                     _drafter_cell(r) + (f"<br><small>{_e(shape)}</small>" if shape else ""),
                      _f(res.get("tok_per_s")), _f(res.get("decode_ms_per_token")), _f(res.get("accept_length")),
                      _f(res.get("speedup"), "×"), _e((r.get("created_at") or "")[:19].replace("T", " "))])
     heads = []
@@ -116,11 +119,67 @@ def _summary(runs):
             "profiled. τ = tokens per cycle (accepted drafts + the bonus token); plain decoding has τ = 1.</p>"]
 
 
+def _drafter_cell(r) -> str:
+    """What drafted: the drafter's path, else the method an engine log named, else say the log did not say."""
+    cfg, res = r.get("config") or {}, r.get("results") or {}
+    if cfg.get("draft"):
+        return _path(_short(cfg["draft"]))
+    method = cfg.get("speculative_method") or cfg.get("method") or cfg.get("drafter_kind")
+    if method:
+        return _e(method)
+    speculative = res.get("drafted_tokens") or (res.get("accept_length") or 1.0) > 1.0 \
+        or res.get("per_position_acceptance")
+    if r.get("kind") == "ingest" and speculative:
+        return "<span class=dim>speculative (not named in the log)</span>"
+    return "none" if r.get("kind") != "ingest" else "<span class=dim>not in the log</span>"
+
+
+def _load_section(runs):
+    from specscope.registry.fingerprint import load_warning
+
+    warned = [(r, w) for r in runs if (w := load_warning(r.get("env")))]
+    if not warned:
+        return []
+    return ["<div class=warn><b>Were these runs comparable?</b><ul>"
+            + "".join(f"<li>run <code>{_e((r.get('id') or '?')[:8])}</code> ({_e(charts.label(r))}) was {_e(w)}.</li>"
+                      for r, w in warned) + "</ul></div>"]
+
+
+def _ingest_section(runs):
+    """Ingested logs: how much of the file was understood, what was skipped and why."""
+    rows, notes = [], []
+    for r in runs:
+        info = (r.get("results") or {}).get("ingest")
+        if not isinstance(info, dict):
+            continue
+        rec = ", ".join(f"{k} {v}" for k, v in (info.get("recognised") or {}).items() if v) or "-"
+        rows.append([_code((r.get("id") or "?")[:8]), _e(info.get("format") or "-"), _e(info.get("lines")), _e(rec),
+                     f"<span class={'bad' if info.get('malformed') else 'dim'}>{_e(info.get('malformed', 0))}</span>",
+                     _e(info.get("other", 0))])
+        for ex in (info.get("malformed_examples") or [])[:3]:
+            notes.append(f"<li><code>{_e((r.get('id') or '?')[:8])}</code> malformed line {_e(ex.get('line'))}: "
+                         f"{_e(ex.get('reason'))}</li>")
+        for w in info.get("warnings") or []:
+            notes.append(f"<li><code>{_e((r.get('id') or '?')[:8])}</code> {_e(w)}</li>")
+    if not rows:
+        return []
+    return (["<h2>Ingested logs</h2>",
+             _table(["run", "format", "lines", "recognised", "malformed", "other"], rows, num_cols={2, 4, 5}, raw=True)]
+            + (["<ul class=notes>" + "".join(notes) + "</ul>"] if notes else []))
+
+
 def _profile_section(perf):
     out = ["<h2>Where the time goes</h2>"]
     img = charts.cycle_breakdown(perf)
+    tau, pos = charts.tau_histogram(perf), charts.per_position(perf)
+    acceptance = []
+    if tau or pos:      # ingested logs often carry acceptance without phase timings
+        acceptance = ["<h2>Acceptance</h2><div class=pair>"
+                      + (_img(tau, "histogram of τ, tokens per cycle") if tau else "")
+                      + (_img(pos, "per-position acceptance rate") if pos else "") + "</div>"]
     if img is None:
-        return out + ["<p class=note>No per-phase timings in these runs (e.g. ingested logs carry none).</p>"]
+        return out + ["<p class=note>No per-phase timings in these runs (e.g. ingested logs carry none).</p>"] \
+            + acceptance
     out.append(_img(img, "cycle time breakdown: stacked ms per cycle and per token, by phase"))
     rows = []
     for r in perf:
@@ -132,12 +191,7 @@ def _profile_section(perf):
     out.append("<details><summary>phase table (ms per cycle)</summary>"
                + _table(["run", "phase", "mean", "median", "p90", "share"], rows, num_cols={2, 3, 4, 5}, raw=True)
                + "</details>")
-    tau, pos = charts.tau_histogram(perf), charts.per_position(perf)
-    if tau or pos:
-        out.append("<h2>Acceptance</h2><div class=pair>"
-                   + (_img(tau, "histogram of τ, tokens per cycle") if tau else "")
-                   + (_img(pos, "per-position acceptance rate") if pos else "") + "</div>")
-    return out
+    return out + acceptance
 
 
 def _is_plain(r: dict) -> bool:
@@ -160,7 +214,12 @@ def breakeven_analysis(run: dict, by_id: dict, plain: list[dict] = ()) -> dict |
         inp = inputs_from_runs(run, base, BreakevenInputs())
         res = breakeven(inp)
     except SpecscopeError as e:
-        return {"error": str(e)}
+        # the library names `specscope breakeven`'s flags; the report has none of them
+        import re
+
+        msg = re.sub(r" \(pass [^)]*\)", "", str(e))
+        return {"error": msg + ". For the report: pass a plain-decoding run of the same model along with it "
+                               "(specscope report BASELINE_RUN RUN), or see `specscope breakeven --run ID --help`"}
     return {**res, "decode_ms": inp.decode_ms, "steps": inp.steps,
             "measured_accept_length": inp.measured_accept_length, "lines": describe(res, inp)}
 
@@ -191,7 +250,9 @@ def _curve_section(curve):
 
     res = curve.get("results") or {}
     toks = [p["tokens"] for p in res.get("points") or []]
-    words = [f"context {L}: {knee_words(f, max(toks))}" for L, f in (res.get("fits") or {}).items()] if toks else []
+    pts = res.get("points") or []
+    words = [f"context {L}: {knee_words(f, max(toks), [p for p in pts if str(p['context']) == str(L)])}"
+             for L, f in (res.get("fits") or {}).items()] if toks else []
     return ["<h2>Verify cost</h2>", _img(img, "verify cost curve with piecewise fit"),
             "<ul>" + "".join(f"<li>{_e(w)}</li>" for w in words) + "</ul>",
             "<p class=note>Speculation assumes verifying n tokens costs about one decode step; that holds up to "
@@ -221,7 +282,7 @@ def _compare_section(perf):
             cells.append(f"{_f(row['values'][i])}<br><small>{_e(delta)} <span class={cls}>{_e(verdict)}</span>"
                          f"</small>")
         rows.append(cells)
-    out = ["<h2>Compare</h2>",
+    out = ["<h2>Compare</h2>",  # (runs timed under load are flagged at the top of the page)
            f"<p class=note>The first run is the reference. Intervals at {res['confidence'] * 100:.2f}% "
            f"(Bonferroni over rows), block bootstrap over cycles; changes under {res['min_effect'] * 100:.0f}% "
            f"are not called.</p>",
@@ -312,7 +373,7 @@ def _table(head, rows, num_cols=frozenset(), raw=False) -> str:
         tds = "".join(f"<td{' class=n' if i in num_cols else ''}>{c if raw else _e(c)}</td>"
                       for i, c in enumerate(row))
         body.append(f"<tr>{tds}</tr>")
-    return f"<table><thead><tr>{th}</tr></thead><tbody>{''.join(body)}</tbody></table>"
+    return f"<div class=tw><table><thead><tr>{th}</tr></thead><tbody>{''.join(body)}</tbody></table></div>"
 
 
 def _e(s) -> str:
@@ -321,6 +382,11 @@ def _e(s) -> str:
 
 def _code(s) -> str:
     return f"<code>{_e(s)}</code>"
+
+
+def _path(s) -> str:
+    """A path or model name that may wrap only after a '/' or '-', never inside a word."""
+    return _e(s).replace("/", "/<wbr>")
 
 
 def _f(v, unit="") -> str:
@@ -358,10 +424,12 @@ h1{font-size:22px;margin:8px 0 4px}h2{font-size:17px;margin:28px 0 8px;border-bo
 .meta,.note{color:#666;font-size:12.5px}.headline{font-size:16px;margin:10px 0}
 figure{margin:8px 0}img{max-width:100%;height:auto;display:block}
 .pair{display:flex;flex-wrap:wrap;gap:0}.pair figure{flex:1 1 480px;min-width:0}
+.tw{overflow-x:auto;max-width:100%}
 table{border-collapse:collapse;width:100%;table-layout:auto;font-size:12.5px;margin:6px 0}
-th,td{border-bottom:1px solid #eee;padding:3px 6px;text-align:left;vertical-align:top;
-overflow-wrap:anywhere;word-break:break-word}
-th{background:#f3f3f3;font-weight:600}td.n,th.n{text-align:right;white-space:nowrap}
+th,td{border-bottom:1px solid #eee;padding:3px 6px;text-align:left;vertical-align:top;overflow-wrap:normal;
+word-break:normal;hyphens:none}
+th{background:#f3f3f3;font-weight:600;white-space:nowrap}td.n,th.n{text-align:right;white-space:nowrap}
+.warn{border:1px solid #e0a800;background:#fff8e1;padding:6px 10px;margin:10px 0;border-radius:4px}
 code{font-size:12px;white-space:nowrap}.k{white-space:nowrap}small{color:#555}.good{color:#1a7f37;font-weight:600}.bad{color:#c62828;font-weight:600}
 .dim{color:#888}details{margin:6px 0}summary{cursor:pointer;color:#333}ul{margin:4px 0 8px 18px;padding:0}
 """

@@ -101,8 +101,7 @@ def cycle_breakdown(runs: list[dict]) -> bytes | None:
         for ph in list(TOP_PHASES) + sorted({k for _, p in rows for k in p} - set(TOP_PHASES)):
             vals = []
             for r, p in rows:
-                tau = _num((r.get("results") or {}).get("accept_length")) or 1.0
-                vals.append(p.get(ph, 0.0) / (tau if per_token else 1.0))
+                vals.append(p.get(ph, 0.0) * (_per_token_scale(r, p) if per_token else 1.0))
             if not any(vals):
                 continue
             if ph not in used:
@@ -114,7 +113,7 @@ def cycle_breakdown(runs: list[dict]) -> bytes | None:
             ax.text(total, y, f" {total:.2f}", va="center", fontsize=8)
         ax.set_xlim(0, max(left) * 1.18 if max(left) > 0 else 1)
         ax.grid(axis="x", alpha=0.3)
-        ax.set_xlabel("ms per generated token (cycle ÷ τ)" if per_token else "ms per cycle")
+        ax.set_xlabel("ms per generated token (measured, split by phase)" if per_token else "ms per cycle")
     a1.set_yticks(ys)
     a1.set_yticklabels(names, fontsize=8)
     a1.set_title("time per cycle, by phase", fontsize=10)
@@ -125,6 +124,17 @@ def cycle_breakdown(runs: list[dict]) -> bytes | None:
     fig.savefig(buf, format="png", dpi=DPI)
     plt.close(fig)
     return buf.getvalue()
+
+
+def _per_token_scale(rec: dict, phases: dict) -> float:
+    """ms per token / ms per cycle for the stacked bars: the run's measured decode ms/token (the number the run
+    table shows) over its phase total, so chart and table agree; cycle ÷ τ when the run has no such figure."""
+    res = rec.get("results") or {}
+    total = sum(phases.values())
+    ms_tok = _num(res.get("decode_ms_per_token"))
+    if ms_tok and total > 0:
+        return ms_tok / total
+    return 1.0 / (_num(res.get("accept_length")) or 1.0)
 
 
 def _spec_runs(runs):
@@ -151,7 +161,11 @@ def tau_histogram(runs: list[dict]) -> bytes | None:
         ax.bar([x + off for x in xs], [100.0 * hist.get(x, 0) / n for x in xs], width=w, color=f"C{i}",
                label=f"{label(r)}: mean τ = {tau:.2f} (dashed)" if tau else label(r))
         if tau:
-            ax.axvline(tau, color=f"C{i}", ls="--", lw=1)
+            # drawn over the bars (zorder), with a white casing so it shows where it crosses a bar of its colour
+            import matplotlib.patheffects as pe
+
+            ax.axvline(tau, color=f"C{i}", ls="--", lw=1.8, zorder=5,
+                       path_effects=[pe.Stroke(linewidth=3.6, foreground="white"), pe.Normal()])
     ax.set_xticks(xs)
     ax.set_xlabel("τ: tokens produced per cycle (accepted + bonus)")
     ax.set_ylabel("% of cycles")
@@ -167,6 +181,8 @@ def per_position(runs: list[dict]) -> bytes | None:
     spec = [r for r in runs if (r.get("results") or {}).get("per_position_acceptance")]
     if not spec:
         return None
+    if max(len(r["results"]["per_position_acceptance"]) for r in spec) == 1:
+        return _single_position(spec)
     plt = _plt()
     fig, ax = plt.subplots(figsize=(WIDTH_IN / 2, 3.6 + 0.2 * (len(spec) + 2)))
     for i, r in enumerate(spec):
@@ -190,10 +206,28 @@ def per_position(runs: list[dict]) -> bytes | None:
     return png(fig)
 
 
+def _single_position(spec: list[dict]) -> bytes:
+    """One draft position (steps 1): a line through one point says nothing; one bar per run does."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(WIDTH_IN / 2, 1.6 + 0.45 * len(spec)))
+    vals = [100 * (_num(r["results"]["per_position_acceptance"][0]) or 0.0) for r in spec]
+    ys = list(range(len(spec)))[::-1]
+    ax.barh(ys, vals, color=[f"C{i}" for i in range(len(spec))], height=0.6)
+    for y, v in zip(ys, vals):
+        ax.text(v, y, f" {v:.1f}%", va="center", fontsize=8)
+    ax.set_yticks(ys)
+    ax.set_yticklabels([label(r) for r in spec], fontsize=8)
+    ax.set_xlim(0, 115)
+    ax.set_xlabel("first draft position accepted, % of cycles")
+    ax.set_title("acceptance (one draft position per cycle)", fontsize=10)
+    ax.grid(axis="x", alpha=0.3)
+    return png(fig)
+
+
 @_plain_text
 def verify_curve(curve: dict) -> bytes | None:
     """A verify_curve run: median forward time vs query tokens per context, with the piecewise fit."""
-    from specscope.economics.verify_curve import PiecewiseFit
+    from specscope.economics.verify_curve import PiecewiseFit, noise_words
 
     res = curve.get("results") or {}
     points, fits = res.get("points") or [], res.get("fits") or {}
@@ -210,6 +244,10 @@ def verify_curve(curve: dict) -> bytes | None:
             fit = PiecewiseFit.from_dict(fits[str(L)])
             lo, hi = min(ns), max(ns)
             xs = [lo * (hi / lo) ** (j / 200) for j in range(201)]
+            if noise_words(pts, fits[str(L)]):      # a line through noise would read as a finding
+                ax.plot(xs, [fit(x) for x in xs], ":", color=f"C{i}", alpha=0.5,
+                        label="fit not shown as a finding: too noisy (p10–p90 spread comparable to the median)")
+                continue
             ax.plot(xs, [fit(x) for x in xs], "-", color=f"C{i}", alpha=0.7,
                     label=f"fit: flat {fit.flat_ms:.1f} ms to n≈{fit.knee:.0f}, then +{fit.slope_ms:.2f} ms/token")
             if fit.slope_ms > 0 and lo < fit.knee < hi:

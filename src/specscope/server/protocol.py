@@ -46,6 +46,7 @@ class GenParams:
     stream: bool = False
     include_usage: bool = False
     return_token_ids: bool = False
+    ignore_eos: bool = False       # vLLM / SGLang extension
     model: str | None = None
 
 
@@ -124,6 +125,7 @@ def _common(body: dict, kind: str, max_tokens_cap: int) -> GenParams:
             raise ApiError(400, "'stream_options' must be an object", "stream_options")
         p.include_usage = _bool(so, "include_usage")
     p.return_token_ids = _bool(body, "return_token_ids")
+    p.ignore_eos = _bool(body, "ignore_eos")
     for unsupported in ("logprobs", "top_logprobs", "echo", "tools", "suffix"):
         if body.get(unsupported):  # null / false / 0 / [] mean "off", which is what we do
             raise ApiError(400, f"'{unsupported}' is not supported by this server", unsupported)

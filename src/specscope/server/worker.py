@@ -153,6 +153,7 @@ class Engine:
             self._emit(job, st, list(new))
 
         sp = SamplingParams(p.temperature, p.top_k, p.top_p, p.seed)
+        stop_ids = () if p.ignore_eos else self.stop_ids    # ignore_eos: benchmarks want exactly max_tokens
         prof = self._profiler()
         res = None
         finish = "stop"
@@ -160,13 +161,13 @@ class Engine:
             if self.drafter is None:
                 from specscope.engine.generate import generate
 
-                res = generate(self.model, job.prompt_ids, p.max_tokens, sp, self.stop_ids, on_tokens=on_tokens,
+                res = generate(self.model, job.prompt_ids, p.max_tokens, sp, stop_ids, on_tokens=on_tokens,
                                profiler=prof)
             else:
                 from specscope.speculative.decode import speculative_generate
 
                 res = speculative_generate(self.model, self.drafter, job.prompt_ids, p.max_tokens, sp,
-                                           self.stop_ids, self.spec_cfg, on_tokens=on_tokens, profiler=prof)
+                                           stop_ids, self.spec_cfg, on_tokens=on_tokens, profiler=prof)
             finish = "length" if res.stop_reason == "length" else "stop"
         except StopString:
             pass

@@ -71,3 +71,69 @@ def accept_sampling(target_probs: torch.Tensor, tree: DraftTree, gen) -> tuple[l
                 return rows, _sample(p, gen)
         rows.append(accepted)
         cur = accepted
+
+
+class RankCounts:
+    """Acceptance by (depth, sibling rank) along the accepted path: after each verify, which sibling ranks were
+    offered under the accepted parent at each depth and which one the target took. What the tuner needs to predict
+    other tree shapes from one run (`economics.tune.AcceptanceModel.from_counts`).
+
+    A tree lists siblings in descending draft score, so a child's rank is its order among its parent's kept
+    children (kept siblings are always the top ranks: selection is by score)."""
+
+    def __init__(self, steps: int, topk: int):
+        self.accepted = [[0] * topk for _ in range(steps)]
+        self.offered = [[0] * topk for _ in range(steps)]
+        # the same along the all-rank-1 path only: what a chain of the same drafter would see
+        self.top_accepted = [0] * steps
+        self.top_offered = [0] * steps
+        self.tree_sizes: list[int] = []
+
+    def add(self, tree: DraftTree, rows: list[int]) -> None:
+        """One cycle: the proposed tree and the accepted verify rows (0 = the root, node i = row i + 1)."""
+        self.tree_sizes.append(tree.size)
+        steps, topk = len(self.offered), len(self.offered[0])
+        if tree.size == 0:
+            # nothing proposed (n-gram without a match): for τ it is a first draft rejected
+            self.offered[0][0] += 1
+            self.top_offered[0] += 1
+            return
+        kids: dict[int, list[int]] = {}
+        for i, par in enumerate(tree.parents.tolist()):
+            kids.setdefault(par, []).append(i)
+        top_path = True                               # every accepted node so far was its parent's rank 1
+        for d in range(1, min(len(rows), steps) + 1):  # parent at depth d-1 was accepted (row 0 = the root)
+            children = kids.get(rows[d - 1] - 1, [])
+            if not children:
+                break
+            for r in range(min(len(children), topk)):
+                self.offered[d - 1][r] += 1
+            if top_path:
+                self.top_offered[d - 1] += 1
+            rank = None
+            if d < len(rows) and rows[d] - 1 in children:
+                rank = children.index(rows[d] - 1)
+                if rank < topk:
+                    self.accepted[d - 1][rank] += 1
+            if top_path and rank == 0:
+                self.top_accepted[d - 1] += 1
+            top_path = top_path and rank == 0
+
+    def counts(self) -> dict:
+        return {"accepted": self.accepted, "offered": self.offered, "top_path_accepted": self.top_accepted,
+                "top_path_offered": self.top_offered}
+
+    @staticmethod
+    def merge(counts: list[dict]) -> dict | None:
+        """Sum `counts()` dicts of runs with the same (steps, topk), e.g. one per prompt."""
+        counts = [c for c in counts if c]
+        if not counts:
+            return None
+
+        def add(a, b):
+            return [add(x, y) for x, y in zip(a, b)] if isinstance(a, list) else a + b
+
+        out = counts[0]
+        for c in counts[1:]:
+            out = {k: add(out[k], c[k]) for k in out}
+        return out

@@ -450,9 +450,10 @@ def check_drafter(drafter_path: str | Path, facts: TargetFacts, engine_args: str
 
 
 def default_prompts(n: int = 3) -> list[str]:
-    from specscope.prompts import load_prompts
+    from specscope.prompts import load_prompts, warn
 
     try:
         return [r["prompt"] for r in load_prompts("spec_bench", num_prompts=n)["prompts"]]
-    except SpecscopeError:
+    except SpecscopeError as e:
+        warn(f"{e}; measuring acceptance on built-in prompts instead of Spec-Bench")
         return list(FALLBACK_PROMPTS[:n])

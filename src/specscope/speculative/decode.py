@@ -11,7 +11,7 @@ import torch
 from specscope.engine.generate import GenerationResult, StopCriteria, check_context, sync
 from specscope.engine.sampling import SamplingParams, make_generator, next_token, probs_from_logits
 from specscope.errors import SpecscopeError
-from specscope.speculative.acceptance import accept_greedy, accept_sampling
+from specscope.speculative.acceptance import RankCounts, accept_greedy, accept_sampling
 from specscope.speculative.drafters import Drafter, DraftModelDrafter, Eagle3TreeDrafter, NgramDrafter, _phase
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets" / "drafters"
@@ -150,6 +150,7 @@ def speculative_generate(target, drafter: Drafter, prompt_ids: list[int], max_ne
     accept_lengths, cycle_ms = [], []
     acc_pos = [0] * cfg.steps
     drafts_pos = [0] * cfg.steps
+    ranks = RankCounts(cfg.steps, cfg.topk)       # what `specscope tune --run` predicts other shapes from
     while reason is None:
         tc = time.perf_counter()
         # the root sits at position cache.length; a node at depth d is verified at cache.length + d < ctx.
@@ -175,6 +176,7 @@ def speculative_generate(target, drafter: Drafter, prompt_ids: list[int], max_ne
             produced += kept
             if on_tokens:
                 on_tokens(kept)
+        ranks.add(tree, rows)
         n_acc = len(rows) - 1
         depth = int(tree.depth.max()) if tree.size else 0
         for i in range(min(depth, cfg.steps)):
@@ -191,5 +193,7 @@ def speculative_generate(target, drafter: Drafter, prompt_ids: list[int], max_ne
     cycles = len(accept_lengths)
     extra = {"accept_length": (sum(accept_lengths) / cycles) if cycles else 0.0, "cycles": cycles,
              "accept_lengths": accept_lengths, "accepted_per_pos": acc_pos, "drafts_per_pos": drafts_pos,
-             "drafter": drafter.kind, "steps": cfg.steps, "topk": cfg.topk, "draft_tokens": cfg.draft_tokens}
+             "drafter": drafter.kind, "steps": cfg.steps, "topk": cfg.topk, "draft_tokens": cfg.draft_tokens,
+             "acceptance_by_depth_rank": ranks.counts(),
+             "verify_tokens_mean": 1 + sum(ranks.tree_sizes) / cycles if cycles else None}
     return GenerationResult(produced, T, t1 - t0, t2 - t1, reason, cycle_ms, extra)

@@ -416,13 +416,13 @@ class TargetFacts:
 
 
 def resolve_target(spec: str, record_as: str | None = None) -> TargetFacts:
-    """--target: a known name (pulled on first use), a local HF directory, or just its config.json."""
+    """--model (the target): a known name (pulled on first use), a local HF directory, or just its config.json."""
     from specscope.models.hub import KNOWN_MODELS, resolve_model
 
     f = Path(spec).expanduser()
     if not f.exists() and spec not in KNOWN_MODELS and spec.count("/") == 1 and not spec.startswith((".", "/")):
         raise SpecscopeError(f"target {spec!r} is not here; a Hugging Face id needs its config.json locally (weights "
-                             f"are not needed): download that one file and pass --target path/to/config.json "
+                             f"are not needed): download that one file and pass --model path/to/config.json "
                              f"--verifier-name {spec}")
     if f.is_file():
         raw = read_json_object(f)
@@ -614,9 +614,9 @@ def config_dict(drafter: Eagle3Drafter, fmt: str, target_info: dict | None = Non
                          if k in ("name_or_path", "architectures") and v})
         if not verifier.get("name_or_path"):
             raise SpecscopeError("a speculators drafter must name its verifier (vLLM serves "
-                                 "verifier.name_or_path as the target); pass --target MODEL")
+                                 "verifier.name_or_path as the target); pass --model TARGET")
         if not verifier.get("architectures"):
-            raise SpecscopeError(f"the verifier's architectures are unknown; pass --target with its config.json "
+            raise SpecscopeError(f"the verifier's architectures are unknown; pass --model with the target's config.json "
                                  f"(recording {verifier['name_or_path']!r})")
         ids = list(cfg.aux_layer_ids)
         if "verifier_logits_layer" in cfg.extra:

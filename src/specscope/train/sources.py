@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specscope.errors import SpecscopeError
+from specscope.prompts import PACKAGED as PROMPT_ASSETS, SPEC_BENCH_FILE
 
-PROMPT_ASSETS = Path(__file__).resolve().parent.parent / "assets" / "prompts"
-EVAL_SETS = ("spec_bench_question.jsonl", "eagle_gsm8k_question.jsonl", "eagle_humaneval_question.jsonl")
+EVAL_SETS = (SPEC_BENCH_FILE, "eagle_gsm8k_question.jsonl", "eagle_humaneval_question.jsonl")
 OVERLAP_NGRAM = 10    # words; long enough that shared boilerplate ("how much money does she have left") passes
 
 

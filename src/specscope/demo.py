@@ -93,12 +93,8 @@ def run_demo(opts: DemoOptions, ui: DemoUI | None = None) -> dict:
         raise SpecscopeError(f"--max-new-tokens must be >= 2, got {opts.max_new_tokens}")
     prompts, prompt_set = pick_prompts(opts.prompts)
     draft = opts.draft or DEFAULT_DRAFTER
-    if draft == DEFAULT_DRAFTER and (opts.steps, opts.topk, opts.draft_tokens) == (None, None, None):
-        # the shipped drafter's best measured shape (bench/results/tune.json): with τ near 1.3, deep trees cost
-        # more drafting than they return, so one level of 3 siblings is what comes closest to paying on a CPU
-        cfg = SpecConfig(1, 3, 4)
-    else:
-        cfg = SpecConfig.from_knobs(opts.steps, opts.topk, opts.draft_tokens)
+    # no knobs: the drafter's own best measured shape (a shipped drafter declares it), else the defaults
+    cfg = SpecConfig.for_drafter(draft, opts.steps, opts.topk, opts.draft_tokens)
     if draft == "ngram" and cfg.topk != 1:
         raise SpecscopeError("n-gram drafting proposes a chain; use --topk 1")
     out_dir = Path(opts.out).expanduser()

@@ -75,7 +75,7 @@ def preflight(model: str, max_new_tokens: int | None = None, draft: str | None =
         return path, cfg, None
     from specscope.speculative.decode import SpecConfig, drafter_path
 
-    spec = SpecConfig.from_knobs(steps, topk, draft_tokens)
+    spec = SpecConfig.for_drafter(draft, steps, topk, draft_tokens)
     if draft == "ngram":
         if spec.topk != 1:
             raise SpecscopeError(f"n-gram drafting proposes a chain; use --topk 1 (got --topk {spec.topk})")
@@ -116,7 +116,7 @@ def run_generate(req: GenerateRequest, on_text=None) -> dict:
     else:
         from specscope.speculative.decode import build_drafter, speculative_generate, SpecConfig
 
-        cfg = SpecConfig.from_knobs(req.steps, req.topk, req.draft_tokens)
+        cfg = SpecConfig.for_drafter(req.draft, req.steps, req.topk, req.draft_tokens)
         drafter = build_drafter(req.draft, model, req.dtype, req.device)
         res = speculative_generate(model, drafter, prompt_ids, req.max_new_tokens, sp, stop, cfg,
                                    on_tokens=on_tokens, profiler=prof)

@@ -99,7 +99,7 @@ class Engine:
         if cfg.draft:
             from specscope.speculative.decode import SpecConfig, build_drafter
 
-            self.spec_cfg = SpecConfig.from_knobs(cfg.steps, cfg.topk, cfg.draft_tokens)
+            self.spec_cfg = SpecConfig.for_drafter(cfg.draft, cfg.steps, cfg.topk, cfg.draft_tokens)
             self.drafter = build_drafter(cfg.draft, self.model, cfg.dtype, cfg.device)
 
     # -- called on the event loop ---------------------------------------------------------------------------------

@@ -37,6 +37,16 @@ class SpecConfig:
         cfg.validate()
         return cfg
 
+    @classmethod
+    def for_drafter(cls, draft: str | None, steps=None, topk=None, draft_tokens=None) -> "SpecConfig":
+        """The knobs given, or — when none is — the best measured shape the drafter's directory declares in
+        `specscope_shape.json` (written from a benchmark; a shipped drafter carries one), else the defaults."""
+        if draft not in (None, "ngram") and (steps, topk, draft_tokens) == (None, None, None):
+            shape = declared_shape(draft)
+            if shape is not None:
+                return shape
+        return cls.from_knobs(steps, topk, draft_tokens)
+
     def validate(self):
         if self.steps < 1:
             raise SpecscopeError(f"--steps must be >= 1, got {self.steps}")
@@ -104,6 +114,29 @@ def drafter_path(spec: str) -> Path:
     if not path.is_dir():
         raise SpecscopeError(f"drafter {spec!r} is not a directory; pass an EAGLE-3 or Hugging Face checkpoint directory")
     return path
+
+
+SHAPE_FILE = "specscope_shape.json"
+
+
+def declared_shape(draft: str) -> SpecConfig | None:
+    """SpecConfig from DRAFTER/specscope_shape.json ({"steps", "topk", "draft_tokens"}), or None without one."""
+    import json
+
+    path = ASSETS / draft
+    if not path.is_dir():
+        path = Path(draft).expanduser()
+    f = path / SHAPE_FILE
+    if not f.is_file():
+        return None
+    try:
+        d = json.loads(f.read_text())
+        cfg = SpecConfig(int(d["steps"]), int(d["topk"]), int(d["draft_tokens"]))
+    except (ValueError, KeyError, TypeError) as e:
+        raise SpecscopeError(f"{f} is not a valid shape file ({type(e).__name__}: {e}); expected "
+                             f'{{"steps": N, "topk": K, "draft_tokens": M}}, or delete it') from None
+    cfg.validate()
+    return cfg
 
 
 def _is_eagle3_config(raw: dict) -> bool:

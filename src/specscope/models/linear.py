@@ -101,13 +101,18 @@ def pack_linears(model: nn.Module, keep_dense: tuple[str, ...] = ("lm_head",), o
     "transposed". tune: measure the kernel's tiles for each new weight shape (default on, cached on disk)."""
     if kernel not in ("auto", "rowgemm", "onednn"):
         raise ValueError(f"unknown linear kernel {kernel!r}; use auto, rowgemm or onednn")
-    n = 0
+    n, rows = 0, False
     for name, mod in list(model.named_modules()):
         for child_name, child in list(mod.named_children()):
             if type(child) is nn.Linear and can_pack(child.weight):
                 full = f"{name}.{child_name}" if name else child_name
                 tr = one_row == "transposed" or (one_row == "auto" and child.weight.dtype == torch.float32)
-                setattr(mod, child_name, PackedLinear(child, keep_dense=full in keep_dense, one_row_transposed=tr,
-                                                      kernel=kernel, tune=tune))
+                pl = PackedLinear(child, keep_dense=full in keep_dense, one_row_transposed=tr, kernel=kernel, tune=tune)
+                setattr(mod, child_name, pl)
                 n += 1
+                rows = rows or pl.kernel == "rowgemm"
+    if rows:   # norms and attention of this model take the row-invariant kernels too (models/llama.py)
+        for m in model.modules():
+            if hasattr(type(m), "row_kernels"):
+                m.row_kernels = True
     return n

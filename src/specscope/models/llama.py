@@ -15,17 +15,25 @@ import torch.nn.functional as F
 from torch import nn
 
 from specscope.engine.kv_cache import KVCache
+from specscope.models import rowgemm
 from specscope.models.config import ModelConfig
 from specscope.models.rope import apply_rope, rope_table, rotate
 
 
 class RMSNorm(nn.Module):
+    row_kernels = False   # set by models.linear.pack_linears where the row-invariant CPU kernels are in use
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
+    def fast(self, x) -> bool:
+        return self.row_kernels and x.dtype == torch.float32 and x.is_contiguous() and x.device.type == "cpu"
+
     def forward(self, x):
+        if self.fast(x):
+            return rowgemm.rmsnorm(x, self.weight, self.eps)
         # normalised in float32 and cast back before the weight, as transformers' LlamaRMSNorm does; the fused
         # kernel replaces 7 small ops per call (per-op overhead is a visible share of a CPU decode step)
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
@@ -34,6 +42,8 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
+    row_kernels = False   # see RMSNorm
+
     def __init__(self, cfg: ModelConfig, in_dim: int | None = None):
         super().__init__()
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -56,6 +66,15 @@ class Attention(nn.Module):
             qk = rotate(qkv[:, :, :nqk], cos.transpose(1, 2), sin.transpose(1, 2))
             q, k = qk[:, :, :nq].transpose(1, 2), qk[:, :, nq:].transpose(1, 2)
         v = qkv[:, :, nqk:].transpose(1, 2)
+        if cache is not None and self.row_kernels and B == 1 and x.dtype == torch.float32 and x.device.type == "cpu":
+            # the row-invariant kernel reads the cache in place and writes [T, heads * D], o_proj's layout
+            cache.write(layer, slots, k, v)
+            q1 = q[0].transpose(0, 1)
+            if q1.stride(1) != self.head_dim or q1.stride(2) != 1:
+                q1 = q1.contiguous()
+            y = rowgemm.attention(q1, cache.k[layer, 0], cache.v[layer, 0], kv_len,
+                                  None if mask is None else mask[0])
+            return self.o_proj(y.view(B, T, self.q_size))
         if cache is not None:
             cache.write(layer, slots, k, v)
             k, v = cache.k[layer, :B, :, :kv_len], cache.v[layer, :B, :, :kv_len]
@@ -85,8 +104,14 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, h, cos, sin, layer, cache, slots, mask, kv_len=0):
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, layer, cache, slots, mask, kv_len)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        a = self.self_attn(self.input_layernorm(h), cos, sin, layer, cache, slots, mask, kv_len)
+        norm = self.post_attention_layernorm
+        if norm.fast(h) and a.is_contiguous():
+            h, x = rowgemm.rmsnorm(h, norm.weight, norm.eps, delta=a)   # residual add + norm in one pass
+        else:
+            h = h + a
+            x = norm(h)
+        return h + self.mlp(x)
 
 
 @dataclass

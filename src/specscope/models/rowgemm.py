@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "rows_gemm.cpp"
-ABI = 2
+ABI = 3
 FLAGS = ["-O3", "-mavx512f", "-fopenmp", "-fPIC", "-shared"]
 VARIANTS = {32: (6, 12), 64: (4, 6)}       # panel width -> register tiles (rows) the library implements
 TUNE_ROWS = (1, 2, 4, 8, 12, 16, 24, 32, 64)
@@ -128,6 +128,10 @@ def library():
         lib.rows_gemm_f32.argtypes = [P, I64, P, I64, I64, I64, P, P, ctypes.c_int, ctypes.c_int]
         lib.rows_gemm_pack.restype = None
         lib.rows_gemm_pack.argtypes = [P, I64, I64, I64, P]
+        lib.rows_rmsnorm.restype = None
+        lib.rows_rmsnorm.argtypes = [P, P, I64, I64, P, ctypes.c_float, P, P]
+        lib.rows_attention.restype = ctypes.c_int
+        lib.rows_attention.argtypes = [P, I64, I64, I64, I64, I64, P, P, I64, I64, P, I64, P, ctypes.c_int]
         _lib, _lib_state = lib, "loaded"
         return lib
 
@@ -166,6 +170,34 @@ def gemm(x2d: torch.Tensor, p: torch.Tensor, nb: int, out: int, bias: torch.Tens
     if rc != 0:
         raise RuntimeError(f"rows_gemm: no kernel for panel {nb} / tile {rb}")
     return y
+
+
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Tensor | None = None):
+    """x / rms(x) * weight over the last dim (fp32, contiguous). With delta: (h, norm(h)) for h = x + delta, the
+    residual add and the next layer norm in one pass."""
+    d = x.shape[-1]
+    n = x.numel() // d
+    y = torch.empty_like(x)
+    h = torch.empty_like(x) if delta is not None else None
+    _lib.rows_rmsnorm(x.data_ptr(), None if delta is None else delta.data_ptr(), n, d, weight.data_ptr(), eps,
+                      None if h is None else h.data_ptr(), y.data_ptr())
+    return y if delta is None else (h, y)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, S: int, mask: torch.Tensor | None) -> torch.Tensor:
+    """q: [T, Hq, D] (rows and heads may be strided, D contiguous); k, v: [Hkv, max_len, D] contiguous cache of one
+    sequence; slots 0..S-1 visible where mask [T, S] (bool) allows (None: all). Returns [T, Hq*D]."""
+    T, Hq, D = q.shape
+    Hkv = k.shape[0]
+    out = torch.empty(T, Hq * D, dtype=torch.float32)
+    if mask is not None:
+        mask = mask.contiguous()
+    rc = _lib.rows_attention(q.data_ptr(), q.stride(0), T, Hq, Hkv, D, k.data_ptr(), v.data_ptr(), k.stride(0), S,
+                             None if mask is None else mask.data_ptr(), 0 if mask is None else mask.stride(0),
+                             out.data_ptr(), torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError(f"rows_attention: unsupported shape (heads {Hq}/{Hkv}, head_dim {D})")
+    return out
 
 
 # ---- tuning ----------------------------------------------------------------------------------------------------

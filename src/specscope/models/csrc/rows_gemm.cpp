@@ -9,8 +9,10 @@
 // Built at first use by models/rowgemm.py (g++ -O3 -mavx512f -fopenmp, no torch headers) and called via ctypes;
 // it links the libgomp torch already loaded (same soname), so it shares torch's OpenMP thread pool.
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
+#include <vector>
 
 // one panel of V*16 outputs (`valid` of them real) for RB rows of x
 template <int V, int RB>
@@ -69,7 +71,7 @@ static void run(const float* x, int64_t n, const float* p, int64_t out, int64_t 
 
 extern "C" {
 
-int rows_gemm_abi() { return 2; }
+int rows_gemm_abi() { return 3; }
 
 // pack w [out, in] (row-major) into panels of nb outputs: [ceil(out/nb)][in][nb], zero-padded
 void rows_gemm_pack(const float* w, int64_t out, int64_t in, int64_t nb, float* p) {
@@ -101,6 +103,130 @@ int rows_gemm_f32(const float* x, int64_t n, const float* p, int64_t nb, int64_t
         }
     }
     return -1;
+}
+
+}
+
+// ---- the rest of a decode/verify layer, row-invariant as well ---------------------------------------------------
+
+static inline float hsum(__m512 v) { return _mm512_reduce_add_ps(v); }
+
+static inline __mmask16 tail_mask(int64_t left) {
+    return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1u);
+}
+
+// exp for x <= 0 (softmax after subtracting the max): Cephes' expf polynomial on x - n ln2, scaled by 2^n
+static inline __m512 exp512(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r);
+    p = _mm512_add_ps(p, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+extern "C" {
+
+// y[r] = x[r] / rms(x[r]) * w; with delta: h_out[r] = x[r] + delta[r] first and y normalises h_out
+void rows_rmsnorm(const float* x, const float* delta, int64_t n, int64_t d, const float* w, float eps, float* h_out,
+                  float* y) {
+    for (int64_t r = 0; r < n; ++r) {
+        const float* xr = x + r * d;
+        float* hr = h_out ? h_out + r * d : nullptr;
+        __m512 ss = _mm512_setzero_ps();
+        for (int64_t k = 0; k < d; k += 16) {
+            __mmask16 m = tail_mask(d - k);
+            __m512 v = _mm512_maskz_loadu_ps(m, xr + k);
+            if (delta) {
+                v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(m, delta + r * d + k));
+                _mm512_mask_storeu_ps(hr + k, m, v);
+            }
+            ss = _mm512_fmadd_ps(v, v, ss);
+        }
+        const float* src = delta ? hr : xr;
+        __m512 inv = _mm512_set1_ps(1.0f / sqrtf(hsum(ss) / (float)d + eps));
+        for (int64_t k = 0; k < d; k += 16) {
+            __mmask16 m = tail_mask(d - k);
+            __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, src + k), inv);
+            _mm512_mask_storeu_ps(y + r * d + k, m, _mm512_mul_ps(v, _mm512_maskz_loadu_ps(m, w + k)));
+        }
+    }
+}
+
+// Attention of T query rows over S cached slots (one sequence), grouped-query, scale 1/sqrt(D).
+// q: row t, head h at q + t*q_row + h*D. k/v: kv head g, slot s at k + g*kv_head + s*D. mask: [T, S] bytes
+// (row stride mask_row; null = every slot). out: [T, Hq*D].
+// Row-invariant and slot-order-exact: a row's result depends only on its own query and the keys it may see,
+// accumulated in slot order (masked slots are skipped, not added as zeros), so a verify row equals the decode step
+// that sees the same keys in the same order.
+int rows_attention(const float* q, int64_t q_row, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, const float* k,
+                   const float* v, int64_t kv_head, int64_t S, const uint8_t* mask, int64_t mask_row, float* out,
+                   int nthreads) {
+    if (D > 256 || Hq % Hkv) return -1;
+    const float scale = 1.0f / sqrtf((float)D);
+    const int64_t group = Hq / Hkv, nv = (D + 15) / 16;
+    #pragma omp parallel num_threads(nthreads) if (nthreads > 1 && T * Hq > 1)
+    {
+        std::vector<float> sc(S > 0 ? S : 1);
+        std::vector<int32_t> idx(S > 0 ? S : 1);
+        #pragma omp for schedule(static)
+        for (int64_t th = 0; th < T * Hq; ++th) {
+            int64_t t = th / Hq, h = th % Hq, g = h / group;
+            const float* qv = q + t * q_row + h * D;
+            const float* kh = k + g * kv_head;
+            const float* vh = v + g * kv_head;
+            const uint8_t* mr = mask ? mask + t * mask_row : nullptr;
+            __m512 qr[16];
+            for (int64_t j = 0; j < nv; ++j) qr[j] = _mm512_maskz_loadu_ps(tail_mask(D - j * 16), qv + j * 16);
+            int64_t m = 0;
+            float mx = -INFINITY;
+            for (int64_t s = 0; s < S; ++s) {
+                if (mr && !mr[s]) continue;
+                const float* ks = kh + s * D;
+                __m512 acc = _mm512_mul_ps(qr[0], _mm512_maskz_loadu_ps(tail_mask(D), ks));
+                for (int64_t j = 1; j < nv; ++j)
+                    acc = _mm512_fmadd_ps(qr[j], _mm512_maskz_loadu_ps(tail_mask(D - j * 16), ks + j * 16), acc);
+                float x = hsum(acc) * scale;
+                sc[m] = x;
+                idx[m++] = (int32_t)s;
+                mx = x > mx ? x : mx;
+            }
+            float* o = out + t * Hq * D + h * D;
+            if (m == 0) {  // no visible key: zeros (SDPA would give NaN; callers never ask for this)
+                for (int64_t j = 0; j < D; ++j) o[j] = 0.0f;
+                continue;
+            }
+            __m512 mxv = _mm512_set1_ps(mx);
+            for (int64_t i = 0; i < m; i += 16) {
+                __mmask16 mm = tail_mask(m - i);
+                __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mm, &sc[i]), mxv));
+                _mm512_mask_storeu_ps(&sc[i], mm, e);
+            }
+            float sum = 0.0f;
+            __m512 acc[16];
+            for (int64_t j = 0; j < nv; ++j) acc[j] = _mm512_setzero_ps();
+            for (int64_t i = 0; i < m; ++i) {   // in slot order
+                float p = sc[i];
+                sum += p;
+                __m512 pv = _mm512_set1_ps(p);
+                const float* vs = vh + (int64_t)idx[i] * D;
+                for (int64_t j = 0; j < nv; ++j)
+                    acc[j] = _mm512_fmadd_ps(pv, _mm512_maskz_loadu_ps(tail_mask(D - j * 16), vs + j * 16), acc[j]);
+            }
+            __m512 inv = _mm512_set1_ps(1.0f / sum);
+            for (int64_t j = 0; j < nv; ++j)
+                _mm512_mask_storeu_ps(o + j * 16, tail_mask(D - j * 16), _mm512_mul_ps(acc[j], inv));
+        }
+    }
+    return 0;
 }
 
 }

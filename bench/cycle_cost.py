@@ -40,6 +40,9 @@ SHAPES = {
                          num_attention_heads=9, num_key_value_heads=3, head_dim=64, rope_theta=100000.0,
                          rms_norm_eps=1e-5, max_position_embeddings=8192, tie_word_embeddings=True,
                          draft_vocab=8192),
+    "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, rope_theta=10000.0, rms_norm_eps=1e-5,
+                 max_position_embeddings=2048, draft_vocab=128),   # smoke test of this script
 }
 
 
@@ -154,6 +157,10 @@ class Bandwidth:
         self.nbytes = (1 << 30) if device.type == "cuda" else (256 << 20)
         buf = torch.empty(self.nbytes // dtype.itemsize, dtype=dtype, device=device).normal_()
         self.fns = {"read (sum)": lambda: buf.sum()}
+        if device.type == "cuda":   # a copy reads and writes: count both
+            half = buf[: buf.numel() // 2]
+            other = buf[buf.numel() // 2:]
+            self.fns["copy"] = lambda: other.copy_(half)
         if device.type == "cpu":
             from specscope.models import rowgemm
 
@@ -343,21 +350,21 @@ def main(argv=None):
     print(f"memory floor: {step_bytes / 1e6:.0f} MB per decode step at {gbps:.1f} GB/s "
           f"({', '.join(f'{k} {v}' for k, v in bw.items())}) = {floor_ms:.2f} ms")
     cols = list(fws)
-    print(f"{'':34s}" + "".join(f"{c:>16s}" for c in cols))
-    print(f"{'decode ms/token':34s}" + "".join(f"{times[c]['decode']:16.2f}" for c in cols))
-    print(f"{'  floor / decode (goal >= 0.6)':34s}" + "".join(f"{floor_ms / times[c]['decode']:16.2f}" for c in cols))
-    print(f"{'  achieved GB/s':34s}" + "".join(f"{step_bytes / times[c]['decode'] / 1e6:16.1f}" for c in cols))
+    print(f"{'':46s}" + "".join(f"{c:>16s}" for c in cols))
+    print(f"{'decode ms/token':46s}" + "".join(f"{times[c]['decode']:16.2f}" for c in cols))
+    print(f"{'  floor / decode (goal >= 0.6)':46s}" + "".join(f"{floor_ms / times[c]['decode']:16.2f}" for c in cols))
+    print(f"{'  achieved GB/s':46s}" + "".join(f"{step_bytes / times[c]['decode'] / 1e6:16.1f}" for c in cols))
     for n in ROWS:
-        print(f"{f'verify T({n}) ms':34s}" + "".join(f"{times[c][n]:16.2f}" for c in cols))
+        print(f"{f'verify T({n}) ms':46s}" + "".join(f"{times[c][n]:16.2f}" for c in cols))
     for n in ROWS[1:]:
         goal = {4: " (goal <= 1.05)", 8: " (goal <= 1.20)"}.get(n, "")
-        print(f"{f'  T({n})/T(1){goal}':34s}" + "".join(f"{times[c][n] / times[c][1]:16.2f}" for c in cols))
-    print(f"{'  T(8)/decode':34s}" + "".join(f"{times[c][8] / times[c]['decode']:16.2f}" for c in cols))
+        print(f"{f'  T({n})/T(1){goal}':46s}" + "".join(f"{times[c][n] / times[c][1]:16.2f}" for c in cols))
+    print(f"{'  T(8)/decode':46s}" + "".join(f"{times[c][8] / times[c]['decode']:16.2f}" for c in cols))
     for key, name in (("chain", "chain step"), ("tree_topk4", "tree level (topk 4)")):
         goal = " (goal <= 3)" if key == "chain" else " (goal <= 4)"
-        print(f"{f'drafter ms per {name}{goal}':34s}" + "".join(f"{drafts[c][key]['per_level_ms']:16.2f}"
+        print(f"{f'drafter ms per {name}{goal}':46s}" + "".join(f"{drafts[c][key]['per_level_ms']:16.2f}"
                                                                 for c in cols))
-        print(f"{f'  catch-up on 3 tokens ({key})':34s}" + "".join(f"{drafts[c][key]['catch_up_ms']:16.2f}"
+        print(f"{f'  catch-up on 3 tokens ({key})':46s}" + "".join(f"{drafts[c][key]['catch_up_ms']:16.2f}"
                                                                  for c in cols))
     c0 = cols[0]
     cyc = 3 * drafts[c0]["chain"]["per_level_ms"] + drafts[c0]["chain"]["catch_up_ms"] + times[c0][4]

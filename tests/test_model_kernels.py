@@ -205,3 +205,42 @@ def test_a_failing_build_falls_back(tmp_path, monkeypatch, capsys, fresh_library
     assert rowgemm.library() is None
     err = capsys.readouterr().err
     assert err.count("warning:") == 1 and "unrecognized option" in err
+
+
+@needs_kernels
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
+def test_kernel_model_matches_the_stock_path(tmp_path, arch):
+    """Rotary embedding, cache writes, GQA attention (tree masks, sliding windows), norms: same logits as the
+    oneDNN + SDPA path within fp32 rounding, for prefill, decode and a tree verify."""
+    kw = {"sliding_window": 6} if arch == "mistral" else {}
+    make_hf_model(tmp_path, arch, **kw)
+    ours = load_model(tmp_path, dtype="fp32")
+    stock = load_model(tmp_path, dtype="fp32", pack=False)
+    pack_linears(stock, kernel="onednn")
+    assert ours.layers[0].self_attn.row_kernels and not stock.layers[0].self_attn.row_kernels
+    ids = torch.randint(3, 101, (1, 12), generator=torch.Generator().manual_seed(1))
+    tree = DraftTree(torch.tensor([5, 6, 7, 8]), torch.tensor([-1, -1, 0, 2]), torch.tensor([1, 1, 2, 3]))
+    with torch.inference_mode():
+        outs = []
+        for m in (ours, stock):
+            c = m.new_cache(32)
+            a = m(ids, torch.arange(12)[None], c).logits
+            c.length = 12
+            b = m(torch.tensor([[9]]), torch.tensor([[12]]), c).logits
+            c.length = 13
+            v = m(*tree.verify_inputs(4, 13, 13)[:2], c, *tree.verify_inputs(4, 13, 13)[2:]).logits
+            outs.append((a, b, v))
+    for x, y in zip(*outs):
+        torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-4)
+
+
+@needs_kernels
+def test_a_slot_past_the_cache_is_refused_before_writing():
+    kc, vc = torch.zeros(2, 8, 16), torch.zeros(2, 8, 16)
+    qkv = torch.randn(2, (4 + 2 * 2) * 16)
+    cs = torch.ones(2, 16)
+    with pytest.raises(IndexError, match="index 8 is out of bounds for dimension 1 with size 8"):
+        rowgemm.rope_attention(qkv, 4, 2, cs, cs, torch.tensor([7, 8]), kc, vc, 8, None)
+    assert not kc.any() and not vc.any()
+    y = rowgemm.rope_attention(qkv, 4, 2, cs, 0 * cs, torch.tensor([6, 7]), kc, vc, 8, None)
+    assert y.shape == (2, 64) and torch.equal(kc[:, 6:8], qkv[:, 64:96].view(2, 2, 16).transpose(0, 1))

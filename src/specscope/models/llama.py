@@ -57,6 +57,13 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, layer: int, cache: KVCache | None, slots, mask, kv_len: int = 0):
         B, T, _ = x.shape
         nq, nqk = self.n_heads, self.n_heads + self.n_kv
+        fast = cache is not None and self.row_kernels and B == 1 and x.dtype == torch.float32 and x.device.type == "cpu"
+        if fast and self.q_norm is None:
+            # rotary embedding, cache write and attention in one row-invariant kernel call (models/rowgemm.py)
+            y = rowgemm.rope_attention(self.qkv_proj(x).view(T, -1), nq, self.n_kv, cos[0, 0], sin[0, 0],
+                                       slots[0], cache.k[layer, 0], cache.v[layer, 0], kv_len,
+                                       None if mask is None else mask[0])
+            return self.o_proj(y.view(B, T, self.q_size))
         qkv = self.qkv_proj(x).view(B, T, nqk + self.n_kv, self.head_dim)
         if self.q_norm is not None:
             q, k = apply_rope(self.q_norm(qkv[:, :, :nq]).transpose(1, 2),
@@ -66,7 +73,7 @@ class Attention(nn.Module):
             qk = rotate(qkv[:, :, :nqk], cos.transpose(1, 2), sin.transpose(1, 2))
             q, k = qk[:, :, :nq].transpose(1, 2), qk[:, :, nq:].transpose(1, 2)
         v = qkv[:, :, nqk:].transpose(1, 2)
-        if cache is not None and self.row_kernels and B == 1 and x.dtype == torch.float32 and x.device.type == "cpu":
+        if fast:
             # the row-invariant kernel reads the cache in place and writes [T, heads * D], o_proj's layout
             cache.write(layer, slots, k, v)
             q1 = q[0].transpose(0, 1)

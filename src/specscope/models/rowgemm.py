@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "rows_gemm.cpp"
-ABI = 3
+ABI = 4
 FLAGS = ["-O3", "-mavx512f", "-fopenmp", "-fPIC", "-shared"]
 VARIANTS = {32: (6, 12), 64: (4, 6)}       # panel width -> register tiles (rows) the library implements
 TUNE_ROWS = (1, 2, 4, 8, 12, 16, 24, 32, 64)
@@ -131,6 +131,9 @@ def library():
         lib.rows_rmsnorm.restype = None
         lib.rows_rmsnorm.argtypes = [P, P, I64, I64, P, ctypes.c_float, P, P]
         lib.rows_attention.restype = ctypes.c_int
+        lib.rows_rope_attention.restype = ctypes.c_int
+        lib.rows_rope_attention.argtypes = [P, I64, I64, I64, I64, P, P, P, P, P, I64, I64, I64, P, I64, P,
+                                                ctypes.c_int]
         lib.rows_attention.argtypes = [P, I64, I64, I64, I64, I64, P, P, I64, I64, P, I64, P, ctypes.c_int]
         _lib, _lib_state = lib, "loaded"
         return lib
@@ -197,6 +200,29 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, S: int, mask: t
                              out.data_ptr(), torch.get_num_threads())
     if rc != 0:
         raise RuntimeError(f"rows_attention: unsupported shape (heads {Hq}/{Hkv}, head_dim {D})")
+    return out
+
+
+def rope_attention(qkv: torch.Tensor, n_heads: int, n_kv: int, cos: torch.Tensor, sin: torch.Tensor,
+                   slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, S: int,
+                   mask: torch.Tensor | None) -> torch.Tensor:
+    """One layer's rotary embedding, cache write and attention from the fused qkv output [T, (Hq+2Hkv)*D] of one
+    sequence: cos, sin [T, D] fp32; slots [T] int64; k_cache, v_cache [Hkv, max_len, D]. Returns [T, Hq*D]."""
+    T = qkv.shape[0]
+    D, max_len = k_cache.shape[-1], k_cache.shape[1]
+    out = torch.empty(T, n_heads * D, dtype=torch.float32)
+    if mask is not None:
+        mask = mask.contiguous()
+    slots, cos, sin = slots.contiguous(), cos.contiguous(), sin.contiguous()
+    rc = _lib.rows_rope_attention(qkv.data_ptr(), T, n_heads, n_kv, D, cos.data_ptr(), sin.data_ptr(),
+                                  slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0),
+                                  max_len, S, None if mask is None else mask.data_ptr(),
+                                  0 if mask is None else mask.stride(0), out.data_ptr(), torch.get_num_threads())
+    if rc == -3:   # the message index_copy_ gives, so callers see one error whichever path ran
+        bad = int(slots[(slots < 0) | (slots >= max_len)][0])
+        raise IndexError(f"index_copy_(): index {bad} is out of bounds for dimension 1 with size {max_len}")
+    if rc != 0:
+        raise RuntimeError(f"rows_rope_attention: unsupported shape (heads {n_heads}/{n_kv}, head_dim {D})")
     return out
 
 

@@ -71,7 +71,7 @@ static void run(const float* x, int64_t n, const float* p, int64_t out, int64_t 
 
 extern "C" {
 
-int rows_gemm_abi() { return 3; }
+int rows_gemm_abi() { return 4; }
 
 // pack w [out, in] (row-major) into panels of nb outputs: [ceil(out/nb)][in][nb], zero-padded
 void rows_gemm_pack(const float* w, int64_t out, int64_t in, int64_t nb, float* p) {
@@ -167,6 +167,43 @@ void rows_rmsnorm(const float* x, const float* delta, int64_t n, int64_t d, cons
 // Row-invariant and slot-order-exact: a row's result depends only on its own query and the keys it may see,
 // accumulated in slot order (masked slots are skipped, not added as zeros), so a verify row equals the decode step
 // that sees the same keys in the same order.
+int rows_attention(const float* q, int64_t q_row, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, const float* k,
+                   const float* v, int64_t kv_head, int64_t S, const uint8_t* mask, int64_t mask_row, float* out,
+                   int nthreads);
+
+// Rotary embedding + KV-cache write + attention for one layer, from the fused qkv projection [T, (Hq+2Hkv)*D]:
+// k heads are rotated and written with v at `slots`, q heads rotated, then rows_attention over slots 0..S-1.
+// cos/sin: [T, D] rows for the tokens' positions (HF layout: rotate_half pairs i with i + D/2). Slots outside
+// the cache are refused (-3) before anything is written.
+int rows_rope_attention(const float* qkv, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, const float* cos,
+                        const float* sin, const int64_t* slots, float* kc, float* vc, int64_t kv_head, int64_t max_len,
+                        int64_t S, const uint8_t* mask, int64_t mask_row, float* out, int nthreads) {
+    if (D % 2) return -1;
+    if (S > max_len) return -2;
+    for (int64_t t = 0; t < T; ++t)
+        if (slots[t] < 0 || slots[t] >= max_len) return -3;   // checked before anything is written
+    const int64_t H = Hq + 2 * Hkv, half = D / 2;
+    std::vector<float> qr((size_t)(T * Hq * D));
+    for (int64_t t = 0; t < T; ++t) {
+        const float* row = qkv + t * H * D;
+        const float* c = cos + t * D;
+        const float* sn = sin + t * D;
+        for (int64_t h = 0; h < Hq + Hkv; ++h) {
+            const float* x = row + h * D;
+            float* o = h < Hq ? &qr[(t * Hq + h) * D] : kc + (h - Hq) * kv_head + slots[t] * D;
+            for (int64_t i = 0; i < half; ++i) {
+                float a = x[i] * c[i], b = x[i + half] * sn[i];
+                o[i] = a - b;
+                float a2 = x[i + half] * c[i + half], b2 = x[i] * sn[i + half];
+                o[i + half] = a2 + b2;
+            }
+        }
+        for (int64_t g = 0; g < Hkv; ++g)
+            memcpy(vc + g * kv_head + slots[t] * D, row + (Hq + Hkv + g) * D, D * sizeof(float));
+    }
+    return rows_attention(qr.data(), Hq * D, T, Hq, Hkv, D, kc, vc, kv_head, S, mask, mask_row, out, nthreads);
+}
+
 int rows_attention(const float* q, int64_t q_row, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, const float* k,
                    const float* v, int64_t kv_head, int64_t S, const uint8_t* mask, int64_t mask_row, float* out,
                    int nthreads) {

@@ -32,8 +32,8 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "rows_gemm.cpp"
-ABI = 4
-FLAGS = ["-O3", "-mavx512f", "-fopenmp", "-fPIC", "-shared"]
+ABI = 6
+FLAGS = ["-O3", "-mavx512f", "-mavx512dq", "-mavx512vl", "-fopenmp", "-fPIC", "-shared"]
 VARIANTS = {32: (6, 12), 64: (4, 6)}       # panel width -> register tiles (rows) the library implements
 TUNE_ROWS = (1, 2, 4, 8, 12, 16, 24, 32, 64)
 _lock = threading.Lock()
@@ -167,7 +167,7 @@ def gemm(x2d: torch.Tensor, p: torch.Tensor, nb: int, out: int, bias: torch.Tens
     n, k = x2d.shape
     if y is None:
         y = torch.empty(n, out, dtype=torch.float32)
-    rc = _lib.rows_gemm_f32(x2d.data_ptr(), n, p.data_ptr(), nb, out, k,
+    rc = (_lib or library()).rows_gemm_f32(x2d.data_ptr(), n, p.data_ptr(), nb, out, k,
                             bias.data_ptr() if bias is not None else None, y.data_ptr(),
                             torch.get_num_threads(), rb)
     if rc != 0:
@@ -182,7 +182,7 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Tens
     n = x.numel() // d
     y = torch.empty_like(x)
     h = torch.empty_like(x) if delta is not None else None
-    _lib.rows_rmsnorm(x.data_ptr(), None if delta is None else delta.data_ptr(), n, d, weight.data_ptr(), eps,
+    (_lib or library()).rows_rmsnorm(x.data_ptr(), None if delta is None else delta.data_ptr(), n, d, weight.data_ptr(), eps,
                       None if h is None else h.data_ptr(), y.data_ptr())
     return y if delta is None else (h, y)
 
@@ -195,7 +195,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, S: int, mask: t
     out = torch.empty(T, Hq * D, dtype=torch.float32)
     if mask is not None:
         mask = mask.contiguous()
-    rc = _lib.rows_attention(q.data_ptr(), q.stride(0), T, Hq, Hkv, D, k.data_ptr(), v.data_ptr(), k.stride(0), S,
+    rc = (_lib or library()).rows_attention(q.data_ptr(), q.stride(0), T, Hq, Hkv, D, k.data_ptr(), v.data_ptr(), k.stride(0), S,
                              None if mask is None else mask.data_ptr(), 0 if mask is None else mask.stride(0),
                              out.data_ptr(), torch.get_num_threads())
     if rc != 0:
@@ -214,7 +214,7 @@ def rope_attention(qkv: torch.Tensor, n_heads: int, n_kv: int, cos: torch.Tensor
     if mask is not None:
         mask = mask.contiguous()
     slots, cos, sin = slots.contiguous(), cos.contiguous(), sin.contiguous()
-    rc = _lib.rows_rope_attention(qkv.data_ptr(), T, n_heads, n_kv, D, cos.data_ptr(), sin.data_ptr(),
+    rc = (_lib or library()).rows_rope_attention(qkv.data_ptr(), T, n_heads, n_kv, D, cos.data_ptr(), sin.data_ptr(),
                                   slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0),
                                   max_len, S, None if mask is None else mask.data_ptr(),
                                   0 if mask is None else mask.stride(0), out.data_ptr(), torch.get_num_threads())

@@ -71,7 +71,7 @@ static void run(const float* x, int64_t n, const float* p, int64_t out, int64_t 
 
 extern "C" {
 
-int rows_gemm_abi() { return 4; }
+int rows_gemm_abi() { return 6; }
 
 // pack w [out, in] (row-major) into panels of nb outputs: [ceil(out/nb)][in][nb], zero-padded
 void rows_gemm_pack(const float* w, int64_t out, int64_t in, int64_t nb, float* p) {
@@ -204,63 +204,123 @@ int rows_rope_attention(const float* qkv, int64_t T, int64_t Hq, int64_t Hkv, in
     return rows_attention(qr.data(), Hq * D, T, Hq, Hkv, D, kc, vc, kv_head, S, mask, mask_row, out, nthreads);
 }
 
+}  // extern "C"
+
+// The G query heads that share one kv head, for one row: every key and value row is read once for all G (the
+// cache lives in L2, whose bandwidth is what attention on a CPU runs into).
+template <int G>
+static void attend_group(const float* const* qs, const float* kh, const float* vh, int64_t D, const int32_t* idx,
+                         int64_t m, float scale, float* sc, float* const* outs) {
+    const int64_t nv = (D + 15) / 16;
+    __m512 qr[G][16];
+    for (int q = 0; q < G; ++q)
+        for (int64_t j = 0; j < nv; ++j) qr[q][j] = _mm512_maskz_loadu_ps(tail_mask(D - j * 16), qs[q] + j * 16);
+    // scores, 4 keys at a time: each key's 16 partial sums are reduced by the same tree wherever it sits in the
+    // group of 4 (missing keys of the last group are zeros), so a score never depends on its neighbours
+    for (int64_t i = 0; i < m; i += 4) {
+        __m256 part[G][4];
+        for (int u = 0; u < 4; ++u) {
+            if (i + u < m) {
+                const float* ks = kh + (int64_t)idx[i + u] * D;
+                __m512 kv[16];
+                for (int64_t j = 0; j < nv; ++j) kv[j] = _mm512_maskz_loadu_ps(tail_mask(D - j * 16), ks + j * 16);
+                for (int q = 0; q < G; ++q) {
+                    __m512 acc = _mm512_mul_ps(qr[q][0], kv[0]);
+                    for (int64_t j = 1; j < nv; ++j) acc = _mm512_fmadd_ps(qr[q][j], kv[j], acc);
+                    part[q][u] = _mm256_add_ps(_mm512_castps512_ps256(acc), _mm512_extractf32x8_ps(acc, 1));
+                }
+            } else {
+                for (int q = 0; q < G; ++q) part[q][u] = _mm256_setzero_ps();
+            }
+        }
+        __mmask8 st = (__mmask8)(m - i >= 4 ? 0xF : (1u << (m - i)) - 1u);
+        for (int q = 0; q < G; ++q) {
+            __m256 ab = _mm256_hadd_ps(part[q][0], part[q][1]), cd = _mm256_hadd_ps(part[q][2], part[q][3]);
+            __m256 abcd = _mm256_hadd_ps(ab, cd);
+            __m128 r4 = _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1)),
+                                   _mm_set1_ps(scale));
+            _mm_mask_storeu_ps(sc + q * m + i, st, r4);
+        }
+    }
+    for (int q = 0; q < G; ++q) {
+        float* sq = sc + q * m;
+        __m512 mx16 = _mm512_set1_ps(-INFINITY);
+        for (int64_t i = 0; i < m; i += 16)
+            mx16 = _mm512_mask_max_ps(mx16, tail_mask(m - i), mx16, _mm512_maskz_loadu_ps(tail_mask(m - i), sq + i));
+        __m512 mxv = _mm512_set1_ps(_mm512_reduce_max_ps(mx16));   // a max is exact in any order
+        for (int64_t i = 0; i < m; i += 16) {
+            __mmask16 mm = tail_mask(m - i);
+            _mm512_mask_storeu_ps(sq + i, mm, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mm, sq + i), mxv)));
+        }
+    }
+    // weighted sum of the values over the visible keys in slot order; the denominator in 4 partial sums by visible
+    // index (i % 4), fixed by the key sequence alone
+    float ps[G][4];
+    __m512 acc[G][16];
+    for (int q = 0; q < G; ++q) {
+        ps[q][0] = ps[q][1] = ps[q][2] = ps[q][3] = 0.0f;
+        for (int64_t j = 0; j < nv; ++j) acc[q][j] = _mm512_setzero_ps();
+    }
+    for (int64_t i = 0; i < m; ++i) {
+        const float* vs = vh + (int64_t)idx[i] * D;
+        __m512 vv[16];
+        for (int64_t j = 0; j < nv; ++j) vv[j] = _mm512_maskz_loadu_ps(tail_mask(D - j * 16), vs + j * 16);
+        for (int q = 0; q < G; ++q) {
+            float p = sc[q * m + i];
+            ps[q][i & 3] += p;
+            __m512 pv = _mm512_set1_ps(p);
+            for (int64_t j = 0; j < nv; ++j) acc[q][j] = _mm512_fmadd_ps(pv, vv[j], acc[q][j]);
+        }
+    }
+    for (int q = 0; q < G; ++q) {
+        __m512 inv = _mm512_set1_ps(1.0f / ((ps[q][0] + ps[q][1]) + (ps[q][2] + ps[q][3])));
+        for (int64_t j = 0; j < nv; ++j)
+            _mm512_mask_storeu_ps(outs[q] + j * 16, tail_mask(D - j * 16), _mm512_mul_ps(acc[q][j], inv));
+    }
+}
+
+typedef void (*group_fn)(const float* const*, const float*, const float*, int64_t, const int32_t*, int64_t, float,
+                         float*, float* const*);
+
+extern "C" {
+
 int rows_attention(const float* q, int64_t q_row, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, const float* k,
                    const float* v, int64_t kv_head, int64_t S, const uint8_t* mask, int64_t mask_row, float* out,
                    int nthreads) {
     if (D > 256 || Hq % Hkv) return -1;
+    const int64_t G = Hq / Hkv;
+    // groups of up to 4 heads per pass (registers); larger groups take several passes
+    const int64_t gb = G % 4 == 0 ? 4 : G % 3 == 0 ? 3 : G % 2 == 0 ? 2 : 1;
+    static const group_fn fns[5] = {nullptr, attend_group<1>, attend_group<2>, attend_group<3>, attend_group<4>};
     const float scale = 1.0f / sqrtf((float)D);
-    const int64_t group = Hq / Hkv, nv = (D + 15) / 16;
-    #pragma omp parallel num_threads(nthreads) if (nthreads > 1 && T * Hq > 1)
+    const int64_t items = T * Hkv * (G / gb);
+    #pragma omp parallel num_threads(nthreads) if (nthreads > 1 && items > 1)
     {
-        std::vector<float> sc(S > 0 ? S : 1);
+        std::vector<float> sc((size_t)(gb * (S > 0 ? S : 1)));
         std::vector<int32_t> idx(S > 0 ? S : 1);
+        int64_t cur_t = -1, m = 0;
         #pragma omp for schedule(static)
-        for (int64_t th = 0; th < T * Hq; ++th) {
-            int64_t t = th / Hq, h = th % Hq, g = h / group;
-            const float* qv = q + t * q_row + h * D;
-            const float* kh = k + g * kv_head;
-            const float* vh = v + g * kv_head;
-            const uint8_t* mr = mask ? mask + t * mask_row : nullptr;
-            __m512 qr[16];
-            for (int64_t j = 0; j < nv; ++j) qr[j] = _mm512_maskz_loadu_ps(tail_mask(D - j * 16), qv + j * 16);
-            int64_t m = 0;
-            float mx = -INFINITY;
-            for (int64_t s = 0; s < S; ++s) {
-                if (mr && !mr[s]) continue;
-                const float* ks = kh + s * D;
-                __m512 acc = _mm512_mul_ps(qr[0], _mm512_maskz_loadu_ps(tail_mask(D), ks));
-                for (int64_t j = 1; j < nv; ++j)
-                    acc = _mm512_fmadd_ps(qr[j], _mm512_maskz_loadu_ps(tail_mask(D - j * 16), ks + j * 16), acc);
-                float x = hsum(acc) * scale;
-                sc[m] = x;
-                idx[m++] = (int32_t)s;
-                mx = x > mx ? x : mx;
+        for (int64_t it = 0; it < items; ++it) {
+            int64_t t = it / (Hkv * (G / gb)), rest = it % (Hkv * (G / gb));
+            int64_t g = rest / (G / gb), h0 = g * G + (rest % (G / gb)) * gb;
+            if (t != cur_t) {   // the visible slots of row t, in order
+                const uint8_t* mr = mask ? mask + t * mask_row : nullptr;
+                m = 0;
+                for (int64_t s = 0; s < S; ++s)
+                    if (!mr || mr[s]) idx[m++] = (int32_t)s;
+                cur_t = t;
             }
-            float* o = out + t * Hq * D + h * D;
-            if (m == 0) {  // no visible key: zeros (SDPA would give NaN; callers never ask for this)
-                for (int64_t j = 0; j < D; ++j) o[j] = 0.0f;
+            const float* qs[4];
+            float* outs[4];
+            for (int64_t u = 0; u < gb; ++u) {
+                qs[u] = q + t * q_row + (h0 + u) * D;
+                outs[u] = out + t * Hq * D + (h0 + u) * D;
+            }
+            if (m == 0) {   // no visible key: zeros (SDPA would give NaN; callers never ask for this)
+                for (int64_t u = 0; u < gb; ++u) memset(outs[u], 0, D * sizeof(float));
                 continue;
             }
-            __m512 mxv = _mm512_set1_ps(mx);
-            for (int64_t i = 0; i < m; i += 16) {
-                __mmask16 mm = tail_mask(m - i);
-                __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mm, &sc[i]), mxv));
-                _mm512_mask_storeu_ps(&sc[i], mm, e);
-            }
-            float sum = 0.0f;
-            __m512 acc[16];
-            for (int64_t j = 0; j < nv; ++j) acc[j] = _mm512_setzero_ps();
-            for (int64_t i = 0; i < m; ++i) {   // in slot order
-                float p = sc[i];
-                sum += p;
-                __m512 pv = _mm512_set1_ps(p);
-                const float* vs = vh + (int64_t)idx[i] * D;
-                for (int64_t j = 0; j < nv; ++j)
-                    acc[j] = _mm512_fmadd_ps(pv, _mm512_maskz_loadu_ps(tail_mask(D - j * 16), vs + j * 16), acc[j]);
-            }
-            __m512 inv = _mm512_set1_ps(1.0f / sum);
-            for (int64_t j = 0; j < nv; ++j)
-                _mm512_mask_storeu_ps(o + j * 16, tail_mask(D - j * 16), _mm512_mul_ps(acc[j], inv));
+            fns[gb](qs, k + g * kv_head, v + g * kv_head, D, idx.data(), m, scale, sc.data(), outs);
         }
     }
     return 0;

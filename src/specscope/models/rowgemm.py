@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "rows_gemm.cpp"
-ABI = 6
+ABI = 7
 FLAGS = ["-O3", "-mavx512f", "-mavx512dq", "-mavx512vl", "-fopenmp", "-fPIC", "-shared"]
 VARIANTS = {32: (6, 12), 64: (4, 6)}       # panel width -> register tiles (rows) the library implements
 TUNE_ROWS = (1, 2, 4, 8, 12, 16, 24, 32, 64)

@@ -27,6 +27,8 @@ static inline void tile(const float* __restrict x, int64_t in, const float* __re
     }
     for (int64_t k = 0; k < in; ++k) {
         const float* pk = p + k * (V * 16);
+        // 4 KB ahead into L1: the hardware prefetcher alone leaves the FMAs waiting once n >= 4 (n = 8: -12 %)
+        for (int v = 0; v < V; ++v) _mm_prefetch((const char*)(pk + 1024 + v * 16), _MM_HINT_T0);
         __m512 wv[V];
         for (int v = 0; v < V; ++v) wv[v] = _mm512_loadu_ps(pk + v * 16);
         for (int r = 0; r < RB; ++r) {
@@ -71,7 +73,7 @@ static void run(const float* x, int64_t n, const float* p, int64_t out, int64_t 
 
 extern "C" {
 
-int rows_gemm_abi() { return 6; }
+int rows_gemm_abi() { return 7; }
 
 // pack w [out, in] (row-major) into panels of nb outputs: [ceil(out/nb)][in][nb], zero-padded
 void rows_gemm_pack(const float* w, int64_t out, int64_t in, int64_t nb, float* p) {

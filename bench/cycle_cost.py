@@ -373,7 +373,8 @@ def main(argv=None):
 
     res = {"what": what, "device": str(device), "dtype": str(dtype).replace("torch.", ""), "threads": args.threads,
            "context": context, "rounds": rounds, "torch": torch.__version__,
-           "linear_kernel": {"rowgemm_available": rowgemm.available(), "columns": cols},
+           "linear_kernel": {"rowgemm_available": rowgemm.available() if device.type == "cpu" else None,
+                             "columns": cols},
            "memory_floor": {"bytes_per_step": step_bytes, "gb_per_s": bw, "floor_ms": round(floor_ms, 3)},
            "columns": {c: {"decode_ms": round(times[c]["decode"], 3),
                            "floor_fraction": round(floor_ms / times[c]["decode"], 3),

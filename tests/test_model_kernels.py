@@ -173,7 +173,7 @@ def test_builds_into_the_cache_dir_on_first_use(tmp_path, monkeypatch, fresh_lib
 def test_without_a_compiler_it_warns_once_and_uses_the_stock_path(tmp_path, monkeypatch, capsys, fresh_library):
     monkeypatch.setenv("SPECSCOPE_CACHE", str(tmp_path))
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
-    monkeypatch.setattr(rowgemm, "cpu_flags", lambda: {"avx512f"})
+    monkeypatch.setattr(rowgemm, "cpu_flags", lambda: set(rowgemm.NEEDS))
     monkeypatch.setattr(rowgemm.platform, "machine", lambda: "x86_64")
     lin = nn.Linear(32, 48)
     m = nn.Sequential(lin, nn.ReLU(), nn.Linear(48, 16))
@@ -200,7 +200,7 @@ def test_a_failing_build_falls_back(tmp_path, monkeypatch, capsys, fresh_library
     fake.chmod(0o755)
     monkeypatch.setenv("SPECSCOPE_CACHE", str(tmp_path))
     monkeypatch.setenv("CXX", str(fake))
-    monkeypatch.setattr(rowgemm, "cpu_flags", lambda: {"avx512f"})
+    monkeypatch.setattr(rowgemm, "cpu_flags", lambda: set(rowgemm.NEEDS))
     monkeypatch.setattr(rowgemm.platform, "machine", lambda: "x86_64")
     assert rowgemm.library() is None
     err = capsys.readouterr().err
@@ -244,3 +244,10 @@ def test_a_slot_past_the_cache_is_refused_before_writing():
     assert not kc.any() and not vc.any()
     y = rowgemm.rope_attention(qkv, 4, 2, cs, 0 * cs, torch.tensor([6, 7]), kc, vc, 8, None)
     assert y.shape == (2, 64) and torch.equal(kc[:, 6:8], qkv[:, 64:96].view(2, 2, 16).transpose(0, 1))
+
+
+def test_a_cpu_without_avx512_falls_back_with_one_warning(monkeypatch, capsys, fresh_library):
+    monkeypatch.setattr(rowgemm, "cpu_flags", lambda: {"avx2", "fma"})
+    assert PackedLinear(nn.Linear(8, 8)).kernel == "onednn" and PackedLinear(nn.Linear(8, 4)).kernel == "onednn"
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "AVX-512" in err[0]

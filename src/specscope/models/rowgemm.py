@@ -34,6 +34,7 @@ import torch
 SOURCE = Path(__file__).resolve().parent / "csrc" / "rows_gemm.cpp"
 ABI = 7
 FLAGS = ["-O3", "-mavx512f", "-mavx512dq", "-mavx512vl", "-fopenmp", "-fPIC", "-shared"]
+NEEDS = {"avx512f", "avx512dq", "avx512vl"}   # Skylake-SP / Zen 4 and later
 VARIANTS = {32: (6, 12), 64: (4, 6)}       # panel width -> register tiles (rows) the library implements
 TUNE_ROWS = (1, 2, 4, 8, 12, 16, 24, 32, 64)
 _lock = threading.Lock()
@@ -102,7 +103,7 @@ def library():
         _lib_state = "unavailable"
         if os.environ.get("SPECSCOPE_KERNELS", "1") == "0":
             return None   # explicitly off: no warning
-        if platform.machine() not in ("x86_64", "AMD64") or "avx512f" not in cpu_flags():
+        if platform.machine() not in ("x86_64", "AMD64") or not NEEDS <= cpu_flags():
             _warn("this CPU has no AVX-512, so the row-invariant linear kernel is not used")
             return None
         cxx = _compiler()

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "rows_gemm.cpp"
-ABI = 7
+ABI = 8
 FLAGS = ["-O3", "-mavx512f", "-mavx512dq", "-mavx512vl", "-fopenmp", "-fPIC", "-shared"]
 NEEDS = {"avx512f", "avx512dq", "avx512vl"}   # Skylake-SP / Zen 4 and later
 VARIANTS = {32: (6, 12), 64: (4, 6)}       # panel width -> register tiles (rows) the library implements
@@ -132,6 +132,8 @@ def library():
         lib.rows_rmsnorm.restype = None
         lib.rows_rmsnorm.argtypes = [P, P, I64, I64, P, ctypes.c_float, P, P]
         lib.rows_attention.restype = ctypes.c_int
+        lib.rows_silu_mul.restype = None
+        lib.rows_silu_mul.argtypes = [P, I64, I64, P]
         lib.rows_rope_attention.restype = ctypes.c_int
         lib.rows_rope_attention.argtypes = [P, I64, I64, I64, I64, P, P, P, P, P, I64, I64, I64, P, I64, P,
                                                 ctypes.c_int]
@@ -186,6 +188,13 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Tens
     (_lib or library()).rows_rmsnorm(x.data_ptr(), None if delta is None else delta.data_ptr(), n, d, weight.data_ptr(), eps,
                       None if h is None else h.data_ptr(), y.data_ptr())
     return y if delta is None else (h, y)
+
+
+def silu_mul(gu: torch.Tensor, inter: int) -> torch.Tensor:
+    """silu(gate) * up from the fused [..., 2 * inter] gate/up output (fp32, contiguous) -> [..., inter]."""
+    out = torch.empty(*gu.shape[:-1], inter, dtype=torch.float32)
+    (_lib or library()).rows_silu_mul(gu.data_ptr(), gu.numel() // (2 * inter), inter, out.data_ptr())
+    return out
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, S: int, mask: torch.Tensor | None) -> torch.Tensor:

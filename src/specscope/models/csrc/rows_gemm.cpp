@@ -73,7 +73,7 @@ static void run(const float* x, int64_t n, const float* p, int64_t out, int64_t 
 
 extern "C" {
 
-int rows_gemm_abi() { return 7; }
+int rows_gemm_abi() { return 8; }
 
 // pack w [out, in] (row-major) into panels of nb outputs: [ceil(out/nb)][in][nb], zero-padded
 void rows_gemm_pack(const float* w, int64_t out, int64_t in, int64_t nb, float* p) {
@@ -159,6 +159,22 @@ void rows_rmsnorm(const float* x, const float* delta, int64_t n, int64_t d, cons
             __mmask16 m = tail_mask(d - k);
             __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, src + k), inv);
             _mm512_mask_storeu_ps(y + r * d + k, m, _mm512_mul_ps(v, _mm512_maskz_loadu_ps(m, w + k)));
+        }
+    }
+}
+
+// out[r] = silu(gu[r, :inter]) * gu[r, inter:], the gated MLP's activation from the fused gate/up projection
+void rows_silu_mul(const float* gu, int64_t n, int64_t inter, float* out) {
+    const __m512 one = _mm512_set1_ps(1.0f);
+    for (int64_t r = 0; r < n; ++r) {
+        const float* g = gu + r * 2 * inter;
+        const float* u = g + inter;
+        for (int64_t k = 0; k < inter; k += 16) {
+            __mmask16 m = tail_mask(inter - k);
+            __m512 gv = _mm512_maskz_loadu_ps(m, g + k);
+            __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv));     // exp(-g); +inf for g < -88: silu -> 0
+            __m512 s = _mm512_div_ps(gv, _mm512_add_ps(one, e));
+            _mm512_mask_storeu_ps(out + r * inter + k, m, _mm512_mul_ps(s, _mm512_maskz_loadu_ps(m, u + k)));
         }
     }
 }

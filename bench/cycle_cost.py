@@ -308,7 +308,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
-        sys.exit("error: --device cuda but this torch build cannot use CUDA; run on the GPU machine or use --device cpu")
+        sys.exit("error: --device cuda but this torch build cannot use CUDA; run it on the GPU machine or use "
+                 "--device cpu")
     if device.type == "cuda" and not args.shape:
         sys.exit("error: --device cuda needs --shape (random weights; e.g. --shape llama-3.1-8b)")
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, None: None}[args.dtype]

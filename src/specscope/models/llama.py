@@ -88,10 +88,7 @@ class Attention(nn.Module):
         if fast:
             # the row-invariant kernel reads the cache in place and writes [T, heads * D], o_proj's layout
             cache.write(layer, slots, k, v)
-            q1 = q[0].transpose(0, 1)
-            if q1.stride(1) != self.head_dim or q1.stride(2) != 1:
-                q1 = q1.contiguous()
-            y = rowgemm.attention(q1, cache.k[layer, 0], cache.v[layer, 0], kv_len,
+            y = rowgemm.attention(q[0].transpose(0, 1), cache.k_rows[layer], cache.v_rows[layer], kv_len,
                                   None if mask is None else mask[0])
             return self.o_proj(y.view(B, T, self.q_size))
         if cache is not None:

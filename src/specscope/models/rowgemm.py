@@ -185,8 +185,8 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Tens
     n = x.numel() // d
     y = torch.empty_like(x)
     h = torch.empty_like(x) if delta is not None else None
-    (_lib or library()).rows_rmsnorm(x.data_ptr(), None if delta is None else delta.data_ptr(), n, d, weight.data_ptr(), eps,
-                      None if h is None else h.data_ptr(), y.data_ptr())
+    (_lib or library()).rows_rmsnorm(x.data_ptr(), None if delta is None else delta.data_ptr(), n, d,
+                                     weight.data_ptr(), eps, None if h is None else h.data_ptr(), y.data_ptr())
     return y if delta is None else (h, y)
 
 
@@ -198,16 +198,24 @@ def silu_mul(gu: torch.Tensor, inter: int) -> torch.Tensor:
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, S: int, mask: torch.Tensor | None) -> torch.Tensor:
-    """q: [T, Hq, D] (rows and heads may be strided, D contiguous); k, v: [Hkv, max_len, D] contiguous cache of one
-    sequence; slots 0..S-1 visible where mask [T, S] (bool) allows (None: all). Returns [T, Hq*D]."""
+    """q: [T, Hq, D] (rows may be strided; each row's heads contiguous); k, v: [Hkv, max_len, D] cache of one
+    sequence (slots and head_dim contiguous); slots 0..S-1 visible where mask [T, S] (bool) allows (None: all).
+    Returns [T, Hq*D]."""
     T, Hq, D = q.shape
     Hkv = k.shape[0]
+    if q.stride(2) != 1 or q.stride(1) != D:
+        q = q.contiguous()
+    for t in (k, v):
+        if t.stride(2) != 1 or t.stride(1) != D or t.stride(0) != k.stride(0):
+            raise ValueError(f"attention: k and v must be [heads, slots, {D}] with contiguous slots; got strides "
+                             f"{tuple(t.stride())}")
     out = torch.empty(T, Hq * D, dtype=torch.float32)
     if mask is not None:
         mask = mask.contiguous()
-    rc = (_lib or library()).rows_attention(q.data_ptr(), q.stride(0), T, Hq, Hkv, D, k.data_ptr(), v.data_ptr(), k.stride(0), S,
-                             None if mask is None else mask.data_ptr(), 0 if mask is None else mask.stride(0),
-                             out.data_ptr(), torch.get_num_threads())
+    rc = (_lib or library()).rows_attention(q.data_ptr(), q.stride(0), T, Hq, Hkv, D, k.data_ptr(), v.data_ptr(),
+                                            k.stride(0), S, None if mask is None else mask.data_ptr(),
+                                            0 if mask is None else mask.stride(0), out.data_ptr(),
+                                            torch.get_num_threads())
     if rc != 0:
         raise RuntimeError(f"rows_attention: unsupported shape (heads {Hq}/{Hkv}, head_dim {D})")
     return out

@@ -33,7 +33,8 @@ def can_pack(weight: torch.Tensor) -> bool:
 
 
 class PackedLinear(nn.Module):
-    """Inference-only replacement for nn.Linear on CPU: y = x W^T + b with W in oneDNN's blocked layout.
+    """Inference-only replacement for nn.Linear on CPU: y = x W^T + b with W pre-packed, in our kernel's column
+    panels (`kernel` == "rowgemm") or oneDNN's blocked layout ("onednn").
 
     `keep_dense=False` drops the plain weight (no second copy in memory); `.weight` then unpacks on demand
     (a copy: read it, do not train it). `keep_dense=True` keeps the original Parameter (needed when it is

@@ -2,7 +2,8 @@
 
 Runs SmolLM2's 121 weight matrices back to back (538 MB fp32: caches stay cold, as in a real forward) through a
 [rows, in] activation with each candidate: `F.linear` on the [out, in] weight (MKL), `x @ W^T` on a transposed
-[in, out] copy (MKL), and oneDNN with the weight reordered once (`mkldnn._reorder_linear_weight`). Rows 1 =
+[in, out] copy (MKL), oneDNN with the weight reordered once (`mkldnn._reorder_linear_weight`) and, where it
+builds, our row-invariant kernel (models/rowgemm.py, fp32, with this machine's tuned plan per shape). Rows 1 =
 decode, 2-64 = speculative verify. Rounds are interleaved and the minimum kept, so a shared, noisy machine
 hurts every kernel alike. Writes bench/results/linear_kernels.json.
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -21,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
 # SmolLM2-135M: qkv, o, gate_up, down per layer x 30, then the tied lm_head
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]
 
@@ -36,6 +39,15 @@ def measure(dtype: torch.dtype, rows: list[int], rounds: int) -> dict:
                                     for p in Ps]
     except (RuntimeError, AttributeError) as e:
         print(f"oneDNN packing unavailable for {dtype}: {e}")
+    from specscope.models import rowgemm
+
+    if dtype == torch.float32 and rowgemm.available():
+        plans = {(o, i): rowgemm.tuned_plan(o, i) for o, i in set(SHAPES)}
+        Rs = [rowgemm.pack(w, plans[(o, i)]["nb"]) for w, (o, i) in zip(Ws, SHAPES)]
+        kernels["rowgemm (ours)"] = [
+            (lambda x, p=p, o=o, i=i: rowgemm.gemm(x.view(-1, i), p, plans[(o, i)]["nb"], o, None,
+                                                   rowgemm.rb_for(plans[(o, i)], x.numel() // i)))
+            for p, (o, i) in zip(Rs, SHAPES)]
     nbytes = sum(w.numel() * w.element_size() for w in Ws)
     best = {(k, m): float("inf") for k in kernels for m in rows}
     for _ in range(rounds):

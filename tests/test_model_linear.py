@@ -1,4 +1,5 @@
-"""Pre-packed CPU linears (models/linear.py): same results as nn.Linear for every row count and dtype."""
+"""Pre-packed CPU linears (models/linear.py): same results as nn.Linear for every row count, dtype and kernel
+(our row-invariant one where it builds, oneDNN otherwise; tests/test_model_kernels.py has the kernel's own tests)."""
 
 import pytest
 import torch
@@ -16,12 +17,14 @@ needs_onednn = pytest.mark.skipif(not can_pack(torch.zeros(1, 1)), reason="oneDN
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("transposed", [False, True])
-def test_packed_linear_matches_f_linear(dtype, bias, transposed):
+@pytest.mark.parametrize("kernel", ["auto", "onednn"])
+def test_packed_linear_matches_f_linear(dtype, bias, transposed, kernel):
     if dtype == torch.bfloat16 and not can_pack(torch.zeros(1, 1, dtype=dtype)):
         pytest.skip("no bf16 oneDNN on this CPU")
     torch.manual_seed(0)
     lin = nn.Linear(96, 200, bias=bias).to(dtype)
-    pl = PackedLinear(lin, one_row_transposed=transposed)
+    pl = PackedLinear(lin, one_row_transposed=transposed, kernel=kernel)
+    assert pl.kernel == "onednn" or (kernel == "auto" and dtype == torch.float32)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     for shape in [(1, 1, 96), (1, 2, 96), (1, 5, 96), (2, 3, 96), (1, 64, 96), (96,)]:
         x = torch.randn(shape).to(dtype)

@@ -18,6 +18,7 @@ class KVCache:
         shape = (num_layers, batch, num_kv_heads, max_len, head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self._rows = (None, None, [], [])
         # position id held by each slot (-1 = empty); used for sliding-window masks
         self.pos = torch.full((batch, max_len), -1, dtype=torch.long, device=device)
         self.max_len = max_len
@@ -26,6 +27,20 @@ class KVCache:
     @classmethod
     def for_model(cls, cfg, max_len: int, batch: int = 1, device="cpu", dtype=torch.float32) -> "KVCache":
         return cls(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, max_len, batch, device, dtype)
+
+    def _row_views(self):
+        if self._rows[0] is not self.k or self._rows[1] is not self.v:   # (re)made whenever the storage changes
+            self._rows = (self.k, self.v, list(self.k[:, 0]), list(self.v[:, 0]))
+        return self._rows
+
+    @property
+    def k_rows(self) -> list[torch.Tensor]:
+        """Per-layer views of sequence 0, [kv_heads, max_len, head_dim] (what the CPU row kernels take)."""
+        return self._row_views()[2]
+
+    @property
+    def v_rows(self) -> list[torch.Tensor]:
+        return self._row_views()[3]
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """k, v: [B, Hkv, T, D] written at slots [B, T]."""

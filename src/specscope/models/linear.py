@@ -1,4 +1,8 @@
-"""CPU inference matmuls with weights pre-packed by oneDNN.
+"""CPU inference matmuls with pre-packed weights: our row-invariant kernel, else oneDNN.
+
+Where it builds (x86-64 with AVX-512 and a C++ compiler; models/rowgemm.py), fp32 linears use our kernel for
+every row count: each weight panel is streamed once for all rows (verify costs about one decode step) and every
+row count gives the same bits (decode and verify agree exactly). Elsewhere, and for bf16, the stock path below.
 
 Decode and verify on CPU are weight-streaming GEMV / skinny GEMM. Measured on the 2-core AMD EPYC (torch 2.13,
 MKL + oneDNN 3.12; see bench/results/linear_kernels.json): `F.linear` (MKL sgemm on the [out, in] weight)
@@ -15,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specscope.models import rowgemm
+
 
 def can_pack(weight: torch.Tensor) -> bool:
     if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
@@ -27,20 +33,32 @@ def can_pack(weight: torch.Tensor) -> bool:
 
 
 class PackedLinear(nn.Module):
-    """Inference-only replacement for nn.Linear on CPU: y = x W^T + b with W in oneDNN's blocked layout.
+    """Inference-only replacement for nn.Linear on CPU: y = x W^T + b with W pre-packed, in our kernel's column
+    panels (`kernel` == "rowgemm") or oneDNN's blocked layout ("onednn").
 
     `keep_dense=False` drops the plain weight (no second copy in memory); `.weight` then unpacks on demand
     (a copy: read it, do not train it). `keep_dense=True` keeps the original Parameter (needed when it is
     shared, e.g. lm_head tied to the embeddings).
     """
 
-    def __init__(self, lin: nn.Linear, keep_dense: bool = False, one_row_transposed: bool = False):
+    def __init__(self, lin: nn.Linear, keep_dense: bool = False, one_row_transposed: bool = False,
+                 kernel: str = "auto", tune: bool | None = None):
         super().__init__()
         self.in_features, self.out_features = lin.in_features, lin.out_features
         w = lin.weight.detach()
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
         self.bias = lin.bias
         self.dense = lin.weight if keep_dense else None
+        self.packed = self.wt = self.rg = None
+        self.kernel = "onednn"
+        if kernel in ("auto", "rowgemm") and rowgemm.supports(w):
+            self.kernel = "rowgemm"
+            plan = rowgemm.tuned_plan(self.out_features, self.in_features, tune)
+            self.nb = plan["nb"]
+            self.rg = rowgemm.pack(w, self.nb)
+            self.rbs = [0] + [rowgemm.rb_for(plan, n) for n in range(1, rowgemm.TUNE_ROWS[-1] + 1)]
+            self.rg_bias = None if self.bias is None else self.bias.detach().float().contiguous()
+            return
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
         # fp32, 1 row: MKL streaming a [in, out] copy beats both F.linear and oneDNN's packed GEMV
         self.wt = w.t().contiguous() if one_row_transposed else None
 
@@ -48,9 +66,20 @@ class PackedLinear(nn.Module):
     def weight(self) -> torch.Tensor:
         if self.dense is not None:
             return self.dense
+        if self.rg is not None:
+            return rowgemm.unpack(self.rg, self.nb, self.out_features, self.in_features)
         return self.wt.t() if self.wt is not None else self.packed.to_dense()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.rg is not None and x.dtype == torch.float32:
+            x2 = x.reshape(-1, self.in_features)
+            if not x2.is_contiguous():
+                x2 = x2.contiguous()
+            n = x2.shape[0]
+            y = rowgemm.gemm(x2, self.rg, self.nb, self.out_features, self.rg_bias, self.rbs[min(n, len(self.rbs) - 1)])
+            return y.view(*x.shape[:-1], self.out_features)
+        if self.rg is not None:
+            return F.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
         if self.wt is not None and x.numel() == self.in_features:
             y = torch.mm(x.view(1, -1), self.wt)
             if self.bias is not None:
@@ -59,20 +88,32 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"kernel={self.kernel}")
 
 
-def pack_linears(model: nn.Module, keep_dense: tuple[str, ...] = ("lm_head",), one_row: str = "auto") -> int:
+def pack_linears(model: nn.Module, keep_dense: tuple[str, ...] = ("lm_head",), one_row: str = "auto",
+                 kernel: str = "auto", tune: bool | None = None) -> int:
     """Swap every packable nn.Linear in `model` for a PackedLinear, in place; returns how many were swapped.
 
-    Names in `keep_dense` (module names, matched exactly) keep their dense weight as well. one_row: "auto"
-    (a transposed copy for 1-row calls in fp32, where it is faster), "packed" or "transposed"."""
-    n = 0
+    Names in `keep_dense` (module names, matched exactly) keep their dense weight as well. kernel: "auto" (our
+    row-invariant kernel where it builds, else oneDNN), "rowgemm" (same) or "onednn" (the stock path). one_row
+    (oneDNN path only): "auto" (a transposed copy for 1-row calls in fp32, where it is faster), "packed" or
+    "transposed". tune: measure the kernel's tiles for each new weight shape (default on, cached on disk)."""
+    if kernel not in ("auto", "rowgemm", "onednn"):
+        raise ValueError(f"unknown linear kernel {kernel!r}; use auto, rowgemm or onednn")
+    n, rows = 0, False
     for name, mod in list(model.named_modules()):
         for child_name, child in list(mod.named_children()):
             if type(child) is nn.Linear and can_pack(child.weight):
                 full = f"{name}.{child_name}" if name else child_name
                 tr = one_row == "transposed" or (one_row == "auto" and child.weight.dtype == torch.float32)
-                setattr(mod, child_name, PackedLinear(child, keep_dense=full in keep_dense, one_row_transposed=tr))
+                pl = PackedLinear(child, keep_dense=full in keep_dense, one_row_transposed=tr, kernel=kernel, tune=tune)
+                setattr(mod, child_name, pl)
                 n += 1
+                rows = rows or pl.kernel == "rowgemm"
+    if rows:   # norms and attention of this model take the row-invariant kernels too (models/llama.py)
+        for m in model.modules():
+            if hasattr(type(m), "row_kernels"):
+                m.row_kernels = True
     return n

@@ -9,23 +9,32 @@ q/k/v and gate/up are fused at load time: fewer, larger matmuls per layer (as gp
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from specscope.engine.kv_cache import KVCache
+from specscope.models import rowgemm
 from specscope.models.config import ModelConfig
 from specscope.models.rope import apply_rope, rope_table, rotate
 
 
 class RMSNorm(nn.Module):
+    row_kernels = False   # set by models.linear.pack_linears where the row-invariant CPU kernels are in use
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
+    def fast(self, x) -> bool:
+        return self.row_kernels and x.dtype == torch.float32 and x.is_contiguous() and x.device.type == "cpu"
+
     def forward(self, x):
+        if self.fast(x):
+            return rowgemm.rmsnorm(x, self.weight, self.eps)
         # normalised in float32 and cast back before the weight, as transformers' LlamaRMSNorm does; the fused
         # kernel replaces 7 small ops per call (per-op overhead is a visible share of a CPU decode step)
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
@@ -33,7 +42,18 @@ class RMSNorm(nn.Module):
         return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
 
 
+class RowInputs(NamedTuple):
+    """A forward's per-token inputs in the row kernels' layout, sliced once for all layers: cos/sin [T, D], slots
+    [T], mask [T, S] or None (one sequence)."""
+    cos: torch.Tensor
+    sin: torch.Tensor
+    slots: torch.Tensor
+    mask: torch.Tensor | None
+
+
 class Attention(nn.Module):
+    row_kernels = False   # see RMSNorm
+
     def __init__(self, cfg: ModelConfig, in_dim: int | None = None):
         super().__init__()
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -44,9 +64,18 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
-    def forward(self, x, cos, sin, layer: int, cache: KVCache | None, slots, mask, kv_len: int = 0):
+    def forward(self, x, cos, sin, layer: int, cache: KVCache | None, slots, mask, kv_len: int = 0,
+                rows: RowInputs | None = None):
         B, T, _ = x.shape
         nq, nqk = self.n_heads, self.n_heads + self.n_kv
+        fast = cache is not None and self.row_kernels and B == 1 and x.dtype == torch.float32 and x.device.type == "cpu"
+        if fast and self.q_norm is None:
+            # rotary embedding, cache write and attention in one row-invariant kernel call (models/rowgemm.py)
+            if rows is None:
+                rows = RowInputs(cos[0, 0], sin[0, 0], slots[0], None if mask is None else mask[0])
+            y = rowgemm.rope_attention(self.qkv_proj(x).view(T, -1), nq, self.n_kv, rows.cos, rows.sin, rows.slots,
+                                       cache.k_rows[layer], cache.v_rows[layer], kv_len, rows.mask)
+            return self.o_proj(y.view(B, T, self.q_size))
         qkv = self.qkv_proj(x).view(B, T, nqk + self.n_kv, self.head_dim)
         if self.q_norm is not None:
             q, k = apply_rope(self.q_norm(qkv[:, :, :nq]).transpose(1, 2),
@@ -56,6 +85,12 @@ class Attention(nn.Module):
             qk = rotate(qkv[:, :, :nqk], cos.transpose(1, 2), sin.transpose(1, 2))
             q, k = qk[:, :, :nq].transpose(1, 2), qk[:, :, nq:].transpose(1, 2)
         v = qkv[:, :, nqk:].transpose(1, 2)
+        if fast:
+            # the row-invariant kernel reads the cache in place and writes [T, heads * D], o_proj's layout
+            cache.write(layer, slots, k, v)
+            y = rowgemm.attention(q[0].transpose(0, 1), cache.k_rows[layer], cache.v_rows[layer], kv_len,
+                                  None if mask is None else mask[0])
+            return self.o_proj(y.view(B, T, self.q_size))
         if cache is not None:
             cache.write(layer, slots, k, v)
             k, v = cache.k[layer, :B, :, :kv_len], cache.v[layer, :B, :, :kv_len]
@@ -65,6 +100,8 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    row_kernels = False   # see RMSNorm
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.inter = cfg.intermediate_size
@@ -72,7 +109,10 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        gu = self.gate_up_proj(x)
+        if self.row_kernels and gu.dtype == torch.float32 and gu.is_contiguous() and gu.device.type == "cpu":
+            return self.down_proj(rowgemm.silu_mul(gu, self.inter))
+        gate, up = gu.split(self.inter, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -84,9 +124,15 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, h, cos, sin, layer, cache, slots, mask, kv_len=0):
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, layer, cache, slots, mask, kv_len)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, h, cos, sin, layer, cache, slots, mask, kv_len=0, rows: RowInputs | None = None):
+        a = self.self_attn(self.input_layernorm(h), cos, sin, layer, cache, slots, mask, kv_len, rows)
+        norm = self.post_attention_layernorm
+        if norm.fast(h) and a.is_contiguous():
+            h, x = rowgemm.rmsnorm(h, norm.weight, norm.eps, delta=a)   # residual add + norm in one pass
+        else:
+            h = h + a
+            x = norm(h)
+        return h + self.mlp(x)
 
 
 @dataclass
@@ -153,11 +199,15 @@ class Transformer(nn.Module):
         cos, sin = self.rope[0][position_ids], self.rope[1][position_ids]
         h = self.embed_tokens(input_ids)
         cos, sin = cos.to(h.dtype)[:, None], sin.to(h.dtype)[:, None]
+        rows = None
+        if cache is not None and B == 1 and self.layers and self.layers[0].self_attn.row_kernels:
+            rows = RowInputs(cos[0, 0], sin[0, 0], slots[0].contiguous(),
+                             None if mask is None else mask[0].contiguous())
         aux_set = {i: None for i in aux_layers}
         for i, layer in enumerate(self.layers):
             if i in aux_set:
                 aux_set[i] = h
-            h = layer(h, cos, sin, i, cache, slots, mask, kv_len)
+            h = layer(h, cos, sin, i, cache, slots, mask, kv_len, rows)
         if self.config.num_hidden_layers in aux_set:
             aux_set[self.config.num_hidden_layers] = h
         if logits_idx is not None:

@@ -91,6 +91,10 @@ def build_drafter(spec: str, target, dtype="auto", device=None) -> Drafter:
         d = load_drafter(path, target=target)
         d = d.to(device=target.device, dtype=target.dtype)
         validate_drafter(d, target)
+        if target.device.type == "cpu":   # inference only: the drafter's linears take the target's fast kernels
+            from specscope.models.linear import pack_linears
+
+            pack_linears(d, keep_dense=())
         return Eagle3TreeDrafter(d, target)
     from specscope.models.loader import load_model
 

@@ -58,11 +58,11 @@ class TreeDrafter(Drafter):
 
     # hooks -------------------------------------------------------------------------------------------------
     def _catch_up(self):
-        """Run the pending committed inputs; return (logits [Vd] at the last one, its state)."""
+        """Run the pending committed inputs; return (logits [Vd] at the last one, its state [H] or None)."""
         raise NotImplementedError
 
     def _expand(self, tokens, states, positions, slots, mask):
-        """Expand frontier nodes (target ids [K]) -> (logits [K, Vd], states [K, ...])."""
+        """Expand frontier nodes (target ids [K], states [K, H] or None) -> (logits [K, Vd], states or None)."""
         raise NotImplementedError
 
     def _to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
@@ -73,78 +73,75 @@ class TreeDrafter(Drafter):
 
     # drafting ----------------------------------------------------------------------------------------------
     def propose(self, cfg, sampling, gen, profiler=None) -> DraftTree:
-        K, steps = cfg.topk, cfg.steps
+        """Candidates live in per-level tensors; a level's mask rows are its parents' rows plus one slot each
+        (no loop over nodes), and the frontier keeps its states as one tensor gathered by parent row."""
+        K, steps, dev = cfg.topk, cfg.steps, self.device
         budget = cfg.draft_tokens - 1
         sample_chain = (not sampling.greedy) and K == 1
         with _phase(profiler, "draft.step0"):
             logits, state = self._catch_up()
-        cand_tok, cand_par, cand_score, cand_depth, cand_q = [], [], [], [], []
-        # frontier: (candidate index, token, score, state, expansion slot row of its parent or None)
         logp = torch.log_softmax(logits.float(), -1)
+        cand_q = []
         if sample_chain:
             q = probs_from_logits(logits, sampling)
-            d = torch.multinomial(q, 1, generator=gen)
-            top_s, top_i = logp[d], d
+            top_i = torch.multinomial(q, 1, generator=gen)
+            top_s = logp[top_i]
             cand_q.append(self._target_dist(q))
         else:
             top_s, top_i = torch.topk(logp, min(K, logp.shape[-1]))
-        toks = self._to_target(top_i).tolist()
-        scores = top_s.tolist()
-        frontier = []
-        for t, s in zip(toks, scores):
-            cand_tok.append(t); cand_par.append(-1); cand_score.append(s); cand_depth.append(1)
-            frontier.append((len(cand_tok) - 1, t, s, state))
-        # rows of the drafter-cache mask seen by each expanded candidate (committed prefix + ancestors + self)
-        base = self.committed
-        seen = {}
-        slot = base
+        f_tok = self._to_target(top_i)                 # frontier: target ids, scores, candidate ids, states
+        f_score = top_s
+        n_cand = f_tok.numel()
+        f_idx = torch.arange(n_cand, device=dev)
+        f_state = None if state is None else state[None].repeat(n_cand, *([1] * state.dim()))
+        f_prow = None                                  # each frontier node's parent row in the previous mask
+        toks, pars, scores, depths = [f_tok], [torch.full((n_cand,), -1, device=dev)], [f_score], [1] * n_cand
+        base = slot = self.committed
+        prev_mask = None
         for level in range(2, steps + 1):
             with _phase(profiler, f"draft.step{level - 1}"):
-                n = len(frontier)
-                S = slot + n
-                mask = torch.zeros(n, S, dtype=torch.bool, device=self.device)
-                mask[:, :base] = True
-                slots = torch.arange(slot, slot + n, device=self.device)
-                for j, (ci, _, _, _) in enumerate(frontier):
-                    par = cand_par[ci]
-                    if par in seen:
-                        mask[j, :seen[par].shape[0]] |= seen[par]
-                    mask[j, slot + j] = True
-                for j, (ci, _, _, _) in enumerate(frontier):
-                    seen[ci] = mask[j].clone()
-                tokens = torch.tensor([f[1] for f in frontier], device=self.device)
-                positions = self.root_pos + (level - 1) + self.pos_offset + torch.zeros(n, dtype=torch.long,
-                                                                                       device=self.device)
-                states = [f[3] for f in frontier]
-                logits, new_states = self._expand(tokens, states, positions, slots, mask)
+                n = f_idx.numel()
+                ar = torch.arange(n, device=dev)
+                # row j sees the committed prefix, its ancestors' expansion slots (= its parent's row) and itself
+                mask = torch.zeros(n, slot + n, dtype=torch.bool, device=dev)
+                if prev_mask is None:
+                    mask[:, :base] = True
+                else:
+                    mask[:, :prev_mask.shape[1]] = prev_mask[f_prow]
+                mask[ar, slot + ar] = True
+                positions = torch.full((n,), self.root_pos + level - 1 + self.pos_offset, device=dev)
+                logits, new_states = self._expand(f_tok, f_state, positions, slot + ar, mask)
                 slot += n
+                prev_mask = mask
                 logp = torch.log_softmax(logits.float(), -1)
-                nxt = []
                 if sample_chain:
                     q = probs_from_logits(logits[0], sampling)
                     d = torch.multinomial(q, 1, generator=gen)
-                    t = int(self._to_target(d))
-                    ci = frontier[0][0]
-                    cand_tok.append(t); cand_par.append(ci); cand_depth.append(level)
-                    cand_score.append(frontier[0][2] + float(torch.log(q[d].clamp_min(1e-30))))
+                    f_tok = self._to_target(d)
+                    f_score = f_score + torch.log(q[d].clamp_min(1e-30))
                     cand_q.append(self._target_dist(q))
-                    frontier = [(len(cand_tok) - 1, t, cand_score[-1], new_states[0])]
-                    continue
-                top_s, top_i = torch.topk(logp, min(K, logp.shape[-1]), dim=-1)   # [n, K]
-                cum = top_s + torch.tensor([f[2] for f in frontier], device=top_s.device)[:, None]
-                tok_t = self._to_target(top_i)
-                for j, (ci, _, _, _) in enumerate(frontier):
-                    for k in range(top_i.shape[1]):
-                        cand_tok.append(int(tok_t[j, k])); cand_par.append(ci)
-                        cand_score.append(float(cum[j, k])); cand_depth.append(level)
-                        nxt.append((len(cand_tok) - 1, int(tok_t[j, k]), float(cum[j, k]), new_states[j]))
-                nxt.sort(key=lambda f: -f[2])
-                frontier = nxt[:K]
+                    new_idx = torch.full((1,), n_cand, device=dev)
+                    f_prow = torch.zeros(1, dtype=torch.long, device=dev)
+                    toks.append(f_tok); pars.append(f_idx); scores.append(f_score); depths += [level]
+                    n_cand += 1
+                else:
+                    top_s, top_i = torch.topk(logp, min(K, logp.shape[-1]), dim=-1)   # [n, k]
+                    k = top_i.shape[1]
+                    cum = (top_s + f_score[:, None]).flatten()
+                    tok_t = self._to_target(top_i).flatten()
+                    toks.append(tok_t); pars.append(f_idx.repeat_interleave(k)); scores.append(cum)
+                    depths += [level] * (n * k)
+                    order = torch.argsort(-cum, stable=True)[:K]    # the best K go on (ties: first come)
+                    f_tok, f_score, f_prow = tok_t[order], cum[order], order // k
+                    new_idx = n_cand + order
+                    n_cand += n * k
+                f_idx = new_idx
+                f_state = None if new_states is None else new_states[f_prow]
         if self.cache is not None:
             self.cache.truncate(self.committed)   # speculative expansion entries are dropped
-        tree, kept = select_nodes(cand_tok, cand_par, cand_score, cand_depth, budget)
-        tree.tokens, tree.parents, tree.depth = (tree.tokens.to(self.device), tree.parents.to(self.device),
-                                                 tree.depth.to(self.device))
+        tree, kept = select_nodes(torch.cat(toks).tolist(), torch.cat(pars).tolist(), torch.cat(scores).tolist(),
+                                  depths, budget)
+        tree.tokens, tree.parents, tree.depth = (tree.tokens.to(dev), tree.parents.to(dev), tree.depth.to(dev))
         if sample_chain:
             tree.q = torch.stack([cand_q[i] for i in kept]) if kept else None
         return tree
@@ -174,16 +171,15 @@ class Eagle3TreeDrafter(TreeDrafter):
         emb = self.target.embed_tokens(self.pending_tokens)
         hid = self.model.fuse(self.pending_aux)
         pos = torch.arange(self.committed, self.committed + m, device=self.device)[None]
-        logits, h = self.model(emb, hid, pos, self.cache, pos)
+        logits, h = self.model(emb, hid, pos, self.cache, pos, logits_idx=[m - 1])   # the head for one row only
         self.committed += m
         self.cache.length = self.committed
         return logits[0, -1], h[0, -1]
 
     def _expand(self, tokens, states, positions, slots, mask):
         emb = self.target.embed_tokens(tokens)[None]
-        hid = torch.stack(states)[None]
-        logits, h = self.model(emb, hid, positions[None], self.cache, slots[None], mask[None])
-        return logits[0], list(h[0])
+        logits, h = self.model(emb, states[None], positions[None], self.cache, slots[None], mask[None])
+        return logits[0], h[0]
 
     def _to_target(self, draft_ids):
         return self.model.draft_to_target(draft_ids)
@@ -250,7 +246,7 @@ class DraftModelDrafter(TreeDrafter):
 
     def _expand(self, tokens, states, positions, slots, mask):
         out = self.model(tokens[None], positions[None], self.cache, slots[None], mask[None])
-        return self._fit(out.logits[0]), [None] * tokens.shape[0]
+        return self._fit(out.logits[0]), None
 
     def commit(self, rows, verify_out, new_tokens):
         self.pending = torch.tensor([new_tokens], device=self.device)

@@ -119,13 +119,14 @@ class Eagle3Drafter(nn.Module):
             self.rope = self._rope_table(size).to(self.device)
         return self.rope
 
+    # from the norm, not fc: a packed fc (models/linear.py) would unpack its weight to answer
     @property
     def device(self):
-        return self.fc.weight.device
+        return self.norm.weight.device
 
     @property
     def dtype(self):
-        return self.fc.weight.dtype
+        return self.norm.weight.dtype
 
     @property
     def aux_layers(self) -> tuple[int, ...]:
@@ -155,8 +156,9 @@ class Eagle3Drafter(nn.Module):
         return draft_ids + self.d2t[draft_ids]
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,
-                cache: KVCache | None = None, slots=None, mask=None, compute_logits: bool = True):
-        """embeds, hidden: [B, T, H]. Returns (draft-vocab logits [B, T, Vd] or None, next hidden [B, T, H])."""
+                cache: KVCache | None = None, slots=None, mask=None, compute_logits: bool = True, logits_idx=None):
+        """embeds, hidden: [B, T, H]. Returns (draft-vocab logits [B, T, Vd] or None, next hidden [B, T, H]).
+        logits_idx: positions along T whose logits to compute (None = all)."""
         kv_len = 0
         if cache is not None:
             if slots is None:
@@ -182,5 +184,7 @@ class Eagle3Drafter(nn.Module):
         sin = rope[1][position_ids].to(hidden.dtype)[:, None]
         h = self.midlayer(embeds.to(self.dtype), hidden, cos, sin, cache, slots, mask, kv_len)
         hn = self.norm(h)
-        logits = self.lm_head(hn) if compute_logits else None
+        logits = None
+        if compute_logits:
+            logits = self.lm_head(hn if logits_idx is None else hn[:, logits_idx])
         return logits, (hn if self.config.norm_output else h)

@@ -1,0 +1,360 @@
+"""The row-invariant AVX-512 GEMM of models/csrc/rows_gemm.cpp: build once, load with ctypes, tune, call.
+
+Why a kernel of our own (bench/results/cycle_cost.json has the evidence): stock CPU kernels re-read the weights
+per row block, so verifying 8 draft tokens cost 1.4x a 1-token decode step; this one streams each weight panel
+once for all rows (T(8)/T(1) near 1) and gives every row count the same bits (one FMA chain per output, in k
+order), so a 1-row decode and an n-row verify agree exactly and greedy speculation stays lossless by construction.
+
+Build: at first use, `g++ -O3 -mavx512f -fopenmp` (no torch headers, ~1 s) into the specscope cache dir, keyed by
+a hash of the source and the compiler; an unusable build (no compiler, no AVX-512, SPECSCOPE_KERNELS=0) leaves
+`library()` None with one warning line, and models/linear.py falls back to the stock oneDNN path.
+
+Tuning: the panel width (per weight shape) and the register tile (per row count) only change speed, never the
+result; `tuned_plan` measures them once per shape on this machine (cold weights, as in a real forward) and keeps
+the choice in a JSON file named by a machine fingerprint; a corrupt or stale file is re-measured.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).resolve().parent / "csrc" / "rows_gemm.cpp"
+ABI = 8
+FLAGS = ["-O3", "-mavx512f", "-mavx512dq", "-mavx512vl", "-fopenmp", "-fPIC", "-shared"]
+NEEDS = {"avx512f", "avx512dq", "avx512vl"}   # Skylake-SP / Zen 4 and later
+VARIANTS = {32: (6, 12), 64: (4, 6)}       # panel width -> register tiles (rows) the library implements
+TUNE_ROWS = (1, 2, 4, 8, 12, 16, 24, 32, 64)
+_lock = threading.Lock()
+_lib = None
+_lib_state = "unloaded"                   # unloaded | loaded | unavailable
+_warned = False
+
+
+def kernels_dir() -> Path:
+    from specscope.models.hub import cache_dir
+
+    return cache_dir() / "kernels"
+
+
+def _warn(msg: str):
+    global _warned
+    if not _warned:
+        _warned = True
+        print(f"warning: {msg}; using the stock oneDNN linears (slower verify)", file=sys.stderr)
+
+
+def cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _compiler() -> str | None:
+    cxx = os.environ.get("CXX") or "g++"
+    return shutil.which(cxx)
+
+
+def _compiler_id(cxx: str) -> str:
+    try:
+        return subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout.split("\n")[0]
+    except (OSError, subprocess.SubprocessError):
+        return cxx
+
+
+def _build(cxx: str, target: Path):
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        r = subprocess.run([cxx, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=300)
+        if r.returncode != 0:
+            raise RuntimeError(f"{cxx} failed: {(r.stderr or r.stdout).strip().splitlines()[-1:]}")
+        os.replace(tmp, target)   # atomic: concurrent processes never load a half-written library
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def library():
+    """The loaded ctypes library, or None when this machine cannot build/run it (warned once)."""
+    global _lib, _lib_state
+    if _lib_state != "unloaded":
+        return _lib
+    with _lock:
+        if _lib_state != "unloaded":
+            return _lib
+        _lib_state = "unavailable"
+        if os.environ.get("SPECSCOPE_KERNELS", "1") == "0":
+            return None   # explicitly off: no warning
+        if platform.machine() not in ("x86_64", "AMD64") or not NEEDS <= cpu_flags():
+            _warn("this CPU has no AVX-512, so the row-invariant linear kernel is not used")
+            return None
+        cxx = _compiler()
+        if cxx is None:
+            _warn("no C++ compiler (g++, or $CXX) found to build the row-invariant linear kernel")
+            return None
+        src = SOURCE.read_bytes()
+        key = hashlib.sha256(src + " ".join(FLAGS).encode() + _compiler_id(cxx).encode()).hexdigest()[:16]
+        path = kernels_dir() / f"rows_gemm-{key}.so"
+        try:
+            if not path.exists():
+                _build(cxx, path)
+            import torch  # noqa: F401  (libgomp must be torch's, loaded first)
+
+            lib = ctypes.CDLL(str(path))
+            if lib.rows_gemm_abi() != ABI:
+                raise RuntimeError(f"library ABI {lib.rows_gemm_abi()} != {ABI}")
+        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+            _warn(f"could not build the row-invariant linear kernel ({e})")
+            return None
+        I64, P = ctypes.c_int64, ctypes.c_void_p
+        lib.rows_gemm_f32.restype = ctypes.c_int
+        lib.rows_gemm_f32.argtypes = [P, I64, P, I64, I64, I64, P, P, ctypes.c_int, ctypes.c_int]
+        lib.rows_gemm_pack.restype = None
+        lib.rows_gemm_pack.argtypes = [P, I64, I64, I64, P]
+        lib.rows_rmsnorm.restype = None
+        lib.rows_rmsnorm.argtypes = [P, P, I64, I64, P, ctypes.c_float, P, P]
+        lib.rows_attention.restype = ctypes.c_int
+        lib.rows_silu_mul.restype = None
+        lib.rows_silu_mul.argtypes = [P, I64, I64, P]
+        lib.rows_rope_attention.restype = ctypes.c_int
+        lib.rows_rope_attention.argtypes = [P, I64, I64, I64, I64, P, P, P, P, P, I64, I64, I64, P, I64, P,
+                                                ctypes.c_int]
+        lib.rows_attention.argtypes = [P, I64, I64, I64, I64, I64, P, P, I64, I64, P, I64, P, ctypes.c_int]
+        _lib, _lib_state = lib, "loaded"
+        return lib
+
+
+def available() -> bool:
+    return library() is not None
+
+
+def supports(weight: torch.Tensor) -> bool:
+    return (weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2
+            and weight.shape[1] > 0 and available())
+
+
+def pack(weight: torch.Tensor, nb: int) -> torch.Tensor:
+    """[out, in] fp32 -> panels [ceil(out/nb), in, nb] (zero-padded), flat."""
+    out, k = weight.shape
+    w = weight.detach().contiguous()
+    p = torch.empty(((out + nb - 1) // nb) * nb * k, dtype=torch.float32)
+    library().rows_gemm_pack(w.data_ptr(), out, k, nb, p.data_ptr())
+    return p
+
+
+def unpack(p: torch.Tensor, nb: int, out: int, k: int) -> torch.Tensor:
+    return p.view(-1, k, nb).transpose(1, 2).reshape(-1, k)[:out]
+
+
+def gemm(x2d: torch.Tensor, p: torch.Tensor, nb: int, out: int, bias: torch.Tensor | None, rb: int,
+         y: torch.Tensor | None = None) -> torch.Tensor:
+    """y[n, out] = x2d[n, in] @ W^T + bias; x2d contiguous fp32."""
+    n, k = x2d.shape
+    if y is None:
+        y = torch.empty(n, out, dtype=torch.float32)
+    rc = (_lib or library()).rows_gemm_f32(x2d.data_ptr(), n, p.data_ptr(), nb, out, k,
+                            bias.data_ptr() if bias is not None else None, y.data_ptr(),
+                            torch.get_num_threads(), rb)
+    if rc != 0:
+        raise RuntimeError(f"rows_gemm: no kernel for panel {nb} / tile {rb}")
+    return y
+
+
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Tensor | None = None):
+    """x / rms(x) * weight over the last dim (fp32, contiguous). With delta: (h, norm(h)) for h = x + delta, the
+    residual add and the next layer norm in one pass."""
+    d = x.shape[-1]
+    n = x.numel() // d
+    y = torch.empty_like(x)
+    h = torch.empty_like(x) if delta is not None else None
+    (_lib or library()).rows_rmsnorm(x.data_ptr(), None if delta is None else delta.data_ptr(), n, d,
+                                     weight.data_ptr(), eps, None if h is None else h.data_ptr(), y.data_ptr())
+    return y if delta is None else (h, y)
+
+
+def silu_mul(gu: torch.Tensor, inter: int) -> torch.Tensor:
+    """silu(gate) * up from the fused [..., 2 * inter] gate/up output (fp32, contiguous) -> [..., inter]."""
+    out = torch.empty(*gu.shape[:-1], inter, dtype=torch.float32)
+    (_lib or library()).rows_silu_mul(gu.data_ptr(), gu.numel() // (2 * inter), inter, out.data_ptr())
+    return out
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, S: int, mask: torch.Tensor | None) -> torch.Tensor:
+    """q: [T, Hq, D] (rows may be strided; each row's heads contiguous); k, v: [Hkv, max_len, D] cache of one
+    sequence (slots and head_dim contiguous); slots 0..S-1 visible where mask [T, S] (bool) allows (None: all).
+    Returns [T, Hq*D]."""
+    T, Hq, D = q.shape
+    Hkv = k.shape[0]
+    if q.stride(2) != 1 or q.stride(1) != D:
+        q = q.contiguous()
+    for t in (k, v):
+        if t.stride(2) != 1 or t.stride(1) != D or t.stride(0) != k.stride(0):
+            raise ValueError(f"attention: k and v must be [heads, slots, {D}] with contiguous slots; got strides "
+                             f"{tuple(t.stride())}")
+    out = torch.empty(T, Hq * D, dtype=torch.float32)
+    if mask is not None:
+        mask = mask.contiguous()
+    rc = (_lib or library()).rows_attention(q.data_ptr(), q.stride(0), T, Hq, Hkv, D, k.data_ptr(), v.data_ptr(),
+                                            k.stride(0), S, None if mask is None else mask.data_ptr(),
+                                            0 if mask is None else mask.stride(0), out.data_ptr(),
+                                            torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError(f"rows_attention: unsupported shape (heads {Hq}/{Hkv}, head_dim {D})")
+    return out
+
+
+def rope_attention(qkv: torch.Tensor, n_heads: int, n_kv: int, cos: torch.Tensor, sin: torch.Tensor,
+                   slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, S: int,
+                   mask: torch.Tensor | None) -> torch.Tensor:
+    """One layer's rotary embedding, cache write and attention from the fused qkv output [T, (Hq+2Hkv)*D] of one
+    sequence: cos, sin [T, D] fp32; slots [T] int64; k_cache, v_cache [Hkv, max_len, D]. Returns [T, Hq*D]."""
+    T = qkv.shape[0]
+    D, max_len = k_cache.shape[-1], k_cache.shape[1]
+    out = torch.empty(T, n_heads * D, dtype=torch.float32)
+    if mask is not None:
+        mask = mask.contiguous()
+    slots, cos, sin = slots.contiguous(), cos.contiguous(), sin.contiguous()
+    rc = (_lib or library()).rows_rope_attention(qkv.data_ptr(), T, n_heads, n_kv, D, cos.data_ptr(), sin.data_ptr(),
+                                  slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0),
+                                  max_len, S, None if mask is None else mask.data_ptr(),
+                                  0 if mask is None else mask.stride(0), out.data_ptr(), torch.get_num_threads())
+    if rc == -3:   # the message index_copy_ gives, so callers see one error whichever path ran
+        bad = int(slots[(slots < 0) | (slots >= max_len)][0])
+        raise IndexError(f"index_copy_(): index {bad} is out of bounds for dimension 1 with size {max_len}")
+    if rc != 0:
+        raise RuntimeError(f"rows_rope_attention: unsupported shape (heads {n_heads}/{n_kv}, head_dim {D})")
+    return out
+
+
+# ---- tuning ----------------------------------------------------------------------------------------------------
+def fingerprint() -> str:
+    """What the timings depend on: CPU model and flags, thread count, torch, kernel source."""
+    model = ""
+    try:
+        model = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                      if ln.startswith("model name")), "")
+    except OSError:
+        pass
+    parts = [model, platform.machine(), ",".join(sorted(cpu_flags())), str(os.cpu_count()),
+             str(torch.get_num_threads()), torch.__version__, hashlib.sha256(SOURCE.read_bytes()).hexdigest()]
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+
+def tune_file() -> Path:
+    return kernels_dir() / f"linear-tune-{fingerprint()}.json"
+
+
+def default_plan(out: int, k: int) -> dict:
+    return {"nb": 32, "rb": {str(n): (6 if n <= 6 else 12) for n in TUNE_ROWS}}
+
+
+def rb_for(plan: dict, n: int) -> int:
+    """Register tile for n rows: the plan's entry for the nearest tuned row count at or above n."""
+    rbs = plan["rb"]
+    for m in TUNE_ROWS:
+        if n <= m:
+            return rbs[str(m)]
+    return rbs[str(TUNE_ROWS[-1])]
+
+
+def _valid_plan(p) -> bool:
+    try:
+        return (p["nb"] in VARIANTS and all(p["rb"][str(n)] in VARIANTS[p["nb"]] for n in TUNE_ROWS))
+    except (KeyError, TypeError):
+        return False
+
+
+def _read_cache(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+        if isinstance(data, dict) and isinstance(data.get("plans"), dict):
+            return data
+    except (OSError, ValueError):
+        pass
+    return {"plans": {}}
+
+
+def _write_cache(path: Path, data: dict):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".json", dir=path.parent)
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f, indent=1, sort_keys=True)
+    os.replace(tmp, path)
+
+
+def measure(out: int, k: int, rows=TUNE_ROWS, rounds: int = 3, cold_bytes: int = 96 << 20) -> dict:
+    """Seconds per call for every (panel, tile, rows), with the weights cold (copies that overflow the L3)."""
+    copies = max(1, min(64, cold_bytes // (out * k * 4)))
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(out, k, generator=g)
+    packs = {nb: [pack(w, nb) for _ in range(copies)] for nb in VARIANTS}
+    xs = {n: torch.randn(n, k, generator=g) for n in rows}
+    ys = {n: torch.empty(n, out) for n in rows}
+    best: dict = {}
+    for _ in range(rounds):
+        for nb, rbs in VARIANTS.items():
+            for rb in rbs:
+                for n in rows:
+                    t = time.perf_counter()
+                    for p in packs[nb]:
+                        gemm(xs[n], p, nb, out, None, rb, ys[n])
+                    dt = (time.perf_counter() - t) / copies
+                    key = (nb, rb, n)
+                    best[key] = min(best.get(key, float("inf")), dt)
+    return best
+
+
+def choose(best: dict, rows=TUNE_ROWS) -> dict:
+    """Panel width with the lowest total over row counts (each at its best tile), then the best tile per count."""
+    def total(nb):
+        return sum(min(best[(nb, rb, n)] for rb in VARIANTS[nb]) for n in rows)
+
+    nb = min(VARIANTS, key=total)
+    return {"nb": nb, "rb": {str(n): min(VARIANTS[nb], key=lambda rb: best[(nb, rb, n)]) for n in rows},
+            "us": {str(n): round(min(best[(nb, rb, n)] for rb in VARIANTS[nb]) * 1e6, 1) for n in rows}}
+
+
+def tuned_plan(out: int, k: int, tune: bool | None = None) -> dict:
+    """The cached plan for an [out, in=k] fp32 weight on this machine; measured (and cached) on first sight.
+
+    tune=False (or SPECSCOPE_LINEAR_TUNE=0) skips measuring and uses the default plan (same results, maybe
+    slower)."""
+    if tune is None:
+        tune = os.environ.get("SPECSCOPE_LINEAR_TUNE", "1") != "0"
+    if not tune:
+        return default_plan(out, k)
+    key = f"{out}x{k}"
+    path = tune_file()
+    with _lock:
+        data = _read_cache(path)
+        plan = data["plans"].get(key)
+        if _valid_plan(plan):
+            return plan
+        plan = choose(measure(out, k))
+        data = _read_cache(path)            # another process may have added shapes meanwhile
+        data["plans"][key] = plan
+        data["fingerprint"] = fingerprint()
+        data["threads"] = torch.get_num_threads()
+        try:
+            _write_cache(path, data)
+        except OSError as e:
+            print(f"warning: could not write the linear tuning cache {path}: {e}", file=sys.stderr)
+        return plan

@@ -1,0 +1,262 @@
+"""The row-invariant CPU kernels (models/rowgemm.py): right answers, the same bits for every row count, a tuning
+cache that survives corruption, and the stock fallback when the kernel cannot be built."""
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specscope.models import load_model, rowgemm
+from specscope.models.linear import PackedLinear, pack_linears
+from specscope.speculative.tree import DraftTree
+from tiny import make_hf_model
+
+needs_kernels = pytest.mark.skipif(not rowgemm.available(), reason="no AVX-512 or no C++ compiler here")
+
+
+def _variants():
+    return [(nb, rb) for nb, rbs in rowgemm.VARIANTS.items() for rb in rbs]
+
+
+@needs_kernels
+@pytest.mark.parametrize("out,k", [(1, 1), (17, 3), (33, 16), (100, 17), (64, 64), (200, 333), (1000, 96)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemm_matches_torch_and_every_row_count_gives_the_same_bits(out, k, bias):
+    g = torch.Generator().manual_seed(out * 1000 + k)
+    w = torch.randn(out, k, generator=g)
+    b = torch.randn(out, generator=g) if bias else None
+    x = torch.randn(40, k, generator=g)
+    ref = (x.double() @ w.double().T + (b.double() if bias else 0)).float()
+    full = None
+    for nb, rb in _variants():
+        p = rowgemm.pack(w, nb)
+        torch.testing.assert_close(rowgemm.unpack(p, nb, out, k), w, rtol=0, atol=0)
+        y = rowgemm.gemm(x, p, nb, out, b, rb)
+        scale = (x.abs() @ w.abs().T + (b.abs() if bias else 0)).max().item()
+        torch.testing.assert_close(y, ref, rtol=0, atol=1e-6 * scale * max(k, 1) ** 0.5)
+        full = y if full is None else full
+        assert torch.equal(y, full), "panel width / register tile changed the result"
+        for n in list(range(1, 33)) + [40]:
+            assert torch.equal(rowgemm.gemm(x[:n].contiguous(), p, nb, out, b, rb), full[:n]), (nb, rb, n)
+
+
+@needs_kernels
+def test_rmsnorm_and_fused_residual_add():
+    g = torch.Generator().manual_seed(1)
+    for d in (1, 15, 16, 64, 576, 1000):
+        x, delta, w = torch.randn(7, d, generator=g), torch.randn(7, d, generator=g), torch.randn(d, generator=g)
+        ref = F.rms_norm(x, (d,), w, 1e-5)
+        y = rowgemm.rmsnorm(x, w, 1e-5)
+        torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-6)
+        h, y2 = rowgemm.rmsnorm(x, w, 1e-5, delta=delta)
+        assert torch.equal(h, x + delta)
+        torch.testing.assert_close(y2, F.rms_norm(x + delta, (d,), w, 1e-5), rtol=1e-5, atol=1e-6)
+        for r in range(7):   # row-invariant
+            assert torch.equal(rowgemm.rmsnorm(x[r:r + 1].contiguous(), w, 1e-5), y[r:r + 1])
+
+
+@needs_kernels
+@pytest.mark.parametrize("hq,hkv,d", [(4, 2, 16), (9, 3, 64), (2, 2, 80), (8, 1, 128)])
+def test_attention_matches_sdpa_with_tree_masks(hq, hkv, d):
+    g = torch.Generator().manual_seed(hq * d)
+    S, T, maxlen = 37, 6, 48
+    k = torch.randn(hkv, maxlen, d, generator=g)
+    v = torch.randn(hkv, maxlen, d, generator=g)
+    q = torch.randn(T, hq, d, generator=g)
+    tree = DraftTree(torch.arange(T - 1), torch.tensor([-1, 0, 0, 1, 2]), torch.tensor([1, 2, 2, 3, 3]))
+    mask = tree.verify_inputs(0, S - T, S - T)[3][0]             # [T, S]: prefix + ancestors
+    ref = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k[None, :, :S], v[None, :, :S],
+                                         attn_mask=mask[None, None], enable_gqa=hq != hkv)[0]
+    y = rowgemm.attention(q, k, v, S, mask)
+    torch.testing.assert_close(y.view(T, hq, d), ref.transpose(0, 1), rtol=1e-5, atol=1e-5)
+    # a row sees only its keys, in slot order: the same bits alone, and with the invisible slots simply absent
+    for t in range(T):
+        assert torch.equal(rowgemm.attention(q[t:t + 1], k, v, S, mask[t:t + 1]), y[t:t + 1])
+        vis = mask[t].nonzero().flatten()
+        kk, vv = k.clone(), v.clone()
+        kk[:, :vis.numel()], vv[:, :vis.numel()] = k[:, vis], v[:, vis]
+        assert torch.equal(rowgemm.attention(q[t:t + 1], kk, vv, vis.numel(), None), y[t:t + 1])
+
+
+@needs_kernels
+def test_decode_and_verify_give_identical_logits(tmp_path):
+    """The losslessness the kernels buy: a verify forward (chain or tree rows) equals step-by-step decoding bit
+    for bit, so greedy speculation cannot flip a near-tie argmax."""
+    make_hf_model(tmp_path, "llama", tie=True)
+    m = load_model(tmp_path, dtype="fp32")
+    assert all(pl.kernel == "rowgemm" for pl in m.modules() if isinstance(pl, PackedLinear))
+    ids = torch.randint(3, 101, (1, 30), generator=torch.Generator().manual_seed(0))
+    L = 20
+    with torch.inference_mode():
+        c_dec = m.new_cache(40)
+        m(ids[:, :L], torch.arange(L)[None], c_dec)
+        steps = [m(ids[:, t:t + 1], torch.tensor([[t]]), c_dec).logits[0, 0] for t in range(L, 30)]
+        # a tree whose node 4 path (rows 0 -> 2 -> 4 -> 6) is the true continuation, siblings interleaved
+        toks = ids[0, L:].tolist()
+        tree = DraftTree(torch.tensor([7, toks[1], 9, toks[2], 11, toks[3]]), torch.tensor([-1, -1, 0, 1, 2, 3]),
+                         torch.tensor([1, 1, 2, 2, 3, 3]))
+        c_ver = m.new_cache(40)
+        m(ids[:, :L], torch.arange(L)[None], c_ver)
+        c_ver.length = L
+        v_ids, v_pos, v_slots, v_mask = tree.verify_inputs(toks[0], L, L)
+        out = m(v_ids, v_pos, c_ver, v_slots, v_mask).logits[0]
+    for row, t in ((0, 0), (2, 1), (4, 2), (6, 3)):
+        assert torch.equal(out[row], steps[t]), f"tree row {row} differs from decode step {t}"
+
+
+# ---- tuning cache ----------------------------------------------------------------------------------------------
+@needs_kernels
+def test_tuning_cache_is_written_reused_and_survives_corruption(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECSCOPE_CACHE", str(tmp_path))
+    monkeypatch.setenv("SPECSCOPE_LINEAR_TUNE", "1")
+    calls = []
+    real = rowgemm.measure
+
+    def counting(out, k, **kw):
+        calls.append((out, k))
+        return real(out, k, rounds=1, cold_bytes=1 << 16)
+
+    monkeypatch.setattr(rowgemm, "measure", counting)
+    plan = rowgemm.tuned_plan(40, 24)
+    path = rowgemm.tune_file()
+    assert path.parent == tmp_path / "kernels" and rowgemm.fingerprint() in path.name
+    assert json.loads(path.read_text())["plans"]["40x24"] == plan and calls == [(40, 24)]
+    assert rowgemm.tuned_plan(40, 24) == plan and calls == [(40, 24)]      # cached: not measured again
+    rowgemm.tuned_plan(8, 24)
+    assert set(json.loads(path.read_text())["plans"]) == {"40x24", "8x24"}
+    path.write_text("{not json")                                              # corrupt file -> re-measure
+    assert rowgemm.tuned_plan(40, 24)["nb"] in rowgemm.VARIANTS and len(calls) == 3
+    assert "40x24" in json.loads(path.read_text())["plans"]
+    bad = json.loads(path.read_text())
+    bad["plans"]["40x24"]["rb"]["8"] = 99                                    # a tile the library lacks
+    path.write_text(json.dumps(bad))
+    rowgemm.tuned_plan(40, 24)
+    assert len(calls) == 4 and rowgemm._valid_plan(json.loads(path.read_text())["plans"]["40x24"])
+
+
+@needs_kernels
+def test_every_plan_gives_the_same_result(tmp_path, monkeypatch):
+    """Tuning only changes speed: a linear under any plan returns the bits of the default plan."""
+    monkeypatch.setenv("SPECSCOPE_CACHE", str(tmp_path))
+    lin = nn.Linear(50, 70)
+    x = torch.randn(3, 9, 50)
+    ref = PackedLinear(lin, tune=False)(x)
+    for nb, rbs in rowgemm.VARIANTS.items():
+        for rb in rbs:
+            plan = {"nb": nb, "rb": {str(n): rb for n in rowgemm.TUNE_ROWS}}
+            monkeypatch.setattr(rowgemm, "tuned_plan", lambda out, k, tune=None, plan=plan: plan)
+            assert torch.equal(PackedLinear(lin)(x), ref)
+
+
+# ---- build and fallback ----------------------------------------------------------------------------------------
+@pytest.fixture
+def fresh_library(monkeypatch):
+    """Forget the loaded library for one test (restored afterwards)."""
+    monkeypatch.setattr(rowgemm, "_lib", None)
+    monkeypatch.setattr(rowgemm, "_lib_state", "unloaded")
+    monkeypatch.setattr(rowgemm, "_warned", False)
+
+
+@needs_kernels
+def test_builds_into_the_cache_dir_on_first_use(tmp_path, monkeypatch, fresh_library):
+    monkeypatch.setenv("SPECSCOPE_CACHE", str(tmp_path))
+    assert rowgemm.library() is not None
+    built = list((tmp_path / "kernels").glob("rows_gemm-*.so"))
+    assert len(built) == 1
+    mtime = built[0].stat().st_mtime_ns
+    monkeypatch.setattr(rowgemm, "_lib_state", "unloaded")
+    assert rowgemm.library() is not None and built[0].stat().st_mtime_ns == mtime   # reused, not rebuilt
+
+
+def test_without_a_compiler_it_warns_once_and_uses_the_stock_path(tmp_path, monkeypatch, capsys, fresh_library):
+    monkeypatch.setenv("SPECSCOPE_CACHE", str(tmp_path))
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setattr(rowgemm, "cpu_flags", lambda: set(rowgemm.NEEDS))
+    monkeypatch.setattr(rowgemm.platform, "machine", lambda: "x86_64")
+    lin = nn.Linear(32, 48)
+    m = nn.Sequential(lin, nn.ReLU(), nn.Linear(48, 16))
+    x = torch.randn(5, 32)
+    ref = m(x)
+    pack_linears(m)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("warning: ") and "compiler" in err[0], err
+    assert all(p.kernel == "onednn" for p in m.modules() if isinstance(p, PackedLinear))
+    torch.testing.assert_close(m(x), ref, rtol=1e-5, atol=1e-5)
+    assert not (tmp_path / "kernels").exists() or not list((tmp_path / "kernels").glob("*.so"))
+
+
+def test_kernels_can_be_switched_off(monkeypatch, capsys, fresh_library):
+    monkeypatch.setenv("SPECSCOPE_KERNELS", "0")
+    pl = PackedLinear(nn.Linear(8, 8))
+    assert pl.kernel == "onednn" and capsys.readouterr().err == ""
+
+
+def test_a_failing_build_falls_back(tmp_path, monkeypatch, capsys, fresh_library):
+    """A compiler that exits non-zero (e.g. no AVX-512 support in an old assembler) is a warning, not a crash."""
+    fake = tmp_path / "bad-cxx"
+    fake.write_text("#!/bin/sh\necho 'cc1plus: error: unrecognized option' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("SPECSCOPE_CACHE", str(tmp_path))
+    monkeypatch.setenv("CXX", str(fake))
+    monkeypatch.setattr(rowgemm, "cpu_flags", lambda: set(rowgemm.NEEDS))
+    monkeypatch.setattr(rowgemm.platform, "machine", lambda: "x86_64")
+    assert rowgemm.library() is None
+    err = capsys.readouterr().err
+    assert err.count("warning:") == 1 and "unrecognized option" in err
+
+
+@needs_kernels
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
+def test_kernel_model_matches_the_stock_path(tmp_path, arch):
+    """Rotary embedding, cache writes, GQA attention (tree masks, sliding windows), norms: same logits as the
+    oneDNN + SDPA path within fp32 rounding, for prefill, decode and a tree verify."""
+    kw = {"sliding_window": 6} if arch == "mistral" else {}
+    make_hf_model(tmp_path, arch, **kw)
+    ours = load_model(tmp_path, dtype="fp32")
+    stock = load_model(tmp_path, dtype="fp32", pack=False)
+    pack_linears(stock, kernel="onednn")
+    assert ours.layers[0].self_attn.row_kernels and not stock.layers[0].self_attn.row_kernels
+    ids = torch.randint(3, 101, (1, 12), generator=torch.Generator().manual_seed(1))
+    tree = DraftTree(torch.tensor([5, 6, 7, 8]), torch.tensor([-1, -1, 0, 2]), torch.tensor([1, 1, 2, 3]))
+    with torch.inference_mode():
+        outs = []
+        for m in (ours, stock):
+            c = m.new_cache(32)
+            a = m(ids, torch.arange(12)[None], c).logits
+            c.length = 12
+            b = m(torch.tensor([[9]]), torch.tensor([[12]]), c).logits
+            c.length = 13
+            v = m(*tree.verify_inputs(4, 13, 13)[:2], c, *tree.verify_inputs(4, 13, 13)[2:]).logits
+            outs.append((a, b, v))
+    for x, y in zip(*outs):
+        torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-4)
+
+
+@needs_kernels
+def test_a_slot_past_the_cache_is_refused_before_writing():
+    kc, vc = torch.zeros(2, 8, 16), torch.zeros(2, 8, 16)
+    qkv = torch.randn(2, (4 + 2 * 2) * 16)
+    cs = torch.ones(2, 16)
+    with pytest.raises(IndexError, match="index 8 is out of bounds for dimension 1 with size 8"):
+        rowgemm.rope_attention(qkv, 4, 2, cs, cs, torch.tensor([7, 8]), kc, vc, 8, None)
+    assert not kc.any() and not vc.any()
+    y = rowgemm.rope_attention(qkv, 4, 2, cs, 0 * cs, torch.tensor([6, 7]), kc, vc, 8, None)
+    assert y.shape == (2, 64) and torch.equal(kc[:, 6:8], qkv[:, 64:96].view(2, 2, 16).transpose(0, 1))
+
+
+def test_a_cpu_without_avx512_falls_back_with_one_warning(monkeypatch, capsys, fresh_library):
+    monkeypatch.setattr(rowgemm, "cpu_flags", lambda: {"avx2", "fma"})
+    assert PackedLinear(nn.Linear(8, 8)).kernel == "onednn" and PackedLinear(nn.Linear(8, 4)).kernel == "onednn"
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "AVX-512" in err[0]
+
+
+@needs_kernels
+def test_silu_mul_matches_torch():
+    g = torch.Generator().manual_seed(3)
+    for inter in (1, 17, 96, 1536):
+        gu = torch.randn(5, 2 * inter, generator=g) * 30       # covers exp overflow (g < -88) and large g
+        gate, up = gu.split(inter, -1)
+        torch.testing.assert_close(rowgemm.silu_mul(gu, inter), F.silu(gate) * up, rtol=2e-6, atol=1e-6)

@@ -60,7 +60,7 @@ class Server:
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("tiny_e2e")
-    make_hf_model(d, "llama", vocab=101, layers=2)
+    make_hf_model(d, "llama", vocab=101, layers=2, max_position_embeddings=4096)  # room for a long decode
     make_tiny_tokenizer(d, 101)
     return d
 
@@ -208,7 +208,9 @@ def test_serve_and_bench_serve_end_to_end(model_dir, spec_server, tmp_path):
         assert keyed.metric("specscope:request_failed_total", reason="cancelled") == 1
         # the same for a non-streaming client that gives up (the server polls for the disconnect)
         host, port = keyed.url[len("http://"):].split(":")
-        payload = json.dumps({"prompt": "the quick", "max_tokens": 220, "temperature": 0}).encode()
+        # long enough to still be decoding when the server next polls for the hang-up (~0.1 s) on fast kernels
+        payload = json.dumps({"prompt": "the quick", "max_tokens": 2000, "temperature": 0,
+                              "ignore_eos": True}).encode()
         with socket.create_connection((host, int(port))) as sock:
             sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer k3y\r\n"
                          b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(payload) + payload)

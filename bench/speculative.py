@@ -58,7 +58,8 @@ def main(argv=None):
     ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--draft", default="smollm2-135m-eagle3")
-    ap.add_argument("--tree", default="5,4,12", help="steps,topk,draft_tokens for the EAGLE-3 tree")
+    ap.add_argument("--tree", default="3,2,6;5,4,12",
+                    help="steps,topk,draft_tokens for the EAGLE-3 tree(s); several separated by ';'")
     ap.add_argument("--chain", default="3,1,4", help="steps,topk,draft_tokens for the EAGLE-3 chain")
     ap.add_argument("--ngram", default="4,1,5")
     ap.add_argument("--hf", action="store_true", help="also run transformers generate and prompt lookup")
@@ -91,7 +92,10 @@ def main(argv=None):
     methods = {"baseline": None}
     try:
         eagle = build_drafter(args.draft, target)
-        methods["eagle3_tree"] = ("eagle", knobs(args.tree))
+        for t in args.tree.split(";"):      # several trees: one method each, named by shape
+            k = knobs(t)
+            name = "eagle3_tree" if ";" not in args.tree else f"eagle3_tree_{k.steps}x{k.topk}x{k.draft_tokens}"
+            methods[name] = ("eagle", k)
         methods["eagle3_chain"] = ("eagle", knobs(args.chain))
     except SpecscopeError as e:
         console.print(f"[yellow]EAGLE-3 skipped: {e}")

@@ -127,6 +127,7 @@ def main(argv=None):
                 rec = json.loads(line)
                 done[rec["question_id"]] = rec["per"]
         console.print(f"resuming: {len(done)} of {len(prompts)} prompts already measured ({state})")
+    measured, t_start = 0, time.perf_counter()
     with Progress(*Progress.get_default_columns(), console=console, transient=True) as prog:
         task = prog.add_task("prompts", total=len(prompts) * len(methods))
         for p in prompts:
@@ -164,6 +165,13 @@ def main(argv=None):
                 prog.advance(task)
             with open(state, "a") as f:
                 f.write(json.dumps({"question_id": p["question_id"], "per": {m: per[m][-1] for m in methods}}) + "\n")
+            measured += 1
+            if not console.is_terminal:   # no live bar without a terminal: a line per 10 prompts, rate and time left
+                n_done = len(done) + measured
+                if measured % 10 == 0 or n_done == len(prompts):
+                    rate = measured / (time.perf_counter() - t_start)
+                    print(f"{n_done}/{len(prompts)} prompts ({rate * 60:.1f}/min, "
+                          f"{(len(prompts) - n_done) / rate / 60:.1f} min left)", file=sys.stderr, flush=True)
 
     # Spec-Bench aggregation
     rows = []

@@ -102,12 +102,13 @@ def test_every_problem_in_one_error(tmp_path, target):
     raw = shrink(published("speculators_eagle3_config.json"))
     raw["eagle_aux_hidden_state_layer_ids"] = [1, 2, 3, 4, 5]
     raw["fc_norm"] = True
-    raw["transformer_layer_config"].update(num_hidden_layers=2, hidden_act="gelu", mlp_bias=True)
+    raw["transformer_layer_config"].update(num_hidden_layers=2, hidden_act="gelu", mlp_bias=True,
+                                           rope_scaling={"rope_type": "yarn", "factor": 4.0})
     with pytest.raises(SpecscopeError) as e:
         load_drafter(write_raw(tmp_path / "d", raw, raw_tensors(raw, "layers.0.")), target)
     msg = str(e.value)
-    for part in ("5 problems", "names 5 layers", "num_hidden_layers=2", "gelu", "norm_before_fc and fc_norm",
-                 "mlp_bias"):
+    for part in ("6 problems", "names 5 layers", "num_hidden_layers=2", "gelu", "norm_before_fc and fc_norm",
+                 "mlp_bias", "yarn"):
         assert part in msg, msg
     assert "\n" not in msg
 

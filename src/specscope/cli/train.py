@@ -109,8 +109,8 @@ def train(workdir, target_name, stages, dataset, prompt_files, synth, regenerate
     work = Path(workdir)
     rank, world = dist_info()
     say = (lambda m: click.echo(m, err=True)) if rank == 0 else (lambda m: None)
-    if world > 1 and ("data" in todo or "vocab" in todo):
-        raise SpecscopeError("run the data and vocab stages in one process, then torchrun with --stages train")
+    if world > 1 and ("data" in todo or "vocab" in todo or "select" in todo):
+        raise SpecscopeError("run the data, vocab and select stages in one process; torchrun only --stages train")
     target, tok, tpath = pipeline.load_target(target_name, dev, "fp32")
     tinfo = pipeline.target_info(target_name, tpath, target)
     init = pipeline.init_drafter(init_from, target) if init_from else None

@@ -79,33 +79,41 @@ def detect_format(raw: dict) -> str:
 
 
 def _problems_of(layer: dict, top: dict) -> list[str]:
-    """Everything in a drafter config this network cannot honour (all of it, not the first)."""
+    """Everything in a drafter config this network cannot honour (all of it, not the first): a field that fails
+    its own validation becomes one entry of the list too."""
     out = []
-    n = cfg_int(layer, "num_hidden_layers", 1, hi=MAX_LAYERS, where=DRAFTER_CFG)
-    if n != 1:
+
+    def check(fn):
+        try:
+            return fn()
+        except SpecscopeError as e:
+            out.append(str(e))
+            return None
+
+    n = check(lambda: cfg_int(layer, "num_hidden_layers", 1, hi=MAX_LAYERS, where=DRAFTER_CFG))
+    if n is not None and n != 1:
         out.append(f"num_hidden_layers={n}: only single-layer EAGLE-3 drafters are supported")
     types = layer.get("layer_types") or []
     if isinstance(types, list) and len(set(map(str, types))) > 1:
         out.append(f"layer_types {types} mixes attention kinds; one drafter layer has one kind")
-    act = cfg_str(layer, "hidden_act", "silu", where=DRAFTER_CFG)
-    if act not in ("silu", "swish"):
+    act = check(lambda: cfg_str(layer, "hidden_act", "silu", where=DRAFTER_CFG))
+    if act is not None and act not in ("silu", "swish"):
         out.append(f"hidden_act {act!r} is not supported; only silu (SwiGLU)")
     if top.get("norm_before_fc") and top.get("fc_norm"):
         out.append("norm_before_fc and fc_norm are both set; a drafter normalises its fc input one way or the other")
     if layer.get("mlp_bias"):
         out.append("mlp_bias=true is not supported")
-    rope_scaling_of(layer, DRAFTER_CFG)  # a string / missing factor: one clear line
-    rs = layer.get("rope_scaling") or None
-    if isinstance(rs, dict) and rs.get("rope_type", rs.get("type", "default")) not in ("default", "llama3", "linear"):
-        out.append(f"rope scaling {rs.get('rope_type', rs.get('type'))!r} is not supported; "
-                   f"supported: default, linear, llama3")
+    check(lambda: rope_scaling_of(layer, DRAFTER_CFG))      # a string / unknown type / missing factor
+    check(lambda: _sliding_window(layer))
     return out
 
 
 def _sliding_window(layer: dict) -> int | None:
     slides = layer.get("use_sliding_window") or "sliding_attention" in (layer.get("layer_types") or []) or \
         (layer.get("model_type") == "mistral" and layer.get("sliding_window"))
-    return int(layer["sliding_window"]) if slides and layer.get("sliding_window") else None
+    if not (slides and layer.get("sliding_window")):
+        return None
+    return cfg_int(layer, "sliding_window", None, hi=MAX_POSITIONS, where=DRAFTER_CFG)
 
 
 def _aux_ids(ids, convention: str, target_layers: int | None, problems: list[str]):

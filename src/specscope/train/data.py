@@ -184,6 +184,26 @@ def _dedup_key(text: str) -> str:
     return re.sub(r"\W+", " ", text.lower()).strip()
 
 
+def open_for_append(path: Path):
+    """Open a JSONL file for appending after cutting a torn last line (a kill mid-write leaves one): what follows
+    then starts on a line of its own, and readers never meet a fragment glued to a good record."""
+    path = Path(path)
+    if path.exists() and path.stat().st_size:
+        with open(path, "rb+") as f:
+            f.seek(-1, os.SEEK_END)
+            if f.read(1) != b"\n":
+                f.seek(0)
+                data = f.read()
+                f.truncate(data.rfind(b"\n") + 1)
+    return open(path, "a", encoding="utf-8")
+
+
+def write_json_atomic(path: Path, obj):
+    tmp = Path(path).with_name(Path(path).name + ".tmp")
+    tmp.write_text(json.dumps(obj))
+    os.replace(tmp, path)
+
+
 def synthesise(model, tok, out_path: Path, n: int, *, batch: int = 16, user_tokens: int = 64,
                response_tokens: int = 192, seed: int = 0, user_temperature: float = 0.8,
                response_temperature: float = 0.0, max_batches: int | None = None, overlap=None,
@@ -210,11 +230,14 @@ def synthesise(model, tok, out_path: Path, n: int, *, batch: int = 16, user_toke
     # batch b is seeded with (seed, b) and always written whole, and the next batch index is kept next to the
     # file: a run resumed after a kill, or extended to a larger n, writes exactly what one uninterrupted run would
     state_path = out_path.with_name(out_path.name + ".state.json")
-    state = json.loads(state_path.read_text()) if state_path.exists() else {}
+    try:
+        state = json.loads(state_path.read_text()) if state_path.exists() else {}
+    except json.JSONDecodeError:
+        state = {}      # written atomically since; an older torn file: continue with fresh batch seeds
     b = state.get("next_batch", have)     # a file from elsewhere: fresh seeds, never replaying batch 0..
     filtered = Counter(state.get("filtered", {}))
     tries = 0
-    with open(out_path, "a", encoding="utf-8") as f:
+    with open_for_append(out_path) as f:
         while have < n:
             tries += 1
             if max_batches is not None and tries > max_batches:
@@ -253,7 +276,7 @@ def synthesise(model, tok, out_path: Path, n: int, *, batch: int = 16, user_toke
                 filtered["kept"] += 1
             f.flush()
             b += 1
-            state_path.write_text(json.dumps({"next_batch": b, "seed": seed, "filtered": dict(filtered)}))
+            write_json_atomic(state_path, {"next_batch": b, "seed": seed, "filtered": dict(filtered)})
             if progress:
                 progress(have)
     return have
@@ -277,7 +300,7 @@ def answer_prompts(model, tok, items: list[dict], out_path: Path, max_new: int, 
     enc.sort(key=lambda x: len(x[1]))
     stop = tok.eos_ids
     n = len(done)
-    with open(out_path, "a", encoding="utf-8") as f:
+    with open_for_append(out_path) as f:
         for i in range(0, len(enc), batch):
             chunk = enc[i:i + batch]
             g = torch.Generator(device=model.device)

@@ -56,6 +56,19 @@ class Rate:
         self.log(f"{self.what} {n}/{self.total} ({rate:.1f}/s, {eta})")
 
 
+def _read_jsonl(path: Path) -> list[dict]:
+    """Records of a JSONL file the data stage wrote; a torn line (a kill mid-write) is skipped."""
+    out = []
+    for line in path.read_text(encoding="utf-8").split("\n"):
+        try:
+            rec = json.loads(line) if line.strip() else None
+        except json.JSONDecodeError:
+            continue
+        if isinstance(rec, dict):
+            out.append(rec)
+    return out
+
+
 def gather_prompts(files: list[str], overlap, log=print) -> tuple[list[dict], dict]:
     """Real prompt files -> de-duplicated items {"id", "prompt", "source"}, with those overlapping evaluation
     prompts dropped (and counted)."""
@@ -63,10 +76,14 @@ def gather_prompts(files: list[str], overlap, log=print) -> tuple[list[dict], di
     from specscope.train.sources import read_user_turns
 
     items, seen, report = [], set(), {"files": [], "dropped_overlap": 0, "dropped_duplicate": 0, "examples": []}
+    stems = {}
     for f in files:
         texts, rep = read_user_turns(f)
         log(rep.summary())
         src = Path(f).stem
+        stems[src] = stems.get(src, 0) + 1
+        if stems[src] > 1:                  # two files named alike: their prompt ids must still differ
+            src = f"{src}~{stems[src]}"
         kept = 0
         for i, t in enumerate(texts):
             why = overlap.problem(t)
@@ -116,14 +133,16 @@ def data_stage(workdir: Path, model, tok, tinfo: dict, *, dataset: str | None = 
             synthesise(gen_model, tok, synth_path, synth, batch=synth_batch, user_tokens=user_tokens,
                        response_tokens=response_tokens, seed=seed, user_temperature=user_temperature,
                        overlap=overlap, progress=r)
-            state = json.loads(synth_path.with_name(synth_path.name + ".state.json").read_text())
-            report["synth_filter"] = state.get("filtered", {})
+            sp_state = synth_path.with_name(synth_path.name + ".state.json")
+            try:
+                report["synth_filter"] = json.loads(sp_state.read_text()).get("filtered", {}) if sp_state.exists() else {}
+            except json.JSONDecodeError:
+                report["synth_filter"] = {}
         order = {it["id"]: k for k, it in enumerate(items)}
-        recs = [json.loads(l) for l in answers.read_text(encoding="utf-8").split("\n") if l.strip()]
+        recs = _read_jsonl(answers)
         recs = sorted({r["id"]: r for r in recs if r["id"] in order}.values(), key=lambda r: order[r["id"]])
         if synth > 0:
-            recs += [json.loads(l) for l in (workdir / "synth.jsonl").read_text(encoding="utf-8").split("\n")
-                     if l.strip()][:synth]
+            recs += _read_jsonl(workdir / "synth.jsonl")[:synth]
         tmp = out.with_suffix(".tmp")
         tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in recs), encoding="utf-8")
         tmp.replace(out)
@@ -303,7 +322,13 @@ def select_stage(workdir: Path, target, tok, data, eval_fraction: float, seed: i
     snaps = sorted((workdir / "train" / "snapshots").glob("step-*.pt"))
     if not snaps:
         raise SpecscopeError(f"no snapshots in {workdir / 'train' / 'snapshots'}; run the train stage first")
+    # the held-out split is the one the run trained with (its checkpoint says), whatever the flags say now
+    tc = load_checkpoint(snaps[-1]).get("train_config") or {}
+    eval_fraction, seed = tc.get("eval_fraction", eval_fraction), tc.get("seed", seed)
     prompts = heldout_prompts(data, eval_fraction, seed, n_prompts)
+    if not prompts:
+        raise SpecscopeError(f"the training run held out no conversation (eval fraction {eval_fraction}); the select "
+                             f"stage decodes held-out training prompts: train with --eval-fraction > 0")
     shape = SpecConfig.from_knobs(steps=steps, topk=1)
     rows, best = [], None
     for f in snaps:

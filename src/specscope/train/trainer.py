@@ -230,12 +230,17 @@ def train(drafter, embed: torch.Tensor, lm_head_w: torch.Tensor, data, out_dir: 
             sched.load_state_dict(st["scheduler"])
             set_rng_state(st["rng"])
             step = st["step"]
+            # a schedule fitted to --max-minutes lives in the checkpoint, not in the flags: keep it
+            tc = st.get("train_config") or {}
+            if tc.get("max_minutes") is not None and tc.get("total_steps", cfg.total_steps) < cfg.total_steps:
+                cfg.total_steps = tc["total_steps"]
             log(f"resumed from {ck.name} at step {step}")
     if rank == 0:
         out_dir.mkdir(parents=True, exist_ok=True)
         # drop metrics logged after the checkpoint we resume from: the resumed run re-logs those steps
         if metrics_path.exists():
-            keep = [l for l in metrics_path.read_text().splitlines() if l.strip() and json.loads(l)["step"] <= step]
+            keep = [l for l in metrics_path.read_text().split("\n") if _metric_step(l) is not None
+                    and _metric_step(l) <= step]
             metrics_path.write_text("".join(l + "\n" for l in keep))
     model = DDP(loss_mod) if world > 1 else loss_mod
 
@@ -298,7 +303,7 @@ def train(drafter, embed: torch.Tensor, lm_head_w: torch.Tensor, data, out_dir: 
                 snap = out_dir / "snapshots"
                 snap.mkdir(parents=True, exist_ok=True)
                 torch.save({"step": step, "model": {k: v.detach().cpu() for k, v in drafter.state_dict().items()},
-                            "drafter_config": drafter.config.to_dict(),
+                            "drafter_config": drafter.config.to_dict(), "train_config": cfg.to_dict(),
                             "meta": {**(meta or {}), "tokens": tokens_seen, "eval": ev}}, snap / "tmp.pt")
                 os.replace(snap / "tmp.pt", snap / f"step-{step:07d}.pt")
                 if ev["chain_tau"] > best:
@@ -326,6 +331,14 @@ def train(drafter, embed: torch.Tensor, lm_head_w: torch.Tensor, data, out_dir: 
         if bar:
             bar.close()
     return last
+
+
+def _metric_step(line: str):
+    """The step of a metrics.jsonl line; None for a blank or torn one (a kill mid-write)."""
+    try:
+        return json.loads(line)["step"] if line.strip() else None
+    except (json.JSONDecodeError, KeyError, TypeError):
+        return None
 
 
 def _best_so_far(ckpt_dir: Path) -> float:

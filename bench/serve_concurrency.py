@@ -154,7 +154,17 @@ def main():
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "serve_concurrency.json"))
     args = ap.parse_args()
 
-    from specscope.benchserve.run import dist
+    import numpy as np
+
+    def dist(values, name):
+        """mean / p50 / p90 / p99 / max in milliseconds, named as vLLM's bench serve names them."""
+        v = np.asarray([x * 1e3 for x in values if x is not None], dtype=float)
+        if v.size == 0:
+            return None
+        out = {f"mean_{name}_ms": float(v.mean())}
+        out.update({f"p{p}_{name}_ms": float(np.percentile(v, p)) for p in (50, 90, 99)})
+        out[f"max_{name}_ms"] = float(v.max())
+        return out
     from specscope.ingest.prometheus import parse_text
 
     ds, ps = load_prompt_list(args.prompts)
@@ -207,7 +217,7 @@ def main():
             "requests_started": run["started"], "completed": len(ok), "errors": len(errors),
             "hung_up_at_deadline": run["hung_up"], "server_cancelled": cancelled,
             "output_tokens": toks, "output_tok_per_s": toks / wall, "completed_per_s": len(ok) / wall,
-            "ttft_s": dist(r["ttft_s"] for r in ok), "e2e_s": dist(r["e2e_s"] for r in ok),
+            "ttft": dist((r["ttft_s"] for r in ok), "ttft"), "e2el": dist((r["e2e_s"] for r in ok), "e2el"),
             "server_queue_time_mean_s": histogram_mean(scrape, "specscope:request_queue_time_seconds"),
             "server_inference_time_mean_s": histogram_mean(scrape, "specscope:request_inference_time_seconds"),
             "idle_after_hangup_s": idle_after_s,
@@ -222,10 +232,9 @@ def main():
     print(f"{r['completed']} completed, {r['errors']} errors, {r['hung_up_at_deadline']} hung up at the deadline "
           f"({r['server_cancelled']:.0f} cancelled by the server); {r['output_tok_per_s']:.1f} out tok/s, "
           f"{r['completed_per_s']:.2f} req/s with {args.clients} clients")
-    for k in ("ttft_s", "e2e_s"):
+    for k in ("ttft", "e2el"):
         d = r[k] or {}
-        print(f"  {k[:-2]:5s} s: p50 {d.get('p50', 0):7.2f}  p90 {d.get('p90', 0):7.2f}  p99 {d.get('p99', 0):7.2f}  "
-              f"max {d.get('max', 0):7.2f}")
+        print(f"  {k:5s} ms: " + "  ".join(f"{s} {d.get(f'{s}_{k}_ms', 0):8.0f}" for s in ("p50", "p90", "p99", "max")))
     q, i = r["server_queue_time_mean_s"], r["server_inference_time_mean_s"]
     print(f"  server: mean queue time {q or 0:.2f} s, mean decode time {i or 0:.2f} s per request")
     for k, v in checks.items():

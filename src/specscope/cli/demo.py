@@ -83,7 +83,7 @@ class _RichUI:
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="CPU threads for torch.")
 @click.option("--model", "model_name", default="smollm2-135m", show_default=True,
               help="Target: a known name (pulled on first use) or a Hugging Face checkpoint directory.")
-@spec_options("Draft depth (default: the shipped drafter's tuned shape; else 5).")
+@spec_options("Draft depth (default: the drafter's declared shape, specscope_shape.json; else 5).")
 @dtype_option()
 @click.option("--device", type=click.Choice(["cpu", "cuda", "auto"]), default="cpu", show_default=True)
 @click.option("--no-verify-curve", is_flag=True, help="Skip the short verify-cost measurement.")

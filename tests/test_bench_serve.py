@@ -7,42 +7,24 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 
 import httpx
 import pytest
 
+from serve_util import Background
 from tiny import make_hf_model, make_tiny_tokenizer
 
 PROMPTS = ["the quick brown fox", "what is the capital of france", "write a short poem about the sea",
            "explain how a cache works", "a small model proposes"]
 
 
-class Server:
-    """`specscope serve` in a subprocess on 127.0.0.1 with a free port (read back from its stdout)."""
+class Server(Background):
+    """`specscope serve` on 127.0.0.1 with a free port (read back from its stdout)."""
 
     def __init__(self, args, env):
-        import tempfile
-
-        self.err = tempfile.TemporaryFile(mode="w+")  # a file, not a pipe nobody drains (which could block it)
-        self.proc = subprocess.Popen([sys.executable, "-m", "specscope", "serve", "--port", "0", "--device", "cpu",
-                                      "--dtype", "fp32", "--threads", "1", *args], env=env, text=True,
-                                     stdout=subprocess.PIPE, stderr=self.err)
-        self.url = None
-        got = threading.Event()
-
-        def read():
-            for line in self.proc.stdout:
-                if line.startswith("listening on "):
-                    self.url = line.split()[-1]
-                    got.set()
-
-        threading.Thread(target=read, daemon=True).start()
-        if not got.wait(120):
-            self.stop()
-            self.err.seek(0)
-            raise RuntimeError(f"server did not start: {self.err.read()[-2000:]}")
+        super().__init__(["serve", "--port", "0", "--device", "cpu", "--dtype", "fp32", "--threads", "1", *args], env,
+                         start_timeout=120)
         assert self.url.startswith("http://127.0.0.1:")
 
     def metric(self, name, **labels):
@@ -50,11 +32,6 @@ class Server:
 
         s = parse_text(httpx.get(self.url + "/metrics").text)
         return s.total(name, **labels) or 0.0
-
-    def stop(self):
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
 
 
 @pytest.fixture(scope="module")

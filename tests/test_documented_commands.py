@@ -17,14 +17,12 @@ import os
 import re
 import shlex
 import socket
-import subprocess
-import sys
-import threading
 from pathlib import Path
 
 import pytest
 
 from cli_util import cli
+from serve_util import Background
 from tiny import make_hf_model, make_tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -100,36 +98,6 @@ def _port_free(port: int) -> bool:
         except OSError:
             return False
     return True
-
-
-class Background:
-    """`specscope serve ...` in a subprocess until it prints where it listens."""
-
-    def __init__(self, argv: list[str], env: dict, cwd: Path):
-        import tempfile
-
-        self.err = tempfile.TemporaryFile(mode="w+")
-        self.proc = subprocess.Popen([sys.executable, "-m", "specscope", *argv], env=env, cwd=cwd, text=True,
-                                     stdout=subprocess.PIPE, stderr=self.err)
-        self.url = None
-        got = threading.Event()
-
-        def read():
-            for line in self.proc.stdout:
-                if line.startswith("listening on "):
-                    self.url = line.split()[-1]
-                    got.set()
-
-        threading.Thread(target=read, daemon=True).start()
-        if not got.wait(300):
-            self.stop()
-            self.err.seek(0)
-            raise RuntimeError(f"`specscope {' '.join(argv)}` did not start: {self.err.read()[-2000:]}")
-
-    def stop(self):
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
 
 
 # ------------------------------------------------------------------------------------------------ the runner

@@ -11,14 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field, asdict
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from specscope.engine.kv_cache import KVCache
 from specscope.errors import SpecscopeError
 from specscope.models.config import ModelConfig
 from specscope.models.llama import MLP, Attention, RMSNorm
-from specscope.models.rope import apply_rope, rope_table
+from specscope.models.rope import rope_table
 
 
 ROPE_CHUNK = 4096

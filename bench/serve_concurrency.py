@@ -19,8 +19,6 @@ import asyncio
 import json
 import os
 import platform
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -30,7 +28,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from serve_load import prompts as load_prompt_list, start_server  # noqa: E402  (the same server start-up)
+from serve_load import prompts as load_prompt_list, start_server, stop_server  # noqa: E402  (the same server)
 
 
 async def one_request(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int) -> dict:
@@ -176,12 +174,7 @@ def main():
         scrape = parse_text(httpx.get(url + "/metrics").text)
         health_after = httpx.get(url + "/health").status_code
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            exit_code = proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            exit_code = "killed after 60 s"
+        exit_code = stop_server(proc)
     load_after = os.getloadavg()
 
     fin = run["finished"]

@@ -54,6 +54,16 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
     return proc, url["u"]
 
 
+def stop_server(proc: subprocess.Popen):
+    """SIGTERM, as a process manager would; the exit code (or what happened instead)."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return "killed after 60 s"
+
+
 def prompts(n: int) -> tuple[str, list[str]]:
     from specscope.prompts import load_prompts
     from specscope.errors import SpecscopeError
@@ -94,12 +104,7 @@ def main():
         scrape = parse_text(httpx.get(url + "/metrics").text)
         health_after = httpx.get(url + "/health").status_code
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            exit_code = proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            exit_code = "killed after 60 s"
+        exit_code = stop_server(proc)
     lv = out["levels"][0]
     reqs = out["per_request"]
     served = scrape.total("specscope:request_success_total") or 0

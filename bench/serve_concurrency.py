@@ -28,7 +28,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from serve_load import prompts as load_prompt_list, start_server, stop_server  # noqa: E402  (the same server)
+from serve_load import finish, prompts as load_prompt_list, start_server, stop_server  # noqa: E402
 
 
 async def one_request(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int) -> dict:
@@ -230,10 +230,7 @@ def main():
         print(f"  {k:5s} ms: " + "  ".join(f"{s} {d.get(f'{s}_{k}_ms', 0):8.0f}" for s in ("p50", "p90", "p99", "max")))
     q, i = r["server_queue_time_mean_s"], r["server_inference_time_mean_s"]
     print(f"  server: mean queue time {q or 0:.2f} s, mean decode time {i or 0:.2f} s per request")
-    for k, v in checks.items():
-        print(f"  {'ok ' if v else 'FAIL'} {k}")
-    print(f"wrote {args.out}")
-    sys.exit(0 if all(checks.values()) else 1)
+    finish(checks, args.out)
 
 
 if __name__ == "__main__":

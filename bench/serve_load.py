@@ -64,6 +64,14 @@ def stop_server(proc: subprocess.Popen):
         return "killed after 60 s"
 
 
+def finish(checks: dict, out):
+    """Print each check, say where the result went, and exit non-zero when any check failed."""
+    for k, v in checks.items():
+        print(f"  {'ok ' if v else 'FAIL'} {k}")
+    print(f"wrote {out}")
+    sys.exit(0 if all(checks.values()) else 1)
+
+
 def prompts(n: int) -> tuple[str, list[str]]:
     from specscope.prompts import load_prompts
     from specscope.errors import SpecscopeError
@@ -144,10 +152,7 @@ def main():
     sm = result["server_metrics"] or {}
     if sm.get("accept_length"):
         print(f"  τ from /metrics: {sm['accept_length']:.2f}")
-    for k, v in checks.items():
-        print(f"  {'ok ' if v else 'FAIL'} {k}")
-    print(f"wrote {args.out}")
-    sys.exit(0 if all(checks.values()) else 1)
+    finish(checks, args.out)
 
 
 if __name__ == "__main__":

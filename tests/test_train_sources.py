@@ -6,8 +6,8 @@ import json
 import pytest
 
 from specscope.errors import SpecscopeError
-from specscope.train.data import open_for_append
-from specscope.train.pipeline import _read_jsonl, gather_prompts
+from specscope.train.data import open_for_append, read_jsonl
+from specscope.train.pipeline import gather_prompts
 from specscope.train.sources import EvalOverlap, read_user_turns, user_turn, user_turn_problem
 
 
@@ -61,5 +61,5 @@ def test_append_after_a_torn_line_starts_clean(tmp_path):
     f.write_text('{"id": "a", "x": 1}\n{"id": "b", "x": ')          # killed mid-write
     with open_for_append(f) as out:
         out.write(json.dumps({"id": "c", "x": 3}) + "\n")
-    assert [r["id"] for r in _read_jsonl(f)] == ["a", "c"]
+    assert [r["id"] for r in read_jsonl(f)] == ["a", "c"]
     assert f.read_text().count("\n") == 2

@@ -198,6 +198,22 @@ def open_for_append(path: Path):
     return open(path, "a", encoding="utf-8")
 
 
+def read_jsonl(path: Path) -> list[dict]:
+    """Records of a JSONL file the data stage wrote; a blank or torn line (a kill mid-write) is skipped. Split on
+    "\\n" only: str.splitlines would also split at U+2028 inside a JSON string."""
+    out = []
+    if not Path(path).exists():
+        return out
+    for line in Path(path).read_text(encoding="utf-8").split("\n"):
+        try:
+            rec = json.loads(line) if line.strip() else None
+        except (json.JSONDecodeError, RecursionError):
+            continue
+        if isinstance(rec, dict):
+            out.append(rec)
+    return out
+
+
 def write_json_atomic(path: Path, obj):
     tmp = Path(path).with_name(Path(path).name + ".tmp")
     tmp.write_text(json.dumps(obj))
@@ -216,13 +232,12 @@ def synthesise(model, tok, out_path: Path, n: int, *, batch: int = 16, user_toke
 
     out_path = Path(out_path)
     seen, have = set(), 0
-    if out_path.exists():
-        for line in out_path.read_text(encoding="utf-8").split("\n"):
-            try:
-                seen.add(_dedup_key(normalise(json.loads(line))[0]["content"]))
-                have += 1
-            except (json.JSONDecodeError, ValueError, IndexError, KeyError, RecursionError):
-                continue
+    for rec in read_jsonl(out_path):
+        try:
+            seen.add(_dedup_key(normalise(rec)[0]["content"]))
+            have += 1
+        except (ValueError, IndexError, KeyError):
+            continue
     prefix = magpie_prefix(tok)
     stop = tok.eos_ids
     user_sp = SamplingParams(temperature=user_temperature, top_p=0.95)
@@ -288,13 +303,7 @@ def answer_prompts(model, tok, items: list[dict], out_path: Path, max_new: int, 
     `out_path` a batch at a time. Resumable: ids already in the file are skipped, so a killed run continues where
     it stopped. Prompts go in length order (less padding); batch i is seeded with (seed, first id)."""
     out_path = Path(out_path)
-    done = set()
-    if out_path.exists():
-        for line in out_path.read_text(encoding="utf-8").split("\n"):
-            try:
-                done.add(json.loads(line)["id"])
-            except (json.JSONDecodeError, KeyError, TypeError):
-                continue
+    done = {rec["id"] for rec in read_jsonl(out_path) if "id" in rec}
     todo = [it for it in items if it["id"] not in done]
     enc = [(it, tok.encode_messages([{"role": "user", "content": it["prompt"]}])) for it in todo]
     enc.sort(key=lambda x: len(x[1]))

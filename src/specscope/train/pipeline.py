@@ -56,19 +56,6 @@ class Rate:
         self.log(f"{self.what} {n}/{self.total} ({rate:.1f}/s, {eta})")
 
 
-def _read_jsonl(path: Path) -> list[dict]:
-    """Records of a JSONL file the data stage wrote; a torn line (a kill mid-write) is skipped."""
-    out = []
-    for line in path.read_text(encoding="utf-8").split("\n"):
-        try:
-            rec = json.loads(line) if line.strip() else None
-        except json.JSONDecodeError:
-            continue
-        if isinstance(rec, dict):
-            out.append(rec)
-    return out
-
-
 def gather_prompts(files: list[str], overlap, log=print) -> tuple[list[dict], dict]:
     """Real prompt files -> de-duplicated items {"id", "prompt", "source"}, with those overlapping evaluation
     prompts dropped (and counted)."""
@@ -112,8 +99,8 @@ def data_stage(workdir: Path, model, tok, tinfo: dict, *, dataset: str | None = 
                prompt_files: list[str] | None = None, answer_batch: int = 32, capture_batch: int = 4,
                user_temperature: float = 0.8) -> dict:
     from specscope.engine.sampling import SamplingParams
-    from specscope.train.data import (answer_prompts, capture, read_conversations, regenerate as regen,
-                                      synthesise)
+    from specscope.train.data import (answer_prompts, capture, read_conversations, read_jsonl,
+                                      regenerate as regen, synthesise)
     from specscope.train.sources import EvalOverlap
 
     workdir.mkdir(parents=True, exist_ok=True)
@@ -139,10 +126,10 @@ def data_stage(workdir: Path, model, tok, tinfo: dict, *, dataset: str | None = 
             except json.JSONDecodeError:
                 report["synth_filter"] = {}
         order = {it["id"]: k for k, it in enumerate(items)}
-        recs = _read_jsonl(answers)
+        recs = read_jsonl(answers)
         recs = sorted({r["id"]: r for r in recs if r["id"] in order}.values(), key=lambda r: order[r["id"]])
         if synth > 0:
-            recs += _read_jsonl(workdir / "synth.jsonl")[:synth]
+            recs += read_jsonl(workdir / "synth.jsonl")[:synth]
         tmp = out.with_suffix(".tmp")
         tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in recs), encoding="utf-8")
         tmp.replace(out)

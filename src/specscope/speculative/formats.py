@@ -39,7 +39,9 @@ SPECULATORS_ARCHS = ("Eagle3Speculator", "Eagle3DraftModel")
 FORMATS = ("sglang", "speculators")
 DRAFTER_CFG = "drafter config.json"
 LAYER_PREFIX = {"sglang": "midlayer.", "speculators": "layers.0."}
-# written only when neither the source checkpoint nor an installed `speculators` names a version
+# written only when neither the source checkpoint nor an installed `speculators` names a version. Metadata only:
+# vLLM's SpeculatorsConfig reads speculators_model_type, speculators_config and transformer_layer_config and never
+# this field (vllm/transformers_utils/configs/speculators/base.py); released checkpoints carry 0.1.0.dev14 to 0.8.x
 SPECULATORS_VERSION = "0.3.0"
 # vLLM's usual num_speculative_tokens; used only when the source names none and --speculative-tokens is not given
 DEFAULT_SPECULATIVE_TOKENS = 3

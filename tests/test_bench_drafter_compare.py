@@ -1,0 +1,39 @@
+"""bench/drafter_compare.py: τ pooled over cycles (not averaged over prompts), per task and MT-bench category."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+def load():
+    sys.path.insert(0, str(BENCH))
+    try:
+        spec = importlib.util.spec_from_file_location("drafter_compare", BENCH / "drafter_compare.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+def test_summarise_pools_cycles_per_group():
+    dc = load()
+    per = [
+        {"task": "mt_bench", "category": "writing", "accept_lengths": [1, 1, 1, 1], "identical": True},
+        {"task": "mt_bench", "category": "math", "accept_lengths": [4, 4], "identical": True},
+        {"task": "qa", "category": "qa", "accept_lengths": [2], "identical": False},
+    ]
+    s = dc.summarise(per)
+    assert s["mt_bench"]["accept_length"] == 12 / 6          # pooled: 12 tokens over 6 cycles, not (1 + 4) / 2
+    assert s["mt_bench/writing"]["accept_length"] == 1.0
+    assert s["mt_bench/math"]["accept_length"] == 4.0
+    assert s["qa"]["accept_length"] == 2.0 and s["qa"]["identical"] == 0
+    assert s["overall"] == {"accept_length": 14 / 7, "cycles": 7, "identical": 2, "prompts": 3}
+    assert "mt_bench/qa" not in s
+
+
+def test_shape_parses_steps_topk_draft_tokens():
+    c = load().shape("3,2,6")
+    assert (c.steps, c.topk, c.draft_tokens) == (3, 2, 6)

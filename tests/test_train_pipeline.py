@@ -250,3 +250,22 @@ def test_capture_extends_partial_last_shard(prepared, tmp_path):
     assert len(CapturedData(tmp_path / "d").seqs) == 8
     m = capture(model, tok, convs[:4], tmp_path / "d", [2, 4, 5], shard_size=4)   # fewer: only those are listed
     assert m["sequences"] == 4 and len(CapturedData(tmp_path / "d")) == 4
+
+
+def test_synth_only_work_directory_is_adopted_not_overwritten(tmp_path):
+    """A synth-only work directory from before synth.jsonl (Magpie conversations appended to conversations.jsonl,
+    state beside it) moves to synth.jsonl, where synthesis resumes and --prompt-file runs assemble from; a directory
+    already in the new layout, or a plain assembled conversations.jsonl, is left as it is."""
+    from specscope.train.pipeline import _adopt_synth_only_layout
+
+    out, synth = tmp_path / "conversations.jsonl", tmp_path / "synth.jsonl"
+    lines = "".join(json.dumps({"messages": [{"role": "user", "content": f"q{i}"},
+                                             {"role": "assistant", "content": "a"}]}) + "\n" for i in range(3))
+    out.write_text(lines)
+    (tmp_path / "conversations.jsonl.state.json").write_text('{"next_batch": 1, "seed": 1}')
+    _adopt_synth_only_layout(out, synth, log=lambda m: None)
+    assert synth.read_text() == lines and not out.exists()
+    assert json.loads((tmp_path / "synth.jsonl.state.json").read_text())["next_batch"] == 1
+    out.write_text("assembled\n")                     # the new layout: nothing moves again
+    _adopt_synth_only_layout(out, synth, log=lambda m: None)
+    assert out.read_text() == "assembled\n" and synth.read_text() == lines

@@ -1,6 +1,8 @@
 """The `specscope train` stages over one work directory, each resumable:
 
-    WORKDIR/conversations.jsonl   synthesised (Magpie) or regenerated conversations
+    WORKDIR/answers.jsonl         the target's answers to --prompt-file prompts (appended, resumable)
+    WORKDIR/synth.jsonl           Magpie conversations synthesised from the target (appended, resumable)
+    WORKDIR/conversations.jsonl   the training conversations: answers + synth, or a regenerated --dataset
     WORKDIR/data/                 captured target features: manifest.json + safetensors shards
     WORKDIR/vocab.pt              d2t / t2d and the response-token coverage
     WORKDIR/train/                metrics.jsonl, checkpoints/ (model, optimizer, scheduler, RNG)
@@ -93,6 +95,17 @@ def gather_prompts(files: list[str], overlap, log=print) -> tuple[list[dict], di
     return items, report
 
 
+def _adopt_synth_only_layout(out: Path, synth_path: Path, log) -> None:
+    """Work directories from before synth.jsonl: a synth-only run appended its Magpie conversations straight to
+    conversations.jsonl (with its .state.json beside it). Move them where synthesis now appends, so resuming, or
+    adding --prompt-file, continues them instead of overwriting them."""
+    state = out.with_name(out.name + ".state.json")
+    if state.exists() and out.exists() and not synth_path.exists():
+        out.replace(synth_path)
+        state.replace(synth_path.with_name(synth_path.name + ".state.json"))
+        log(f"moved the synthesised conversations of {out} to {synth_path} (where synthesis appends now)")
+
+
 def data_stage(workdir: Path, model, tok, tinfo: dict, *, dataset: str | None = None, synth: int = 0,
                regenerate: str = "none", aux_layers: list[int], synth_batch: int = 16, user_tokens: int = 64,
                response_tokens: int = 192, max_len: int = 1024, seed: int = 0, gen_model=None, log=print,
@@ -106,16 +119,22 @@ def data_stage(workdir: Path, model, tok, tinfo: dict, *, dataset: str | None = 
     workdir.mkdir(parents=True, exist_ok=True)
     gen_model = gen_model or model
     out = workdir / "conversations.jsonl"
-    if prompt_files:
-        # real prompts answered by the target, then (optionally) Magpie conversations for breadth
+    synth_path = workdir / "synth.jsonl"
+    if synth > 0 and not dataset:
+        _adopt_synth_only_layout(out, synth_path, log)
+    if prompt_files or (synth > 0 and not dataset):
+        # real prompts answered by the target, then (optionally) Magpie conversations for breadth. Synthesis always
+        # appends to synth.jsonl and conversations.jsonl is always rebuilt from the two, so adding --prompt-file to
+        # a synth-only work directory (or the other way round) keeps everything generated so far
         overlap = EvalOverlap()
-        items, report = gather_prompts(prompt_files, overlap, log)
-        sp = SamplingParams(temperature=0.0 if regenerate in ("none", "greedy") else 0.8, top_p=0.95, seed=seed)
+        items, report = (gather_prompts(prompt_files, overlap, log) if prompt_files else
+                         ([], {"files": [], "dropped_overlap": 0, "dropped_duplicate": 0, "examples": []}))
         answers = workdir / "answers.jsonl"
-        answer_prompts(gen_model, tok, items, answers, response_tokens, sp, batch=answer_batch, seed=seed,
-                       progress=Rate("answered", len(items), log))
+        if items:
+            sp = SamplingParams(temperature=0.0 if regenerate in ("none", "greedy") else 0.8, top_p=0.95, seed=seed)
+            answer_prompts(gen_model, tok, items, answers, response_tokens, sp, batch=answer_batch, seed=seed,
+                           progress=Rate("answered", len(items), log))
         if synth > 0:
-            synth_path = workdir / "synth.jsonl"
             r = Rate("synthesised", synth, log)
             synthesise(gen_model, tok, synth_path, synth, batch=synth_batch, user_tokens=user_tokens,
                        response_tokens=response_tokens, seed=seed, user_temperature=user_temperature,
@@ -126,10 +145,10 @@ def data_stage(workdir: Path, model, tok, tinfo: dict, *, dataset: str | None = 
             except json.JSONDecodeError:
                 report["synth_filter"] = {}
         order = {it["id"]: k for k, it in enumerate(items)}
-        recs = read_jsonl(answers)
+        recs = read_jsonl(answers) if items else []
         recs = sorted({r["id"]: r for r in recs if r["id"] in order}.values(), key=lambda r: order[r["id"]])
         if synth > 0:
-            recs += read_jsonl(workdir / "synth.jsonl")[:synth]
+            recs += read_jsonl(synth_path)[:synth]
         tmp = out.with_suffix(".tmp")
         tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in recs), encoding="utf-8")
         tmp.replace(out)
@@ -152,13 +171,6 @@ def data_stage(workdir: Path, model, tok, tinfo: dict, *, dataset: str | None = 
                 tmp = out.with_suffix(".tmp")
                 tmp.write_text("".join(json.dumps({"messages": c}) + "\n" for c in convs))
                 tmp.replace(out)
-    elif synth > 0:
-        have = synthesise(gen_model, tok, out, synth, batch=synth_batch, user_tokens=user_tokens,
-                          response_tokens=response_tokens, seed=seed, user_temperature=user_temperature,
-                          progress=Rate("synthesised", synth, log))
-        convs, rep = read_conversations(out)
-        convs = convs[:synth]
-        log(f"{have} synthesised conversations in {out}")
     else:
         raise SpecscopeError("the data stage needs --prompt-file FILE, --dataset JSONL or --synth N "
                              "(conversations to synthesise)")

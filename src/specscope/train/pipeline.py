@@ -45,7 +45,7 @@ class Rate:
         self.t0 = self.last = time.monotonic()
         self.start = start
 
-    def __call__(self, n: int, force: bool = False):
+    def __call__(self, n: int, force: bool = False, info: str = ""):
         import time
 
         now = time.monotonic()
@@ -55,7 +55,8 @@ class Rate:
         rate = (n - self.start) / max(now - self.t0, 1e-9)
         left = (self.total - n) / rate if rate > 0 else float("inf")
         eta = f"{int(left // 60)}m{int(left % 60):02d}s left" if left != float("inf") else "rate unknown yet"
-        self.log(f"{self.what} {n}/{self.total} ({rate:.1f}/s, {eta})")
+        per_s = f"{rate:.2f}/s" if rate < 1 else f"{rate:.1f}/s"
+        self.log(f"{self.what} {n}/{self.total} ({per_s}, {eta}){' ' + info if info else ''}")
 
 
 def gather_prompts(files: list[str], overlap, log=print) -> tuple[list[dict], dict]:

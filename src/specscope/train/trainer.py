@@ -251,6 +251,11 @@ def train(drafter, embed: torch.Tensor, lm_head_w: torch.Tensor, data, out_dir: 
 
     tokens_seen = step * _avg_tokens(data, train_idx, cfg.batch_size)
     bar = _progress(progress and rank == 0, cfg.total_steps, step)
+    # no live bar (--no-progress, or stderr is not a terminal: nohup, CI): a log line a minute with the rate and
+    # the time left instead, so an hours-long run says how it is doing
+    from specscope.train.pipeline import Rate
+
+    lines = Rate("train step", cfg.total_steps, log, start=step, every_s=60.0) if bar is None and rank == 0 else None
     t0, done_here, last = time.time(), 0, None
     best = _best_so_far(ckpt_dir)
     try:
@@ -279,6 +284,8 @@ def train(drafter, embed: torch.Tensor, lm_head_w: torch.Tensor, data, out_dir: 
                     cfg.total_steps = max(fit, step + 1)
                     if bar:
                         bar.p.update(bar.task, total=cfg.total_steps)
+                    if lines:
+                        lines.total = cfg.total_steps
             ntok = torch.tensor([float(batch["valid"].sum())])
             all_reduce_(ntok)
             tokens_seen += int(ntok)
@@ -290,6 +297,8 @@ def train(drafter, embed: torch.Tensor, lm_head_w: torch.Tensor, data, out_dir: 
             last = rec
             if bar:
                 bar.update(step, loss=rec["loss"], acc0=s["acc"][0], tau=s["sim_tau"])
+            elif lines:
+                lines(step, info=f"loss {rec['loss']:.3f} acc0 {s['acc'][0]:.3f} τ {s['sim_tau']:.2f}")
             out_of_time = cfg.max_minutes is not None and time.time() - t0 > cfg.max_minutes * 60
             if world > 1 and cfg.max_minutes is not None:
                 flag = torch.tensor([float(out_of_time)])
@@ -315,9 +324,12 @@ def train(drafter, embed: torch.Tensor, lm_head_w: torch.Tensor, data, out_dir: 
                                 "drafter_config": drafter.config.to_dict(),
                                 "meta": {**(meta or {}), "tokens": tokens_seen, "eval": ev}}, ckpt_dir / "best.tmp")
                     os.replace(ckpt_dir / "best.tmp", ckpt_dir / "best.pt")
+                note = (f"step {step}: held-out acc_0 {ev['acc'][0]:.3f} sim τ {ev['sim_tau']:.2f} "
+                        f"chain τ {ev['chain_tau']:.2f}")
                 if bar:
-                    bar.note(f"step {step}: held-out acc_0 {ev['acc'][0]:.3f} sim τ {ev['sim_tau']:.2f} "
-                             f"chain τ {ev['chain_tau']:.2f}")
+                    bar.note(note)
+                else:
+                    log(note)
             if step % cfg.ckpt_every == 0 or step == cfg.total_steps or out_of_time:
                 if rank == 0:
                     save_checkpoint(ckpt_dir, step, drafter, opt, sched, cfg, {**(meta or {}), "tokens": tokens_seen})
@@ -355,10 +367,12 @@ def _avg_tokens(data, idx, bs):
 
 
 class _progress:
-    """A rich progress bar (stderr), or nothing when not wanted."""
+    """A rich progress bar on a terminal's stderr; None when not wanted or when stderr is not a terminal."""
 
     def __new__(cls, enabled, total, start):
-        if not enabled:
+        from rich.console import Console
+
+        if not enabled or not Console(stderr=True).is_terminal:
             return None
         return super().__new__(cls)
 

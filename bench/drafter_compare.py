@@ -75,29 +75,36 @@ def main(argv=None):
     from specscope.engine.session import load_target, stop_ids_for
     from specscope.models.hub import cache_dir
     from specscope.speculative.decode import build_drafter, drafter_path, speculative_generate
+    from specscope.train.data import open_for_append, read_jsonl
 
     transformers.logging.set_verbosity_error()
     console = Console(stderr=True)
     target, tok, path = load_target("smollm2-135m", "fp32", "cpu")
     stop = stop_ids_for(target, tok)
     prompts = pick_prompts(args.tasks.split(","), args.limit, args.mt_bench_limit)
+    shapes = {s: shape(s) for s in args.shape}          # a bad --shape fails before any decoding
+    if len(set(args.draft)) != len(args.draft):
+        sys.exit("--draft: each drafter once")
     drafters = {d: build_drafter(d, target) for d in args.draft}
+    # a column per (drafter, shape), named by the drafter's folder; two folders named alike (two work directories'
+    # `drafter/`) are told apart by their parent
+    short = {d: Path(d).name for d in args.draft}
+    if len(set(short.values())) < len(short):
+        short = {d: "/".join(Path(d).expanduser().resolve().parts[-2:]) if Path(d).exists() else d for d in args.draft}
     columns = [(d, s) for d in args.draft for s in args.shape]
-    name = {c: f"{Path(c[0]).name} {c[1].replace(',', 'x')}" for c in columns}
+    name = {c: f"{short[c[0]]} {c[1].replace(',', 'x')}" for c in columns}
+    if len(set(name.values())) < len(name):
+        sys.exit("--draft: two drafters would share a column name; give their directories distinct names")
 
     # the state file is keyed by what changes the numbers, drafter files included (a retrained drafter, new state)
     key = {k: v for k, v in vars(args).items() if k not in ("out", "fresh", "threads")}
     key["files"] = {d: sorted((p.name, p.stat().st_size, int(p.stat().st_mtime))
-                              for p in drafter_path(d).iterdir() if p.is_file()) for d in args.draft}
+                              for p in drafter_path(d).iterdir() if p.is_file()) for d in args.draft if d != "ngram"}
     state = cache_dir() / "bench" / f"drafter_compare-{hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]}.jsonl"
     state.parent.mkdir(parents=True, exist_ok=True)
     if args.fresh and state.exists():
         state.unlink()
-    done = {}
-    for line in (state.read_text().splitlines() if state.exists() else []):
-        if line.strip():
-            rec = json.loads(line)
-            done[rec["question_id"]] = rec["per"]
+    done = {rec["question_id"]: rec["per"] for rec in read_jsonl(state) if "question_id" in rec}
     if done:
         console.print(f"resuming: {len(done)} of {len(prompts)} prompts already decoded ({state})")
 
@@ -110,10 +117,10 @@ def main(argv=None):
             rec = {}
             for c in columns:
                 r = speculative_generate(target, drafters[c[0]], ids, args.max_new_tokens, stop_ids=stop,
-                                         cfg=shape(c[1]))
+                                         cfg=shapes[c[1]])
                 rec[name[c]] = {"question_id": p["question_id"], "task": p["task"], "category": p["category"],
                                 "accept_lengths": r.extra["accept_lengths"], "identical": r.token_ids == base}
-            with open(state, "a") as f:
+            with open_for_append(state) as f:        # a line torn by a kill is cut first
                 f.write(json.dumps({"question_id": p["question_id"], "per": rec}) + "\n")
             done[p["question_id"]] = rec
             measured += 1

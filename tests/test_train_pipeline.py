@@ -253,6 +253,12 @@ def test_capture_extends_partial_last_shard(prepared, tmp_path):
     assert len(CapturedData(tmp_path / "d").seqs) == 8
     m = capture(model, tok, convs[:4], tmp_path / "d", [2, 4, 5], shard_size=4)   # fewer: only those are listed
     assert m["sequences"] == 4 and len(CapturedData(tmp_path / "d")) == 4
+    # the same count but other conversations in the first shard (a prompt file added in front): captured again
+    swapped = convs[4:8] + convs[:4]
+    capture(model, tok, swapped, tmp_path / "d", [2, 4, 5], shard_size=4)
+    assert (tmp_path / "d" / "shard-00000.safetensors").stat().st_mtime_ns != first
+    want = sorted(len(tokenize_conversation(tok, c, 1024)[0]) for c in swapped[:4])
+    assert sorted(len(q["input_ids"]) for q in CapturedData(tmp_path / "d").seqs[:4]) == want
 
 
 def test_synth_only_work_directory_is_adopted_not_overwritten(tmp_path):
@@ -263,7 +269,13 @@ def test_synth_only_work_directory_is_adopted_not_overwritten(tmp_path):
 
     out, synth = tmp_path / "conversations.jsonl", tmp_path / "synth.jsonl"
     lines = "".join(json.dumps({"messages": [{"role": "user", "content": f"q{i}"},
-                                             {"role": "assistant", "content": "a"}]}) + "\n" for i in range(3))
+                                             {"role": "assistant", "content": "a"}], "source": "magpie"}) + "\n"
+                    for i in range(3))
+    answers = json.dumps({"id": "gsm8k:0", "source": "gsm8k", "messages": []}) + "\n"
+    out.write_text(answers + lines)                 # already reassembled by an older --prompt-file run: stays put
+    (tmp_path / "conversations.jsonl.state.json").write_text('{"next_batch": 1, "seed": 1}')
+    _adopt_synth_only_layout(out, synth, log=lambda m: None)
+    assert out.read_text() == answers + lines and not synth.exists()
     out.write_text(lines)
     (tmp_path / "conversations.jsonl.state.json").write_text('{"next_batch": 1, "seed": 1}')
     _adopt_synth_only_layout(out, synth, log=lambda m: None)

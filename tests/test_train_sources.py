@@ -63,3 +63,13 @@ def test_append_after_a_torn_line_starts_clean(tmp_path):
         out.write(json.dumps({"id": "c", "x": 3}) + "\n")
     assert [r["id"] for r in read_jsonl(f)] == ["a", "c"]
     assert f.read_text().count("\n") == 2
+
+
+def test_a_kill_inside_a_multibyte_character_is_a_torn_line(tmp_path):
+    f = tmp_path / "synth.jsonl"
+    whole = json.dumps({"id": "a", "x": "naïve"}, ensure_ascii=False) + "\n"
+    f.write_bytes(whole.encode() + json.dumps({"id": "b", "x": "café"}, ensure_ascii=False).encode()[:-3])
+    assert [r["id"] for r in read_jsonl(f)] == ["a"]
+    with open_for_append(f) as out:
+        out.write(json.dumps({"id": "c", "x": "ok"}) + "\n")
+    assert [r["id"] for r in read_jsonl(f)] == ["a", "c"]

@@ -204,10 +204,11 @@ def read_jsonl(path: Path) -> list[dict]:
     out = []
     if not Path(path).exists():
         return out
-    for line in Path(path).read_text(encoding="utf-8").split("\n"):
-        try:
+    for raw in Path(path).read_bytes().split(b"\n"):
+        try:        # decoded line by line: a kill mid-write can also cut a multi-byte character in two
+            line = raw.decode("utf-8")
             rec = json.loads(line) if line.strip() else None
-        except (json.JSONDecodeError, RecursionError):
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
             continue
         if isinstance(rec, dict):
             out.append(rec)
@@ -353,8 +354,8 @@ def regenerate(model, tok, convs: list[list[dict]], max_new: int, sp: SamplingPa
 
 # ---------------------------------------------------------------- capture into shards
 
-def conv_hash(ids: list[int]) -> str:
-    return hashlib.sha1(json.dumps(ids).encode()).hexdigest()[:16]
+def conv_hash(obj) -> str:
+    return hashlib.sha1(json.dumps(obj, sort_keys=True, ensure_ascii=False).encode()).hexdigest()[:16]
 
 
 @torch.no_grad()
@@ -395,10 +396,13 @@ def capture(model, tok, convs: list[list[dict]], out_dir: Path, aux_layers: list
                     "target": target_info or {}, "shard_size": shard_size, "shards": [], "skipped": 0}
     shard_size = manifest["shard_size"]
     n_shards = (len(convs) + shard_size - 1) // shard_size
-    # a shard is done when it covered as many conversations as it should now (a last, partial shard is redone
-    # when more conversations arrive)
+    # a shard is done when it holds the very conversations it should now: a last, partial shard is redone when
+    # more arrive, and any shard whose conversations changed (a prompt file added in front of synthesised ones) is
+    # captured again. Manifests from before the hash are trusted on the count alone.
     want = {si: len(convs[si * shard_size:(si + 1) * shard_size]) for si in range(n_shards)}
-    done = {s["index"] for s in manifest["shards"] if s.get("conversations", s["sequences"]) == want.get(s["index"])}
+    digest = {si: conv_hash(convs[si * shard_size:(si + 1) * shard_size]) for si in range(n_shards)}
+    done = {s["index"] for s in manifest["shards"] if s.get("conversations", s["sequences"]) == want.get(s["index"])
+            and s.get("conv_hash", digest.get(s["index"])) == digest.get(s["index"])}
     manifest["shards"] = [s for s in manifest["shards"] if s["index"] in done]
     for si in range(n_shards):
         if si in done:
@@ -433,11 +437,11 @@ def capture(model, tok, convs: list[list[dict]], out_dir: Path, aux_layers: list
             save_file(flat, str(tmp))
             os.replace(tmp, out_dir / name)
             manifest["shards"].append({"index": si, "file": name, "conversations": want[si],
-                                       "sequences": len(offsets) - 1,
+                                       "conv_hash": digest[si], "sequences": len(offsets) - 1,
                                        "tokens": offsets[-1], "loss_tokens": int(flat["loss_mask"].sum())})
         else:
-            manifest["shards"].append({"index": si, "file": None, "conversations": want[si], "sequences": 0,
-                                       "tokens": 0, "loss_tokens": 0})
+            manifest["shards"].append({"index": si, "file": None, "conversations": want[si],
+                                       "conv_hash": digest[si], "sequences": 0, "tokens": 0, "loss_tokens": 0})
         manifest["shards"].sort(key=lambda x: x["index"])
         _write_manifest(manifest, mpath)
         if progress:

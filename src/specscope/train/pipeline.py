@@ -101,7 +101,13 @@ def _adopt_synth_only_layout(out: Path, synth_path: Path, log) -> None:
     conversations.jsonl (with its .state.json beside it). Move them where synthesis now appends, so resuming, or
     adding --prompt-file, continues them instead of overwriting them."""
     state = out.with_name(out.name + ".state.json")
-    if state.exists() and out.exists() and not synth_path.exists():
+    if not (state.exists() and out.exists()) or synth_path.exists():
+        return
+    from specscope.train.data import read_jsonl
+
+    recs = read_jsonl(out)
+    # only Magpie records: one an older --prompt-file run already reassembled (answers carry an "id") stays put
+    if recs and all(r.get("source") == "magpie" and "id" not in r for r in recs):
         out.replace(synth_path)
         state.replace(synth_path.with_name(synth_path.name + ".state.json"))
         log(f"moved the synthesised conversations of {out} to {synth_path} (where synthesis appends now)")
@@ -121,9 +127,10 @@ def data_stage(workdir: Path, model, tok, tinfo: dict, *, dataset: str | None = 
     gen_model = gen_model or model
     out = workdir / "conversations.jsonl"
     synth_path = workdir / "synth.jsonl"
-    if synth > 0 and not dataset:
+    assemble = bool(prompt_files) or (synth > 0 and not dataset)
+    if assemble:
         _adopt_synth_only_layout(out, synth_path, log)
-    if prompt_files or (synth > 0 and not dataset):
+    if assemble:
         # real prompts answered by the target, then (optionally) Magpie conversations for breadth. Synthesis always
         # appends to synth.jsonl and conversations.jsonl is always rebuilt from the two, so adding --prompt-file to
         # a synth-only work directory (or the other way round) keeps everything generated so far
@@ -150,6 +157,12 @@ def data_stage(workdir: Path, model, tok, tinfo: dict, *, dataset: str | None = 
         recs = sorted({r["id"]: r for r in recs if r["id"] in order}.values(), key=lambda r: order[r["id"]])
         if synth > 0:
             recs += read_jsonl(synth_path)[:synth]
+        elif synth_path.exists():
+            log(f"{synth_path} is left out of the training conversations (--synth 0)")
+        if out.exists() and not (workdir / "data_report.json").exists():
+            # a conversations.jsonl this stage did not assemble (put there by hand, or an older layout): keep it
+            out.replace(out.with_name(out.name + ".orig"))
+            log(f"kept the earlier {out.name} as {out.name}.orig")
         tmp = out.with_suffix(".tmp")
         tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in recs), encoding="utf-8")
         tmp.replace(out)

@@ -116,6 +116,11 @@ def main(argv=None):
     from specscope.models.hub import cache_dir
 
     key = {k: v for k, v in vars(args).items() if k not in ("out", "fresh")}
+    if eagle is not None:   # the drafter's files too: retrained weights under the same name are a new measurement
+        from specscope.speculative.decode import drafter_path
+
+        key["draft_files"] = sorted((p.name, p.stat().st_size, int(p.stat().st_mtime))
+                                    for p in drafter_path(args.draft).iterdir() if p.is_file())
     state = cache_dir() / "bench" / f"speculative-{hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]}.jsonl"
     state.parent.mkdir(parents=True, exist_ok=True)
     if args.fresh and state.exists():

@@ -256,3 +256,20 @@ def test_recorded_chain_acceptance_reproduces_measured_tau(tmp_path):
     acc = AcceptanceModel.from_run(srec)
     cost = CostModel.from_runs(srec, None, decode_ms=1.0)
     assert predict(acc, cost, 3, 1, 4)["tau"] == pytest.approx(srec["results"]["accept_length"], abs=1e-4)
+
+
+def test_borrowed_ranks_never_push_siblings_above_one():
+    """A well-fed drafter: deep rank 1 is accepted 0.9 of the time, and the deep row never offered ranks 2-3, which
+    are borrowed from depth 1. Borrowed as they are, the siblings would sum to 1.3 and tree_tau would refuse the
+    tree; scaled to the 0.1 the measured rank leaves, every configuration predicts."""
+    acc = AcceptanceModel(rates=[[0.5, 0.3, 0.1], [0.9]])
+    assert acc.row(1) == [0.5, 0.3, 0.1]
+    assert acc.row(2) == pytest.approx([0.9, 0.075, 0.025])
+    assert acc.rate(2, 1) == 0.9 and acc.rate(2, 3) == pytest.approx(0.025) and acc.rate(2, 4) == 0.0
+    assert acc.row(5) == acc.row(2)                               # deeper than measured: the deepest row
+    assert AcceptanceModel(rates=[[0.5, 0.3, 0.1], [0.4]]).row(2) == [0.4, 0.3, 0.1]   # room enough: as measured
+    cost = CostModel(decode_ms=10.0, step0_ms=1.0, expand_ms=1.0, select_ms=0.0, verify_ms=12.0, other_ms=0.5,
+                     k0=3, n0=8.0, context=100.0)
+    for c in candidate_configs(acc, max_steps=4):
+        r = predict(acc, cost, *c)
+        assert 1.0 <= r["tau"] <= c[0] + 1

@@ -47,10 +47,25 @@ class AcceptanceModel:
         return self.chain[min(d, len(self.chain)) - 1]
 
     def rate(self, d: int, r: int) -> float:
-        for row in reversed(self.rates[:min(d, self.depth)]):
-            if r - 1 < len(row):
-                return row[r - 1]
-        return 0.0
+        row = self.row(d)
+        return row[r - 1] if r - 1 < len(row) else 0.0
+
+    def row(self, d: int) -> list[float]:
+        """Every rank's rate at depth d: the measured ones, then the ranks this depth never offered borrowed from
+        the nearest shallower row. Siblings are exclusive, so when the borrowed ranks would push the row's sum
+        above 1 they are scaled down to what the measured ranks leave (a well-fed drafter: deep rank 1 near 0.9
+        while a shallow rank 3 was 0.1)."""
+        rows = self.rates[:min(d, self.depth)]
+        if not rows:
+            return []
+        own = list(rows[-1])
+        borrowed = []
+        for r in range(len(own), max(len(x) for x in rows)):
+            borrowed.append(next(x[r] for x in reversed(rows) if r < len(x)))
+        room = max(0.0, 1.0 - sum(own))
+        if sum(borrowed) > room:
+            borrowed = [b * room / sum(borrowed) for b in borrowed]
+        return own + borrowed
 
     @classmethod
     def from_counts(cls, accepted, offered, source="rank counts", top_accepted=None,

@@ -31,7 +31,10 @@ ROOT = Path(__file__).resolve().parents[1]
 def shape(s: str):
     from specscope.speculative.decode import SpecConfig
 
-    a, b, c = (int(x) for x in s.split(","))
+    try:
+        a, b, c = (int(x) for x in s.split(","))
+    except ValueError:
+        raise SystemExit(f"--shape {s!r}: expected steps,topk,draft_tokens, e.g. 3,2,6") from None
     return SpecConfig(a, b, c)
 
 

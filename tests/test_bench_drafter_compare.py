@@ -37,3 +37,10 @@ def test_summarise_pools_cycles_per_group():
 def test_shape_parses_steps_topk_draft_tokens():
     c = load().shape("3,2,6")
     assert (c.steps, c.topk, c.draft_tokens) == (3, 2, 6)
+
+
+def test_a_malformed_shape_is_one_clear_line():
+    import pytest
+
+    with pytest.raises(SystemExit, match="expected steps,topk,draft_tokens"):
+        load().shape("3,2")

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from speculative import TASKS, pick_prompts  # noqa: E402  (one prompt selection for both benches)
+from speculative import TASKS, draft_files, pick_prompts  # noqa: E402  (one prompt selection for both benches)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -77,7 +77,7 @@ def main(argv=None):
     from specscope.engine.generate import generate
     from specscope.engine.session import load_target, stop_ids_for
     from specscope.models.hub import cache_dir
-    from specscope.speculative.decode import build_drafter, drafter_path, speculative_generate
+    from specscope.speculative.decode import build_drafter, speculative_generate
     from specscope.train.data import open_for_append, read_jsonl
 
     transformers.logging.set_verbosity_error()
@@ -101,8 +101,7 @@ def main(argv=None):
 
     # the state file is keyed by what changes the numbers, drafter files included (a retrained drafter, new state)
     key = {k: v for k, v in vars(args).items() if k not in ("out", "fresh", "threads")}
-    key["files"] = {d: sorted((p.name, p.stat().st_size, int(p.stat().st_mtime))
-                              for p in drafter_path(d).iterdir() if p.is_file()) for d in args.draft if d != "ngram"}
+    key["files"] = {d: draft_files(d) for d in args.draft}
     state = cache_dir() / "bench" / f"drafter_compare-{hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]}.jsonl"
     state.parent.mkdir(parents=True, exist_ok=True)
     if args.fresh and state.exists():

@@ -32,6 +32,17 @@ def task_of(category: str) -> str:
     return "mt_bench" if category in MT_BENCH else category
 
 
+def draft_files(spec: str) -> list:
+    """What identifies a drafter's weights in a resume key: its files' names, sizes and mtimes (retrained weights
+    under the same name are a new measurement)."""
+    from specscope.speculative.decode import drafter_path
+
+    if spec == "ngram":
+        return []
+    return sorted((p.name, p.stat().st_size, int(p.stat().st_mtime)) for p in drafter_path(spec).iterdir()
+                  if p.is_file())
+
+
 def pick_prompts(tasks, limit, mt_limit=None):
     from specscope.prompts import spec_bench_path
 
@@ -78,6 +89,7 @@ def main(argv=None):
     from specscope.engine.session import load_target, stop_ids_for
     from specscope.speculative.decode import SpecConfig, build_drafter, speculative_generate
     from specscope.errors import SpecscopeError
+    from specscope.train.data import open_for_append, read_jsonl
 
     transformers.logging.set_verbosity_error()
     console = Console(stderr=True)
@@ -116,21 +128,14 @@ def main(argv=None):
     from specscope.models.hub import cache_dir
 
     key = {k: v for k, v in vars(args).items() if k not in ("out", "fresh")}
-    if eagle is not None:   # the drafter's files too: retrained weights under the same name are a new measurement
-        from specscope.speculative.decode import drafter_path
-
-        key["draft_files"] = sorted((p.name, p.stat().st_size, int(p.stat().st_mtime))
-                                    for p in drafter_path(args.draft).iterdir() if p.is_file())
+    if eagle is not None:
+        key["draft_files"] = draft_files(args.draft)
     state = cache_dir() / "bench" / f"speculative-{hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]}.jsonl"
     state.parent.mkdir(parents=True, exist_ok=True)
     if args.fresh and state.exists():
         state.unlink()
-    done = {}
-    if state.exists():
-        for line in state.read_text().split("\n"):
-            if line.strip():
-                rec = json.loads(line)
-                done[rec["question_id"]] = rec["per"]
+    done = {rec["question_id"]: rec["per"] for rec in read_jsonl(state) if "question_id" in rec}
+    if done:
         console.print(f"resuming: {len(done)} of {len(prompts)} prompts already measured ({state})")
     measured, t_start = 0, time.perf_counter()
     with Progress(*Progress.get_default_columns(), console=console, transient=True) as prog:
@@ -168,7 +173,7 @@ def main(argv=None):
                                "tokens": len(out), "seconds": secs, "tok_per_s": len(out) / secs,
                                "identical": out == base, **extra})
                 prog.advance(task)
-            with open(state, "a") as f:
+            with open_for_append(state) as f:        # a line torn by a kill is cut first
                 f.write(json.dumps({"question_id": p["question_id"], "per": {m: per[m][-1] for m in methods}}) + "\n")
             measured += 1
             if not console.is_terminal:   # no live bar without a terminal: a line per 10 prompts, rate and time left

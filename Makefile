@@ -23,4 +23,14 @@ test: $(STAMP)
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow
 
-.PHONY: install demo test test-slow
+# the aarch64 cross compiler and qemu-user, so tests/test_kernels_isa.py checks the NEON kernels on an x86 host
+# (Debian packages; skipped with a note where apt or root is missing -- the test then says why it skipped)
+kernel-tools:
+	@if command -v aarch64-linux-gnu-g++ >/dev/null && command -v qemu-aarch64 >/dev/null; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  (apt-get install -y -qq g++-aarch64-linux-gnu qemu-user >/dev/null 2>&1 || \
+	   (apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq g++-aarch64-linux-gnu qemu-user >/dev/null 2>&1)) \
+	  || echo "note: could not install g++-aarch64-linux-gnu qemu-user; the NEON kernel check will be skipped"; \
+	else echo "note: no root/apt-get: the NEON kernel check will be skipped (install g++-aarch64-linux-gnu qemu-user)"; fi
+
+.PHONY: install demo test test-slow kernel-tools

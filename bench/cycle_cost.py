@@ -167,8 +167,10 @@ class Bandwidth:
             W = buf.view(-1, 2048)
             x = torch.randn(1, 2048).to(dtype)
             if rowgemm.available() and dtype == torch.float32:
-                p = rowgemm.pack(W, 32)
-                self.fns["rowgemm 1-row"] = lambda: rowgemm.gemm(x, p, 32, W.shape[0], None, 6)
+                plan = rowgemm.default_plan(*W.shape)   # untuned: tuning a 256 MB weight would take minutes
+                nb, rb = plan["nb"], rowgemm.rb_for(plan, 1)
+                p = rowgemm.pack(W, nb)
+                self.fns["rowgemm 1-row"] = lambda: rowgemm.gemm(x, p, nb, W.shape[0], None, rb)
             if dtype in (torch.float32, torch.bfloat16):
                 P = torch.ops.mkldnn._reorder_linear_weight(W, None)
                 self.fns["oneDNN 1-row"] = lambda: torch.ops.mkldnn._linear_pointwise(x, P, None, "none", [], "")

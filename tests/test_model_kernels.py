@@ -13,7 +13,8 @@ from specscope.models.linear import PackedLinear, pack_linears
 from specscope.speculative.tree import DraftTree
 from tiny import make_hf_model
 
-needs_kernels = pytest.mark.skipif(not rowgemm.available(), reason="no AVX-512 or no C++ compiler here")
+needs_kernels = pytest.mark.skipif(not rowgemm.available(),
+                                   reason="no AVX-512, AVX2+FMA or NEON CPU, or no C++ compiler here")
 
 
 def _variants():
@@ -173,7 +174,7 @@ def test_builds_into_the_cache_dir_on_first_use(tmp_path, monkeypatch, fresh_lib
 def test_without_a_compiler_it_warns_once_and_uses_the_stock_path(tmp_path, monkeypatch, capsys, fresh_library):
     monkeypatch.setenv("SPECSCOPE_CACHE", str(tmp_path))
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
-    monkeypatch.setattr(rowgemm, "cpu_flags", lambda: set(rowgemm.NEEDS))
+    monkeypatch.setattr(rowgemm, "cpu_flags", lambda: set(rowgemm.ISAS["avx2"][0]))
     monkeypatch.setattr(rowgemm.platform, "machine", lambda: "x86_64")
     lin = nn.Linear(32, 48)
     m = nn.Sequential(lin, nn.ReLU(), nn.Linear(48, 16))
@@ -187,10 +188,46 @@ def test_without_a_compiler_it_warns_once_and_uses_the_stock_path(tmp_path, monk
     assert not (tmp_path / "kernels").exists() or not list((tmp_path / "kernels").glob("*.so"))
 
 
-def test_kernels_can_be_switched_off(monkeypatch, capsys, fresh_library):
-    monkeypatch.setenv("SPECSCOPE_KERNELS", "0")
+@pytest.mark.parametrize("off", ["0", "off"])
+def test_kernels_can_be_switched_off(monkeypatch, capsys, fresh_library, off):
+    monkeypatch.setenv("SPECSCOPE_KERNELS", off)
     pl = PackedLinear(nn.Linear(8, 8))
     assert pl.kernel == "onednn" and capsys.readouterr().err == ""
+
+
+def test_the_best_isa_of_each_cpu(monkeypatch):
+    monkeypatch.delenv("SPECSCOPE_KERNELS", raising=False)
+    cases = [("x86_64", {"avx512f", "avx512dq", "avx512vl", "avx2", "fma"}, "avx512"),
+             ("x86_64", {"avx2", "fma", "avx"}, "avx2"),       # Zen 1-3, Alder Lake, VMs hiding AVX-512
+             ("x86_64", {"avx2"}, None),                       # AVX2 without FMA: the FMA chain needs it
+             ("aarch64", {"asimd", "fp"}, "neon"), ("arm64", set(), "neon"), ("riscv64", set(), None)]
+    for machine, flags, want in cases:
+        monkeypatch.setattr(rowgemm.platform, "machine", lambda m=machine: m)
+        monkeypatch.setattr(rowgemm, "cpu_flags", lambda f=flags: f)
+        assert rowgemm.best_isa()[0] == want, (machine, flags)
+
+
+def test_an_isa_can_be_forced_and_an_impossible_one_is_refused(monkeypatch):
+    monkeypatch.setattr(rowgemm.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(rowgemm, "cpu_flags", lambda: {"avx512f", "avx512dq", "avx512vl", "avx2", "fma"})
+    monkeypatch.setenv("SPECSCOPE_KERNELS", "avx2")
+    assert rowgemm.requested_isa() == ("avx2", "")
+    monkeypatch.setenv("SPECSCOPE_KERNELS", "neon")
+    isa, why = rowgemm.requested_isa()
+    assert isa is None and "cannot run neon" in why
+    monkeypatch.setenv("SPECSCOPE_KERNELS", "sse9")
+    isa, why = rowgemm.requested_isa()
+    assert isa is None and "not one of auto, avx512, avx2, neon, off" in why
+    monkeypatch.setattr(rowgemm, "cpu_flags", lambda: {"avx2", "fma"})
+    monkeypatch.setenv("SPECSCOPE_KERNELS", "avx512")
+    assert rowgemm.requested_isa()[0] is None
+
+
+def test_the_compiler_is_whichever_exists(monkeypatch):
+    monkeypatch.delenv("CXX", raising=False)
+    seen = []
+    monkeypatch.setattr(rowgemm.shutil, "which", lambda n: seen.append(n) or ("/usr/bin/clang++" if n == "clang++" else None))
+    assert rowgemm._compiler() == "/usr/bin/clang++" and seen == ["c++", "g++", "clang++"]
 
 
 def test_a_failing_build_falls_back(tmp_path, monkeypatch, capsys, fresh_library):
@@ -200,7 +237,7 @@ def test_a_failing_build_falls_back(tmp_path, monkeypatch, capsys, fresh_library
     fake.chmod(0o755)
     monkeypatch.setenv("SPECSCOPE_CACHE", str(tmp_path))
     monkeypatch.setenv("CXX", str(fake))
-    monkeypatch.setattr(rowgemm, "cpu_flags", lambda: set(rowgemm.NEEDS))
+    monkeypatch.setattr(rowgemm, "cpu_flags", lambda: set(rowgemm.ISAS["avx2"][0]))
     monkeypatch.setattr(rowgemm.platform, "machine", lambda: "x86_64")
     assert rowgemm.library() is None
     err = capsys.readouterr().err
@@ -246,11 +283,12 @@ def test_a_slot_past_the_cache_is_refused_before_writing():
     assert y.shape == (2, 64) and torch.equal(kc[:, 6:8], qkv[:, 64:96].view(2, 2, 16).transpose(0, 1))
 
 
-def test_a_cpu_without_avx512_falls_back_with_one_warning(monkeypatch, capsys, fresh_library):
-    monkeypatch.setattr(rowgemm, "cpu_flags", lambda: {"avx2", "fma"})
+def test_a_cpu_without_avx2_falls_back_with_one_warning(monkeypatch, capsys, fresh_library):
+    monkeypatch.setattr(rowgemm, "cpu_flags", lambda: {"sse2", "avx"})
+    monkeypatch.setattr(rowgemm.platform, "machine", lambda: "x86_64")
     assert PackedLinear(nn.Linear(8, 8)).kernel == "onednn" and PackedLinear(nn.Linear(8, 4)).kernel == "onednn"
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "AVX-512" in err[0]
+    assert len(err) == 1 and "neither AVX-512 nor AVX2" in err[0]
 
 
 @needs_kernels

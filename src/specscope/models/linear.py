@@ -1,6 +1,6 @@
 """CPU inference matmuls with pre-packed weights: our row-invariant kernel, else oneDNN.
 
-Where it builds (x86-64 with AVX-512 and a C++ compiler; models/rowgemm.py), fp32 linears use our kernel for
+Where it builds (AVX-512, AVX2+FMA or NEON and a C++ compiler; models/rowgemm.py), fp32 linears use our kernel for
 every row count: each weight panel is streamed once for all rows (verify costs about one decode step) and every
 row count gives the same bits (decode and verify agree exactly). Elsewhere, and for bf16, the stock path below.
 

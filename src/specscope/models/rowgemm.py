@@ -1,13 +1,20 @@
-"""The row-invariant AVX-512 GEMM of models/csrc/rows_gemm.cpp: build once, load with ctypes, tune, call.
+"""The row-invariant CPU kernels of models/csrc/rows_gemm.cpp: build once per instruction set, load with ctypes,
+tune, call.
 
-Why a kernel of our own (bench/results/cycle_cost.json has the evidence): stock CPU kernels re-read the weights
-per row block, so verifying 8 draft tokens cost 1.4x a 1-token decode step; this one streams each weight panel
-once for all rows (T(8)/T(1) near 1) and gives every row count the same bits (one FMA chain per output, in k
-order), so a 1-row decode and an n-row verify agree exactly and greedy speculation stays lossless by construction.
+Why kernels of our own (bench/results/cycle_cost*.json has the evidence): stock CPU kernels re-read the weights
+per row block, so verifying 8 draft tokens cost 1.4x a 1-token decode step; these stream each weight panel once
+for all rows (T(8)/T(1) near 1) and give every row count the same bits (one FMA chain per output, in k order), so
+a 1-row decode and an n-row verify agree exactly and greedy speculation stays lossless by construction.
 
-Build: at first use, `g++ -O3 -mavx512f -fopenmp` (no torch headers, ~1 s) into the specscope cache dir, keyed by
-a hash of the source and the compiler; an unusable build (no compiler, no AVX-512, SPECSCOPE_KERNELS=0) leaves
-`library()` None with one warning line, and models/linear.py falls back to the stock oneDNN path.
+One design, several instruction sets: rows_gemm.cpp is written over the vector operations of csrc/simd.h and
+built for the best ISA this CPU has -- AVX-512 (Skylake-SP, Zen 4), AVX2+FMA (Haswell, Zen 1-3, Alder Lake, and
+VMs that hide AVX-512) or NEON (every aarch64 CPU). `SPECSCOPE_KERNELS=avx512|avx2|neon` forces one (for
+side-by-side runs), `off` (or `0`) uses the stock oneDNN + SDPA path.
+
+Build: at first use, with $CXX or the first of c++ / g++ / clang++ (`-O3 -fopenmp`, no torch headers, ~2 s), into
+the specscope cache dir, keyed by the ISA, the sources and the compiler; a compiler without OpenMP (Apple clang)
+gets a one-thread build. An unusable build (no compiler, an unsupported CPU) leaves `library()` None with one
+warning line, and models/linear.py falls back to the stock oneDNN path.
 
 Tuning: the panel width (per weight shape) and the register tile (per row count) only change speed, never the
 result; `tuned_plan` measures them once per shape on this machine (cold weights, as in a real forward) and keeps
@@ -31,15 +38,26 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).resolve().parent / "csrc" / "rows_gemm.cpp"
-ABI = 8
-FLAGS = ["-O3", "-mavx512f", "-mavx512dq", "-mavx512vl", "-fopenmp", "-fPIC", "-shared"]
-NEEDS = {"avx512f", "avx512dq", "avx512vl"}   # Skylake-SP / Zen 4 and later
-VARIANTS = {32: (6, 12), 64: (4, 6)}       # panel width -> register tiles (rows) the library implements
+CSRC = Path(__file__).resolve().parent / "csrc"
+SOURCE = CSRC / "rows_gemm.cpp"
+SOURCES = (SOURCE, CSRC / "simd.h")
+ABI = 9
+# -ffp-contract=off: the compiler may fuse a*b-c into an FMA in one copy of a loop (vectorised) and not in another
+# (scalar), which broke verify == decode for the rotary embedding under -O3 on aarch64; every FMA we want is explicit
+COMMON_FLAGS = ["-O3", "-std=c++17", "-ffp-contract=off", "-fPIC", "-shared"]
+# per instruction set: the CPU flags (/proc/cpuinfo names) it needs and the compiler flags that enable it
+ISAS = {
+    "avx512": ({"avx512f", "avx512dq", "avx512vl", "fma"}, ["-mavx512f", "-mavx512dq", "-mavx512vl", "-mfma"]),
+    "avx2": ({"avx2", "fma"}, ["-mavx2", "-mfma"]),
+    "neon": (set(), []),   # baseline on aarch64
+}
+X86_ORDER = ("avx512", "avx2")
 TUNE_ROWS = (1, 2, 4, 8, 12, 16, 24, 32, 64)
 _lock = threading.Lock()
 _lib = None
 _lib_state = "unloaded"                   # unloaded | loaded | unavailable
+_isa: str | None = None
+VARIANTS: dict[int, tuple[int, ...]] = {}  # panel width -> register tiles (rows) the loaded library implements
 _warned = False
 
 
@@ -59,16 +77,52 @@ def _warn(msg: str):
 def cpu_flags() -> set[str]:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
+            if line.startswith(("flags", "Features")):   # x86 / aarch64 spelling
                 return set(line.split(":", 1)[1].split())
     except OSError:
         pass
     return set()
 
 
+def _machine() -> str:
+    m = platform.machine().lower()
+    return {"amd64": "x86_64", "arm64": "aarch64"}.get(m, m)
+
+
+def best_isa() -> tuple[str | None, str]:
+    """(the instruction set to build for, or None, and why not)."""
+    arch = _machine()
+    if arch == "aarch64":
+        return "neon", ""
+    if arch != "x86_64":
+        return None, f"no row-invariant kernels for {arch} CPUs"
+    flags = cpu_flags()
+    for isa in X86_ORDER:
+        if ISAS[isa][0] <= flags:
+            return isa, ""
+    return None, "this CPU has neither AVX-512 nor AVX2+FMA, so the row-invariant kernels are not used"
+
+
+def requested_isa() -> tuple[str | None, str]:
+    """The ISA SPECSCOPE_KERNELS asks for (auto: the best this CPU has); (None, "") when switched off."""
+    want = os.environ.get("SPECSCOPE_KERNELS", "auto").strip().lower()
+    if want in ("0", "off", "none", "false"):
+        return None, ""
+    if want in ("", "1", "auto", "on", "true"):
+        return best_isa()
+    if want not in ISAS:
+        return None, (f"SPECSCOPE_KERNELS={want!r} is not one of auto, avx512, avx2, neon, off, so the "
+                      "row-invariant kernels are not used")
+    arch = _machine()
+    if (want == "neon") != (arch == "aarch64") or (want != "neon" and not ISAS[want][0] <= cpu_flags()):
+        return None, f"SPECSCOPE_KERNELS={want} but this {arch} CPU cannot run {want} code"
+    return want, ""
+
+
 def _compiler() -> str | None:
-    cxx = os.environ.get("CXX") or "g++"
-    return shutil.which(cxx)
+    if os.environ.get("CXX"):
+        return shutil.which(os.environ["CXX"])
+    return next((p for p in map(shutil.which, ("c++", "g++", "clang++")) if p), None)
 
 
 def _compiler_id(cxx: str) -> str:
@@ -78,53 +132,74 @@ def _compiler_id(cxx: str) -> str:
         return cxx
 
 
-def _build(cxx: str, target: Path):
+def build_flags(isa: str, openmp: bool = True) -> list[str]:
+    return [*COMMON_FLAGS, *ISAS[isa][1], f"-DSPECSCOPE_ISA_{isa.upper()}", *(["-fopenmp"] if openmp else [])]
+
+
+def _build(cxx: str, isa: str, target: Path):
+    """Compile for `isa` into `target` (atomically); without OpenMP if the compiler has none (one thread)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        r = subprocess.run([cxx, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=300)
-        if r.returncode != 0:
-            raise RuntimeError(f"{cxx} failed: {(r.stderr or r.stdout).strip().splitlines()[-1:]}")
+        for openmp in (True, False):
+            r = subprocess.run([cxx, *build_flags(isa, openmp), "-o", tmp, str(SOURCE)], capture_output=True,
+                               text=True, timeout=300)
+            if r.returncode == 0:
+                break
+            if not openmp or "openmp" not in (r.stderr + r.stdout).lower():
+                raise RuntimeError(f"{cxx} failed: {(r.stderr or r.stdout).strip().splitlines()[-1:]}")
         os.replace(tmp, target)   # atomic: concurrent processes never load a half-written library
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
 
 
+def _source_hash() -> str:
+    return hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES)).hexdigest()
+
+
+def isa() -> str | None:
+    """The instruction set of the loaded kernels (None: the stock path)."""
+    library()
+    return _isa
+
+
 def library():
     """The loaded ctypes library, or None when this machine cannot build/run it (warned once)."""
-    global _lib, _lib_state
+    global _lib, _lib_state, _isa, VARIANTS
     if _lib_state != "unloaded":
         return _lib
     with _lock:
         if _lib_state != "unloaded":
             return _lib
         _lib_state = "unavailable"
-        if os.environ.get("SPECSCOPE_KERNELS", "1") == "0":
+        want, why = requested_isa()
+        if want is None:
+            if why:
+                _warn(why)
             return None   # explicitly off: no warning
-        if platform.machine() not in ("x86_64", "AMD64") or not NEEDS <= cpu_flags():
-            _warn("this CPU has no AVX-512, so the row-invariant linear kernel is not used")
-            return None
         cxx = _compiler()
         if cxx is None:
-            _warn("no C++ compiler (g++, or $CXX) found to build the row-invariant linear kernel")
+            _warn("no C++ compiler (c++, g++, clang++, or $CXX) found to build the row-invariant kernels")
             return None
-        src = SOURCE.read_bytes()
-        key = hashlib.sha256(src + " ".join(FLAGS).encode() + _compiler_id(cxx).encode()).hexdigest()[:16]
-        path = kernels_dir() / f"rows_gemm-{key}.so"
+        key = hashlib.sha256((_source_hash() + " ".join(build_flags(want)) + _compiler_id(cxx)).encode())
+        path = kernels_dir() / f"rows_gemm-{want}-{key.hexdigest()[:16]}.so"
         try:
             if not path.exists():
-                _build(cxx, path)
+                _build(cxx, want, path)
             import torch  # noqa: F401  (libgomp must be torch's, loaded first)
 
             lib = ctypes.CDLL(str(path))
             if lib.rows_gemm_abi() != ABI:
                 raise RuntimeError(f"library ABI {lib.rows_gemm_abi()} != {ABI}")
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-            _warn(f"could not build the row-invariant linear kernel ({e})")
+            _warn(f"could not build the row-invariant kernels for {want} ({e})")
             return None
         I64, P = ctypes.c_int64, ctypes.c_void_p
+        lib.rows_gemm_isa.restype = ctypes.c_char_p
+        lib.rows_gemm_variants.restype = ctypes.c_int
+        lib.rows_gemm_variants.argtypes = [P, P, ctypes.c_int]
         lib.rows_gemm_f32.restype = ctypes.c_int
         lib.rows_gemm_f32.argtypes = [P, I64, P, I64, I64, I64, P, P, ctypes.c_int, ctypes.c_int]
         lib.rows_gemm_pack.restype = None
@@ -138,7 +213,12 @@ def library():
         lib.rows_rope_attention.argtypes = [P, I64, I64, I64, I64, P, P, P, P, P, I64, I64, I64, P, I64, P,
                                                 ctypes.c_int]
         lib.rows_attention.argtypes = [P, I64, I64, I64, I64, I64, P, P, I64, I64, P, I64, P, ctypes.c_int]
-        _lib, _lib_state = lib, "loaded"
+        nbs, rbs = (ctypes.c_int64 * 32)(), (ctypes.c_int64 * 32)()
+        variants: dict[int, tuple[int, ...]] = {}
+        for i in range(min(32, lib.rows_gemm_variants(nbs, rbs, 32))):
+            variants[nbs[i]] = variants.get(nbs[i], ()) + (rbs[i],)
+        VARIANTS = variants
+        _lib, _lib_state, _isa = lib, "loaded", lib.rows_gemm_isa().decode()
         return lib
 
 
@@ -254,7 +334,7 @@ def fingerprint() -> str:
     except OSError:
         pass
     parts = [model, platform.machine(), ",".join(sorted(cpu_flags())), str(os.cpu_count()),
-             str(torch.get_num_threads()), torch.__version__, hashlib.sha256(SOURCE.read_bytes()).hexdigest()]
+             str(torch.get_num_threads()), torch.__version__, _source_hash(), str(isa())]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 
@@ -263,7 +343,10 @@ def tune_file() -> Path:
 
 
 def default_plan(out: int, k: int) -> dict:
-    return {"nb": 32, "rb": {str(n): (6 if n <= 6 else 12) for n in TUNE_ROWS}}
+    """Untuned: the library's first panel width, its smallest tile for few rows and its largest for many."""
+    library()
+    nb = next(iter(VARIANTS))
+    return {"nb": nb, "rb": {str(n): (min(VARIANTS[nb]) if n <= 6 else max(VARIANTS[nb])) for n in TUNE_ROWS}}
 
 
 def rb_for(plan: dict, n: int) -> int:

@@ -1,79 +1,103 @@
-// y[n, out] = x[n, in] @ W^T (+ bias) for a few rows (decode, verify, tree drafting), fp32, AVX-512.
+// The row-invariant CPU kernels of a decode / verify / tree-drafting forward (fp32): the linear, RMSNorm (with the
+// residual add fused), SiLU-gate, and rotary embedding + KV-cache write + attention. One design, written once over
+// the vector operations of simd.h and built per instruction set (AVX-512, AVX2+FMA, NEON) by models/rowgemm.py
+// (no torch headers; called through ctypes; it links the libgomp torch already loaded, so it shares torch's
+// OpenMP thread pool).
 //
-// Memory-bound design: W is packed once into column panels of NB outputs, [out/NB][in][NB], so each panel is one
-// sequential stream; a panel is read from DRAM once and applied to every activation row (the rows are tiny and
-// stay in L1/L2), so 8 rows cost about what 1 row costs until the FMAs catch up. Outputs sit in vector lanes
-// (x[r, k] is broadcast), so there is no horizontal reduction at all.
+// Linear, memory-bound design: W is packed once into column panels of NB = V*L outputs, [out/NB][in][NB], so each
+// panel is one sequential stream; a panel is read from DRAM once and applied to every activation row (the rows are
+// tiny and stay in L1/L2), so 8 rows cost about what 1 row costs until the FMAs catch up. Outputs sit in vector
+// lanes (x[r, k] is broadcast), so there is no horizontal reduction at all.
 // Row-invariant: y[r, o] is always bias[o] + x[r,0]W[o,0] + x[r,1]W[o,1] + ... as one FMA chain in k order,
-// whatever n or the row chunking are, so decode (1 row) and verify (n rows) give bit-identical results.
-// Built at first use by models/rowgemm.py (g++ -O3 -mavx512f -fopenmp, no torch headers) and called via ctypes;
-// it links the libgomp torch already loaded (same soname), so it shares torch's OpenMP thread pool.
-#include <immintrin.h>
+// whatever n or the row chunking are, so decode (1 row) and verify (n rows) give bit-identical results. Every
+// other kernel here computes a row from that row's data alone, in an order fixed by the shapes, for the same reason.
+#include "simd.h"
+
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 #include <vector>
 
-// one panel of V*16 outputs (`valid` of them real) for RB rows of x
+using simd::L;
+using simd::vf;
+
+// the register tiles (V vectors of outputs x RB rows) each ISA is built with: its register file decides
+// (AVX2: 16 registers, so V*RB + V + 1 <= 16; NEON and AVX-512: 32)
+#if defined(SPECSCOPE_ISA_AVX512)
+#define TILES(X) X(2, 6) X(2, 12) X(4, 4) X(4, 6)
+#elif defined(SPECSCOPE_ISA_AVX2)
+#define TILES(X) X(1, 12) X(2, 4) X(2, 6) X(4, 2) X(4, 3)
+#else
+#define TILES(X) X(4, 4) X(4, 6) X(8, 2) X(8, 3)
+#endif
+
+// one panel of V*L outputs (`valid` of them real) for RB rows of x
 template <int V, int RB>
 static inline void tile(const float* __restrict x, int64_t in, const float* __restrict p, const float* __restrict bias,
                         int valid, float* __restrict y, int64_t ldy) {
-    __m512 acc[V][RB];
+    vf acc[V][RB];
     for (int v = 0; v < V; ++v) {
-        int left = valid - v * 16;
-        __mmask16 m = left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1u);
-        __m512 b = bias ? _mm512_maskz_loadu_ps(m, bias + v * 16) : _mm512_setzero_ps();
+        vf b = bias ? simd::load_n(bias + v * L, valid - v * L) : simd::zero();
         for (int r = 0; r < RB; ++r) acc[v][r] = b;
     }
     for (int64_t k = 0; k < in; ++k) {
-        const float* pk = p + k * (V * 16);
-        // 4 KB ahead into L1: the hardware prefetcher alone leaves the FMAs waiting once n >= 4 (n = 8: -12 %)
-        for (int v = 0; v < V; ++v) _mm_prefetch((const char*)(pk + 1024 + v * 16), _MM_HINT_T0);
-        __m512 wv[V];
-        for (int v = 0; v < V; ++v) wv[v] = _mm512_loadu_ps(pk + v * 16);
+        const float* pk = p + k * (V * L);
+        // 4 KB ahead into L1, a line at a time: the hardware prefetcher alone leaves the FMAs waiting once n >= 4
+        for (int c = 0; c < V * L; c += 16) simd::prefetch(pk + 1024 + c);
+        vf wv[V];
+        for (int v = 0; v < V; ++v) wv[v] = simd::load(pk + v * L);
         for (int r = 0; r < RB; ++r) {
-            __m512 xb = _mm512_set1_ps(x[r * in + k]);
-            for (int v = 0; v < V; ++v) acc[v][r] = _mm512_fmadd_ps(wv[v], xb, acc[v][r]);
+            vf xb = simd::set1(x[r * in + k]);
+            for (int v = 0; v < V; ++v) acc[v][r] = simd::fma(wv[v], xb, acc[v][r]);
         }
     }
     for (int v = 0; v < V; ++v) {
-        int left = valid - v * 16;
+        int left = valid - v * L;
         if (left <= 0) break;
-        __mmask16 m = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1u);
-        for (int r = 0; r < RB; ++r) _mm512_mask_storeu_ps(y + r * ldy + v * 16, m, acc[v][r]);
+        for (int r = 0; r < RB; ++r) simd::store_n(y + r * ldy + v * L, acc[v][r], left);
     }
 }
 
-template <int V, int RB>
-static inline void panel(const float* x, int64_t n, int64_t in, const float* p, const float* bias, int valid,
-                         float* y, int64_t ldy) {
-    int64_t r = 0;
-    for (; r + RB <= n; r += RB) tile<V, RB>(x + r * in, in, p, bias, valid, y + r * ldy, ldy);
-    const float* xr = x + r * in;
-    float* yr = y + r * ldy;
-    switch (n - r) {  // the last, narrower chunk of rows (n - r < RB <= 12)
-        case 0: break;
-#define TAIL(R) case R: tile<V, R>(xr, in, p, bias, valid, yr, ldy); break;
-        TAIL(1) TAIL(2) TAIL(3) TAIL(4) TAIL(5) TAIL(6) TAIL(7) TAIL(8) TAIL(9) TAIL(10) TAIL(11)
-#undef TAIL
+// the last, narrower chunk of rows: tile<V, rem> for 0 < rem < RB
+template <int V, int R>
+static inline void tail(int64_t rem, const float* x, int64_t in, const float* p, const float* bias, int valid,
+                        float* y, int64_t ldy) {
+    if constexpr (R > 0) {
+        if (rem == R) tile<V, R>(x, in, p, bias, valid, y, ldy);
+        else tail<V, R - 1>(rem, x, in, p, bias, valid, y, ldy);
     }
 }
 
 template <int V, int RB>
 static void run(const float* x, int64_t n, const float* p, int64_t out, int64_t in, const float* bias, float* y,
                 int nthreads) {
-    const int64_t NB = V * 16, npan = (out + NB - 1) / NB;
+    const int64_t NB = V * L, npan = (out + NB - 1) / NB;
     #pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1)
     for (int64_t b = 0; b < npan; ++b) {
         int64_t left = out - b * NB;
         int valid = left < NB ? (int)left : (int)NB;
-        panel<V, RB>(x, n, in, p + b * NB * in, bias ? bias + b * NB : nullptr, valid, y + b * NB, out);
+        const float* pb = p + b * NB * in;
+        const float* bb = bias ? bias + b * NB : nullptr;
+        int64_t r = 0;
+        for (; r + RB <= n; r += RB) tile<V, RB>(x + r * in, in, pb, bb, valid, y + r * out + b * NB, out);
+        tail<V, RB - 1>(n - r, x + r * in, in, pb, bb, valid, y + r * out + b * NB, out);
     }
 }
 
 extern "C" {
 
-int rows_gemm_abi() { return 8; }
+int rows_gemm_abi() { return 9; }
+
+const char* rows_gemm_isa() { return simd::ISA; }
+
+// the (panel width, register tile) pairs this build implements, for the tuner; returns how many
+int rows_gemm_variants(int64_t* nb, int64_t* rb, int max) {
+    int n = 0;
+#define LIST(V_, RB_) if (n < max) { nb[n] = (V_) * L; rb[n] = (RB_); } ++n;
+    TILES(LIST)
+#undef LIST
+    return n;
+}
 
 // pack w [out, in] (row-major) into panels of nb outputs: [ceil(out/nb)][in][nb], zero-padded
 void rows_gemm_pack(const float* w, int64_t out, int64_t in, int64_t nb, float* p) {
@@ -86,53 +110,36 @@ void rows_gemm_pack(const float* w, int64_t out, int64_t in, int64_t nb, float* 
             }
 }
 
-// panel width nb (32 or 64) picks the kernel family; rb = rows per register tile (tuned; results identical)
+// panel width nb and register tile rb (tuned; results identical) pick the instantiation; -1 if not built
 int rows_gemm_f32(const float* x, int64_t n, const float* p, int64_t nb, int64_t out, int64_t in, const float* bias,
                   float* y, int nthreads, int rb) {
-    if (nb == 64) {
-        switch (rb) {
-            case 4: run<4, 4>(x, n, p, out, in, bias, y, nthreads); return 0;
-            case 6: run<4, 6>(x, n, p, out, in, bias, y, nthreads); return 0;
-        }
-    } else if (nb == 32) {
-        switch (rb) {
-            case 6: run<2, 6>(x, n, p, out, in, bias, y, nthreads); return 0;
-            case 12: run<2, 12>(x, n, p, out, in, bias, y, nthreads); return 0;
-        }
-    } else if (nb == 16) {
-        switch (rb) {
-            case 12: run<1, 12>(x, n, p, out, in, bias, y, nthreads); return 0;
-        }
-    }
+#define CASE(V_, RB_) if (nb == (V_) * L && rb == (RB_)) { run<V_, RB_>(x, n, p, out, in, bias, y, nthreads); return 0; }
+    TILES(CASE)
+#undef CASE
     return -1;
 }
 
-}
+}  // extern "C"
 
 // ---- the rest of a decode/verify layer, row-invariant as well ---------------------------------------------------
 
-static inline float hsum(__m512 v) { return _mm512_reduce_add_ps(v); }
-
-static inline __mmask16 tail_mask(int64_t left) {
-    return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1u);
-}
-
-// exp for x <= 0 (softmax after subtracting the max): Cephes' expf polynomial on x - n ln2, scaled by 2^n
-static inline __m512 exp512(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r);
-    p = _mm512_add_ps(p, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
+// exp for softmax (x <= 0 after subtracting the max) and SiLU: Cephes' expf polynomial on x - n ln2, scaled by 2^n.
+// x is clamped to [-87, 88] so 2^n stays a normal float on every ISA (exp(88) ~ 1.7e38 stands in for overflow:
+// SiLU of g < -88 is then ~1e-36 instead of 0)
+static inline vf vexp(vf x) {
+    x = simd::max(simd::min(x, simd::set1(88.0f)), simd::set1(-87.0f));
+    vf n = simd::round(simd::mul(x, simd::set1(1.44269504088896341f)));
+    vf r = simd::fnma(n, simd::set1(0.693359375f), x);
+    r = simd::fnma(n, simd::set1(-2.12194440e-4f), r);
+    vf p = simd::set1(1.9875691500e-4f);
+    p = simd::fma(p, r, simd::set1(1.3981999507e-3f));
+    p = simd::fma(p, r, simd::set1(8.3334519073e-3f));
+    p = simd::fma(p, r, simd::set1(4.1665795894e-2f));
+    p = simd::fma(p, r, simd::set1(1.6666665459e-1f));
+    p = simd::fma(p, r, simd::set1(5.0000001201e-1f));
+    p = simd::fma(p, simd::mul(r, r), r);
+    p = simd::add(p, simd::set1(1.0f));
+    return simd::ldexp(p, n);
 }
 
 extern "C" {
@@ -143,38 +150,37 @@ void rows_rmsnorm(const float* x, const float* delta, int64_t n, int64_t d, cons
     for (int64_t r = 0; r < n; ++r) {
         const float* xr = x + r * d;
         float* hr = h_out ? h_out + r * d : nullptr;
-        __m512 ss = _mm512_setzero_ps();
-        for (int64_t k = 0; k < d; k += 16) {
-            __mmask16 m = tail_mask(d - k);
-            __m512 v = _mm512_maskz_loadu_ps(m, xr + k);
+        vf ss = simd::zero();
+        for (int64_t k = 0; k < d; k += L) {
+            int m = (int)(d - k < L ? d - k : L);
+            vf v = simd::load_n(xr + k, m);
             if (delta) {
-                v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(m, delta + r * d + k));
-                _mm512_mask_storeu_ps(hr + k, m, v);
+                v = simd::add(v, simd::load_n(delta + r * d + k, m));
+                simd::store_n(hr + k, v, m);
             }
-            ss = _mm512_fmadd_ps(v, v, ss);
+            ss = simd::fma(v, v, ss);
         }
         const float* src = delta ? hr : xr;
-        __m512 inv = _mm512_set1_ps(1.0f / sqrtf(hsum(ss) / (float)d + eps));
-        for (int64_t k = 0; k < d; k += 16) {
-            __mmask16 m = tail_mask(d - k);
-            __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, src + k), inv);
-            _mm512_mask_storeu_ps(y + r * d + k, m, _mm512_mul_ps(v, _mm512_maskz_loadu_ps(m, w + k)));
+        vf inv = simd::set1(1.0f / sqrtf(simd::hsum(ss) / (float)d + eps));
+        for (int64_t k = 0; k < d; k += L) {
+            int m = (int)(d - k < L ? d - k : L);
+            vf v = simd::mul(simd::load_n(src + k, m), inv);
+            simd::store_n(y + r * d + k, simd::mul(v, simd::load_n(w + k, m)), m);
         }
     }
 }
 
 // out[r] = silu(gu[r, :inter]) * gu[r, inter:], the gated MLP's activation from the fused gate/up projection
 void rows_silu_mul(const float* gu, int64_t n, int64_t inter, float* out) {
-    const __m512 one = _mm512_set1_ps(1.0f);
+    const vf one = simd::set1(1.0f);
     for (int64_t r = 0; r < n; ++r) {
         const float* g = gu + r * 2 * inter;
         const float* u = g + inter;
-        for (int64_t k = 0; k < inter; k += 16) {
-            __mmask16 m = tail_mask(inter - k);
-            __m512 gv = _mm512_maskz_loadu_ps(m, g + k);
-            __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv));     // exp(-g); +inf for g < -88: silu -> 0
-            __m512 s = _mm512_div_ps(gv, _mm512_add_ps(one, e));
-            _mm512_mask_storeu_ps(out + r * inter + k, m, _mm512_mul_ps(s, _mm512_maskz_loadu_ps(m, u + k)));
+        for (int64_t k = 0; k < inter; k += L) {
+            int m = (int)(inter - k < L ? inter - k : L);
+            vf gv = simd::load_n(g + k, m);
+            vf s = simd::div(gv, simd::add(one, vexp(simd::sub(simd::zero(), gv))));
+            simd::store_n(out + r * inter + k, simd::mul(s, simd::load_n(u + k, m)), m);
         }
     }
 }
@@ -224,76 +230,66 @@ int rows_rope_attention(const float* qkv, int64_t T, int64_t Hq, int64_t Hkv, in
 
 }  // extern "C"
 
+constexpr int MAXV = 256 / L;   // head_dim <= 256
+
 // The G query heads that share one kv head, for one row: every key and value row is read once for all G (the
 // cache lives in L2, whose bandwidth is what attention on a CPU runs into).
 template <int G>
 static void attend_group(const float* const* qs, const float* kh, const float* vh, int64_t D, const int32_t* idx,
                          int64_t m, float scale, float* sc, float* const* outs) {
-    const int64_t nv = (D + 15) / 16;
-    __m512 qr[G][16];
+    const int nv = (int)((D + L - 1) / L);
+    vf qr[G][MAXV];
     for (int q = 0; q < G; ++q)
-        for (int64_t j = 0; j < nv; ++j) qr[q][j] = _mm512_maskz_loadu_ps(tail_mask(D - j * 16), qs[q] + j * 16);
-    // scores, 4 keys at a time: each key's 16 partial sums are reduced by the same tree wherever it sits in the
-    // group of 4 (missing keys of the last group are zeros), so a score never depends on its neighbours
-    for (int64_t i = 0; i < m; i += 4) {
-        __m256 part[G][4];
-        for (int u = 0; u < 4; ++u) {
-            if (i + u < m) {
-                const float* ks = kh + (int64_t)idx[i + u] * D;
-                __m512 kv[16];
-                for (int64_t j = 0; j < nv; ++j) kv[j] = _mm512_maskz_loadu_ps(tail_mask(D - j * 16), ks + j * 16);
-                for (int q = 0; q < G; ++q) {
-                    __m512 acc = _mm512_mul_ps(qr[q][0], kv[0]);
-                    for (int64_t j = 1; j < nv; ++j) acc = _mm512_fmadd_ps(qr[q][j], kv[j], acc);
-                    part[q][u] = _mm256_add_ps(_mm512_castps512_ps256(acc), _mm512_extractf32x8_ps(acc, 1));
-                }
-            } else {
-                for (int q = 0; q < G; ++q) part[q][u] = _mm256_setzero_ps();
-            }
-        }
-        __mmask8 st = (__mmask8)(m - i >= 4 ? 0xF : (1u << (m - i)) - 1u);
+        for (int j = 0; j < nv; ++j) qr[q][j] = simd::load_n(qs[q] + j * L, (int)(D - j * L));
+    // scores: each key's dot product reduced by the same fixed tree, whatever its neighbours
+    for (int64_t i = 0; i < m; ++i) {
+        const float* ks = kh + (int64_t)idx[i] * D;
+        vf kv[MAXV];
+        for (int j = 0; j < nv; ++j) kv[j] = simd::load_n(ks + j * L, (int)(D - j * L));
         for (int q = 0; q < G; ++q) {
-            __m256 ab = _mm256_hadd_ps(part[q][0], part[q][1]), cd = _mm256_hadd_ps(part[q][2], part[q][3]);
-            __m256 abcd = _mm256_hadd_ps(ab, cd);
-            __m128 r4 = _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1)),
-                                   _mm_set1_ps(scale));
-            _mm_mask_storeu_ps(sc + q * m + i, st, r4);
+            vf acc = simd::mul(qr[q][0], kv[0]);
+            for (int j = 1; j < nv; ++j) acc = simd::fma(qr[q][j], kv[j], acc);
+            sc[q * m + i] = simd::hsum(acc) * scale;
         }
     }
     for (int q = 0; q < G; ++q) {
         float* sq = sc + q * m;
-        __m512 mx16 = _mm512_set1_ps(-INFINITY);
-        for (int64_t i = 0; i < m; i += 16)
-            mx16 = _mm512_mask_max_ps(mx16, tail_mask(m - i), mx16, _mm512_maskz_loadu_ps(tail_mask(m - i), sq + i));
-        __m512 mxv = _mm512_set1_ps(_mm512_reduce_max_ps(mx16));   // a max is exact in any order
-        for (int64_t i = 0; i < m; i += 16) {
-            __mmask16 mm = tail_mask(m - i);
-            _mm512_mask_storeu_ps(sq + i, mm, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mm, sq + i), mxv)));
+        float mx = -INFINITY;   // a max is exact in any order
+        int64_t i = 0;
+        if (m >= L) {
+            vf mv = simd::load(sq);
+            for (i = L; i + L <= m; i += L) mv = simd::max(mv, simd::load(sq + i));
+            mx = simd::hmax(mv);
+        }
+        for (; i < m; ++i) mx = sq[i] > mx ? sq[i] : mx;
+        const vf mxv = simd::set1(mx);
+        for (i = 0; i < m; i += L) {
+            int w = (int)(m - i < L ? m - i : L);
+            simd::store_n(sq + i, vexp(simd::sub(simd::load_n(sq + i, w), mxv)), w);
         }
     }
     // weighted sum of the values over the visible keys in slot order; the denominator in 4 partial sums by visible
     // index (i % 4), fixed by the key sequence alone
     float ps[G][4];
-    __m512 acc[G][16];
+    vf acc[G][MAXV];
     for (int q = 0; q < G; ++q) {
         ps[q][0] = ps[q][1] = ps[q][2] = ps[q][3] = 0.0f;
-        for (int64_t j = 0; j < nv; ++j) acc[q][j] = _mm512_setzero_ps();
+        for (int j = 0; j < nv; ++j) acc[q][j] = simd::zero();
     }
     for (int64_t i = 0; i < m; ++i) {
         const float* vs = vh + (int64_t)idx[i] * D;
-        __m512 vv[16];
-        for (int64_t j = 0; j < nv; ++j) vv[j] = _mm512_maskz_loadu_ps(tail_mask(D - j * 16), vs + j * 16);
+        vf vv[MAXV];
+        for (int j = 0; j < nv; ++j) vv[j] = simd::load_n(vs + j * L, (int)(D - j * L));
         for (int q = 0; q < G; ++q) {
             float p = sc[q * m + i];
             ps[q][i & 3] += p;
-            __m512 pv = _mm512_set1_ps(p);
-            for (int64_t j = 0; j < nv; ++j) acc[q][j] = _mm512_fmadd_ps(pv, vv[j], acc[q][j]);
+            vf pv = simd::set1(p);
+            for (int j = 0; j < nv; ++j) acc[q][j] = simd::fma(pv, vv[j], acc[q][j]);
         }
     }
     for (int q = 0; q < G; ++q) {
-        __m512 inv = _mm512_set1_ps(1.0f / ((ps[q][0] + ps[q][1]) + (ps[q][2] + ps[q][3])));
-        for (int64_t j = 0; j < nv; ++j)
-            _mm512_mask_storeu_ps(outs[q] + j * 16, tail_mask(D - j * 16), _mm512_mul_ps(acc[q][j], inv));
+        vf inv = simd::set1(1.0f / ((ps[q][0] + ps[q][1]) + (ps[q][2] + ps[q][3])));
+        for (int j = 0; j < nv; ++j) simd::store_n(outs[q] + j * L, simd::mul(acc[q][j], inv), (int)(D - j * L));
     }
 }
 
@@ -305,7 +301,7 @@ extern "C" {
 int rows_attention(const float* q, int64_t q_row, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, const float* k,
                    const float* v, int64_t kv_head, int64_t S, const uint8_t* mask, int64_t mask_row, float* out,
                    int nthreads) {
-    if (D > 256 || Hq % Hkv) return -1;
+    if (D > 256 || D < 1 || Hq % Hkv) return -1;
     const int64_t G = Hq / Hkv;
     // groups of up to 4 heads per pass (registers); larger groups take several passes
     const int64_t gb = G % 4 == 0 ? 4 : G % 3 == 0 ? 3 : G % 2 == 0 ? 2 : 1;
@@ -344,4 +340,4 @@ int rows_attention(const float* q, int64_t q_row, int64_t T, int64_t Hq, int64_t
     return 0;
 }
 
-}
+}  // extern "C"

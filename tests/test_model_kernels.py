@@ -298,3 +298,36 @@ def test_silu_mul_matches_torch():
         gu = torch.randn(5, 2 * inter, generator=g) * 30       # covers exp overflow (g < -88) and large g
         gate, up = gu.split(inter, -1)
         torch.testing.assert_close(rowgemm.silu_mul(gu, inter), F.silu(gate) * up, rtol=2e-6, atol=1e-6)
+
+
+@needs_kernels
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_the_one_call_layer_stack_gives_the_per_layer_bits(tmp_path, arch):
+    """rows_layers runs every decoder layer in one C++ call: prefill, decode and a tree verify, the aux hidden
+    states EAGLE-3 reads included, must be the bits of the per-layer kernel path."""
+    kw = {"sliding_window": 6} if arch == "mistral" else {}
+    make_hf_model(tmp_path, arch, **kw)
+    m = load_model(tmp_path, dtype="fp32")
+    stack = m.row_stack
+    assert stack is not None
+    ids = torch.randint(3, 101, (1, 12), generator=torch.Generator().manual_seed(2))
+    tree = DraftTree(torch.tensor([5, 6, 7, 8]), torch.tensor([-1, -1, 0, 2]), torch.tensor([1, 1, 2, 3]))
+    aux = (0, 1, m.config.num_hidden_layers)
+    outs = []
+    with torch.inference_mode():
+        for st in (stack, None):
+            m.row_stack = st
+            c = m.new_cache(32)
+            a = m(ids, torch.arange(12)[None], c, aux_layers=aux)
+            c.length = 12
+            b = m(torch.tensor([[9]]), torch.tensor([[12]]), c, aux_layers=aux)
+            c.length = 13
+            v = m(*tree.verify_inputs(4, 13, 13)[:2], c, *tree.verify_inputs(4, 13, 13)[2:], aux_layers=aux)
+            outs.append([a.logits, b.logits, v.logits, *a.aux_hidden, *b.aux_hidden, *v.aux_hidden, c.k, c.v])
+    for x, y in zip(*outs):
+        assert torch.equal(x, y)
+
+
+def test_no_layer_stack_for_a_model_with_qk_norm(tmp_path):
+    make_hf_model(tmp_path, "qwen3")
+    assert load_model(tmp_path, dtype="fp32").row_stack is None

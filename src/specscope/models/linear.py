@@ -116,4 +116,6 @@ def pack_linears(model: nn.Module, keep_dense: tuple[str, ...] = ("lm_head",), o
         for m in model.modules():
             if hasattr(type(m), "row_kernels"):
                 m.row_kernels = True
+        if hasattr(type(model), "row_stack"):   # and, where every layer qualifies, all layers in one call
+            model.row_stack = rowgemm.LayerStack.for_model(model)
     return n

@@ -143,6 +143,8 @@ class ForwardOutput:
 
 
 class Transformer(nn.Module):
+    row_stack = None   # rowgemm.LayerStack, set by models.linear.pack_linears: every layer in one kernel call
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
@@ -203,13 +205,17 @@ class Transformer(nn.Module):
         if cache is not None and B == 1 and self.layers and self.layers[0].self_attn.row_kernels:
             rows = RowInputs(cos[0, 0], sin[0, 0], slots[0].contiguous(),
                              None if mask is None else mask[0].contiguous())
-        aux_set = {i: None for i in aux_layers}
-        for i, layer in enumerate(self.layers):
-            if i in aux_set:
-                aux_set[i] = h
-            h = layer(h, cos, sin, i, cache, slots, mask, kv_len, rows)
-        if self.config.num_hidden_layers in aux_set:
-            aux_set[self.config.num_hidden_layers] = h
+        if rows is not None and self.row_stack is not None and h.dtype == torch.float32:
+            h, aux_set = self.row_stack(h[0], rows.cos, rows.sin, rows.slots, cache, kv_len, rows.mask, aux_layers)
+            h, aux_set = h[None], {i: a[None] for i, a in aux_set.items()}
+        else:
+            aux_set = {i: None for i in aux_layers}
+            for i, layer in enumerate(self.layers):
+                if i in aux_set:
+                    aux_set[i] = h
+                h = layer(h, cos, sin, i, cache, slots, mask, kv_len, rows)
+            if self.config.num_hidden_layers in aux_set:
+                aux_set[self.config.num_hidden_layers] = h
         if logits_idx is not None:
             h = h[:, logits_idx]
         logits = None

@@ -213,6 +213,9 @@ def library():
         lib.rows_rope_attention.argtypes = [P, I64, I64, I64, I64, P, P, P, P, P, I64, I64, I64, P, I64, P,
                                                 ctypes.c_int]
         lib.rows_attention.argtypes = [P, I64, I64, I64, I64, I64, P, P, I64, I64, P, I64, P, ctypes.c_int]
+        lib.rows_layers.restype = ctypes.c_int
+        lib.rows_layers.argtypes = [I64, P, P, I64, I64, I64, I64, I64, I64, ctypes.c_float, P, P, P, P, P, I64,
+                                    I64, I64, I64, P, I64, P, ctypes.c_int]
         nbs, rbs = (ctypes.c_int64 * 32)(), (ctypes.c_int64 * 32)()
         variants: dict[int, tuple[int, ...]] = {}
         for i in range(min(32, lib.rows_gemm_variants(nbs, rbs, 32))):
@@ -322,6 +325,93 @@ def rope_attention(qkv: torch.Tensor, n_heads: int, n_kv: int, cos: torch.Tensor
     if rc != 0:
         raise RuntimeError(f"rows_rope_attention: unsupported shape (heads {n_heads}/{n_kv}, head_dim {D})")
     return out
+
+
+# ---- a stack of decoder layers in one call ----------------------------------------------------------------------
+class _Linear(ctypes.Structure):
+    _fields_ = [("p", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("nb", ctypes.c_int64), ("rb", ctypes.c_int64),
+                ("out", ctypes.c_int64), ("in_", ctypes.c_int64)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("in_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("qkv", _Linear), ("o", _Linear),
+                ("gate_up", _Linear), ("down", _Linear)]
+
+
+class LayerStack:
+    """A packed Llama-family model's decoder layers run by one `rows_layers` call per forward (one sequence, fp32):
+    the same kernels in the same order as the per-layer path, so the same bits, without ~8 Python-level kernel
+    calls per layer. Built by `for_model` when every layer qualifies (our kernel on all four linears, no q/k norm);
+    the packed weights never move, so their addresses are taken once (per register-tile choice, i.e. row count)."""
+
+    def __init__(self, model):
+        cfg = model.config
+        self.n, self.H, self.eps = cfg.num_hidden_layers, cfg.hidden_size, float(cfg.rms_norm_eps)
+        self.Hq, self.Hkv, self.D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.inter = cfg.intermediate_size
+        self.layers = list(model.layers)   # keeps the packed weights alive
+        self._arrays: dict[int, ctypes.Array] = {}
+
+    @staticmethod
+    def for_model(model) -> "LayerStack | None":
+        from specscope.models.linear import PackedLinear
+
+        def ok(lin):
+            return isinstance(lin, PackedLinear) and lin.rg is not None
+
+        layers = getattr(model, "layers", None)
+        if not layers or not available():
+            return None
+        for layer in layers:
+            a, m = layer.self_attn, layer.mlp
+            if a.q_norm is not None or not all(map(ok, (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj))):
+                return None
+            if any(n.weight.dtype != torch.float32 or not n.weight.is_contiguous()
+                   for n in (layer.input_layernorm, layer.post_attention_layernorm)):
+                return None
+        return LayerStack(model)
+
+    def _array(self, T: int):
+        key = min(T, TUNE_ROWS[-1])
+        arr = self._arrays.get(key)
+        if arr is None:
+            def lin(pl):
+                b = pl.rg_bias
+                return _Linear(pl.rg.data_ptr(), 0 if b is None else b.data_ptr(), pl.nb, pl.rbs[key],
+                               pl.out_features, pl.in_features)
+
+            arr = (_Layer * self.n)(*[_Layer(ly.input_layernorm.weight.data_ptr(),
+                                             ly.post_attention_layernorm.weight.data_ptr(),
+                                             lin(ly.self_attn.qkv_proj), lin(ly.self_attn.o_proj),
+                                             lin(ly.mlp.gate_up_proj), lin(ly.mlp.down_proj))
+                                      for ly in self.layers])
+            self._arrays[key] = arr
+        return arr
+
+    def __call__(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, cache,
+                 kv_len: int, mask: torch.Tensor | None, aux_layers=()) -> tuple[torch.Tensor, dict]:
+        """h [T, H] (updated copy returned), cos/sin [T, D], slots [T], mask [T, S] or None; cache: a KVCache
+        (sequence 0). Returns (h after the last layer, {layer: h entering it} for aux_layers)."""
+        T = h.shape[0]
+        h = h.contiguous().clone()
+        aux = {i: torch.empty(T, self.H) for i in aux_layers if 0 <= i <= self.n}
+        aux_ptrs = (ctypes.c_void_p * (self.n + 1))(*[aux[i].data_ptr() if i in aux else None
+                                                        for i in range(self.n + 1)]) if aux else None
+        slots, cos, sin = slots.contiguous(), cos.contiguous(), sin.contiguous()
+        if mask is not None:
+            mask = mask.contiguous()
+        k, v = cache.k, cache.v
+        rc = (_lib or library()).rows_layers(
+            self.n, self._array(T), h.data_ptr(), T, self.H, self.Hq, self.Hkv, self.D, self.inter, self.eps,
+            cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(2),
+            k.shape[3], kv_len, None if mask is None else mask.data_ptr(), 0 if mask is None else mask.stride(0),
+            aux_ptrs, torch.get_num_threads())
+        if rc == -3:   # the message index_copy_ gives, so callers see one error whichever path ran
+            bad = int(slots[(slots < 0) | (slots >= k.shape[3])][0])
+            raise IndexError(f"index_copy_(): index {bad} is out of bounds for dimension 1 with size {k.shape[3]}")
+        if rc != 0:
+            raise RuntimeError(f"rows_layers: unsupported shape (heads {self.Hq}/{self.Hkv}, head_dim {self.D})")
+        return h, aux
 
 
 # ---- tuning ----------------------------------------------------------------------------------------------------

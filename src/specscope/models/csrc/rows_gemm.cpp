@@ -232,65 +232,98 @@ int rows_rope_attention(const float* qkv, int64_t T, int64_t Hq, int64_t Hkv, in
 
 constexpr int MAXV = 256 / L;   // head_dim <= 256
 
-// The G query heads that share one kv head, for one row: every key and value row is read once for all G (the
-// cache lives in L2, whose bandwidth is what attention on a CPU runs into).
-template <int G>
-static void attend_group(const float* const* qs, const float* kh, const float* vh, int64_t D, const int32_t* idx,
-                         int64_t m, float scale, float* sc, float* const* outs) {
-    const int nv = (int)((D + L - 1) / L);
-    vf qr[G][MAXV];
+// out[q][j0*L .. (j0+W)*L) = sum over visible keys t (slot order) of p[q][t] * v[t], times inv[q]: W*G independent
+// FMA chains, W fixed at compile time so they stay in registers
+template <int G, int W, int NV>
+static inline void weighted_sum(const float* vh, int64_t D, const int32_t* idx, int64_t m, const float* sc,
+                                const float* inv, int j0, float* const* outs) {
+    vf acc[G][W];
     for (int q = 0; q < G; ++q)
-        for (int j = 0; j < nv; ++j) qr[q][j] = simd::load_n(qs[q] + j * L, (int)(D - j * L));
-    // scores: each key's dot product reduced by the same fixed tree, whatever its neighbours
-    for (int64_t i = 0; i < m; ++i) {
-        const float* ks = kh + (int64_t)idx[i] * D;
-        vf kv[MAXV];
-        for (int j = 0; j < nv; ++j) kv[j] = simd::load_n(ks + j * L, (int)(D - j * L));
+        for (int w = 0; w < W; ++w) acc[q][w] = simd::zero();
+    for (int64_t t = 0; t < m; ++t) {
+        const float* vs = vh + (int64_t)idx[t] * D + j0 * L;
+        vf vv[W];
+        for (int w = 0; w < W; ++w) vv[w] = NV ? simd::load(vs + w * L) : simd::load_n(vs + w * L, (int)(D - (j0 + w) * L));
         for (int q = 0; q < G; ++q) {
-            vf acc = simd::mul(qr[q][0], kv[0]);
-            for (int j = 1; j < nv; ++j) acc = simd::fma(qr[q][j], kv[j], acc);
-            sc[q * m + i] = simd::hsum(acc) * scale;
+            vf pv = simd::set1(sc[q * m + t]);
+            for (int w = 0; w < W; ++w) acc[q][w] = simd::fma(pv, vv[w], acc[q][w]);
         }
     }
+    for (int q = 0; q < G; ++q)
+        for (int w = 0; w < W; ++w)
+            simd::store_n(outs[q] + (j0 + w) * L, simd::mul(acc[q][w], simd::set1(inv[q])), (int)(D - (j0 + w) * L));
+}
+
+// The G query heads that share one kv head, for one row: every key and value row is read once for all G (the
+// cache lives in L2, whose bandwidth is what attention on a CPU runs into). NV > 0: head_dim = NV * L, known at
+// compile time (the common 64 / 128, fully unrolled); NV == 0: any head_dim up to 256.
+// Speed comes from independent chains: KB keys x G heads of dot products at once, and JC output vectors x G heads
+// in the weighted sum, so the FMAs pipeline instead of waiting on one accumulator. Exactness does not depend on
+// that blocking: a score is always the FMA chain over its head_dim in order, then one fixed hsum tree; an output
+// lane always the FMA chain over the visible keys in slot order.
+template <int G, int NV>
+static void attend_group(const float* const* qs, const float* kh, const float* vh, int64_t D, const int32_t* idx,
+                         int64_t m, float scale, float* sc, float* const* outs) {
+    constexpr int KB = 4, JC = G <= 2 ? 4 : 3;   // G * JC accumulators + a broadcast + loads in 16 registers
+    const int nv = NV ? NV : (int)((D + L - 1) / L);
+    auto ld = [&](const float* p, int j) { return NV ? simd::load(p + j * L) : simd::load_n(p + j * L, (int)(D - j * L)); };
+    vf qr[G][NV ? NV : MAXV];
+    for (int q = 0; q < G; ++q)
+        for (int j = 0; j < nv; ++j) qr[q][j] = ld(qs[q], j);
+    int64_t i = 0;
+    for (; i + KB <= m; i += KB) {   // scores, KB keys at a time
+        const float* ks[KB];
+        for (int u = 0; u < KB; ++u) ks[u] = kh + (int64_t)idx[i + u] * D;
+        vf acc[KB][G];
+        for (int u = 0; u < KB; ++u)
+            for (int q = 0; q < G; ++q) acc[u][q] = simd::zero();
+        for (int j = 0; j < nv; ++j)
+            for (int u = 0; u < KB; ++u) {
+                vf kv = ld(ks[u], j);
+                for (int q = 0; q < G; ++q) acc[u][q] = simd::fma(qr[q][j], kv, acc[u][q]);
+            }
+        for (int u = 0; u < KB; ++u)
+            for (int q = 0; q < G; ++q) sc[q * m + i + u] = simd::hsum(acc[u][q]) * scale;
+    }
+    for (; i < m; ++i) {             // the last keys, one at a time: the same chain and tree per key
+        const float* ks = kh + (int64_t)idx[i] * D;
+        vf acc[G];
+        for (int q = 0; q < G; ++q) acc[q] = simd::zero();
+        for (int j = 0; j < nv; ++j) {
+            vf kv = ld(ks, j);
+            for (int q = 0; q < G; ++q) acc[q] = simd::fma(qr[q][j], kv, acc[q]);
+        }
+        for (int q = 0; q < G; ++q) sc[q * m + i] = simd::hsum(acc[q]) * scale;
+    }
+    float inv[G];
     for (int q = 0; q < G; ++q) {
         float* sq = sc + q * m;
         float mx = -INFINITY;   // a max is exact in any order
-        int64_t i = 0;
+        int64_t t = 0;
         if (m >= L) {
             vf mv = simd::load(sq);
-            for (i = L; i + L <= m; i += L) mv = simd::max(mv, simd::load(sq + i));
+            for (t = L; t + L <= m; t += L) mv = simd::max(mv, simd::load(sq + t));
             mx = simd::hmax(mv);
         }
-        for (; i < m; ++i) mx = sq[i] > mx ? sq[i] : mx;
+        for (; t < m; ++t) mx = sq[t] > mx ? sq[t] : mx;
         const vf mxv = simd::set1(mx);
-        for (i = 0; i < m; i += L) {
-            int w = (int)(m - i < L ? m - i : L);
-            simd::store_n(sq + i, vexp(simd::sub(simd::load_n(sq + i, w), mxv)), w);
+        for (t = 0; t < m; t += L) {
+            int w = (int)(m - t < L ? m - t : L);
+            simd::store_n(sq + t, vexp(simd::sub(simd::load_n(sq + t, w), mxv)), w);
         }
+        // the denominator in 4 partial sums by visible index (t % 4), fixed by the key sequence alone
+        float p0 = 0.0f, p1 = 0.0f, p2 = 0.0f, p3 = 0.0f;
+        for (t = 0; t + 4 <= m; t += 4) p0 += sq[t], p1 += sq[t + 1], p2 += sq[t + 2], p3 += sq[t + 3];
+        if (t < m) p0 += sq[t];
+        if (t + 1 < m) p1 += sq[t + 1];
+        if (t + 2 < m) p2 += sq[t + 2];
+        inv[q] = 1.0f / ((p0 + p1) + (p2 + p3));
     }
-    // weighted sum of the values over the visible keys in slot order; the denominator in 4 partial sums by visible
-    // index (i % 4), fixed by the key sequence alone
-    float ps[G][4];
-    vf acc[G][MAXV];
-    for (int q = 0; q < G; ++q) {
-        ps[q][0] = ps[q][1] = ps[q][2] = ps[q][3] = 0.0f;
-        for (int j = 0; j < nv; ++j) acc[q][j] = simd::zero();
-    }
-    for (int64_t i = 0; i < m; ++i) {
-        const float* vs = vh + (int64_t)idx[i] * D;
-        vf vv[MAXV];
-        for (int j = 0; j < nv; ++j) vv[j] = simd::load_n(vs + j * L, (int)(D - j * L));
-        for (int q = 0; q < G; ++q) {
-            float p = sc[q * m + i];
-            ps[q][i & 3] += p;
-            vf pv = simd::set1(p);
-            for (int j = 0; j < nv; ++j) acc[q][j] = simd::fma(pv, vv[j], acc[q][j]);
-        }
-    }
-    for (int q = 0; q < G; ++q) {
-        vf inv = simd::set1(1.0f / ((ps[q][0] + ps[q][1]) + (ps[q][2] + ps[q][3])));
-        for (int j = 0; j < nv; ++j) simd::store_n(outs[q] + j * L, simd::mul(acc[q][j], inv), (int)(D - j * L));
-    }
+    // weighted sum of the values over the visible keys in slot order, JC output vectors at a time
+    int j0 = 0;
+    for (; j0 + JC <= nv; j0 += JC) weighted_sum<G, JC, NV>(vh, D, idx, m, sc, inv, j0, outs);
+    if constexpr (NV == 0 || NV % JC != 0)
+        for (; j0 < nv; ++j0) weighted_sum<G, 1, NV>(vh, D, idx, m, sc, inv, j0, outs);
 }
 
 typedef void (*group_fn)(const float* const*, const float*, const float*, int64_t, const int32_t*, int64_t, float,
@@ -305,7 +338,10 @@ int rows_attention(const float* q, int64_t q_row, int64_t T, int64_t Hq, int64_t
     const int64_t G = Hq / Hkv;
     // groups of up to 4 heads per pass (registers); larger groups take several passes
     const int64_t gb = G % 4 == 0 ? 4 : G % 3 == 0 ? 3 : G % 2 == 0 ? 2 : 1;
-    static const group_fn fns[5] = {nullptr, attend_group<1>, attend_group<2>, attend_group<3>, attend_group<4>};
+#define GROUPS(NV) {nullptr, attend_group<1, NV>, attend_group<2, NV>, attend_group<3, NV>, attend_group<4, NV>}
+    static const group_fn any_d[5] = GROUPS(0), d64[5] = GROUPS(64 / L), d128[5] = GROUPS(128 / L);
+#undef GROUPS
+    const group_fn* fns = D == 64 ? d64 : D == 128 ? d128 : any_d;
     const float scale = 1.0f / sqrtf((float)D);
     const int64_t items = T * Hkv * (G / gb);
     #pragma omp parallel num_threads(nthreads) if (nthreads > 1 && items > 1)
@@ -337,6 +373,59 @@ int rows_attention(const float* q, int64_t q_row, int64_t T, int64_t Hq, int64_t
             fns[gb](qs, k + g * kv_head, v + g * kv_head, D, idx.data(), m, scale, sc.data(), outs);
         }
     }
+    return 0;
+}
+
+}  // extern "C"
+
+// ---- a whole stack of decoder layers in one call ---------------------------------------------------------------
+// What Python would otherwise do per layer (8 kernel calls, their tensors and ctypes crossings: ~0.2 ms a layer,
+// a third of a 135M model's decode step on a 2-core CPU), done here with the same kernels in the same order, so the
+// bits are those of the per-layer path.
+
+struct RowLinear {         // a packed linear (see rows_gemm_pack) and the register tile for this call's row count
+    const float* p;
+    const float* bias;     // may be null
+    int64_t nb, rb, out, in;
+};
+
+struct RowLayer {          // one Llama-family decoder layer (no q/k norm)
+    const float* in_norm;
+    const float* post_norm;
+    RowLinear qkv, o, gate_up, down;
+};
+
+extern "C" {
+
+// h [T, H] is updated in place through layers 0..nl-1. k/v caches: layer l, kv head g, slot s at
+// kc + l*layer_stride + g*kv_head + s*D. aux: nl+1 pointers, aux[i] (if not null) receives h entering layer i
+// (aux[nl]: leaving the last). Returns 0, or the first kernel's error code.
+int rows_layers(int64_t nl, const RowLayer* layers, float* h, int64_t T, int64_t H, int64_t Hq, int64_t Hkv,
+                int64_t D, int64_t inter, float eps, const float* cos, const float* sin, const int64_t* slots,
+                float* kc, float* vc, int64_t layer_stride, int64_t kv_head, int64_t max_len, int64_t S,
+                const uint8_t* mask, int64_t mask_row, float* const* aux, int nthreads) {
+    std::vector<float> x((size_t)(T * H)), qkv((size_t)(T * (Hq + 2 * Hkv) * D)), att((size_t)(T * Hq * D)),
+        o((size_t)(T * H)), gu((size_t)(T * 2 * inter)), act((size_t)(T * inter)), hn((size_t)(T * H));
+    auto lin = [&](const RowLinear& w, const float* in, float* out) {
+        return rows_gemm_f32(in, T, w.p, w.nb, w.out, w.in, w.bias, out, nthreads, (int)w.rb);
+    };
+    for (int64_t l = 0; l < nl; ++l) {
+        const RowLayer& w = layers[l];
+        if (aux && aux[l]) memcpy(aux[l], h, (size_t)(T * H) * sizeof(float));
+        rows_rmsnorm(h, nullptr, T, H, w.in_norm, eps, nullptr, x.data());
+        int rc = lin(w.qkv, x.data(), qkv.data());
+        if (!rc) rc = rows_rope_attention(qkv.data(), T, Hq, Hkv, D, cos, sin, slots, kc + l * layer_stride,
+                                          vc + l * layer_stride, kv_head, max_len, S, mask, mask_row, att.data(),
+                                          nthreads);
+        if (!rc) rc = lin(w.o, att.data(), o.data());
+        if (rc) return rc;
+        rows_rmsnorm(h, o.data(), T, H, w.post_norm, eps, hn.data(), x.data());   // h + attn, and its norm
+        if ((rc = lin(w.gate_up, x.data(), gu.data()))) return rc;
+        rows_silu_mul(gu.data(), T, inter, act.data());
+        if ((rc = lin(w.down, act.data(), o.data()))) return rc;
+        for (int64_t i = 0; i < T * H; ++i) h[i] = hn[i] + o[i];                    // the MLP's residual add
+    }
+    if (aux && aux[nl]) memcpy(aux[nl], h, (size_t)(T * H) * sizeof(float));
     return 0;
 }
 

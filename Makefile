@@ -33,4 +33,8 @@ kernel-tools:
 	  || echo "note: could not install g++-aarch64-linux-gnu qemu-user; the NEON kernel check will be skipped"; \
 	else echo "note: no root/apt-get: the NEON kernel check will be skipped (install g++-aarch64-linux-gnu qemu-user)"; fi
 
-.PHONY: install demo test test-slow kernel-tools
+# optional: llama.cpp (built from source, ~5 min) for bench/llamacpp.py, specscope beside llama.cpp on the same weights
+bench-llamacpp-deps: $(STAMP)
+	$(BIN)/pip install -q llama-cpp-python==0.3.36
+
+.PHONY: install demo test test-slow kernel-tools bench-llamacpp-deps

@@ -264,7 +264,8 @@ static inline void weighted_sum(const float* vh, int64_t D, const int32_t* idx, 
 template <int G, int NV>
 static void attend_group(const float* const* qs, const float* kh, const float* vh, int64_t D, const int32_t* idx,
                          int64_t m, float scale, float* sc, float* const* outs) {
-    constexpr int KB = 4, JC = G <= 2 ? 4 : 3;   // G * JC accumulators + a broadcast + loads in 16 registers
+    // KB = 4 for simd::hsum4; G * JC accumulators + a broadcast + loads fit 16 registers
+    constexpr int KB = 4, JC = G <= 2 ? 4 : 3;
     const int nv = NV ? NV : (int)((D + L - 1) / L);
     auto ld = [&](const float* p, int j) { return NV ? simd::load(p + j * L) : simd::load_n(p + j * L, (int)(D - j * L)); };
     vf qr[G][NV ? NV : MAXV];
@@ -282,8 +283,11 @@ static void attend_group(const float* const* qs, const float* kh, const float* v
                 vf kv = ld(ks[u], j);
                 for (int q = 0; q < G; ++q) acc[u][q] = simd::fma(qr[q][j], kv, acc[u][q]);
             }
-        for (int u = 0; u < KB; ++u)
-            for (int q = 0; q < G; ++q) sc[q * m + i + u] = simd::hsum(acc[u][q]) * scale;
+        for (int q = 0; q < G; ++q) {
+            float r[4];
+            simd::hsum4(acc[0][q], acc[1][q], acc[2][q], acc[3][q], r);
+            for (int u = 0; u < KB; ++u) sc[q * m + i + u] = r[u] * scale;
+        }
     }
     for (; i < m; ++i) {             // the last keys, one at a time: the same chain and tree per key
         const float* ks = kh + (int64_t)idx[i] * D;

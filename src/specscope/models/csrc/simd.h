@@ -29,11 +29,17 @@ static inline vf fma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }    /
 static inline vf fnma(vf a, vf b, vf c) { return _mm512_fnmadd_ps(a, b, c); }  // c - a * b
 static inline vf round(vf a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 static inline vf ldexp(vf p, vf n) { return _mm512_scalef_ps(p, n); }   // p * 2^n, n integral
-static inline float hsum(vf v) {   // 16 -> 8 -> 4 -> 2 -> 1, the same tree as the narrower ISAs' tails
-    __m256 a = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
-    __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-    b = _mm_add_ps(b, _mm_movehl_ps(b, b));
-    return _mm_cvtss_f32(_mm_add_ss(b, _mm_movehdup_ps(b)));
+// hsum's tree: lanes i and i+8 first, then AVX2's ((0+1)+(2+3)) + ((4+5)+(6+7)); hsum4 gives four sums by the
+// same tree, so a score does not depend on whether it was reduced alone or beside three others
+static inline __m256 half_sum(vf v) { return _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1)); }
+static inline void hsum4(vf a, vf b, vf c, vf d, float* out) {
+    __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(half_sum(a), half_sum(b)), _mm256_hadd_ps(half_sum(c), half_sum(d)));
+    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
+}
+static inline float hsum(vf v) {
+    __m256 h = half_sum(v);
+    __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(h, h), _mm256_hadd_ps(h, h));
+    return _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
 }
 static inline float hmax(vf v) { return _mm512_reduce_max_ps(v); }   // a max is exact in any order
 static inline void prefetch(const void* p) { _mm_prefetch((const char*)p, _MM_HINT_T0); }
@@ -69,10 +75,14 @@ static inline vf ldexp(vf p, vf n) {   // n in [-126, 127]: build 2^n in the exp
     __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
+// ((0+1)+(2+3)) + ((4+5)+(6+7)) for one vector (hsum) or four at once (hsum4): the same tree either way
+static inline void hsum4(vf a, vf b, vf c, vf d, float* out) {
+    __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
+}
 static inline float hsum(vf v) {
-    __m128 b = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    b = _mm_add_ps(b, _mm_movehl_ps(b, b));
-    return _mm_cvtss_f32(_mm_add_ss(b, _mm_movehdup_ps(b)));
+    __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(v, v), _mm256_hadd_ps(v, v));
+    return _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
 }
 static inline float hmax(vf v) {
     __m128 b = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -117,9 +127,13 @@ static inline vf ldexp(vf p, vf n) {
     int32x4_t e = vshlq_n_s32(vaddq_s32(vcvtnq_s32_f32(n), vdupq_n_s32(127)), 23);
     return vmulq_f32(p, vreinterpretq_f32_s32(e));
 }
-static inline float hsum(vf v) {   // 4 -> 2 -> 1, as the x86 tails
-    float32x2_t b = vadd_f32(vget_low_f32(v), vget_high_f32(v));
-    return vget_lane_f32(b, 0) + vget_lane_f32(b, 1);
+// (0+1)+(2+3) for one vector (hsum) or four at once (hsum4): the same tree either way
+static inline void hsum4(vf a, vf b, vf c, vf d, float* out) {
+    vst1q_f32(out, vpaddq_f32(vpaddq_f32(a, b), vpaddq_f32(c, d)));
+}
+static inline float hsum(vf v) {
+    float32x4_t p = vpaddq_f32(v, v);
+    return vgetq_lane_f32(vpaddq_f32(p, p), 0);
 }
 static inline float hmax(vf v) { return vmaxvq_f32(v); }
 static inline void prefetch(const void* p) { __builtin_prefetch(p, 0, 3); }

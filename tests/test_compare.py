@@ -277,3 +277,12 @@ def test_runs_timed_under_load_are_named():
               "so its timings are not comparable with a quiet run"}
     ingested = dict(busy, env=dict(busy["env"], ingested=True))     # the engine ran elsewhere: no local load
     assert compare_runs([quiet, ingested])["load_warnings"] == {}
+
+
+def test_hidden_avx512_is_named_when_a_cpu_run_slows_down():
+    """The same CPU model in a VM that hides AVX-512: the row kernels fall back to AVX2, and compare says so."""
+    a = synth(50, env_over={"cpu__simd": "avx512f,avx2,fma", "cpu__row_kernels": "avx512"})
+    b = synth(51, scale={p: 1.3 for p in PHASES} | {"decode": 1.3},
+              env_over={"cpu__simd": "avx2,fma", "cpu__row_kernels": "avx2", "git__commit": "e" * 40})
+    keys = [c["key"] for c in compare_runs([a, b])["attribution"][0]["likely_causes"]]
+    assert keys[:2] == ["env.cpu.row_kernels", "env.cpu.simd"], keys

@@ -67,6 +67,8 @@ PRIORS: list[tuple[str, float, frozenset, str]] = [
     ("env.vars.MKL_*", 0.6, ALL, "MKL settings"),
     ("env.vars.PYTORCH_*", 0.5, ALL, "PyTorch environment differs"),
     ("env.vars.TORCH_*", 0.5, ALL, "PyTorch environment differs"),
+    ("env.cpu.row_kernels", 0.9, ALL, "different CPU row kernels (instruction set, or SPECSCOPE_KERNELS)"),
+    ("env.cpu.simd", 0.85, ALL, "different vector extensions (e.g. AVX-512 hidden by a hypervisor)"),
     ("env.cpu.model", 0.9, ALL, "different CPU"),
     ("env.cpu.cores_usable", 0.7, ALL, "different usable CPU cores"),
     ("env.cpu.cgroup_cpu_quota", 0.7, ALL, "different CPU quota"),

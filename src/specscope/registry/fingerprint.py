@@ -17,7 +17,7 @@ from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
 
-ENV_PREFIXES = ("NCCL_", "CUDA_", "OMP_", "MKL_", "TORCH_", "PYTORCH_")
+ENV_PREFIXES = ("NCCL_", "CUDA_", "OMP_", "MKL_", "TORCH_", "PYTORCH_", "SPECSCOPE_KERNELS")
 PACKAGES = ("torch", "transformers", "specscope", "numpy", "safetensors", "tokenizers", "triton")
 
 GPU_FIELDS = ("name", "uuid", "memory_total_mib", "sm_clock_mhz", "sm_clock_max_mhz", "mem_clock_mhz",
@@ -82,7 +82,32 @@ def _cpu() -> dict:
     quota = _cgroup_cpu_quota()
     if quota:
         out["cgroup_cpu_quota"] = quota
+    out.update(_simd())
     return out
+
+
+def _simd() -> dict:
+    """The vector extensions the CPU exposes (a hypervisor may hide AVX-512) and the row kernels' instruction set
+    in this process (None: the stock oneDNN path, or no model loaded), which decide CPU decode speed more than the
+    model name does. Read without importing torch (the registry stays light)."""
+    flags: set[str] = set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    except OSError:
+        pass
+    simd = [f for f in ("avx512f", "avx2", "fma", "asimd", "sve") if f in flags]
+    rg = sys.modules.get("specscope.models.rowgemm")   # loaded with a model; its library decides the kernels
+    kernels = rg._isa if rg is not None and rg._lib_state == "loaded" else None
+    return {"simd": ",".join(simd) or None, "row_kernels": kernels}
+
+    flags = rowgemm.cpu_flags()
+    simd = [f for f in ("avx512f", "avx2", "fma", "asimd", "sve") if f in flags]
+    kernels = rowgemm._isa if rowgemm._lib_state == "loaded" else (
+        None if rowgemm._lib_state == "unavailable" else rowgemm.requested_isa()[0])
+    return {"simd": ",".join(simd) or None, "row_kernels": kernels}
 
 
 def _cgroup_cpu_quota():

@@ -139,8 +139,11 @@ def weight_bytes(model) -> int:
     negligible)."""
     from specscope.models.linear import PackedLinear
 
-    return sum(m.in_features * m.out_features * model.dtype.itemsize for m in model.modules()
-               if isinstance(m, (PackedLinear, torch.nn.Linear)))
+    def nbytes(m):   # a bf16-exact weight packed for our kernels streams as bf16 (models/rowgemm.is_bf16_exact)
+        rg = getattr(m, "rg", None)
+        return m.in_features * m.out_features * (rg.element_size() if rg is not None else model.dtype.itemsize)
+
+    return sum(nbytes(m) for m in model.modules() if isinstance(m, (PackedLinear, torch.nn.Linear)))
 
 
 def kv_bytes(model, context: int) -> int:

@@ -301,15 +301,18 @@ def test_silu_mul_matches_torch():
 
 
 @needs_kernels
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
-def test_the_one_call_layer_stack_gives_the_per_layer_bits(tmp_path, arch):
+@pytest.mark.parametrize("arch,ckpt", [("llama", torch.float32), ("qwen2", torch.float32), ("mistral", torch.float32),
+                                       ("llama", torch.bfloat16)])
+def test_the_one_call_layer_stack_gives_the_per_layer_bits(tmp_path, arch, ckpt):
     """rows_layers runs every decoder layer in one C++ call: prefill, decode and a tree verify, the aux hidden
-    states EAGLE-3 reads included, must be the bits of the per-layer kernel path."""
+    states EAGLE-3 reads included, must be the bits of the per-layer kernel path (a bf16 checkpoint loaded as
+    fp32 streams bf16 panels through the same call)."""
     kw = {"sliding_window": 6} if arch == "mistral" else {}
-    make_hf_model(tmp_path, arch, **kw)
+    make_hf_model(tmp_path, arch, dtype=ckpt, **kw)
     m = load_model(tmp_path, dtype="fp32")
     stack = m.row_stack
     assert stack is not None
+    assert (m.layers[0].mlp.down_proj.rg.dtype == torch.int16) == (ckpt == torch.bfloat16)
     ids = torch.randint(3, 101, (1, 12), generator=torch.Generator().manual_seed(2))
     tree = DraftTree(torch.tensor([5, 6, 7, 8]), torch.tensor([-1, -1, 0, 2]), torch.tensor([1, 1, 2, 3]))
     aux = (0, 1, m.config.num_hidden_layers)
@@ -331,3 +334,22 @@ def test_the_one_call_layer_stack_gives_the_per_layer_bits(tmp_path, arch):
 def test_no_layer_stack_for_a_model_with_qk_norm(tmp_path):
     make_hf_model(tmp_path, "qwen3")
     assert load_model(tmp_path, dtype="fp32").row_stack is None
+
+
+@needs_kernels
+def test_bf16_exact_weights_stream_as_bf16_with_the_fp32_bits(monkeypatch):
+    """A bf16 checkpoint upcast to fp32 (the shipped drafter; most hub checkpoints) is packed as bf16: half the
+    bytes to stream, and the same results, bit for bit, as the fp32 panels, for every row count."""
+    lin = nn.Linear(70, 300)
+    with torch.no_grad():
+        lin.weight.copy_(lin.weight.bfloat16().float())
+    x = torch.randn(13, 70)
+    pl = PackedLinear(lin, tune=False)
+    assert pl.rg.dtype == torch.int16 and pl.rg.numel() * 2 <= 1.1 * lin.weight.numel() * 2
+    assert torch.equal(pl.weight, lin.weight)
+    monkeypatch.setattr(rowgemm, "is_bf16_exact", lambda w: False)
+    ref = PackedLinear(lin, tune=False)
+    assert ref.rg.dtype == torch.float32
+    for n in range(1, 14):
+        assert torch.equal(pl(x[:n]), ref(x[:n])), n
+    assert not rowgemm.is_bf16_exact(torch.randn(4, 4))       # an ordinary fp32 weight stays fp32

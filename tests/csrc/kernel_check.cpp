@@ -53,6 +53,31 @@ static void check_gemm() {
     }
 }
 
+// bf16 panels: for weights that are exactly bf16, the same bits as the fp32 panels, for every tile and row count
+static void check_gemm_bf16() {
+    int64_t nbs[32], rbs[32];
+    int nv = rows_gemm_variants(nbs, rbs, 32);
+    const int64_t shapes[][2] = {{1, 1}, {17, 3}, {100, 17}, {200, 333}};
+    for (auto& sh : shapes) {
+        int64_t out = sh[0], in = sh[1], N = 20;
+        auto w = randv(out * in), b = randv(out), x = randv(N * in);
+        for (auto& v : w) { uint32_t u; memcpy(&u, &v, 4); u &= 0xFFFF0000u; memcpy(&v, &u, 4); }
+        for (int vi = 0; vi < nv; ++vi) {
+            int64_t nb = nbs[vi], padded = ((out + nb - 1) / nb) * nb * in;
+            std::vector<float> p(padded);
+            std::vector<uint16_t> p16(padded);
+            rows_gemm_pack(w.data(), out, in, nb, p.data());
+            rows_gemm_pack_bf16(w.data(), out, in, nb, p16.data());
+            for (int64_t n = 1; n <= N; n += 3) {
+                std::vector<float> y(n * out), y16(n * out);
+                rows_gemm_f32(x.data(), n, p.data(), nb, out, in, b.data(), y.data(), 2, (int)rbs[vi]);
+                CHECK(rows_gemm_bf16(x.data(), n, p16.data(), nb, out, in, b.data(), y16.data(), 2, (int)rbs[vi]) == 0, "bf16 run");
+                CHECK(memcmp(y.data(), y16.data(), y.size() * 4) == 0, "bf16 panels %ldx%ld, %ld rows: not the fp32 bits", (long)out, (long)in, (long)n);
+            }
+        }
+    }
+}
+
 static void check_norm_silu() {
     for (int64_t d : {1, 15, 16, 64, 576, 1000}) {
         const int64_t n = 7;
@@ -173,6 +198,7 @@ static void check_rope_attention() {
 
 int main() {
     check_gemm();
+    check_gemm_bf16();
     check_norm_silu();
     check_attention();
     check_rope_attention();

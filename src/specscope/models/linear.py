@@ -54,7 +54,8 @@ class PackedLinear(nn.Module):
             self.kernel = "rowgemm"
             plan = rowgemm.tuned_plan(self.out_features, self.in_features, tune)
             self.nb = plan["nb"]
-            self.rg = rowgemm.pack(w, self.nb)
+            # a bf16 checkpoint upcast to fp32 streams as bf16: half the bytes, the same bits (rowgemm.is_bf16_exact)
+            self.rg = rowgemm.pack(w, self.nb, bf16=rowgemm.is_bf16_exact(w))
             self.rbs = [0] + [rowgemm.rb_for(plan, n) for n in range(1, rowgemm.TUNE_ROWS[-1] + 1)]
             self.rg_bias = None if self.bias is None else self.bias.detach().float().contiguous()
             return

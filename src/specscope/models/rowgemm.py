@@ -204,6 +204,10 @@ def library():
         lib.rows_gemm_f32.argtypes = [P, I64, P, I64, I64, I64, P, P, ctypes.c_int, ctypes.c_int]
         lib.rows_gemm_pack.restype = None
         lib.rows_gemm_pack.argtypes = [P, I64, I64, I64, P]
+        lib.rows_gemm_pack_bf16.restype = None
+        lib.rows_gemm_pack_bf16.argtypes = [P, I64, I64, I64, P]
+        lib.rows_gemm_bf16.restype = ctypes.c_int
+        lib.rows_gemm_bf16.argtypes = [P, I64, P, I64, I64, I64, P, P, ctypes.c_int, ctypes.c_int]
         lib.rows_rmsnorm.restype = None
         lib.rows_rmsnorm.argtypes = [P, P, I64, I64, P, ctypes.c_float, P, P]
         lib.rows_attention.restype = ctypes.c_int
@@ -234,16 +238,31 @@ def supports(weight: torch.Tensor) -> bool:
             and weight.shape[1] > 0 and available())
 
 
-def pack(weight: torch.Tensor, nb: int) -> torch.Tensor:
-    """[out, in] fp32 -> panels [ceil(out/nb), in, nb] (zero-padded), flat."""
+def is_bf16_exact(weight: torch.Tensor) -> bool:
+    """Every fp32 value is a bf16 value (a bf16 checkpoint upcast): such weights can be streamed as bf16 at half the
+    bytes and widened exactly in registers, with the bits of the fp32 path."""
+    w = weight.detach().contiguous()
+    return w.dtype == torch.float32 and not bool((w.view(torch.int32) & 0xFFFF).any())
+
+
+def pack(weight: torch.Tensor, nb: int, bf16: bool = False) -> torch.Tensor:
+    """[out, in] fp32 -> panels [ceil(out/nb), in, nb] (zero-padded), flat: fp32, or (bf16=True, for weights that
+    are exactly bf16) their bf16 bits as int16."""
     out, k = weight.shape
     w = weight.detach().contiguous()
-    p = torch.empty(((out + nb - 1) // nb) * nb * k, dtype=torch.float32)
-    library().rows_gemm_pack(w.data_ptr(), out, k, nb, p.data_ptr())
+    n = ((out + nb - 1) // nb) * nb * k
+    if bf16:
+        p = torch.empty(n, dtype=torch.int16)
+        library().rows_gemm_pack_bf16(w.data_ptr(), out, k, nb, p.data_ptr())
+    else:
+        p = torch.empty(n, dtype=torch.float32)
+        library().rows_gemm_pack(w.data_ptr(), out, k, nb, p.data_ptr())
     return p
 
 
 def unpack(p: torch.Tensor, nb: int, out: int, k: int) -> torch.Tensor:
+    if p.dtype == torch.int16:   # bf16 bits -> the fp32 values they are
+        p = (p.to(torch.int32) << 16).view(torch.float32)
     return p.view(-1, k, nb).transpose(1, 2).reshape(-1, k)[:out]
 
 
@@ -253,7 +272,9 @@ def gemm(x2d: torch.Tensor, p: torch.Tensor, nb: int, out: int, bias: torch.Tens
     n, k = x2d.shape
     if y is None:
         y = torch.empty(n, out, dtype=torch.float32)
-    rc = (_lib or library()).rows_gemm_f32(x2d.data_ptr(), n, p.data_ptr(), nb, out, k,
+    lib = _lib or library()
+    fn = lib.rows_gemm_bf16 if p.dtype == torch.int16 else lib.rows_gemm_f32
+    rc = fn(x2d.data_ptr(), n, p.data_ptr(), nb, out, k,
                             bias.data_ptr() if bias is not None else None, y.data_ptr(),
                             torch.get_num_threads(), rb)
     if rc != 0:
@@ -330,7 +351,7 @@ def rope_attention(qkv: torch.Tensor, n_heads: int, n_kv: int, cos: torch.Tensor
 # ---- a stack of decoder layers in one call ----------------------------------------------------------------------
 class _Linear(ctypes.Structure):
     _fields_ = [("p", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("nb", ctypes.c_int64), ("rb", ctypes.c_int64),
-                ("out", ctypes.c_int64), ("in_", ctypes.c_int64)]
+                ("out", ctypes.c_int64), ("in_", ctypes.c_int64), ("bf16", ctypes.c_int64)]
 
 
 class _Layer(ctypes.Structure):
@@ -378,7 +399,7 @@ class LayerStack:
             def lin(pl):
                 b = pl.rg_bias
                 return _Linear(pl.rg.data_ptr(), 0 if b is None else b.data_ptr(), pl.nb, pl.rbs[key],
-                               pl.out_features, pl.in_features)
+                               pl.out_features, pl.in_features, int(pl.rg.dtype == torch.int16))
 
             arr = (_Layer * self.n)(*[_Layer(ly.input_layernorm.weight.data_ptr(),
                                              ly.post_attention_layernorm.weight.data_ptr(),

@@ -31,9 +31,10 @@ using simd::vf;
 #define TILES(X) X(4, 4) X(4, 6) X(8, 2) X(8, 3)
 #endif
 
-// one panel of V*L outputs (`valid` of them real) for RB rows of x
-template <int V, int RB>
-static inline void tile(const float* __restrict x, int64_t in, const float* __restrict p, const float* __restrict bias,
+// one panel of V*L outputs (`valid` of them real) for RB rows of x; weights WT: float, or uint16_t holding bf16
+// (half the bytes to stream, widened exactly to fp32 in registers: the same bits as fp32 weights of those values)
+template <int V, int RB, typename WT>
+static inline void tile(const float* __restrict x, int64_t in, const WT* __restrict p, const float* __restrict bias,
                         int valid, float* __restrict y, int64_t ldy) {
     vf acc[V][RB];
     for (int v = 0; v < V; ++v) {
@@ -41,9 +42,9 @@ static inline void tile(const float* __restrict x, int64_t in, const float* __re
         for (int r = 0; r < RB; ++r) acc[v][r] = b;
     }
     for (int64_t k = 0; k < in; ++k) {
-        const float* pk = p + k * (V * L);
+        const WT* pk = p + k * (V * L);
         // 4 KB ahead into L1, a line at a time: the hardware prefetcher alone leaves the FMAs waiting once n >= 4
-        for (int c = 0; c < V * L; c += 16) simd::prefetch(pk + 1024 + c);
+        for (int c = 0; c < V * L; c += 64 / (int)sizeof(WT)) simd::prefetch(pk + 4096 / sizeof(WT) + c);
         vf wv[V];
         for (int v = 0; v < V; ++v) wv[v] = simd::load(pk + v * L);
         for (int r = 0; r < RB; ++r) {
@@ -59,8 +60,8 @@ static inline void tile(const float* __restrict x, int64_t in, const float* __re
 }
 
 // the last, narrower chunk of rows: tile<V, rem> for 0 < rem < RB
-template <int V, int R>
-static inline void tail(int64_t rem, const float* x, int64_t in, const float* p, const float* bias, int valid,
+template <int V, int R, typename WT>
+static inline void tail(int64_t rem, const float* x, int64_t in, const WT* p, const float* bias, int valid,
                         float* y, int64_t ldy) {
     if constexpr (R > 0) {
         if (rem == R) tile<V, R>(x, in, p, bias, valid, y, ldy);
@@ -68,20 +69,30 @@ static inline void tail(int64_t rem, const float* x, int64_t in, const float* p,
     }
 }
 
-template <int V, int RB>
-static void run(const float* x, int64_t n, const float* p, int64_t out, int64_t in, const float* bias, float* y,
+template <int V, int RB, typename WT>
+static void run(const float* x, int64_t n, const WT* p, int64_t out, int64_t in, const float* bias, float* y,
                 int nthreads) {
     const int64_t NB = V * L, npan = (out + NB - 1) / NB;
     #pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1)
     for (int64_t b = 0; b < npan; ++b) {
         int64_t left = out - b * NB;
         int valid = left < NB ? (int)left : (int)NB;
-        const float* pb = p + b * NB * in;
+        const WT* pb = p + b * NB * in;
         const float* bb = bias ? bias + b * NB : nullptr;
         int64_t r = 0;
         for (; r + RB <= n; r += RB) tile<V, RB>(x + r * in, in, pb, bb, valid, y + r * out + b * NB, out);
-        tail<V, RB - 1>(n - r, x + r * in, in, pb, bb, valid, y + r * out + b * NB, out);
+        tail<V, RB - 1, WT>(n - r, x + r * in, in, pb, bb, valid, y + r * out + b * NB, out);
     }
+}
+
+// panel width nb and register tile rb (tuned; results identical) pick the instantiation; -1 if not built
+template <typename WT>
+static int gemm_dispatch(const float* x, int64_t n, const WT* p, int64_t nb, int64_t out, int64_t in,
+                         const float* bias, float* y, int nthreads, int rb) {
+#define CASE(V_, RB_) if (nb == (V_) * L && rb == (RB_)) { run<V_, RB_, WT>(x, n, p, out, in, bias, y, nthreads); return 0; }
+    TILES(CASE)
+#undef CASE
+    return -1;
 }
 
 extern "C" {
@@ -110,13 +121,28 @@ void rows_gemm_pack(const float* w, int64_t out, int64_t in, int64_t nb, float* 
             }
 }
 
-// panel width nb and register tile rb (tuned; results identical) pick the instantiation; -1 if not built
+// the same panels holding bf16 (the top 16 bits of each fp32 weight; callers pack only weights that are exactly
+// bf16, so nothing is rounded)
+void rows_gemm_pack_bf16(const float* w, int64_t out, int64_t in, int64_t nb, uint16_t* p) {
+    int64_t npan = (out + nb - 1) / nb;
+    for (int64_t b = 0; b < npan; ++b)
+        for (int64_t k = 0; k < in; ++k)
+            for (int64_t j = 0; j < nb; ++j) {
+                int64_t o = b * nb + j;
+                uint32_t bits = 0;
+                if (o < out) memcpy(&bits, w + o * in + k, 4);
+                p[(b * in + k) * nb + j] = (uint16_t)(bits >> 16);
+            }
+}
+
 int rows_gemm_f32(const float* x, int64_t n, const float* p, int64_t nb, int64_t out, int64_t in, const float* bias,
                   float* y, int nthreads, int rb) {
-#define CASE(V_, RB_) if (nb == (V_) * L && rb == (RB_)) { run<V_, RB_>(x, n, p, out, in, bias, y, nthreads); return 0; }
-    TILES(CASE)
-#undef CASE
-    return -1;
+    return gemm_dispatch(x, n, p, nb, out, in, bias, y, nthreads, rb);
+}
+
+int rows_gemm_bf16(const float* x, int64_t n, const uint16_t* p, int64_t nb, int64_t out, int64_t in,
+                   const float* bias, float* y, int nthreads, int rb) {
+    return gemm_dispatch(x, n, p, nb, out, in, bias, y, nthreads, rb);
 }
 
 }  // extern "C"
@@ -388,9 +414,9 @@ int rows_attention(const float* q, int64_t q_row, int64_t T, int64_t Hq, int64_t
 // bits are those of the per-layer path.
 
 struct RowLinear {         // a packed linear (see rows_gemm_pack) and the register tile for this call's row count
-    const float* p;
+    const void* p;         // float panels, or uint16_t (bf16) panels when bf16 != 0
     const float* bias;     // may be null
-    int64_t nb, rb, out, in;
+    int64_t nb, rb, out, in, bf16;
 };
 
 struct RowLayer {          // one Llama-family decoder layer (no q/k norm)
@@ -411,7 +437,8 @@ int rows_layers(int64_t nl, const RowLayer* layers, float* h, int64_t T, int64_t
     std::vector<float> x((size_t)(T * H)), qkv((size_t)(T * (Hq + 2 * Hkv) * D)), att((size_t)(T * Hq * D)),
         o((size_t)(T * H)), gu((size_t)(T * 2 * inter)), act((size_t)(T * inter)), hn((size_t)(T * H));
     auto lin = [&](const RowLinear& w, const float* in, float* out) {
-        return rows_gemm_f32(in, T, w.p, w.nb, w.out, w.in, w.bias, out, nthreads, (int)w.rb);
+        return w.bf16 ? rows_gemm_bf16(in, T, (const uint16_t*)w.p, w.nb, w.out, w.in, w.bias, out, nthreads, (int)w.rb)
+                      : rows_gemm_f32(in, T, (const float*)w.p, w.nb, w.out, w.in, w.bias, out, nthreads, (int)w.rb);
     };
     for (int64_t l = 0; l < nl; ++l) {
         const RowLayer& w = layers[l];

@@ -16,6 +16,9 @@ static inline __mmask16 lanes(int n) { return n >= 16 ? (__mmask16)0xFFFF : n <=
 static inline vf zero() { return _mm512_setzero_ps(); }
 static inline vf set1(float a) { return _mm512_set1_ps(a); }
 static inline vf load(const float* p) { return _mm512_loadu_ps(p); }
+static inline vf load(const uint16_t* p) {   // bf16 -> fp32 is exact: the bits move up 16 places
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
 static inline void store(float* p, vf v) { _mm512_storeu_ps(p, v); }
 static inline vf load_n(const float* p, int n) { return _mm512_maskz_loadu_ps(lanes(n), p); }
 static inline void store_n(float* p, vf v, int n) { _mm512_mask_storeu_ps(p, lanes(n), v); }
@@ -57,6 +60,9 @@ static inline __m256i lanes(int n) {   // lane i enabled where i < n (sign bit s
 static inline vf zero() { return _mm256_setzero_ps(); }
 static inline vf set1(float a) { return _mm256_set1_ps(a); }
 static inline vf load(const float* p) { return _mm256_loadu_ps(p); }
+static inline vf load(const uint16_t* p) {   // bf16 -> fp32 is exact: the bits move up 16 places
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
 static inline void store(float* p, vf v) { _mm256_storeu_ps(p, v); }
 static inline vf load_n(const float* p, int n) { return n >= 8 ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, lanes(n)); }
 static inline void store_n(float* p, vf v, int n) {
@@ -101,6 +107,7 @@ typedef float32x4_t vf;
 static inline vf zero() { return vdupq_n_f32(0.0f); }
 static inline vf set1(float a) { return vdupq_n_f32(a); }
 static inline vf load(const float* p) { return vld1q_f32(p); }
+static inline vf load(const uint16_t* p) { return vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(p), 16)); }   // exact
 static inline void store(float* p, vf v) { vst1q_f32(p, v); }
 static inline vf load_n(const float* p, int n) {   // no masked loads: stage the tail through the stack
     if (n >= 4) return vld1q_f32(p);

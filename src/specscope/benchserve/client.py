@@ -50,13 +50,25 @@ def request_body(endpoint: str, model: str, prompt: str, max_tokens: int, temper
     return body
 
 
+def _clip(text: str, n: int = 200) -> str:
+    """Server text fit for a one-line error: whitespace runs (newlines) collapsed, cut to n characters."""
+    return " ".join(str(text).split())[:n]
+
+
 def _content(obj: dict, endpoint: str) -> tuple[str | None, str | None]:
-    ch = obj.get("choices") or []
-    if not ch:
+    """(text, finish_reason) of a chunk; None for parts a conforming server would not send (a number as text)."""
+    ch = obj.get("choices")
+    if not isinstance(ch, list) or not ch or not isinstance(ch[0], dict):
         return None, None
     c = ch[0]
-    text = (c.get("delta") or {}).get("content") if endpoint == "chat" else c.get("text")
-    return text, c.get("finish_reason")
+    delta = c.get("delta")
+    text = (delta.get("content") if isinstance(delta, dict) else None) if endpoint == "chat" else c.get("text")
+    finish = c.get("finish_reason")
+    return (text if isinstance(text, str) else None), (finish if isinstance(finish, str) else None)
+
+
+def _count(v) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
 
 
 async def stream_one(client: httpx.AsyncClient, url: str, body: dict, endpoint: str, index: int,
@@ -71,9 +83,9 @@ async def stream_one(client: httpx.AsyncClient, url: str, body: dict, endpoint: 
                 raw = (await resp.aread()).decode(errors="replace")
                 try:
                     msg = json.loads(raw)["error"]["message"]
-                except (ValueError, KeyError, TypeError):
-                    msg = raw[:200]
-                r.error = f"HTTP {resp.status_code}: {msg}"
+                except (ValueError, KeyError, TypeError, RecursionError):
+                    msg = raw
+                r.error = f"HTTP {resp.status_code}: {_clip(msg) or '(empty body)'}"
                 return r
             async for line in resp.aiter_lines():
                 if not line.startswith("data:"):
@@ -84,11 +96,14 @@ async def stream_one(client: httpx.AsyncClient, url: str, body: dict, endpoint: 
                     break
                 try:
                     obj = json.loads(data)
-                except ValueError:
-                    r.error = f"bad SSE chunk {data[:80]!r}"
+                except (ValueError, RecursionError):
+                    obj = None
+                if not isinstance(obj, dict):   # garbage, or JSON that is not a chunk (a list, a number)
+                    r.error = f"bad SSE chunk {_clip(data, 80)!r}"
                     continue
                 if "error" in obj:
-                    r.error = str((obj["error"] or {}).get("message", obj["error"]))
+                    err = obj["error"]
+                    r.error = _clip(err.get("message", err) if isinstance(err, dict) else err)
                     continue
                 text, finish = _content(obj, endpoint)
                 if text:
@@ -103,15 +118,15 @@ async def stream_one(client: httpx.AsyncClient, url: str, body: dict, endpoint: 
                 if finish:
                     r.finish_reason = finish
                 u = obj.get("usage")
-                if u:
-                    r.completion_tokens = int(u.get("completion_tokens") or 0)
-                    r.prompt_tokens = u.get("prompt_tokens")
-                if obj.get("spec"):
+                if isinstance(u, dict):
+                    r.completion_tokens = _count(u.get("completion_tokens")) or 0
+                    r.prompt_tokens = _count(u.get("prompt_tokens"))
+                if isinstance(obj.get("spec"), dict):
                     r.spec = obj["spec"]
             else:
                 r.error = r.error or "the stream ended without [DONE]"
     except httpx.HTTPError as e:
-        r.error = f"{type(e).__name__}: {e}"
+        r.error = f"{type(e).__name__}: {_clip(e)}"
     r.e2e_s = time.perf_counter() - t0
     r.text = "".join(parts)
     if not r.completion_tokens:

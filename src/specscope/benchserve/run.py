@@ -73,7 +73,7 @@ def level_summary(c: int | None, results: list[RequestResult], wall_s: float, me
               "itl": [x for r in ok for x in r.itl_s], "e2el": [r.e2e_s for r in ok]}
     for m in metric_names:
         s.update(_ms_stats(values[m], m, percentiles))
-    verify = [r.spec["verify_ct"] for r in ok if r.spec and r.spec.get("verify_ct")]
+    verify = [v for r in ok if r.spec and isinstance(v := r.spec.get("verify_ct"), int) and v > 0]
     if metrics is not None:
         s["server_metrics"] = metrics
     spec = {k: metrics[k] for k in ("engine", "accept_length", "draft_acceptance_rate", "per_position_acceptance",
@@ -107,9 +107,12 @@ async def _discover_model(client: httpx.AsyncClient, base: str, headers: dict) -
     if r.status_code == 401:
         raise SpecscopeError(f"{base} wants an API key; pass --api-key or set SPECSCOPE_API_KEY")
     try:
-        return r.json()["data"][0]["id"]
-    except (ValueError, KeyError, IndexError, TypeError):
-        raise SpecscopeError(f"{base}/v1/models gave no model (HTTP {r.status_code}); pass --model") from None
+        model = r.json()["data"][0]["id"]
+    except (ValueError, KeyError, IndexError, TypeError, RecursionError):
+        model = None
+    if not isinstance(model, str) or not model.strip():
+        raise SpecscopeError(f"{base}/v1/models gave no model id (HTTP {r.status_code}); pass --model")
+    return model
 
 
 async def run_levels(base: str, prompts: list, levels: list[int | None], endpoint: str, model: str | None,

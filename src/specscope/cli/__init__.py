@@ -5,6 +5,7 @@ Subcommands are imported lazily so `specscope --help` does not pay for torch.
 
 from __future__ import annotations
 
+import errno
 import importlib
 import os
 import sys
@@ -53,6 +54,7 @@ def cli():
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
     try:
         cli.main(args=argv, prog_name="specscope", standalone_mode=False)
     except SpecscopeError as e:
@@ -62,24 +64,96 @@ def main(argv=None):
         click.echo("aborted", err=True)
         sys.exit(130)
     except click.ClickException as e:
-        # usage errors: one line, exit 2, like click's standalone mode
-        click.echo(f"error: {e.format_message()}", err=True)
+        # usage errors: one line, exit 2, like click's standalone mode (a Choice lists its values one per line)
+        click.echo(f"error: {one_line(e.format_message())}", err=True)
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
         click.echo("interrupted", err=True)
         sys.exit(130)
     except BrokenPipeError:
         sys.exit(0)
+    except OSError as e:
+        # a path the user gave that the OS refuses (a 300-byte name, a file where a directory must be, no
+        # permission) is bad input wherever it was first touched; any other OSError is a bug, reported below
+        msg = user_path_error(e, argv)
+        if msg is None:
+            _internal_error(e)
+        click.echo(f"error: {msg}", err=True)
+        sys.exit(2)
     except Exception as e:  # a bug, not a user error: one line, the traceback kept for the report
-        if os.environ.get("SPECSCOPE_TRACEBACK"):
-            raise
-        where = save_traceback(e)
-        click.echo(f"internal error: {type(e).__name__}: {_first_line(e)} — full traceback in {where}; "
-                   f"please report it", err=True)
-        sys.exit(INTERNAL_ERROR)
+        _internal_error(e)
 
 
 INTERNAL_ERROR = 70  # EX_SOFTWARE (sysexits.h)
+
+
+def _internal_error(e: BaseException):
+    if os.environ.get("SPECSCOPE_TRACEBACK"):
+        raise e
+    where = save_traceback(e)
+    click.echo(f"internal error: {type(e).__name__}: {_first_line(e)} — full traceback in {where}; "
+               f"please report it", err=True)
+    sys.exit(INTERNAL_ERROR)
+
+
+def one_line(text: str) -> str:
+    return " ".join(part.strip() for part in text.splitlines() if part.strip())
+
+
+_PATH_HINTS = {errno.ENAMETOOLONG: "a path component is longer than the file system allows (usually 255 bytes); "
+                                   "use a shorter name",
+               errno.ENOTDIR: "a part of the path is a file, not a directory; fix the path",
+               errno.EACCES: "permission denied; pick a path you can use",
+               errno.EROFS: "the file system is read-only; pick a writable path",
+               errno.ENOSPC: "no space left on the device; free some or pick another path"}
+
+
+def user_path_error(e: OSError, argv: list[str]) -> str | None:
+    """One line for an OSError on a path given on the command line (it, a file inside it, or a directory above
+    it), naming the flag; None when the failing path is not the user's."""
+    failed = [f for f in (e.filename, e.filename2) if isinstance(f, (str, bytes, os.PathLike))]
+    if not failed:
+        return None
+    failed = [os.path.abspath(os.fsdecode(f)) for f in failed]
+    valued = _valued_options(argv)
+    for i, token in enumerate(argv):
+        flag = argv[i - 1] if i > 0 and argv[i - 1] in valued else ""
+        if token.startswith("--") and "=" in token:
+            flag, token = token.split("=", 1)
+        if not token or "\0" in token:
+            continue
+        given = os.path.abspath(os.path.expanduser(token))
+        for f in failed:
+            inside = f.startswith(given.rstrip(os.sep) + os.sep)
+            # a directory above it counts only when the user typed that component (not the cwd or $HOME)
+            above = given.startswith(f.rstrip(os.sep) + os.sep) and os.path.basename(f) in token.split(os.sep)
+            if f == given or inside or above:
+                hint = _PATH_HINTS.get(e.errno) or f"{e.strerror or type(e).__name__}; pass a usable path"
+                at = "" if f == given else f" at {_short(f)!r}"
+                return f"{flag + ' ' if flag else ''}{_short(token)!r}{at}: {hint}"
+    return None
+
+
+def _valued_options(argv: list[str]) -> set[str]:
+    """The option names (e.g. -o, --model) of the invoked command that take a value, to name the flag a path came
+    with; a flag like --no-run before a positional path is not it."""
+    cmd, names = cli, set()
+    for word in argv:
+        if not isinstance(cmd, click.Group):
+            break
+        sub = cmd.get_command(None, word) if not word.startswith("-") else None
+        if sub is None:
+            break
+        cmd = sub
+    for p in getattr(cmd, "params", []):
+        if isinstance(p, click.Option) and not p.is_flag and not p.count:
+            names.update(p.opts, p.secondary_opts)
+    return names
+
+
+def _short(path: str) -> str:
+    """A path fit for a one-line message: a 300-character name is shown by its ends."""
+    return path if len(path) <= 100 else f"{path[:48]}…{path[-40:]}"
 
 
 def _first_line(e: BaseException) -> str:

@@ -8,9 +8,11 @@ import sys
 
 import click
 
-from specscope.cli.common import SEED, TEMPERATURE, alias_option, db_option, emit_json, json_option
+from specscope.cli.checks import FiniteRange
+from specscope.cli.common import SEED, TEMPERATURE, alias_option, check_writable, db_option, emit_json, json_option
 from specscope.errors import SpecscopeError
 
+MAX_COUNT = 1 << 20      # prompts, tokens per request: beyond this the prompt list alone would not fit in memory
 ENDPOINTS = {"chat": "chat", "completions": "completions", "/v1/chat/completions": "chat",
              "/v1/completions": "completions"}
 
@@ -25,6 +27,39 @@ def parse_levels(text: str | None) -> list[int | None]:
     if not levels or any(c < 1 or c > 1024 for c in levels):
         raise SpecscopeError(f"--max-concurrency must be a comma-separated list of integers in 1..1024, got {text!r}")
     return levels
+
+
+class NoRequestSucceeded(SpecscopeError):
+    exit_code = 1   # the benchmark ran and failed; 2 is for bad input
+
+
+def parse_base_url(url: str) -> str:
+    """scheme://host[:port][/path] with a trailing / and /v1 dropped; anything httpx could not connect to (port
+    99999, an unclosed [::1) is one line here rather than a crash inside the first request."""
+    import httpx
+
+    base = url.strip().rstrip("/")
+    if base.endswith("/v1"):
+        base = base[:-3]
+    if not base.startswith(("http://", "https://")):
+        raise SpecscopeError(f"--base-url must start with http:// or https://, got {url!r}")
+    try:
+        u = httpx.URL(base)
+        problem = ("it names no host" if not u.host else
+                   f"port {u.port} is not in 1..65535" if u.port is not None and not 1 <= u.port <= 65535 else
+                   "it has a query or fragment" if u.query or u.fragment else None)
+    except httpx.InvalidURL as e:
+        problem = str(e)
+    if problem:
+        raise SpecscopeError(f"--base-url {url!r} is not a usable URL ({problem}); pass e.g. http://127.0.0.1:8000")
+    return base
+
+
+def check_result_filename(name: str) -> None:
+    """A bare file name: --result-filename ../../x.json would write outside --result-dir."""
+    if not name.strip() or name in (".", "..") or "/" in name or "\\" in name or "\0" in name:
+        raise SpecscopeError(f"--result-filename must be a plain file name (no directories, no '..'), got "
+                             f"{name!r}; choose the directory with --result-dir")
 
 
 def parse_metrics(text: str) -> list[str]:
@@ -76,20 +111,21 @@ def parse_goodput(items) -> dict | None:
               help="'spec_bench' / 'mt_bench' (packaged Spec-Bench questions, first turns), 'random' (see "
                    "--random-input-len), or a .jsonl/.json/.txt file of prompts.")
 @click.option("--category", multiple=True, help="Only prompts of this category (repeatable).")
-@click.option("--num-prompts", type=click.IntRange(min=1), default=16, show_default=True,
+@click.option("--num-prompts", type=click.IntRange(1, MAX_COUNT), default=16, show_default=True,
               help="Requests per concurrency level.")
-@alias_option("--max-new-tokens", "max_tokens", hidden=("--max-tokens",), type=click.IntRange(min=1), default=128,
-              show_default=True, help="max_tokens of each request (the random dataset uses --random-output-len).")
-@click.option("--random-input-len", type=click.IntRange(min=1), default=1024, show_default=True,
+@alias_option("--max-new-tokens", "max_tokens", hidden=("--max-tokens",), type=click.IntRange(1, MAX_COUNT),
+              default=128, show_default=True, help="max_tokens of each request (the random dataset uses --random-output-len).")
+@click.option("--random-input-len", type=click.IntRange(1, MAX_COUNT), default=1024, show_default=True,
               help="Random dataset: prompt length in tokens (about: random common words).")
-@click.option("--random-output-len", type=click.IntRange(min=1), default=128, show_default=True,
+@click.option("--random-output-len", type=click.IntRange(1, MAX_COUNT), default=128, show_default=True,
               help="Random dataset: output tokens per request (exact with --ignore-eos).")
-@click.option("--random-range-ratio", type=click.FloatRange(0, 1, max_open=True), default=0.0, show_default=True,
+@click.option("--random-range-ratio", type=FiniteRange(0, 1, max_open=True), default=0.0, show_default=True,
               help="Random dataset: lengths drawn uniformly from [len·(1-r), len·(1+r)].")
-@click.option("--request-rate", type=click.FloatRange(min=0, min_open=True), default=math.inf, show_default=True,
-              help="Requests per second (arrivals paced by a Poisson/gamma process); inf = all at once.")
-@click.option("--burstiness", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True,
-              help="Gamma shape of the inter-arrival times: 1 = Poisson, < 1 burstier, > 1 more even.")
+@click.option("--request-rate", type=FiniteRange(min=0.001, allow_inf=True), default=math.inf, show_default=True,
+              help="Requests per second, at least 0.001 (arrivals paced by a Poisson/gamma process); inf = all at "
+                   "once.")
+@click.option("--burstiness", type=FiniteRange(0.01, 100), default=1.0, show_default=True,
+              help="Gamma shape of the inter-arrival times, 0.01..100: 1 = Poisson, < 1 burstier, > 1 more even.")
 @alias_option("--max-concurrency", "concurrency", hidden=("--concurrency",), default=None,
               help="Most requests in flight; a comma list (e.g. 1,4,16) runs one level each. Default: unbounded.")
 @click.option("--ignore-eos", is_flag=True, help="Ask the server to decode exactly max_tokens (vLLM/SGLang field).")
@@ -111,7 +147,7 @@ def parse_goodput(items) -> dict | None:
 @click.option("--temperature", type=TEMPERATURE, default=0.0, show_default=True,
               help="Sampling temperature of every request (0 = greedy).")
 @click.option("--api-key", envvar="SPECSCOPE_API_KEY", default=None, help="Bearer key (env SPECSCOPE_API_KEY).")
-@click.option("--timeout", "timeout_s", type=click.FloatRange(min=1), default=600.0, show_default=True,
+@click.option("--timeout", "timeout_s", type=FiniteRange(1, 86400), default=600.0, show_default=True,
               help="Per-request timeout in seconds.")
 @click.option("--name", default=None, help="Run name in the registry.")
 @click.option("--tag", "tags", multiple=True, help="Tag the stored run (repeatable).")
@@ -139,11 +175,11 @@ def bench_serve(ctx, url, model, endpoint, dataset, category, num_prompts, max_t
     if extra and (not goodput or not all(a.split(":")[0] in ("ttft", "tpot", "e2el") for a in extra)):
         raise SpecscopeError(f"unexpected extra argument(s): {' '.join(extra)}")
     slos = parse_goodput([*goodput, *extra])
-    base = url.rstrip("/")
-    if base.endswith("/v1"):
-        base = base[:-3]
-    if not base.startswith(("http://", "https://")):
-        raise SpecscopeError(f"--base-url must start with http:// or https://, got {url!r}")
+    base = parse_base_url(url)
+    if result_filename is not None:
+        check_result_filename(result_filename)
+    if save_result:  # refused before the benchmark, not after it
+        check_writable(result_dir, "--result-dir", is_dir=True)
     if dataset == "random":
         if category:
             raise SpecscopeError("--category does not apply to --dataset random")
@@ -190,6 +226,14 @@ def bench_serve(ctx, url, model, endpoint, dataset, category, num_prompts, max_t
     if dataset == "random":
         config.update(random_input_len=random_input_len, random_output_len=random_output_len,
                       random_range_ratio=random_range_ratio)
+    if not any(lv["completed"] for lv in out["levels"]):
+        # nothing to measure: no table of zeros, no stored run, no result files, and a failing exit status
+        if as_json:
+            emit_json({"run_id": None, "config": config, "results": results, "result_files": []})
+        examples = sorted({e for lv in out["levels"] for e in lv.get("error_examples", [])})
+        raise NoRequestSucceeded(f"no request succeeded ({results['failed']} of {results['failed']} failed; first "
+                                 f"error: {examples[0] if examples else 'none reported'}); check that --base-url "
+                                 f"is an OpenAI-compatible server and --model a model it serves")
     run_id = None
     if not no_record:
         from specscope.registry import make_record, store_record
@@ -250,7 +294,7 @@ def save_results(out: dict, config: dict, run_id, result_dir, result_filename, d
             name = (f"{backend}-{rate}qps" + (f"-concurrency{c}" if c else "")
                     + f"-{model_base}-{now.strftime('%Y%m%d-%H%M%S')}.json")
         path = d / name
-        path.write_text(json.dumps(result, indent=2, default=str) + "\n")
+        path.write_text(json.dumps(result, indent=2, default=str, allow_nan=False) + "\n")
         files.append(str(path))
     return files
 

@@ -35,12 +35,15 @@ def check_drafter(drafter, target_name, engine_args, num_prompts, max_new_tokens
     Exit status 1 when it names a fault."""
     from specscope.cli.common import setup_runtime
     from specscope.speculative.check import check_drafter as run_check, default_prompts
-    from specscope.speculative.decode import ASSETS
+    from specscope.errors import SpecscopeError
+    from specscope.speculative.decode import shipped_drafter
     from specscope.speculative.formats import resolve_target
 
+    if not drafter.strip():
+        raise SpecscopeError("DRAFTER is empty; pass a drafter directory or a shipped drafter name")
     path = Path(drafter).expanduser()
-    if not path.exists() and (ASSETS / drafter).is_dir():
-        path = ASSETS / drafter
+    if not path.exists():
+        path = shipped_drafter(drafter) or path
     dev = setup_runtime(None, device)
     facts = resolve_target(target_name)
     report = run_check(path, facts, engine_args, run=not no_run,

@@ -11,7 +11,8 @@ from specscope.errors import SpecscopeError
 
 
 def emit_json(obj) -> None:
-    click.echo(json.dumps(obj, indent=2, default=str))
+    # NaN / Infinity are not JSON: a computation that yields one must give null or refuse its input instead
+    click.echo(json.dumps(obj, indent=2, default=str, allow_nan=False))
 
 
 def setup_runtime(threads: int | None, device: str | None):
@@ -19,9 +20,11 @@ def setup_runtime(threads: int | None, device: str | None):
 
     from specscope.models.loader import resolve_device
 
+    from specscope.cli.checks import MAX_THREADS
+
     if threads is not None:
-        if threads < 1:
-            raise SpecscopeError(f"--threads must be >= 1, got {threads}")
+        if not 1 <= threads <= MAX_THREADS:
+            raise SpecscopeError(f"--threads must be in 1..{MAX_THREADS}, got {threads}")
         torch.set_num_threads(threads)
     return resolve_device(device)
 

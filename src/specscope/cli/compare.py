@@ -6,6 +6,7 @@ import json
 
 import click
 
+from specscope.cli.checks import FiniteRange
 from specscope.cli.common import db_option, emit_json, json_option
 from specscope.errors import SpecscopeError
 
@@ -26,8 +27,8 @@ VERDICT_STYLE = {"better": "green", "worse": "red", "no significant change": "di
 @click.option("--metric", default="tok_per_s", show_default=True,
               help="Matrix mode: the value per cell (a results field, e.g. accept_length).")
 @click.option("--tag", default=None, help="Add every run with this tag to RUN_IDS.")
-@click.option("--min-effect", type=click.FloatRange(min=0), default=2.0, show_default=True,
-              help="Smallest change (%) called a change, however significant.")
+@click.option("--min-effect", type=FiniteRange(0, 1000), default=2.0, show_default=True,
+              help="Smallest change (%, 0..1000) called a change, however significant.")
 @json_option("Print the comparison as one JSON object.")
 @db_option
 def compare(run_ids, by, metric, tag, min_effect, as_json, db):

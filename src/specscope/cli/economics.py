@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import click
 
 from specscope.cli.common import (alias_option, check_writable, db_option, device_option, draft_option,
@@ -131,6 +133,9 @@ def _print_curve_table(res, ctxs, toks):
 
 # ------------------------------------------------------------------------------------------------ breakeven
 
+MAX_BREAKEVEN_STEPS = 10**9   # closed-form arithmetic: a billion steps cost what two do
+
+
 @click.command()
 @click.option("--decode-ms", type=float, default=None, help="Plain decoding, ms per token.")
 @click.option("--verify-ms", type=float, default=None, help="Target verify forward, ms per cycle.")
@@ -151,15 +156,16 @@ def breakeven(decode_ms, verify_ms, draft_ms, other_ms, steps, measured_tok_s, m
     the speedup actually achieved — from numbers or from stored runs."""
     from specscope.economics.breakeven import BreakevenInputs, breakeven as compute, describe, inputs_from_runs
 
+    real = math.isfinite   # nan and inf pass every comparison below the wrong way
     for flag, v in (("--decode-ms", decode_ms), ("--verify-ms", verify_ms), ("--draft-ms", draft_ms)):
-        if v is not None and not v > 0:
+        if v is not None and not (v > 0 and real(v)):
             raise SpecscopeError(f"{flag} must be a positive number of milliseconds, got {v}")
-    if other_ms is not None and not other_ms >= 0:
-        raise SpecscopeError(f"--other-ms must be >= 0, got {other_ms}")
-    if steps is not None and steps < 1:
-        raise SpecscopeError(f"--steps must be >= 1, got {steps}")
-    if measured_tok_s is not None and not measured_tok_s > 0:
-        raise SpecscopeError(f"--measured-tok-s must be positive, got {measured_tok_s}")
+    if other_ms is not None and not (other_ms >= 0 and real(other_ms)):
+        raise SpecscopeError(f"--other-ms must be >= 0 and finite, got {other_ms}")
+    if steps is not None and not 1 <= steps <= MAX_BREAKEVEN_STEPS:
+        raise SpecscopeError(f"--steps must be >= 1 and at most {MAX_BREAKEVEN_STEPS}, got {steps}")
+    if measured_tok_s is not None and not (measured_tok_s > 0 and real(measured_tok_s)):
+        raise SpecscopeError(f"--measured-tok-s must be positive and finite, got {measured_tok_s}")
     given = BreakevenInputs(decode_ms, verify_ms, draft_ms, steps, other_ms, measured_tok_s, measured_accept_length)
     if baseline_ref and not run_ref:
         raise SpecscopeError("--baseline-run needs --run (the speculative run to analyse)")

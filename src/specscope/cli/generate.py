@@ -6,6 +6,7 @@ import sys
 
 import click
 
+from specscope.cli.checks import THREADS
 from specscope.cli.common import (SEED, TEMPERATURE, TOP_K, TOP_P, db_option, device_option, draft_option,
                                   dtype_option, emit_json, json_option, read_stdin_text, setup_runtime, spec_options)
 
@@ -23,7 +24,7 @@ from specscope.cli.common import (SEED, TEMPERATURE, TOP_K, TOP_P, db_option, de
 @click.option("--seed", type=SEED, default=None, help="0..2**63-1.")
 @dtype_option()
 @device_option()
-@click.option("--threads", type=click.IntRange(min=1), default=None, help="CPU threads for torch.")
+@click.option("--threads", type=THREADS, default=None, help="CPU threads for torch.")
 @draft_option()
 @spec_options()
 @json_option("Print one JSON object (with run_id) instead of streaming.")

@@ -4,21 +4,34 @@ from __future__ import annotations
 
 import click
 
+from specscope.cli.checks import THREADS, FiniteRange
 from specscope.cli.common import device_option, draft_option, dtype_option, spec_options
 from specscope.errors import SpecscopeError
 
 
 def bind_socket(host: str, port: int):
     """Bind before uvicorn starts so `--port 0` works and the real port can be printed."""
+    import errno
     import socket
 
     try:
         family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-        sock = socket.socket(family, socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as e:
+        raise SpecscopeError(f"--host {host!r} is not a valid address or a name this machine resolves "
+                             f"({getattr(e, 'strerror', None) or e}); pass an IP address such as 127.0.0.1 or "
+                             f"0.0.0.0") from None
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(addr)
     except OSError as e:
-        raise SpecscopeError(f"cannot listen on {host}:{port} ({e.strerror or e}); pick another --port") from None
+        sock.close()
+        fix = {errno.EADDRINUSE: "pick another --port",
+               errno.EADDRNOTAVAIL: f"--host {host} is not an address of this machine; pass one of its addresses "
+                                    f"or 0.0.0.0",
+               errno.EACCES: "ports below 1024 need privileges; pick a --port above 1023"}
+        raise SpecscopeError(f"cannot listen on {host}:{port} ({e.strerror or e}); "
+                             f"{fix.get(e.errno, 'check --host and --port')}") from None
     sock.set_inheritable(True)
     return sock
 
@@ -31,7 +44,7 @@ def bind_socket(host: str, port: int):
 @spec_options()
 @dtype_option()
 @device_option()
-@click.option("--threads", type=click.IntRange(min=1), default=None, help="CPU threads for torch.")
+@click.option("--threads", type=THREADS, default=None, help="CPU threads for torch.")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (loopback by default).")
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True, help="0 = any free port.")
 @click.option("--api-key", envvar="SPECSCOPE_API_KEY", default=None,
@@ -45,13 +58,15 @@ def bind_socket(host: str, port: int):
 @click.option("--metrics-prefix", type=click.Choice(["specscope", "vllm"]), default="specscope", show_default=True,
               help="Prefix of the /metrics names; 'vllm' gives vLLM's exact spec-decode counter names.")
 @click.option("--no-phase-profile", is_flag=True, help="Do not time draft/verify phases per cycle.")
-@click.option("--shutdown-timeout", type=click.FloatRange(min=0), default=30.0, show_default=True,
+@click.option("--shutdown-timeout", type=FiniteRange(0, 3600), default=30.0, show_default=True,
               help="Seconds to let in-flight requests finish after SIGTERM.")
+@click.option("--body-timeout", type=FiniteRange(0, 3600, min_open=True), default=30.0, show_default=True,
+              help="Seconds a client has to send a whole request body; a slower one gets 408 and is disconnected.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="warning",
               show_default=True)
 def serve(model_name, served_model_name, draft, steps, topk, draft_tokens, dtype, device, threads, host, port,
           api_key, max_queue, max_prompt_tokens, max_tokens_cap, metrics_prefix, no_phase_profile, shutdown_timeout,
-          log_level):
+          body_timeout, log_level):
     """Serve the model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /metrics)."""
     import ipaddress
 
@@ -63,19 +78,24 @@ def serve(model_name, served_model_name, draft, steps, topk, draft_tokens, dtype
 
     from specscope.engine.session import preflight
 
+    if api_key is not None and not api_key.strip():
+        # an unset variable in `--api-key "$KEY"` would otherwise serve with no authentication at all
+        raise SpecscopeError("--api-key (or SPECSCOPE_API_KEY) is empty, which would turn authentication off; pass "
+                             "a key, or leave both unset to serve without one")
     preflight(model_name, None, draft, steps, topk, draft_tokens)  # bad flags fail before the model loads
     dev = setup_runtime(threads, device)
     cfg = ServeConfig(model=model_name, served_name=served_model_name, draft=draft, steps=steps, topk=topk,
                       draft_tokens=draft_tokens, dtype=dtype, device=str(dev), max_queue=max_queue,
-                      max_prompt_tokens=max_prompt_tokens, max_tokens_cap=max_tokens_cap, api_key=api_key or None,
-                      profile_phases=not no_phase_profile, metrics_prefix=metrics_prefix)
+                      max_prompt_tokens=max_prompt_tokens, max_tokens_cap=max_tokens_cap, api_key=api_key,
+                      profile_phases=not no_phase_profile, metrics_prefix=metrics_prefix,
+                      body_timeout_s=body_timeout)
+    sock = bind_socket(host, port)  # a bad --host or a busy --port is one error line, before any warning
     try:
         loopback = ipaddress.ip_address(host).is_loopback
     except ValueError:
         loopback = host == "localhost"
     if not loopback and not cfg.api_key:
         click.echo(f"warning: serving on {host} without --api-key; anyone who can reach it can use it", err=True)
-    sock = bind_socket(host, port)
     engine = Engine(cfg)  # load before listening so /health means ready
     app = create_app(engine)
     real_port = sock.getsockname()[1]

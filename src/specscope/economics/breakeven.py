@@ -57,6 +57,10 @@ def breakeven(inp: BreakevenInputs) -> dict:
           else achieved_speedup(cost, inp.measured_tok_s, inp.measured_accept_length))
     if sp is not None:
         out["speedup"] = sp
+    overflow = [k for k, v in out.items() if isinstance(v, float) and not math.isfinite(v)]
+    if overflow:  # e.g. 1e308 ms timings: their sum is inf, which is no answer (and not JSON)
+        raise SpecscopeError(f"these inputs overflow the arithmetic ({', '.join(overflow)} would be infinite); "
+                             f"pass timings in milliseconds as measured, e.g. --decode-ms 12.1")
     return out
 
 

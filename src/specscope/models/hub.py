@@ -157,6 +157,9 @@ def list_cached() -> list[dict]:
 
 def resolve_model(name_or_path: str, pull_if_needed: bool = True) -> Path:
     """A known name (pulled on first use) or a local HF directory."""
+    if not name_or_path.strip():  # Path("") is ".", the current directory
+        raise SpecscopeError(f"the model name is empty; pass a Hugging Face checkpoint directory or a known name "
+                             f"({', '.join(KNOWN_MODELS)})")
     if name_or_path in KNOWN_MODELS:
         if is_pulled(name_or_path):
             return models_dir() / name_or_path

@@ -12,6 +12,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from specscope.server import protocol as P
 from specscope.server.metrics import ServerMetrics
@@ -27,6 +28,8 @@ def error_response(e: ApiError, headers: dict | None = None) -> JSONResponse:
         headers["WWW-Authenticate"] = "Bearer"
     if e.status in (429, 503):
         headers["Retry-After"] = str(e.retry_after or 1)
+    if e.close:  # the rest of this request may still be on the wire: end the connection rather than read it
+        headers["Connection"] = "close"
     return JSONResponse(e.body(), status_code=e.status, headers=headers or None)
 
 
@@ -82,6 +85,12 @@ def create_app(engine: Engine, metrics: ServerMetrics | None = None) -> FastAPI:
     async def _api_error(request, e: ApiError):
         return error_response(e)
 
+    @app.exception_handler(ClientDisconnect)
+    async def _gone(request, e: ClientDisconnect):
+        # the client hung up before its body arrived: nobody to answer and nothing wrong with the server
+        log.info("%s %s: the client disconnected before sending its whole body", request.method, request.url.path)
+        return Response(status_code=499)
+
     @app.exception_handler(Exception)
     async def _bug(request, e: Exception):
         # a bug, not a bad request: the client gets an id to quote, the server log gets the traceback under it
@@ -120,7 +129,21 @@ def create_app(engine: Engine, metrics: ServerMetrics | None = None) -> FastAPI:
         if cl is not None and cl.isdigit() and int(cl) > cfg.max_body_bytes:
             raise ApiError(413, f"the request body is over {cfg.max_body_bytes} bytes")
         raw = b""
-        async for part in request.stream():
+        # the whole body within body_timeout_s: a client that sends headers and then trickles (or nothing) would
+        # otherwise hold its connection forever, and a few of them are a denial of service
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + cfg.body_timeout_s
+        parts = request.stream()
+        while True:
+            try:
+                part = await asyncio.wait_for(anext(parts), max(deadline - loop.time(), 0))
+            except StopAsyncIteration:
+                break
+            except asyncio.TimeoutError:
+                log.info("%s %s: body not received within %g s; closing", request.method, request.url.path,
+                         cfg.body_timeout_s)
+                raise ApiError(408, f"the request body did not arrive within {cfg.body_timeout_s:g} s; send it "
+                                    f"whole and promptly", close=True) from None
             raw += part
             if len(raw) > cfg.max_body_bytes:
                 raise ApiError(413, f"the request body is over {cfg.max_body_bytes} bytes")

@@ -7,6 +7,7 @@ returned as an OpenAI-style error body: {"error": {"message", "type", "param", "
 from __future__ import annotations
 
 import json
+import math
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -16,12 +17,13 @@ from specscope.engine.params import ParamError, check_sampling
 
 class ApiError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, type_: str | None = None,
-                 retry_after: int | None = None):
+                 retry_after: int | None = None, close: bool = False):
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.retry_after = retry_after  # seconds, sent as Retry-After (429 / 503)
+        self.close = close              # answer with Connection: close (the request was not read to its end)
         self.type = type_ or {401: "authentication_error", 404: "not_found_error", 413: "invalid_request_error",
                               429: "rate_limit_error", 503: "service_unavailable",
                               500: "server_error"}.get(status, "invalid_request_error")
@@ -86,7 +88,54 @@ def parse_json(raw: bytes) -> dict:
     return body
 
 
+def _finite_numbers(body: dict) -> None:
+    """NaN and ±Infinity (which Python's JSON reader accepts) anywhere in the body are a 400 naming the field.
+    Iterative: a body nested hundreds deep must not hit the recursion limit here."""
+    stack = [(k, k, v) for k, v in body.items()]
+    while stack:
+        top, path, v = stack.pop()
+        if isinstance(v, float) and not math.isfinite(v):
+            raise ApiError(400, f"'{path}' must be a finite number, got {v}", top)
+        if isinstance(v, dict):
+            stack.extend((top, f"{path}.{k}", x) for k, x in v.items())
+        elif isinstance(v, list):
+            stack.extend((top, f"{path}[{i}]", x) for i, x in enumerate(v))
+
+
+def _off(value, harmless: tuple) -> bool:
+    """null, false, "", [], {} or one of `harmless` (never a bool standing in for 0 or 1): the feature is off."""
+    if value is None or value is False or (isinstance(value, (str, list, dict)) and not value):
+        return True
+    return not isinstance(value, bool) and value in harmless
+
+
+# OpenAI / vLLM request fields this server does not implement -> the values that ask for nothing (accepted). Any
+# other value is a 400 naming the field: a client that asked for JSON output, tool calls or a penalty must learn it
+# will not get them, not receive free text with a 200. Fields not listed here are ignored, as vLLM does.
+UNSUPPORTED = {
+    "logprobs": (0,), "top_logprobs": (0,), "echo": (), "suffix": (), "tools": (), "functions": (),
+    "tool_choice": ("none",), "function_call": ("none",), "response_format": ({"type": "text"},),
+    "logit_bias": (), "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,),
+    "min_p": (0,), "min_tokens": (0,), "stop_token_ids": (), "bad_words": (), "use_beam_search": (),
+    "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (), "structured_outputs": (),
+    "audio": (), "prediction": (), "modalities": (["text"],),
+}
+
+
+def _unsupported(body: dict) -> None:
+    for key, harmless in UNSUPPORTED.items():
+        v = body.get(key)
+        if not _off(v, harmless):
+            shown = json.dumps(v)
+            shown = shown if len(shown) <= 60 else shown[:57] + "..."
+            ok = " or ".join(["null", *(json.dumps(h) for h in harmless)])
+            raise ApiError(400, f"'{key}' is not supported by this server (got {shown}; only {ok} is accepted)",
+                           key)
+
+
 def _common(body: dict, kind: str, max_tokens_cap: int) -> GenParams:
+    _finite_numbers(body)
+    _unsupported(body)
     p = GenParams(kind=kind)
     model = body.get("model")
     if model is not None and not isinstance(model, str):
@@ -126,9 +175,6 @@ def _common(body: dict, kind: str, max_tokens_cap: int) -> GenParams:
         p.include_usage = _bool(so, "include_usage")
     p.return_token_ids = _bool(body, "return_token_ids")
     p.ignore_eos = _bool(body, "ignore_eos")
-    for unsupported in ("logprobs", "top_logprobs", "echo", "tools", "suffix"):
-        if body.get(unsupported):  # null / false / 0 / [] mean "off", which is what we do
-            raise ApiError(400, f"'{unsupported}' is not supported by this server", unsupported)
     if body.get("best_of") not in (None, 1):
         raise ApiError(400, "only 'best_of': 1 is supported", "best_of")
     return p

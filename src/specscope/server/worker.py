@@ -36,6 +36,7 @@ class ServeConfig:
     max_prompt_tokens: int | None = None   # default: context - 1
     max_tokens_cap: int = 2048
     max_body_bytes: int = 1 << 20
+    body_timeout_s: float = 30.0           # a client slower than this sending its body gets 408 and is dropped
     api_key: str | None = None
     profile_phases: bool = True
     metrics_prefix: str = "specscope"

@@ -114,10 +114,13 @@ def _options(argv: list[str]) -> tuple[dict, list[str]]:
 
 
 def _int(v):
-    try:
-        return int(v) if v not in (None, "None", "") else None
-    except (TypeError, ValueError):
+    """An integer knob: int, None when absent, else the text as given (engine_checks reports it)."""
+    if v in (None, "None", ""):
         return None
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        return str(v)
 
 
 def _sglang(kv: dict, source: str) -> dict:
@@ -144,13 +147,72 @@ def _vllm_spec_from_log(text: str) -> dict:
 
 def _vllm(spec: dict, source: str) -> dict:
     return {"engine": "vllm", "source": source, "algorithm": spec.get("method"), "draft": spec.get("model"),
-            "num_speculative_tokens": _int(spec.get("num_speculative_tokens") or spec.get("num_spec_tokens")),
+            "num_speculative_tokens": _int(spec.get("num_speculative_tokens", spec.get("num_spec_tokens"))),
             "model": spec.get("_model"), "dtype": spec.get("_dtype")}
 
 
-def engine_checks(report: Report, eng: dict, cfg: DrafterConfig | None, has_token_map: bool):
+# EAGLE-3 drafters are trained to draft a few positions ahead (training-time test: 7 steps here and in SpecForge);
+# past twice that, acceptance is nil while every step still costs a drafter forward (and, as a chain, a verified
+# token), so a deeper launch is a misconfiguration, not a tuning choice
+MAX_USEFUL_STEPS = 16
+# engine knob -> (its flag as the launch spells it, least valid value)
+_KNOBS = {"sglang": {"steps": ("--speculative-num-steps", 1), "topk": ("--speculative-eagle-topk", 1),
+                     "draft_tokens": ("--speculative-num-draft-tokens", 2)},
+          "vllm": {"num_speculative_tokens": ("num_speculative_tokens", 1)}}
+
+
+def knob_checks(report: Report, eng: dict) -> bool:
+    """Each speculative knob of the launch is an integer in its range; True when all of them are."""
+    good = True
+    for key, (flag, least) in _KNOBS[eng["engine"]].items():
+        v = eng.get(key)
+        if v is None:
+            continue
+        if not isinstance(v, int):
+            report.add(f"engine: {flag}", FAIL, f"{flag} {v!r} is not an integer")
+        elif v < least:
+            report.add(f"engine: {flag}", FAIL, f"{flag} {v} is invalid: it must be at least {least}")
+        elif key in ("steps", "num_speculative_tokens") and v > MAX_USEFUL_STEPS:
+            report.add(f"engine: {flag}", FAIL,
+                       f"{flag} {v} drafts far deeper than an EAGLE-3 drafter is trained to (acceptance past "
+                       f"{MAX_USEFUL_STEPS} positions is nil, each step still costs a forward); use 3-8")
+        else:
+            continue
+        good = False
+    return good
+
+
+def draft_path_check(report: Report, eng: dict, drafter_path: Path):
+    """The launch loads the drafter being checked: the same directory, or (a hub id, a path on the serving machine)
+    the same name."""
+    draft = eng.get("draft")
+    flag = "--speculative-draft-model-path" if eng["engine"] == "sglang" else "speculative_config model"
+    if not draft:
+        report.add("engine: draft model", WARN, f"the launch names no {flag}; cannot tell which drafter it loads")
+        return
+    local = Path(str(draft)).expanduser()
+    try:
+        same = local.exists() and local.resolve() == drafter_path.resolve()
+        elsewhere = local.exists() and not same
+    except OSError:
+        same = elsewhere = False
+    name = str(draft).rstrip("/").rsplit("/", 1)[-1]
+    parts = drafter_path.resolve().parts
+    hub_dir = "models--" + str(draft).strip("/").replace("/", "--")   # the Hugging Face cache's directory name
+    if same or (not elsewhere and (name in parts or hub_dir in parts)):
+        report.add("engine: draft model", OK, f"{flag} {draft} is the drafter checked")
+    else:
+        report.add("engine: draft model", FAIL,
+                   f"{flag} {draft} is not the drafter checked ({drafter_path}); check that one, or fix the launch")
+
+
+def engine_checks(report: Report, eng: dict, cfg: DrafterConfig | None, has_token_map: bool,
+                  drafter_path: Path | None = None):
     """Named misconfigurations of a launch against this drafter."""
     report.engine = eng
+    if drafter_path is not None:
+        draft_path_check(report, eng, drafter_path)
+    knobs_ok = knob_checks(report, eng)
     algo = (eng.get("algorithm") or "").upper()
     if eng["engine"] == "sglang":
         if not algo:
@@ -165,7 +227,7 @@ def engine_checks(report: Report, eng: dict, cfg: DrafterConfig | None, has_toke
         else:
             report.add("engine: algorithm", OK, "EAGLE3")
         steps, topk, n = eng.get("steps"), eng.get("topk"), eng.get("draft_tokens")
-        if steps and topk and n:
+        if knobs_ok and steps and topk and n:
             most = topk + (steps - 1) * topk * topk + 1
             if topk == 1:
                 most = steps + 1
@@ -437,7 +499,7 @@ def check_drafter(drafter_path: str | Path, facts: TargetFacts, engine_args: str
     drafter, cfg, has_map = static_checks(report, path, facts)
     tok = tokenizer_checks(report, path, facts)
     if eng is not None:
-        engine_checks(report, eng, cfg, has_map)
+        engine_checks(report, eng, cfg, has_map, path)
     if not run:
         report.add("acceptance", SKIP, "not measured (--no-run)")
     elif report.faults:

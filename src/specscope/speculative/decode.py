@@ -102,11 +102,20 @@ def build_drafter(spec: str, target, dtype="auto", device=None) -> Drafter:
     return DraftModelDrafter(dm, target)
 
 
+def shipped_drafter(name: str) -> Path | None:
+    """The shipped drafter called `name`, or None. Only a plain name qualifies: '', '.', '..' or a path would
+    otherwise land on the drafters directory itself or above it."""
+    if name in ("", ".", "..") or "/" in name or "\\" in name:
+        return None
+    path = ASSETS / name
+    return path if path.is_dir() else None
+
+
 def drafter_path(spec: str) -> Path:
     """The directory behind a --draft value other than 'ngram' (a shipped drafter, a path or a known model)."""
-    path = ASSETS / spec
-    if not path.exists():
-        path = Path(spec).expanduser()
+    if not spec.strip():
+        raise SpecscopeError("--draft is empty; pass 'ngram', a shipped drafter name or a drafter directory")
+    path = shipped_drafter(spec) or Path(spec).expanduser()
     if not path.exists():
         from specscope.models.hub import KNOWN_MODELS, resolve_model
 
@@ -127,9 +136,9 @@ def declared_shape(draft: str) -> SpecConfig | None:
     """SpecConfig from DRAFTER/specscope_shape.json ({"steps", "topk", "draft_tokens"}), or None without one."""
     import json
 
-    path = ASSETS / draft
-    if not path.is_dir():
-        path = Path(draft).expanduser()
+    if not draft.strip():
+        return None  # drafter_path refuses it
+    path = shipped_drafter(draft) or Path(draft).expanduser()
     f = path / SHAPE_FILE
     if not f.is_file():
         return None

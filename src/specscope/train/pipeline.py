@@ -245,11 +245,13 @@ def init_drafter(path: str, target):
 
 
 def _resolve_drafter_path(name: str) -> Path:
+    from specscope.speculative.decode import shipped_drafter
+
     p = Path(name)
-    if p.is_dir():
+    if name.strip() and p.is_dir():
         return p
-    shipped = Path(__file__).resolve().parent.parent / "assets" / "drafters" / name
-    if shipped.is_dir():
+    shipped = shipped_drafter(name)
+    if shipped is not None:
         return shipped
     raise SpecscopeError(f"drafter {name!r} is neither a directory nor a shipped drafter name")
 
@@ -277,8 +279,13 @@ def export(source: str | Path, out: str | Path, fmt: str, dtype: torch.dtype | N
         drafter, meta = drafter_from_checkpoint(st), st.get("meta", {})
     elif (source / "config.json").exists():
         drafter = load_drafter(source, target)       # checks the pair when a target is given
+    elif not source.exists():
+        raise SpecscopeError(f"{source} does not exist; pass a training work directory, a checkpoint file or a "
+                             f"drafter directory")
     else:
-        raise SpecscopeError(f"{source} is not a training work directory, a checkpoint or a drafter directory")
+        raise SpecscopeError(f"{source} has no config.json (a drafter directory) and no checkpoints/ or "
+                             f"train/checkpoints/ (a training work directory); pass one of those or a checkpoint "
+                             f"file")
     if target is not None:
         problems = pair_problems(drafter.config, target) + map_problems(drafter, target.vocab_size)
         if problems:

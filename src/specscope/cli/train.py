@@ -24,7 +24,8 @@ def _stages(value: str) -> list[str]:
 @click.command()
 @click.option("--workdir", required=True, type=click.Path(file_okay=False), help="Where data, checkpoints go.")
 @alias_option("--model", "target_name", hidden=("--target",), default="smollm2-135m", show_default=True,
-              help="Target model the drafter is for: a Hugging Face checkpoint directory or a known name.")
+              help="Target model the drafter is for: a Hugging Face checkpoint directory, a Hugging Face id "
+                   "(org/name[@revision]) or a known name.")
 @click.option("--stages", default="data,vocab,train", show_default=True, help="Which stages to run (comma list).")
 @click.option("--dataset", default=None, type=click.Path(dir_okay=False),
               help="Conversations JSONL (ShareGPT conversations/from/value or OpenAI messages/role/content).")
@@ -181,15 +182,16 @@ def train(workdir, target_name, stages, dataset, prompt_files, synth, regenerate
 
 
 @click.command()
-@click.argument("source", type=click.Path(exists=True))
+@click.argument("source")
 @click.option("--format", "fmt", type=click.Choice(["sglang", "speculators"]), required=True,
               help="sglang: SGLang's EAGLE-3 layout; speculators: vLLM's (speculators) layout.")
 @output_option("Directory to write.", hidden=("--out",), file_okay=False)
 @dtype_option(short=("fp32", "bf16", "fp16", "keep"), default="keep",
               help="Weights dtype to write (keep = as stored); bfloat16 / float16 / float32 accepted.")
 @alias_option("--model", "target_name", hidden=("--target",), default=None,
-              help="The target (verifier): a Hugging Face directory, its config.json, or a known name. Checked "
-                   "against the drafter and recorded (default: the verifier the checkpoint names).")
+              help="The target (verifier): a Hugging Face directory, its config.json, a Hugging Face id (only its "
+                   "config.json is fetched) or a known name. Checked against the drafter and recorded (default: the "
+                   "verifier the checkpoint names).")
 @click.option("--verifier-name", default=None,
               help="Record this as verifier.name_or_path (e.g. the Hugging Face id of a local --model copy).")
 @alias_option("--steps", "--num-speculative-tokens", "steps", hidden=("--speculative-tokens",),
@@ -198,7 +200,9 @@ def train(workdir, target_name, stages, dataset, prompt_files, synth, regenerate
                    "the checkpoint's own, else 3).")
 @json_option("Print what was written (path, format, aux ids, verifier, notes) as one JSON object.")
 def export(source, fmt, output, dtype, target_name, verifier_name, steps, as_json):
-    """Write a drafter (training work directory, checkpoint file or drafter directory) in SGLang or speculators form."""
+    """Write a drafter (training work directory, checkpoint file, drafter directory, shipped drafter name or Hugging
+    Face id) in SGLang or speculators form."""
+    from specscope.models.hub import resolve_drafter
     from specscope.models.loader import DTYPES
     from specscope.speculative.formats import aux_conventions, load_drafter, read_config, resolve_target
     from specscope.train.pipeline import export as do_export
@@ -206,6 +210,7 @@ def export(source, fmt, output, dtype, target_name, verifier_name, steps, as_jso
     if output is None:
         raise SpecscopeError("export needs -o/--output DIR (the directory to write)")
     check_writable(output, "--output", is_dir=True)
+    source = resolve_drafter(source)
     target = resolve_target(target_name, verifier_name) if target_name else None
     tinfo = {"name_or_path": verifier_name} if verifier_name and not target else None
     notes = _export_notes(Path(source), fmt, target or tinfo)

@@ -232,26 +232,17 @@ def fresh_drafter(target, d2t: torch.Tensor, t2d: torch.Tensor, aux_layers: list
 
 def init_drafter(path: str, target):
     """--init: an existing drafter (either layout) to fine-tune; it must fit the target."""
+    from specscope.models.hub import resolve_drafter
     from specscope.speculative.formats import load_drafter
     from specscope.speculative.eagle3 import Eagle3Drafter
 
     try:
-        d = load_drafter(_resolve_drafter_path(path), target, dtype=torch.float32, device="cpu")
+        d = load_drafter(resolve_drafter(path), target, dtype=torch.float32, device="cpu")
     except SpecscopeError as e:
         raise SpecscopeError(f"--init {path}: {e}") from None
     fresh = Eagle3Drafter(d.config)
     fresh.load_state_dict(d.state_dict())
     return fresh
-
-
-def _resolve_drafter_path(name: str) -> Path:
-    p = Path(name)
-    if p.is_dir():
-        return p
-    shipped = Path(__file__).resolve().parent.parent / "assets" / "drafters" / name
-    if shipped.is_dir():
-        return shipped
-    raise SpecscopeError(f"drafter {name!r} is neither a directory nor a shipped drafter name")
 
 
 def export(source: str | Path, out: str | Path, fmt: str, dtype: torch.dtype | None = None,

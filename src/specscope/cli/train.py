@@ -23,11 +23,12 @@ def _stages(value: str) -> list[str]:
 
 @click.command()
 @click.option("--workdir", required=True, type=click.Path(file_okay=False), help="Where data, checkpoints go.")
-@alias_option("--model", "target_name", hidden=("--target",), default="smollm2-135m", show_default=True,
+@alias_option("--model", "--target-model-path", "target_name", hidden=("--target",), default="smollm2-135m",
+              show_default=True,
               help="Target model the drafter is for: a Hugging Face checkpoint directory, a Hugging Face id "
                    "(org/name[@revision]) or a known name.")
 @click.option("--stages", default="data,vocab,train", show_default=True, help="Which stages to run (comma list).")
-@click.option("--dataset", default=None, type=click.Path(dir_okay=False),
+@click.option("--dataset", "--train-data-path", "dataset", default=None, type=click.Path(dir_okay=False),
               help="Conversations JSONL (ShareGPT conversations/from/value or OpenAI messages/role/content).")
 @click.option("--prompt-file", "prompt_files", multiple=True, type=click.Path(dir_okay=False),
               help="Real prompts (JSONL: prompt / question / instruction+input / turns / conversations), answered "
@@ -48,14 +49,19 @@ def _stages(value: str) -> list[str]:
 @click.option("--response-tokens", type=click.IntRange(min=8), default=192, show_default=True)
 @dtype_option("--gen-dtype", short=("fp32", "bf16", "fp16"), default="fp32",
               help="Target dtype for synthesis/regeneration (features are always captured in fp32).")
-@click.option("--max-len", type=click.IntRange(min=8), default=1024, show_default=True)
+@click.option("--max-len", "--max-length", "max_len", type=click.IntRange(min=8), default=1024, show_default=True,
+              help="Most tokens per training sequence.")
 @click.option("--draft-vocab", type=click.IntRange(min=1), default=8192, show_default=True)
-@click.option("--ttt-steps", type=click.IntRange(min=1), default=7, show_default=True, help="K unrolled TTT steps.")
-@alias_option("--max-train-steps", "total_steps", hidden=("--steps",), type=click.IntRange(min=1), default=1000,
-              show_default=True, help="Optimizer steps (--steps elsewhere is the draft depth).")
+@click.option("--ttt-steps", "--ttt-length", "ttt_steps", type=click.IntRange(min=1), default=7, show_default=True,
+              help="K unrolled TTT steps.")
+@alias_option("--max-train-steps", "total_steps", hidden=("--steps",), type=click.IntRange(min=1), default=None,
+              help="Optimizer steps (default 1000 without --num-epochs; with it, the fewer of the two). --steps "
+                   "elsewhere is the draft depth.")
+@click.option("--num-epochs", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Passes over the training split (fractions allowed); the cosine schedule spans them.")
 @click.option("--batch-size", type=click.IntRange(min=1), default=8, show_default=True,
               help="Sequences per optimizer step (global).")
-@click.option("--lr", type=float, default=3e-4, show_default=True)
+@click.option("--lr", "--learning-rate", "lr", type=float, default=3e-4, show_default=True)
 @click.option("--warmup", type=click.IntRange(min=1), default=20, show_default=True)
 @click.option("--grad-clip", type=float, default=0.5, show_default=True)
 @click.option("--weight-decay", type=float, default=0.0, show_default=True)
@@ -75,19 +81,27 @@ def _stages(value: str) -> list[str]:
 @click.option("--init", "init_from", default=None, help="Fine-tune an existing drafter (either format).")
 @click.option("--export-format", type=click.Choice(["sglang", "speculators"]), default="sglang", show_default=True)
 @dtype_option("--export-dtype", short=("fp32", "bf16", "fp16"), default="bf16")
-@output_option("Exported drafter directory (default WORKDIR/drafter).", hidden=("--out",), file_okay=False)
+@alias_option("-o", "--output", "--output-dir", "output", hidden=("--out",), type=click.Path(file_okay=False),
+              help="Exported drafter directory (default WORKDIR/drafter).")
+@click.option("--report-to", type=click.Choice(["none", "tensorboard", "wandb"]), default="none", show_default=True,
+              help="Also log the training metrics to TensorBoard (WORKDIR/train/tensorboard) or Weights & Biases "
+                   "(project $WANDB_PROJECT, default specscope); the library must be installed.")
 @device_option()
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="CPU threads for torch.")
 @click.option("--no-progress", is_flag=True, help="No progress bars (logs only).")
 @json_option("Print one JSON summary at the end.")
 def train(workdir, target_name, stages, dataset, prompt_files, synth, regenerate, synth_batch, user_temperature,
           answer_batch, capture_batch, user_tokens, response_tokens, gen_dtype, max_len, draft_vocab, ttt_steps,
-          total_steps, batch_size, lr, warmup, grad_clip, weight_decay, dtype, eval_every, ckpt_every, eval_fraction,
-          max_minutes, select_prompts, select_steps, seed, resume, init_from, export_format, export_dtype, output,
-          device, threads, no_progress, as_json):
+          total_steps, num_epochs, batch_size, lr, warmup, grad_clip, weight_decay, dtype, eval_every, ckpt_every,
+          eval_fraction, max_minutes, select_prompts, select_steps, seed, resume, init_from, export_format,
+          export_dtype, output, report_to, device, threads, no_progress, as_json):
     """Train an EAGLE-3 drafter for a target: capture data, build the draft vocabulary, train with TTT.
 
-    Multi-process: torchrun --nproc-per-node N -m specscope train ... --stages train (gloo on CPU, NCCL on GPU).
+    Multi-process: torchrun --nproc-per-node N -m specscope train ... --stages train (gloo on CPU, NCCL on GPU;
+    process i of a node trains on cuda:i).
+
+    SpecForge's spellings work too: --target-model-path, --train-data-path, --num-epochs, --learning-rate,
+    --max-length, --ttt-length, --output-dir, --report-to.
     """
     import torch
 
@@ -95,7 +109,8 @@ def train(workdir, target_name, stages, dataset, prompt_files, synth, regenerate
     from specscope.speculative.eagle3 import DrafterConfig
     from specscope.train import pipeline
     from specscope.train.data import CapturedData
-    from specscope.train.trainer import TrainConfig, dist_info, train as run_train
+    from specscope.train.tracking import check_tracker
+    from specscope.train.trainer import TrainConfig, dist_info, process_device, train as run_train
 
     todo = _stages(stages)
     # what can be refused from flags and files is refused before the target loads, not after hours of training
@@ -106,7 +121,9 @@ def train(workdir, target_name, stages, dataset, prompt_files, synth, regenerate
         from specscope.errors import require_file
 
         require_file(dataset, "--dataset")
-    dev = setup_runtime(threads, device)
+    if "train" in todo:
+        check_tracker(report_to)
+    dev = process_device(setup_runtime(threads, device).type)       # under torchrun: cuda:LOCAL_RANK
     work = Path(workdir)
     rank, world = dist_info()
     say = (lambda m: click.echo(m, err=True)) if rank == 0 else (lambda m: None)
@@ -152,12 +169,13 @@ def train(workdir, target_name, stages, dataset, prompt_files, synth, regenerate
             v = torch.load(str(vf), weights_only=True)
             drafter = pipeline.fresh_drafter(target, v["d2t"], v["t2d"], aux, seed=seed)
         cfg = TrainConfig(ttt_steps=ttt_steps, lr=lr, weight_decay=weight_decay, warmup=warmup,
-                          total_steps=total_steps, batch_size=batch_size, grad_clip=grad_clip, dtype=dtype, seed=seed,
+                          total_steps=total_steps, num_epochs=num_epochs, batch_size=batch_size, grad_clip=grad_clip,
+                          dtype=dtype, seed=seed,
                           eval_every=eval_every, ckpt_every=ckpt_every, eval_fraction=eval_fraction, max_len=max_len,
                           max_minutes=max_minutes)
         last = run_train(drafter, target.embed_tokens.weight.detach(), target.lm_head.weight.detach(), data,
                          work / "train", cfg, dev, resume=resume, progress=not no_progress, log=say,
-                         meta={"target": tinfo})
+                         meta={"target": tinfo}, report_to=report_to)
         summary["train"] = last
         if rank == 0 and "select" not in todo:
             dest = Path(output) if output else work / "drafter"

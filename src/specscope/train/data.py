@@ -239,6 +239,8 @@ def synthesise(model, tok, out_path: Path, n: int, *, batch: int = 16, user_toke
             have += 1
         except (ValueError, IndexError, KeyError):
             continue
+    if progress:
+        progress(have)              # done before this run: not counted in its rate
     prefix = magpie_prefix(tok)
     stop = tok.eos_ids
     user_sp = SamplingParams(temperature=user_temperature, top_p=0.95)
@@ -309,7 +311,9 @@ def answer_prompts(model, tok, items: list[dict], out_path: Path, max_new: int, 
     enc = [(it, tok.encode_messages([{"role": "user", "content": it["prompt"]}])) for it in todo]
     enc.sort(key=lambda x: len(x[1]))
     stop = tok.eos_ids
-    n = len(done)
+    n = len(items) - len(todo)
+    if progress:
+        progress(n)                 # done before this run: not counted in its rate
     with open_for_append(out_path) as f:
         for i in range(0, len(enc), batch):
             chunk = enc[i:i + batch]
@@ -404,10 +408,11 @@ def capture(model, tok, convs: list[list[dict]], out_dir: Path, aux_layers: list
     done = {s["index"] for s in manifest["shards"] if s.get("conversations", s["sequences"]) == want.get(s["index"])
             and s.get("conv_hash", digest.get(s["index"])) == digest.get(s["index"])}
     manifest["shards"] = [s for s in manifest["shards"] if s["index"] in done]
+    finished = sum(want[si] for si in done)
+    if progress:
+        progress(finished)          # captured before this run: not counted in its rate
     for si in range(n_shards):
         if si in done:
-            if progress:
-                progress(min(len(convs), (si + 1) * shard_size))
             continue
         items = []
         for c in convs[si * shard_size:(si + 1) * shard_size]:
@@ -444,8 +449,9 @@ def capture(model, tok, convs: list[list[dict]], out_dir: Path, aux_layers: list
                                        "conv_hash": digest[si], "sequences": 0, "tokens": 0, "loss_tokens": 0})
         manifest["shards"].sort(key=lambda x: x["index"])
         _write_manifest(manifest, mpath)
+        finished += want[si]
         if progress:
-            progress(min(len(convs), (si + 1) * shard_size))
+            progress(finished)
     _write_manifest(manifest, mpath)
     return manifest
 

@@ -2,7 +2,8 @@
 
     WORKDIR/answers.jsonl         the target's answers to --prompt-file prompts (appended, resumable)
     WORKDIR/synth.jsonl           Magpie conversations synthesised from the target (appended, resumable)
-    WORKDIR/conversations.jsonl   the training conversations: answers + synth, or a regenerated --dataset
+    WORKDIR/conversations.jsonl   the training conversations assembled from answers + synth
+    WORKDIR/regenerated.jsonl     a --dataset with the target's own answers (--regenerate), keyed by its inputs
     WORKDIR/data/                 captured target features: manifest.json + safetensors shards
     WORKDIR/vocab.pt              d2t / t2d and the response-token coverage
     WORKDIR/train/                metrics.jsonl, checkpoints/ (model, optimizer, scheduler, RNG)
@@ -36,9 +37,12 @@ def target_info(name: str, path: Path, model) -> dict:
 
 
 class Rate:
-    """Progress lines with the measured rate and the time left ("answered 512/7900 (41.2/s, 3m00s left)")."""
+    """Progress lines with the measured rate and the time left ("answered 512/7900 (41.2/s, 3m00s left)").
 
-    def __init__(self, what: str, total: int, log, start: int = 0, every_s: float = 10.0):
+    The rate counts only work done in this run: `start` is what was already done when it began (a resumed run),
+    or, left None, the first call's count, which callers report before doing any work."""
+
+    def __init__(self, what: str, total: int, log, start: int | None = None, every_s: float = 10.0):
         import time
 
         self.what, self.total, self.log, self.every = what, total, log, every_s
@@ -49,6 +53,11 @@ class Rate:
         import time
 
         now = time.monotonic()
+        if self.start is None:
+            self.start, self.t0, self.last = n, now, now
+            if n:
+                self.log(f"{self.what} {n}/{self.total} already done (resumed)")
+            return
         if not force and now - self.last < self.every and n < self.total:
             return
         self.last = now
@@ -176,15 +185,7 @@ def data_stage(workdir: Path, model, tok, tinfo: dict, *, dataset: str | None = 
         convs, rep = read_conversations(dataset)
         log(rep.summary())
         if regenerate != "none":
-            if out.exists():
-                convs, _ = read_conversations(out)
-                log(f"reusing {len(convs)} regenerated conversations in {out}")
-            else:
-                sp = SamplingParams(temperature=0.0 if regenerate == "greedy" else 0.8, top_p=0.95, seed=seed)
-                convs = regen(gen_model, tok, convs, response_tokens, sp, seed=seed, batch=answer_batch)
-                tmp = out.with_suffix(".tmp")
-                tmp.write_text("".join(json.dumps({"messages": c}) + "\n" for c in convs))
-                tmp.replace(out)
+            convs = regenerated(workdir, convs, gen_model, tok, regenerate, response_tokens, seed, answer_batch, log)
     else:
         raise SpecscopeError("the data stage needs --prompt-file FILE, --dataset JSONL or --synth N "
                              "(conversations to synthesise)")
@@ -193,6 +194,31 @@ def data_stage(workdir: Path, model, tok, tinfo: dict, *, dataset: str | None = 
     log(f"data: {manifest['sequences']} sequences, {manifest['tokens']} tokens "
         f"({manifest['loss_tokens']} assistant tokens) in {workdir / 'data'}")
     return manifest
+
+
+def regenerated(workdir: Path, convs: list[list[dict]], model, tok, mode: str, response_tokens: int, seed: int,
+                batch: int, log=print) -> list[list[dict]]:
+    """--dataset --regenerate: `convs` with the target's own answers, cached in WORKDIR/regenerated.jsonl under a
+    key of everything that produced them (the conversations, mode, answer length, seed, target): another dataset
+    or setting regenerates instead of reusing answers to other questions."""
+    from specscope.engine.sampling import SamplingParams
+    from specscope.train.data import conv_hash, read_conversations, regenerate as regen
+
+    path, key_file = workdir / "regenerated.jsonl", workdir / "regenerated.key"
+    key = conv_hash({"conversations": convs, "mode": mode, "response_tokens": response_tokens, "seed": seed,
+                     "target": str(getattr(model, "source_path", ""))})
+    if path.exists() and key_file.exists() and key_file.read_text().strip() == key:
+        cached, _ = read_conversations(path)
+        log(f"reusing {len(cached)} regenerated conversations in {path}")
+        return cached
+    sp = SamplingParams(temperature=0.0 if mode == "greedy" else 0.8, top_p=0.95, seed=seed)
+    out = regen(model, tok, convs, response_tokens, sp, seed=seed, batch=batch)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(json.dumps({"messages": c}, ensure_ascii=False) + "\n" for c in out), encoding="utf-8")
+    key_file.unlink(missing_ok=True)        # never a key beside answers it does not describe, even after a kill
+    tmp.replace(path)
+    key_file.write_text(key)
+    return out
 
 
 def vocab_stage(workdir: Path, data, vocab_size: int, draft_vocab: int, log=print) -> dict:

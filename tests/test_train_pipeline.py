@@ -211,7 +211,7 @@ def test_cli_errors(prepared, tmp_path, capsys):
     tgt = prepared[0]
     with pytest.raises(SystemExit):
         main(["train", "--workdir", str(tmp_path / "w"), "--target", str(tgt), "--device", "cpu"])
-    assert "needs --prompt-file FILE, --dataset JSONL or --synth N" in capsys.readouterr().err
+    assert "needs --prompt-file FILE, --dataset FILE|DIR|ID or --synth N" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["train", "--workdir", str(tmp_path / "w"), "--target", str(tgt), "--stages", "train,bogus"])
     assert "--stages takes" in capsys.readouterr().err

@@ -28,8 +28,15 @@ def _stages(value: str) -> list[str]:
               help="Target model the drafter is for: a Hugging Face checkpoint directory, a Hugging Face id "
                    "(org/name[@revision]) or a known name.")
 @click.option("--stages", default="data,vocab,train", show_default=True, help="Which stages to run (comma list).")
-@click.option("--dataset", "--train-data-path", "dataset", default=None, type=click.Path(dir_okay=False),
-              help="Conversations JSONL (ShareGPT conversations/from/value or OpenAI messages/role/content).")
+@click.option("--dataset", "--train-data-path", "dataset", default=None,
+              help="Conversations (ShareGPT conversations/from/value, OpenAI messages/role/content, SpecForge "
+                   "conversations/role/content): a JSONL, JSON or Parquet file, a directory of them, or a Hugging "
+                   "Face dataset id (org/name[@revision]).")
+@click.option("--dataset-split", default="train", show_default=True,
+              help="Split of a dataset directory or hub id.")
+@click.option("--dataset-config", default=None, help="Configuration (subset) of a hub dataset.")
+@click.option("--dataset-streaming", is_flag=True,
+              help="Stream a hub dataset instead of downloading it whole into the datasets cache.")
 @click.option("--prompt-file", "prompt_files", multiple=True, type=click.Path(dir_okay=False),
               help="Real prompts (JSONL: prompt / question / instruction+input / turns / conversations), answered "
                    "by the target; repeatable. Prompts overlapping evaluation sets are dropped and counted.")
@@ -90,11 +97,11 @@ def _stages(value: str) -> list[str]:
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="CPU threads for torch.")
 @click.option("--no-progress", is_flag=True, help="No progress bars (logs only).")
 @json_option("Print one JSON summary at the end.")
-def train(workdir, target_name, stages, dataset, prompt_files, synth, regenerate, synth_batch, user_temperature,
-          answer_batch, capture_batch, user_tokens, response_tokens, gen_dtype, max_len, draft_vocab, ttt_steps,
-          total_steps, num_epochs, batch_size, lr, warmup, grad_clip, weight_decay, dtype, eval_every, ckpt_every,
-          eval_fraction, max_minutes, select_prompts, select_steps, seed, resume, init_from, export_format,
-          export_dtype, output, report_to, device, threads, no_progress, as_json):
+def train(workdir, target_name, stages, dataset, dataset_split, dataset_config, dataset_streaming, prompt_files,
+          synth, regenerate, synth_batch, user_temperature, answer_batch, capture_batch, user_tokens, response_tokens,
+          gen_dtype, max_len, draft_vocab, ttt_steps, total_steps, num_epochs, batch_size, lr, warmup, grad_clip,
+          weight_decay, dtype, eval_every, ckpt_every, eval_fraction, max_minutes, select_prompts, select_steps, seed,
+          resume, init_from, export_format, export_dtype, output, report_to, device, threads, no_progress, as_json):
     """Train an EAGLE-3 drafter for a target: capture data, build the draft vocabulary, train with TTT.
 
     Multi-process: torchrun --nproc-per-node N -m specscope train ... --stages train (gloo on CPU, NCCL on GPU;
@@ -118,9 +125,9 @@ def train(workdir, target_name, stages, dataset, prompt_files, synth, regenerate
     if output is not None:
         check_writable(output, "--output", is_dir=True)
     if dataset is not None and "data" in todo:
-        from specscope.errors import require_file
+        from specscope.train.datasets import check_dataset
 
-        require_file(dataset, "--dataset")
+        check_dataset(dataset)
     if "train" in todo:
         check_tracker(report_to)
     dev = process_device(setup_runtime(threads, device).type)       # under torchrun: cuda:LOCAL_RANK
@@ -129,6 +136,11 @@ def train(workdir, target_name, stages, dataset, prompt_files, synth, regenerate
     say = (lambda m: click.echo(m, err=True)) if rank == 0 else (lambda m: None)
     if world > 1 and ("data" in todo or "vocab" in todo or "select" in todo):
         raise SpecscopeError("run the data, vocab and select stages in one process; torchrun only --stages train")
+    convs = None
+    if dataset is not None and "data" in todo and not prompt_files:     # a bad dataset fails before the target loads
+        from specscope.train.datasets import load_conversations
+
+        convs = load_conversations(dataset, dataset_split, dataset_config, dataset_streaming)
     target, tok, tpath = pipeline.load_target(target_name, dev, "fp32")
     tinfo = pipeline.target_info(target_name, tpath, target)
     init = pipeline.init_drafter(init_from, target) if init_from else None
@@ -141,7 +153,8 @@ def train(workdir, target_name, stages, dataset, prompt_files, synth, regenerate
 
     if "data" in todo:
         gen = pipeline.load_target(target_name, dev, gen_dtype)[0] if gen_dtype != "fp32" else target
-        man = pipeline.data_stage(work, target, tok, tinfo, dataset=dataset, synth=synth, regenerate=regenerate,
+        man = pipeline.data_stage(work, target, tok, tinfo, dataset=dataset, conversations=convs, synth=synth,
+                                  regenerate=regenerate,
                                   aux_layers=aux, synth_batch=synth_batch, user_tokens=user_tokens,
                                   response_tokens=response_tokens, max_len=max_len, seed=seed, gen_model=gen, log=say,
                                   prompt_files=list(prompt_files), answer_batch=answer_batch,

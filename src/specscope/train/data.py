@@ -30,18 +30,19 @@ MANIFEST = "manifest.json"
 
 @dataclass
 class ReadReport:
-    lines: int = 0
+    lines: int = 0                # lines of a JSONL file, or records of a `datasets` dataset
     ok: int = 0
     malformed: int = 0            # not JSON / not an object / no conversations field / bad roles
     no_assistant: int = 0
     first_errors: list[str] = field(default_factory=list)
+    unit: str = "line"
 
     def note(self, lineno: int, why: str):
         if len(self.first_errors) < 5:
-            self.first_errors.append(f"line {lineno}: {why}")
+            self.first_errors.append(f"{self.unit} {lineno}: {why}")
 
     def summary(self) -> str:
-        s = f"{self.ok} conversations read from {self.lines} lines"
+        s = f"{self.ok} conversations read from {self.lines} {self.unit}s"
         if self.malformed or self.no_assistant:
             s += f"; skipped {self.malformed} malformed and {self.no_assistant} without an assistant turn"
             if self.first_errors:
@@ -100,14 +101,19 @@ def read_conversations(path: str | Path) -> tuple[list[list[dict]], ReadReport]:
                 continue
             rep.ok += 1
             convs.append(msgs)
+    check_read(rep, path)
+    return convs, rep
+
+
+def check_read(rep: ReadReport, where) -> None:
+    """An empty or all-bad dataset is an error naming what was wrong with it."""
     if rep.lines == 0:
-        raise SpecscopeError(f"dataset {path} is empty")
+        raise SpecscopeError(f"dataset {where} is empty")
     if rep.ok == 0:
-        raise SpecscopeError(f"no usable conversation in {path}: {rep.malformed} malformed lines, "
+        raise SpecscopeError(f"no usable conversation in {where}: {rep.malformed} malformed {rep.unit}s, "
                              f"{rep.no_assistant} without an assistant turn (first: {rep.first_errors[0]}); "
                              f"expected ShareGPT {{'conversations': [{{'from', 'value'}}]}} or OpenAI "
                              f"{{'messages': [{{'role', 'content'}}]}} records")
-    return convs, rep
 
 
 def tokenize_conversation(tok, messages: list[dict], max_len: int) -> tuple[list[int], list[int]]:

@@ -122,11 +122,14 @@ def _adopt_synth_only_layout(out: Path, synth_path: Path, log) -> None:
         log(f"moved the synthesised conversations of {out} to {synth_path} (where synthesis appends now)")
 
 
-def data_stage(workdir: Path, model, tok, tinfo: dict, *, dataset: str | None = None, synth: int = 0,
+def data_stage(workdir: Path, model, tok, tinfo: dict, *, dataset: str | None = None, conversations=None,
+               synth: int = 0,
                regenerate: str = "none", aux_layers: list[int], synth_batch: int = 16, user_tokens: int = 64,
                response_tokens: int = 192, max_len: int = 1024, seed: int = 0, gen_model=None, log=print,
                prompt_files: list[str] | None = None, answer_batch: int = 32, capture_batch: int = 4,
                user_temperature: float = 0.8) -> dict:
+    """`conversations`: the --dataset already read by train.datasets.load_conversations ((convs, report)); read
+    here (its default split) when not given."""
     from specscope.engine.sampling import SamplingParams
     from specscope.train.data import (answer_prompts, capture, read_conversations, read_jsonl,
                                       regenerate as regen, synthesise)
@@ -182,12 +185,14 @@ def data_stage(workdir: Path, model, tok, tinfo: dict, *, dataset: str | None = 
             report["by_source"][r.get("source", "?")] = report["by_source"].get(r.get("source", "?"), 0) + 1
         (workdir / "data_report.json").write_text(json.dumps(report, indent=1))
     elif dataset:
-        convs, rep = read_conversations(dataset)
+        from specscope.train.datasets import load_conversations
+
+        convs, rep = conversations if conversations is not None else load_conversations(dataset)
         log(rep.summary())
         if regenerate != "none":
             convs = regenerated(workdir, convs, gen_model, tok, regenerate, response_tokens, seed, answer_batch, log)
     else:
-        raise SpecscopeError("the data stage needs --prompt-file FILE, --dataset JSONL or --synth N "
+        raise SpecscopeError("the data stage needs --prompt-file FILE, --dataset FILE|DIR|ID or --synth N "
                              "(conversations to synthesise)")
     manifest = capture(model, tok, convs, workdir / "data", aux_layers, max_len=max_len, target_info=tinfo,
                        batch=capture_batch, progress=Rate("captured", len(convs), log))

@@ -69,3 +69,36 @@ def test_regenerate_cache_is_its_own_file_keyed_by_inputs(chat, tmp_path):
     assert [c[0] for c in rb] == [c[0] for c in b]
     assert [c[0] for c in regenerated(work, b, model, tok, "greedy", 9, 0, 4, logs.append)] == [c[0] for c in b]
     assert sum("reusing" in m for m in logs) == 1
+
+
+def test_streamed_features_equal_in_memory_ones(chat, tmp_path):
+    import torch
+
+    from specscope.train.data import CapturedData
+
+    model, tok, root = chat
+    convs, _ = read_conversations(write_dataset(tmp_path / "ds.jsonl", n=10))
+    capture(model, tok, convs, tmp_path / "d", [2, 4, 5], shard_size=4)
+    streamed, loaded = CapturedData(tmp_path / "d"), CapturedData(tmp_path / "d", stream=False)
+    assert streamed.stream and not loaded.stream and len(streamed) == len(loaded) == 10
+    assert streamed.tokens == loaded.tokens
+    for i in range(10):
+        a, b = streamed.seqs[i], loaded.seqs[i]
+        assert all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in b), i
+    assert [len(s["input_ids"]) for s in streamed.seqs[-3:]] == [len(s["input_ids"]) for s in loaded.seqs[-3:]]
+    assert set(streamed.read(3, ("loss_mask",))) == {"loss_mask"}
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_target_head_reads_only_what_training_needs(tmp_path, tie):
+    import torch
+    from tiny import make_hf_model
+
+    from specscope.models import load_model
+    from specscope.train.pipeline import TargetHead
+
+    make_hf_model(tmp_path / "m", "llama", layers=2, tie=tie)
+    full, head = load_model(tmp_path / "m", "fp32", "cpu"), TargetHead(tmp_path / "m")
+    for part in ("embed_tokens", "lm_head", "norm"):
+        assert torch.equal(getattr(head, part).weight, getattr(full, part).weight.float()), part
+    assert head.config == full.config and head.device == torch.device("cpu")

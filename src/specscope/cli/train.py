@@ -141,7 +141,10 @@ def train(workdir, target_name, stages, dataset, dataset_split, dataset_config, 
         from specscope.train.datasets import load_conversations
 
         convs = load_conversations(dataset, dataset_split, dataset_config, dataset_streaming)
-    target, tok, tpath = pipeline.load_target(target_name, dev, "fp32")
+    if "data" in todo or "select" in todo:                  # these run the target
+        target, tok, tpath = pipeline.load_target(target_name, dev, "fp32")
+    else:                                                    # vocab / train: its config, embedding and LM head
+        target, tpath = pipeline.load_target_head(target_name, dev)
     tinfo = pipeline.target_info(target_name, tpath, target)
     init = pipeline.init_drafter(init_from, target) if init_from else None
     L = target.config.num_hidden_layers

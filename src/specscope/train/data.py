@@ -470,13 +470,20 @@ def _write_manifest(manifest: dict, mpath: Path):
     os.replace(tmp, mpath)
 
 
-class CapturedData:
-    """All captured sequences in memory (fp16 features), addressable by index."""
+FEATURES = ("aux", "hidden", "argmax", "input_ids", "loss_mask")
 
-    def __init__(self, data_dir: str | Path, device="cpu"):
-        """device="cuda" keeps every feature on the GPU (an H200 holds millions of tokens): batches are then
-        assembled there, with no host-to-device copy per step."""
-        from safetensors.torch import load_file
+
+class CapturedData:
+    """The captured sequences, addressable by index (`data.seqs[i]` -> {"aux", "hidden", "argmax", "input_ids",
+    "loss_mask"}).
+
+    Streamed (the default off CUDA): only each sequence's shard and token range are kept, and its features are read
+    from disk when asked for, so training holds a batch of features rather than the whole capture (the page cache
+    does the rest). In memory (the default on CUDA: an H200 holds millions of tokens): every feature is loaded onto
+    `device` once and batches are assembled there, with no host-to-device copy per step."""
+
+    def __init__(self, data_dir: str | Path, device="cpu", stream: bool | None = None):
+        from specscope.models.loader import SafetensorsReader
 
         data_dir = Path(data_dir)
         mpath = data_dir / MANIFEST
@@ -484,20 +491,58 @@ class CapturedData:
             raise SpecscopeError(f"{data_dir} has no {MANIFEST}; run the data stage first")
         self.manifest = json.loads(mpath.read_text())
         self.aux_layers = self.manifest["aux_layers"]
-        self.seqs = []
+        self.stream = stream if stream is not None else torch.device(device).type != "cuda"
+        self.device = device
+        self.index: list[tuple[SafetensorsReader, int, int]] = []      # (shard, first token, end token)
+        loaded = []
         for s in self.manifest["shards"]:
             if not s["file"]:
                 continue
-            t = load_file(str(data_dir / s["file"]), device=str(device))
-            off = t["offsets"].tolist()
-            for a, b in zip(off[:-1], off[1:]):
-                self.seqs.append({k: t[k][a:b] for k in ("aux", "hidden", "argmax", "input_ids", "loss_mask")})
-        if not self.seqs:
+            if self.stream:
+                r = SafetensorsReader([data_dir / s["file"]])
+                off = r.read("offsets").tolist()
+                self.index += [(r, a, b) for a, b in zip(off[:-1], off[1:])]
+            else:
+                from safetensors.torch import load_file
+
+                t = load_file(str(data_dir / s["file"]), device=str(device))
+                off = t["offsets"].tolist()
+                loaded += [{k: t[k][a:b] for k in FEATURES} for a, b in zip(off[:-1], off[1:])]
+        self.seqs = _Streamed(self) if self.stream else loaded
+        if not len(self.seqs):
             raise SpecscopeError(f"{data_dir} holds no captured sequences")
+
+    def read(self, i: int, keys=FEATURES) -> dict:
+        """Sequence i's features named by `keys` (from disk when streamed: only those are read)."""
+        if not self.stream:
+            return {k: self.seqs[i][k] for k in keys}
+        r, a, b = self.index[i]
+        return {k: r.read_rows(k, a, b) for k in keys}
 
     def __len__(self):
         return len(self.seqs)
 
     @property
     def tokens(self) -> int:
+        if self.stream:
+            return sum(b - a for _, a, b in self.index)
         return sum(len(s["input_ids"]) for s in self.seqs)
+
+
+class _Streamed:
+    """`CapturedData.seqs` when streamed: a read-only sequence whose items are read from disk on access."""
+
+    def __init__(self, data: CapturedData):
+        self.data = data
+
+    def __len__(self):
+        return len(self.data.index)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self.data.read(j) for j in range(*i.indices(len(self)))]
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        return self.data.read(i)

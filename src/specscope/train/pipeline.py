@@ -30,6 +30,38 @@ def load_target(name: str, device, dtype="fp32"):
     return model, Tokenizer(path), path
 
 
+class TargetHead:
+    """What the vocab and train stages need of a target: its config, and its embedding, final norm and LM head read
+    alone from the checkpoint's safetensors. The layers (most of the weights) never load: `--stages train` of an
+    8B target holds ~2 GB of it instead of 32."""
+
+    def __init__(self, path: Path, device="cpu"):
+        from types import SimpleNamespace
+
+        from specscope.models.loader import SafetensorsReader, load_config, weight_files
+
+        self.config, _ = load_config(path)
+        reader = SafetensorsReader(weight_files(path))
+
+        def tensor(name: str) -> torch.Tensor:
+            if name not in reader:
+                raise SpecscopeError(f"{path} has no tensor {name!r}; is it a Llama-family checkpoint?")
+            return reader.read(name).to(device=device, dtype=torch.float32)
+
+        self.embed_tokens = SimpleNamespace(weight=tensor("model.embed_tokens.weight"))
+        self.norm = SimpleNamespace(weight=tensor("model.norm.weight"))
+        self.lm_head = SimpleNamespace(weight=self.embed_tokens.weight if self.config.tie_word_embeddings
+                                       else tensor("lm_head.weight"))
+        self.device, self.dtype, self.source_path = torch.device(device), torch.float32, str(path)
+
+
+def load_target_head(name: str, device) -> tuple[TargetHead, Path]:
+    from specscope.models.hub import resolve_model
+
+    path = resolve_model(name)
+    return TargetHead(path, device), path
+
+
 def target_info(name: str, path: Path, model) -> dict:
     return {"name_or_path": name, "path": str(path), "architectures": [model.config.architecture],
             "num_hidden_layers": model.config.num_hidden_layers, "hidden_size": model.config.hidden_size,
@@ -319,7 +351,7 @@ def heldout_prompts(data, eval_fraction: float, seed: int, n: int) -> list[list[
     _, held = split_indices(len(data), eval_fraction, seed)
     out = []
     for i in held:
-        s = data.seqs[i]
+        s = data.read(i, ("input_ids", "loss_mask"))
         m = s["loss_mask"].bool()
         if not bool(m.any()):
             continue

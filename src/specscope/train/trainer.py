@@ -412,7 +412,7 @@ def _best_so_far(ckpt_dir: Path) -> float:
 def _avg_tokens(data, idx, bs):
     if not idx:
         return 0
-    return int(sum(int(data.seqs[i]["loss_mask"].sum()) for i in idx) / len(idx) * bs)
+    return int(sum(int(data.read(i, ("loss_mask",))["loss_mask"].sum()) for i in idx) / len(idx) * bs)
 
 
 class _progress:

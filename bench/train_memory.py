@@ -1,12 +1,15 @@
 """Peak resident memory of `specscope train --stages train`, today's code against the code as of a base revision
-(default 0edc481, before issue 24: the whole fp32 target loaded and every captured feature held in memory), on the
-same work directory. The target is the real SmolLM2-135M-Instruct (`specscope models pull smollm2-135m`); the
-captured features are synthetic (random fp16 of the shapes capture writes, 400 sequences x 512 tokens, ~0.9 GB):
-memory depends on their shapes, not their values, and capturing real ones costs minutes of CPU. Each run is a fresh
-process; its peak RSS is the kernel's ru_maxrss from wait4. Goal: today <= 0.5 x base. Prints a table and writes
-bench/results/train_memory.json (~1 GB of scratch disk).
+(default 0edc481, before issue 24: the whole fp32 target loaded and every captured shard opened in memory), on the
+same work directory: the real SmolLM2-135M-Instruct target (`specscope models pull smollm2-135m`), 1,200 captured
+sequences of 273 tokens (the shipped chat fine-tune's mean length; 328k tokens, ~1.4 GB of features), one full
+epoch (the base maps its shards lazily, so its features become resident as the epoch reads them: a few steps would
+hide them), batch 32, TTT K = 1 (cheap steps; the activations of one batch are the same in both runs and are most
+of what is left today: at batch 8 and K = 5 they are ~2 GB). The features are synthetic (random fp16 of the shapes
+capture writes): memory depends on their shapes, not their values, and capturing real ones costs minutes of CPU.
+Each run is a fresh process; its peak RSS is the kernel's ru_maxrss from wait4. Goal: today <= 0.5 x base. Prints
+a table and writes bench/results/train_memory.json (~1.5 GB of scratch disk, a few minutes on 2 cores).
 
-    .venv/bin/python bench/train_memory.py [--base-rev 0edc481] [--sequences 400] [--tokens 512]
+    .venv/bin/python bench/train_memory.py [--base-rev 0edc481] [--sequences 1200] [--tokens 273]
 """
 
 from __future__ import annotations
@@ -74,9 +77,10 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--base-rev", default="0edc481")
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--sequences", type=int, default=400)
-    ap.add_argument("--tokens", type=int, default=512)
-    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--sequences", type=int, default=1200)
+    ap.add_argument("--tokens", type=int, default=273)
+    ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--ttt-steps", type=int, default=1)
     a = ap.parse_args()
     sys.path.insert(0, str(ROOT / "src"))
     from specscope.models.hub import resolve_model
@@ -95,23 +99,24 @@ def main():
         vocab.mkdir()
         os.symlink(tmp / "data", vocab / "data")
         run(ROOT / "src", ["train", "--workdir", str(vocab), "--stages", "vocab", *common])
-        train_args = ["--stages", "train", "--max-train-steps", str(a.steps), "--batch-size", "4", "--ttt-steps", "2",
-                      "--max-len", str(a.tokens), "--eval-fraction", "0.01", "--eval-every", "1000", *common]
+        steps = a.sequences // a.batch_size                 # one epoch (the base has no --num-epochs)
+        train_args = ["--stages", "train", "--max-train-steps", str(steps), "--batch-size", str(a.batch_size),
+                      "--ttt-steps", str(a.ttt_steps), "--max-len", "1024", "--eval-fraction", "0", *common]
         rows = {}
         for label, src in (("base", base_src / "src"), ("today", ROOT / "src")):
-            w = tmp / label
+            w = tmp / f"work-{label}"
             w.mkdir()
             os.symlink(tmp / "data", w / "data")
             shutil.copy(vocab / "vocab.pt", w / "vocab.pt")
             rows[label] = run(src, ["train", "--workdir", str(w), *train_args])
     ratio = rows["today"]["peak_rss_mb"] / rows["base"]["peak_rss_mb"]
-    result = {"bench": "train_memory", "command": f"specscope train --stages train {' '.join(train_args)}",
+    result = {"bench": "train_memory", "command": f"specscope train --workdir W {' '.join(train_args)}",
               "model": a.model, "features": {"synthetic": True, "sequences": a.sequences,
                                              "tokens": a.sequences * a.tokens, "file_mb": round(feature_mb, 1)},
               "base_rev": a.base_rev, "runs": rows, "ratio_today_over_base": round(ratio, 3), "goal": "<= 0.5",
               "met": ratio <= 0.5, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
     print(f"specscope train --stages train, {a.model}, {a.sequences} x {a.tokens} tokens of features "
-          f"({feature_mb:.0f} MB on disk), {a.steps} steps")
+          f"({feature_mb:.0f} MB on disk), one epoch of {steps} steps at batch {a.batch_size}, K = {a.ttt_steps}")
     print(f"{'code':<24}{'peak RSS (MB)':>15}{'wall (s)':>10}")
     for label, r in rows.items():
         name = f"base {a.base_rev}" if label == "base" else "today"

@@ -15,3 +15,6 @@ def _isolated_dirs(tmp_path, monkeypatch):
     """Every test gets its own registry DB; the model cache stays shared (pulling SmolLM2 costs ~30 s)."""
     monkeypatch.setenv("SPECSCOPE_DB", str(tmp_path / "runs.db"))
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "xdg-data"))
+    # no test reaches the Hugging Face Hub: a hub id resolves only from a cache the test writes itself
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf-hub-cache"))

@@ -2,6 +2,7 @@
 help on every --json, and the packaged prompt sets the tools default to."""
 
 import hashlib
+import re
 
 import click
 import pytest
@@ -106,7 +107,8 @@ def test_old_spellings_still_parse_but_are_hidden(tmp_path, capsys):
                       ("check-drafter", "--target"), ("check-drafter", "--prompts"), ("train", "--select-prompts"),
                       ("ingest", "--engine"), ("bench-serve", "--url "), ("bench-serve", "--max-tokens")):
         code, out, _ = cli(capsys, *name.split(), "--help")
-        assert code == 0 and old not in out, (name, old)
+        # the whole flag: train's --target-model-path (SpecForge's spelling) is shown, the old --target is not
+        assert code == 0 and not re.search(re.escape(old.rstrip()) + r"(?![\w-])", out), (name, old)
 
 
 def test_runs_export_format_option_and_old_flags(tmp_path, capsys):

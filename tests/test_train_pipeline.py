@@ -211,7 +211,7 @@ def test_cli_errors(prepared, tmp_path, capsys):
     tgt = prepared[0]
     with pytest.raises(SystemExit):
         main(["train", "--workdir", str(tmp_path / "w"), "--target", str(tgt), "--device", "cpu"])
-    assert "needs --prompt-file FILE, --dataset JSONL or --synth N" in capsys.readouterr().err
+    assert "needs --prompt-file FILE, --dataset FILE|DIR|ID or --synth N" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["train", "--workdir", str(tmp_path / "w"), "--target", str(tgt), "--stages", "train,bogus"])
     assert "--stages takes" in capsys.readouterr().err
@@ -227,7 +227,7 @@ def test_regenerate_replaces_assistant_turns(prepared, tmp_path):
     main(["train", "--workdir", str(work), "--target", str(tgt), "--dataset", str(ds), "--stages", "data",
           "--regenerate", "greedy", "--response-tokens", "8", "--device", "cpu"])
     orig, _ = read_conversations(ds)
-    regen, _ = read_conversations(work / "conversations.jsonl")
+    regen, _ = read_conversations(work / "regenerated.jsonl")
     assert len(regen) == len(orig)
     assert [c[0] for c in regen] == [c[0] for c in orig]                 # same user turns
     assert all(len(c) == 2 and c[1]["role"] == "assistant" for c in regen)

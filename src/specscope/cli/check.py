@@ -15,7 +15,8 @@ MARK = {"ok": "ok  ", "warn": "WARN", "fail": "FAIL", "skip": "skip"}
 @click.command("check-drafter")
 @click.argument("drafter")
 @alias_option("--model", "target_name", hidden=("--target",), required=True,
-              help="The target: a Hugging Face directory, its config.json, or a known name.")
+              help="The target: a Hugging Face directory, its config.json, a Hugging Face id (org/name[@revision]) "
+                   "or a known name.")
 @click.option("--engine-args", default=None,
               help="An SGLang / vLLM launch command line, or its server-args log line, to check against the drafter.")
 @alias_option("--num-prompts", "num_prompts", hidden=("--prompts",), type=click.IntRange(min=1), default=3,
@@ -31,21 +32,24 @@ MARK = {"ok": "ok  ", "warn": "WARN", "fail": "FAIL", "skip": "skip"}
 @device_option(default="cpu")
 @json_option("Print the checks, faults and acceptance as one JSON object.")
 def check_drafter(drafter, target_name, engine_args, num_prompts, max_new_tokens, steps, no_run, device, as_json):
-    """One report of everything that decides whether DRAFTER (a directory or shipped name) works with the target.
+    """One report of everything that decides whether DRAFTER (a directory, shipped name or Hugging Face id) works
+    with the target.
     Exit status 1 when it names a fault."""
     from specscope.cli.common import setup_runtime
-    from specscope.speculative.check import check_drafter as run_check, default_prompts
     from specscope.errors import SpecscopeError
-    from specscope.speculative.decode import shipped_drafter
+    from specscope.models.hub import parse_hub_id, resolve_drafter
+    from specscope.speculative.check import check_drafter as run_check, default_prompts, size_problem
     from specscope.speculative.formats import resolve_target
 
     if not drafter.strip():
-        raise SpecscopeError("DRAFTER is empty; pass a drafter directory or a shipped drafter name")
-    path = Path(drafter).expanduser()
-    if not path.exists():
-        path = shipped_drafter(drafter) or path
+        raise SpecscopeError("DRAFTER is empty; pass a drafter directory, a shipped drafter name or a Hugging Face id")
+    path = resolve_drafter(drafter)
     dev = setup_runtime(None, device)
     facts = resolve_target(target_name)
+    if not no_run and facts.path is not None and not any(facts.path.glob("*.safetensors")) \
+            and not Path(target_name).expanduser().exists() and parse_hub_id(target_name) \
+            and size_problem(facts) is None:
+        facts = resolve_target(target_name, files="model")   # a hub target small enough to run: fetch its weights
     report = run_check(path, facts, engine_args, run=not no_run,
                        prompts=None if no_run else default_prompts(num_prompts),
                        max_new_tokens=max_new_tokens, steps=steps, device=str(dev))

@@ -135,8 +135,8 @@ def spec_options(steps_help="Draft depth: drafter steps per cycle (tree depth / 
     return deco
 
 
-def draft_option(help="Drafter: EAGLE-3 directory or name, 'ngram', or a small HF model. "
-                      "SGLang --speculative-draft-model-path."):
+def draft_option(help="Drafter: an EAGLE-3 directory, shipped name or Hugging Face id (org/name[@revision]), "
+                      "'ngram', or a small HF model. SGLang --speculative-draft-model-path."):
     return click.option("--draft", "--speculative-draft-model-path", "draft", default=None, help=help)
 class SamplingParam(click.ParamType):
     """A click type checked by the sampling schema (engine/params.py), so the CLI refuses exactly what the server

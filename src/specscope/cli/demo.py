@@ -77,12 +77,13 @@ class _RichUI:
               show_default=True, help="MT-bench first turns to decode (one per category in turn; packaged set).")
 @output_option("Directory for report.html and summary.json.", default="specscope-demo", hidden=("--out",),
                file_okay=False, show_default=True)
-@draft_option("Drafter: the shipped EAGLE-3 one by default; 'ngram', an EAGLE-3 directory or a small HF model.")
+@draft_option("Drafter: the shipped EAGLE-3 one by default; 'ngram', an EAGLE-3 directory or Hugging Face id, or a "
+              "small HF model.")
 @click.option("--max-new-tokens", type=click.IntRange(min=2), default=112, show_default=True,
               help="Most tokens to generate per prompt.")
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="CPU threads for torch.")
 @click.option("--model", "model_name", default="smollm2-135m", show_default=True,
-              help="Target: a known name (pulled on first use) or a Hugging Face checkpoint directory.")
+              help="Target: a known name (pulled on first use), a Hugging Face checkpoint directory or id (org/name).")
 @spec_options("Draft depth (default: the drafter's declared shape, specscope_shape.json; else 5).")
 @dtype_option()
 @click.option("--device", type=click.Choice(["cpu", "cuda", "auto"]), default="cpu", show_default=True)

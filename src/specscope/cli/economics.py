@@ -24,7 +24,8 @@ def _open(db):
 
 @click.command("verify-curve")
 @click.option("--model", "model_name", default="smollm2-135m", show_default=True,
-              help="Target: a Hugging Face checkpoint directory or a known name.")
+              help="Target: a Hugging Face checkpoint directory, a Hugging Face id (org/name[@revision]) or a "
+                   "known name.")
 @click.option("--context", "contexts", default="256,1024", show_default=True,
               help="Context lengths (cached tokens), comma-separated.")
 @click.option("--tokens", default="1,2,4,8,16,32,64", show_default=True,

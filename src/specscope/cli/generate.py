@@ -13,7 +13,8 @@ from specscope.cli.common import (SEED, TEMPERATURE, TOP_K, TOP_P, db_option, de
 
 @click.command()
 @click.option("--model", "model_name", default="smollm2-135m", show_default=True,
-              help="Target: a Hugging Face checkpoint directory or a known name.")
+              help="Target: a Hugging Face checkpoint directory, a Hugging Face id (org/name[@revision]) or a "
+                   "known name.")
 @click.option("--prompt", required=True, help="Prompt text ('-' reads standard input).")
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the tokenizer's chat template.")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=128, show_default=True,

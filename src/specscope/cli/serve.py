@@ -38,7 +38,8 @@ def bind_socket(host: str, port: int):
 
 @click.command()
 @click.option("--model", "model_name", default="smollm2-135m", show_default=True,
-              help="Target: a Hugging Face checkpoint directory or a known name.")
+              help="Target: a Hugging Face checkpoint directory, a Hugging Face id (org/name[@revision]) or a "
+                   "known name.")
 @click.option("--served-model-name", default=None, help="Model id clients use (default: the directory name).")
 @draft_option()
 @spec_options()

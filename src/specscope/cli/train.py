@@ -23,11 +23,20 @@ def _stages(value: str) -> list[str]:
 
 @click.command()
 @click.option("--workdir", required=True, type=click.Path(file_okay=False), help="Where data, checkpoints go.")
-@alias_option("--model", "target_name", hidden=("--target",), default="smollm2-135m", show_default=True,
-              help="Target model the drafter is for: a Hugging Face checkpoint directory or a known name.")
+@alias_option("--model", "--target-model-path", "target_name", hidden=("--target",), default="smollm2-135m",
+              show_default=True,
+              help="Target model the drafter is for: a Hugging Face checkpoint directory, a Hugging Face id "
+                   "(org/name[@revision]) or a known name.")
 @click.option("--stages", default="data,vocab,train", show_default=True, help="Which stages to run (comma list).")
-@click.option("--dataset", default=None, type=click.Path(dir_okay=False),
-              help="Conversations JSONL (ShareGPT conversations/from/value or OpenAI messages/role/content).")
+@click.option("--dataset", "--train-data-path", "dataset", default=None,
+              help="Conversations (ShareGPT conversations/from/value, OpenAI messages/role/content, SpecForge "
+                   "conversations/role/content): a JSONL, JSON or Parquet file, a directory of them, or a Hugging "
+                   "Face dataset id (org/name[@revision]).")
+@click.option("--dataset-split", default="train", show_default=True,
+              help="Split of a dataset directory or hub id.")
+@click.option("--dataset-config", default=None, help="Configuration (subset) of a hub dataset.")
+@click.option("--dataset-streaming", is_flag=True,
+              help="Stream a hub dataset instead of downloading it whole into the datasets cache.")
 @click.option("--prompt-file", "prompt_files", multiple=True, type=click.Path(dir_okay=False),
               help="Real prompts (JSONL: prompt / question / instruction+input / turns / conversations), answered "
                    "by the target; repeatable. Prompts overlapping evaluation sets are dropped and counted.")
@@ -47,14 +56,19 @@ def _stages(value: str) -> list[str]:
 @click.option("--response-tokens", type=click.IntRange(min=8), default=192, show_default=True)
 @dtype_option("--gen-dtype", short=("fp32", "bf16", "fp16"), default="fp32",
               help="Target dtype for synthesis/regeneration (features are always captured in fp32).")
-@click.option("--max-len", type=click.IntRange(min=8), default=1024, show_default=True)
+@click.option("--max-len", "--max-length", "max_len", type=click.IntRange(min=8), default=1024, show_default=True,
+              help="Most tokens per training sequence.")
 @click.option("--draft-vocab", type=click.IntRange(min=1), default=8192, show_default=True)
-@click.option("--ttt-steps", type=click.IntRange(min=1), default=7, show_default=True, help="K unrolled TTT steps.")
-@alias_option("--max-train-steps", "total_steps", hidden=("--steps",), type=click.IntRange(min=1), default=1000,
-              show_default=True, help="Optimizer steps (--steps elsewhere is the draft depth).")
+@click.option("--ttt-steps", "--ttt-length", "ttt_steps", type=click.IntRange(min=1), default=7, show_default=True,
+              help="K unrolled TTT steps.")
+@alias_option("--max-train-steps", "total_steps", hidden=("--steps",), type=click.IntRange(min=1), default=None,
+              help="Optimizer steps (default 1000 without --num-epochs; with it, the fewer of the two). --steps "
+                   "elsewhere is the draft depth.")
+@click.option("--num-epochs", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Passes over the training split (fractions allowed); the cosine schedule spans them.")
 @click.option("--batch-size", type=click.IntRange(min=1), default=8, show_default=True,
               help="Sequences per optimizer step (global).")
-@click.option("--lr", type=float, default=3e-4, show_default=True)
+@click.option("--lr", "--learning-rate", "lr", type=float, default=3e-4, show_default=True)
 @click.option("--warmup", type=click.IntRange(min=1), default=20, show_default=True)
 @click.option("--grad-clip", type=float, default=0.5, show_default=True)
 @click.option("--weight-decay", type=float, default=0.0, show_default=True)
@@ -74,19 +88,27 @@ def _stages(value: str) -> list[str]:
 @click.option("--init", "init_from", default=None, help="Fine-tune an existing drafter (either format).")
 @click.option("--export-format", type=click.Choice(["sglang", "speculators"]), default="sglang", show_default=True)
 @dtype_option("--export-dtype", short=("fp32", "bf16", "fp16"), default="bf16")
-@output_option("Exported drafter directory (default WORKDIR/drafter).", hidden=("--out",), file_okay=False)
+@alias_option("-o", "--output", "--output-dir", "output", hidden=("--out",), type=click.Path(file_okay=False),
+              help="Exported drafter directory (default WORKDIR/drafter).")
+@click.option("--report-to", type=click.Choice(["none", "tensorboard", "wandb"]), default="none", show_default=True,
+              help="Also log the training metrics to TensorBoard (WORKDIR/train/tensorboard) or Weights & Biases "
+                   "(project $WANDB_PROJECT, default specscope); the library must be installed.")
 @device_option()
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="CPU threads for torch.")
 @click.option("--no-progress", is_flag=True, help="No progress bars (logs only).")
 @json_option("Print one JSON summary at the end.")
-def train(workdir, target_name, stages, dataset, prompt_files, synth, regenerate, synth_batch, user_temperature,
-          answer_batch, capture_batch, user_tokens, response_tokens, gen_dtype, max_len, draft_vocab, ttt_steps,
-          total_steps, batch_size, lr, warmup, grad_clip, weight_decay, dtype, eval_every, ckpt_every, eval_fraction,
-          max_minutes, select_prompts, select_steps, seed, resume, init_from, export_format, export_dtype, output,
-          device, threads, no_progress, as_json):
+def train(workdir, target_name, stages, dataset, dataset_split, dataset_config, dataset_streaming, prompt_files,
+          synth, regenerate, synth_batch, user_temperature, answer_batch, capture_batch, user_tokens, response_tokens,
+          gen_dtype, max_len, draft_vocab, ttt_steps, total_steps, num_epochs, batch_size, lr, warmup, grad_clip,
+          weight_decay, dtype, eval_every, ckpt_every, eval_fraction, max_minutes, select_prompts, select_steps, seed,
+          resume, init_from, export_format, export_dtype, output, report_to, device, threads, no_progress, as_json):
     """Train an EAGLE-3 drafter for a target: capture data, build the draft vocabulary, train with TTT.
 
-    Multi-process: torchrun --nproc-per-node N -m specscope train ... --stages train (gloo on CPU, NCCL on GPU).
+    Multi-process: torchrun --nproc-per-node N -m specscope train ... --stages train (gloo on CPU, NCCL on GPU;
+    process i of a node trains on cuda:i).
+
+    SpecForge's spellings work too: --target-model-path, --train-data-path, --num-epochs, --learning-rate,
+    --max-length, --ttt-length, --output-dir, --report-to.
     """
     import torch
 
@@ -94,7 +116,8 @@ def train(workdir, target_name, stages, dataset, prompt_files, synth, regenerate
     from specscope.speculative.eagle3 import DrafterConfig
     from specscope.train import pipeline
     from specscope.train.data import CapturedData
-    from specscope.train.trainer import TrainConfig, dist_info, train as run_train
+    from specscope.train.tracking import check_tracker
+    from specscope.train.trainer import TrainConfig, dist_info, process_device, train as run_train
 
     todo = _stages(stages)
     # what can be refused from flags and files is refused before the target loads, not after hours of training
@@ -102,16 +125,26 @@ def train(workdir, target_name, stages, dataset, prompt_files, synth, regenerate
     if output is not None:
         check_writable(output, "--output", is_dir=True)
     if dataset is not None and "data" in todo:
-        from specscope.errors import require_file
+        from specscope.train.datasets import check_dataset
 
-        require_file(dataset, "--dataset")
-    dev = setup_runtime(threads, device)
+        check_dataset(dataset)
+    if "train" in todo:
+        check_tracker(report_to)
+    dev = process_device(setup_runtime(threads, device).type)       # under torchrun: cuda:LOCAL_RANK
     work = Path(workdir)
     rank, world = dist_info()
     say = (lambda m: click.echo(m, err=True)) if rank == 0 else (lambda m: None)
     if world > 1 and ("data" in todo or "vocab" in todo or "select" in todo):
         raise SpecscopeError("run the data, vocab and select stages in one process; torchrun only --stages train")
-    target, tok, tpath = pipeline.load_target(target_name, dev, "fp32")
+    convs = None
+    if dataset is not None and "data" in todo and not prompt_files:     # a bad dataset fails before the target loads
+        from specscope.train.datasets import load_conversations
+
+        convs = load_conversations(dataset, dataset_split, dataset_config, dataset_streaming)
+    if "data" in todo or "select" in todo:                  # these run the target
+        target, tok, tpath = pipeline.load_target(target_name, dev, "fp32")
+    else:                                                    # vocab / train: its config, embedding and LM head
+        target, tpath = pipeline.load_target_head(target_name, dev)
     tinfo = pipeline.target_info(target_name, tpath, target)
     init = pipeline.init_drafter(init_from, target) if init_from else None
     L = target.config.num_hidden_layers
@@ -123,7 +156,8 @@ def train(workdir, target_name, stages, dataset, prompt_files, synth, regenerate
 
     if "data" in todo:
         gen = pipeline.load_target(target_name, dev, gen_dtype)[0] if gen_dtype != "fp32" else target
-        man = pipeline.data_stage(work, target, tok, tinfo, dataset=dataset, synth=synth, regenerate=regenerate,
+        man = pipeline.data_stage(work, target, tok, tinfo, dataset=dataset, conversations=convs, synth=synth,
+                                  regenerate=regenerate,
                                   aux_layers=aux, synth_batch=synth_batch, user_tokens=user_tokens,
                                   response_tokens=response_tokens, max_len=max_len, seed=seed, gen_model=gen, log=say,
                                   prompt_files=list(prompt_files), answer_batch=answer_batch,
@@ -151,12 +185,13 @@ def train(workdir, target_name, stages, dataset, prompt_files, synth, regenerate
             v = torch.load(str(vf), weights_only=True)
             drafter = pipeline.fresh_drafter(target, v["d2t"], v["t2d"], aux, seed=seed)
         cfg = TrainConfig(ttt_steps=ttt_steps, lr=lr, weight_decay=weight_decay, warmup=warmup,
-                          total_steps=total_steps, batch_size=batch_size, grad_clip=grad_clip, dtype=dtype, seed=seed,
+                          total_steps=total_steps, num_epochs=num_epochs, batch_size=batch_size, grad_clip=grad_clip,
+                          dtype=dtype, seed=seed,
                           eval_every=eval_every, ckpt_every=ckpt_every, eval_fraction=eval_fraction, max_len=max_len,
                           max_minutes=max_minutes)
         last = run_train(drafter, target.embed_tokens.weight.detach(), target.lm_head.weight.detach(), data,
                          work / "train", cfg, dev, resume=resume, progress=not no_progress, log=say,
-                         meta={"target": tinfo})
+                         meta={"target": tinfo}, report_to=report_to)
         summary["train"] = last
         if rank == 0 and "select" not in todo:
             dest = Path(output) if output else work / "drafter"
@@ -181,15 +216,16 @@ def train(workdir, target_name, stages, dataset, prompt_files, synth, regenerate
 
 
 @click.command()
-@click.argument("source", type=click.Path(exists=True))
+@click.argument("source")
 @click.option("--format", "fmt", type=click.Choice(["sglang", "speculators"]), required=True,
               help="sglang: SGLang's EAGLE-3 layout; speculators: vLLM's (speculators) layout.")
 @output_option("Directory to write.", hidden=("--out",), file_okay=False)
 @dtype_option(short=("fp32", "bf16", "fp16", "keep"), default="keep",
               help="Weights dtype to write (keep = as stored); bfloat16 / float16 / float32 accepted.")
 @alias_option("--model", "target_name", hidden=("--target",), default=None,
-              help="The target (verifier): a Hugging Face directory, its config.json, or a known name. Checked "
-                   "against the drafter and recorded (default: the verifier the checkpoint names).")
+              help="The target (verifier): a Hugging Face directory, its config.json, a Hugging Face id (only its "
+                   "config.json is fetched) or a known name. Checked against the drafter and recorded (default: the "
+                   "verifier the checkpoint names).")
 @click.option("--verifier-name", default=None,
               help="Record this as verifier.name_or_path (e.g. the Hugging Face id of a local --model copy).")
 @alias_option("--steps", "--num-speculative-tokens", "steps", hidden=("--speculative-tokens",),
@@ -198,7 +234,9 @@ def train(workdir, target_name, stages, dataset, prompt_files, synth, regenerate
                    "the checkpoint's own, else 3).")
 @json_option("Print what was written (path, format, aux ids, verifier, notes) as one JSON object.")
 def export(source, fmt, output, dtype, target_name, verifier_name, steps, as_json):
-    """Write a drafter (training work directory, checkpoint file or drafter directory) in SGLang or speculators form."""
+    """Write a drafter (training work directory, checkpoint file, drafter directory, shipped drafter name or Hugging
+    Face id) in SGLang or speculators form."""
+    from specscope.models.hub import resolve_drafter
     from specscope.models.loader import DTYPES
     from specscope.speculative.formats import aux_conventions, load_drafter, read_config, resolve_target
     from specscope.train.pipeline import export as do_export
@@ -206,6 +244,7 @@ def export(source, fmt, output, dtype, target_name, verifier_name, steps, as_jso
     if output is None:
         raise SpecscopeError("export needs -o/--output DIR (the directory to write)")
     check_writable(output, "--output", is_dir=True)
+    source = resolve_drafter(source)
     target = resolve_target(target_name, verifier_name) if target_name else None
     tinfo = {"name_or_path": verifier_name} if verifier_name and not target else None
     notes = _export_notes(Path(source), fmt, target or tinfo)

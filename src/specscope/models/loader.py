@@ -293,6 +293,20 @@ class SafetensorsReader:
                     raise SpecscopeError(f"cannot read tensor {name!r} from {f}: the file is truncated")
         return out
 
+    def read_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows start..stop of a stored tensor (its first dimension), read alone: a slice of a large tensor costs
+        its own bytes, not the tensor's."""
+        f, dtype, shape, lo, hi = self.entries[name]
+        stop = min(stop, shape[0])
+        out = torch.empty((max(0, stop - start), *shape[1:]), dtype=dtype)
+        row = out[0].numel() * out.element_size() if out.numel() else 0
+        if row:
+            with open(f, "rb") as fh:
+                fh.seek(lo + start * row)
+                if fh.readinto(memoryview(out.view(-1).view(torch.uint8).numpy())) != out.numel() * out.element_size():
+                    raise SpecscopeError(f"cannot read tensor {name!r} from {f}: the file is truncated")
+        return out
+
     def cat(self, names: list[str]) -> torch.Tensor:
         """torch.cat(names, dim=0), read in place; dtypes must agree."""
         dts = {self.dtype(n) for n in names}

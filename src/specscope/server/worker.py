@@ -14,6 +14,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from specscope.errors import SpecscopeError
 from specscope.server.metrics import ServerMetrics
@@ -90,7 +91,10 @@ class Engine:
 
         self.cfg = cfg
         self.model, self.tokenizer, self.path = load_target(cfg.model, cfg.dtype, cfg.device)
-        self.name = cfg.served_name or self.path.name
+        from specscope.models.hub import parse_hub_id
+
+        hub = None if Path(cfg.model).expanduser().exists() else parse_hub_id(cfg.model)
+        self.name = cfg.served_name or (hub[0] if hub else self.path.name)   # a hub id, as vLLM serves it
         self.stop_ids = stop_ids_for(self.model, self.tokenizer)
         self.context = int(self.model.config.max_position_embeddings)
         self.vocab = int(self.model.config.vocab_size)

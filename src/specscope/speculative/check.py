@@ -406,6 +406,13 @@ def can_run(facts: TargetFacts) -> str | None:
 
     if facts.path is None or not (any(facts.path.glob("*.safetensors"))):
         return "the target's weights are not here (config.json only)"
+    return size_problem(facts)
+
+
+def size_problem(facts: TargetFacts) -> str | None:
+    """None when the target (by its config.json) is small enough to run for a quick check, else why not."""
+    from specscope.models.config import ModelConfig
+
     try:
         mc = ModelConfig.from_hf(json.loads((facts.path / "config.json").read_text()))
     except SpecscopeError as e:

@@ -14,7 +14,7 @@ from specscope.errors import SpecscopeError
 from specscope.speculative.acceptance import RankCounts, accept_greedy, accept_sampling
 from specscope.speculative.drafters import Drafter, DraftModelDrafter, Eagle3TreeDrafter, NgramDrafter, _phase
 
-ASSETS = Path(__file__).resolve().parent.parent / "assets" / "drafters"
+from specscope.models.hub import DRAFTER_ASSETS as ASSETS  # noqa: E402  (one place for the shipped drafters)
 DEFAULT_DRAFTER = "smollm2-135m-eagle3"
 
 
@@ -112,18 +112,11 @@ def shipped_drafter(name: str) -> Path | None:
 
 
 def drafter_path(spec: str) -> Path:
-    """The directory behind a --draft value other than 'ngram' (a shipped drafter, a path or a known model)."""
-    if not spec.strip():
-        raise SpecscopeError("--draft is empty; pass 'ngram', a shipped drafter name or a drafter directory")
-    path = shipped_drafter(spec) or Path(spec).expanduser()
-    if not path.exists():
-        from specscope.models.hub import KNOWN_MODELS, resolve_model
+    """The directory behind a --draft value other than 'ngram' (a shipped drafter, a path, a known model or a
+    Hugging Face id)."""
+    from specscope.models.hub import resolve_drafter
 
-        if spec in KNOWN_MODELS:
-            return resolve_model(spec)
-        shipped = sorted(p.name for p in ASSETS.iterdir()) if ASSETS.exists() else []
-        raise SpecscopeError(f"drafter {spec!r} not found: not 'ngram', a shipped drafter ({', '.join(shipped) or 'none'}), "
-                             f"nor an existing directory")
+    path = resolve_drafter(spec)
     if not path.is_dir():
         raise SpecscopeError(f"drafter {spec!r} is not a directory; pass an EAGLE-3 or Hugging Face checkpoint directory")
     return path
@@ -138,7 +131,11 @@ def declared_shape(draft: str) -> SpecConfig | None:
 
     if not draft.strip():
         return None  # drafter_path refuses it
+    from specscope.models.hub import KNOWN_MODELS, parse_hub_id
+
     path = shipped_drafter(draft) or Path(draft).expanduser()
+    if not path.exists() and draft not in KNOWN_MODELS and parse_hub_id(draft):
+        path = drafter_path(draft)       # a hub drafter may declare its shape too
     f = path / SHAPE_FILE
     if not f.is_file():
         return None

@@ -425,26 +425,24 @@ class TargetFacts:
         return {"name_or_path": self.name_or_path, "architectures": self.architectures}
 
 
-def resolve_target(spec: str, record_as: str | None = None) -> TargetFacts:
-    """--model (the target): a known name (pulled on first use), a local HF directory, or just its config.json."""
-    from specscope.models.hub import KNOWN_MODELS, resolve_model
+def resolve_target(spec: str, record_as: str | None = None, files: str = "config") -> TargetFacts:
+    """--model (the target): a known name (pulled on first use), a local HF directory, just its config.json, or a
+    Hugging Face id (only its config.json is fetched unless `files="model"`: no weights needed)."""
+    from specscope.models.hub import KNOWN_MODELS, parse_hub_id, resolve_model
 
     f = Path(spec).expanduser()
-    if not f.exists() and spec not in KNOWN_MODELS and spec.count("/") == 1 and not spec.startswith((".", "/")):
-        raise SpecscopeError(f"target {spec!r} is not here; a Hugging Face id needs its config.json locally (weights "
-                             f"are not needed): download that one file and pass --model path/to/config.json "
-                             f"--verifier-name {spec}")
     if f.is_file():
         raw = read_json_object(f)
         d = f.parent
         name = record_as or raw.get("_name_or_path") or str(d.resolve())
         return TargetFacts.from_raw(raw, name, d if any(d.glob("*.safetensors")) else None)
-    d = resolve_model(spec)
+    d = resolve_model(spec, files=files)
     if not (d / "config.json").exists():
         raise SpecscopeError(f"target {spec!r} ({d}) has no config.json; pass a Hugging Face checkpoint directory, "
-                             f"its config.json or a known name ({', '.join(KNOWN_MODELS)})")
+                             f"its config.json, a Hugging Face id or a known name ({', '.join(KNOWN_MODELS)})")
     km = KNOWN_MODELS.get(spec)
-    name = record_as or (getattr(km, "hf_repo", None) if km else None) or \
+    hub = parse_hub_id(spec) if not f.exists() and not km else None
+    name = record_as or (getattr(km, "hf_repo", None) if km else None) or (hub[0] if hub else None) or \
         (spec if km else str(d.resolve()))
     return TargetFacts.from_raw(read_json_object(d / "config.json"), name, d)
 

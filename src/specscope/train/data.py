@@ -30,18 +30,19 @@ MANIFEST = "manifest.json"
 
 @dataclass
 class ReadReport:
-    lines: int = 0
+    lines: int = 0                # lines of a JSONL file, or records of a `datasets` dataset
     ok: int = 0
     malformed: int = 0            # not JSON / not an object / no conversations field / bad roles
     no_assistant: int = 0
     first_errors: list[str] = field(default_factory=list)
+    unit: str = "line"
 
     def note(self, lineno: int, why: str):
         if len(self.first_errors) < 5:
-            self.first_errors.append(f"line {lineno}: {why}")
+            self.first_errors.append(f"{self.unit} {lineno}: {why}")
 
     def summary(self) -> str:
-        s = f"{self.ok} conversations read from {self.lines} lines"
+        s = f"{self.ok} conversations read from {self.lines} {self.unit}s"
         if self.malformed or self.no_assistant:
             s += f"; skipped {self.malformed} malformed and {self.no_assistant} without an assistant turn"
             if self.first_errors:
@@ -100,14 +101,19 @@ def read_conversations(path: str | Path) -> tuple[list[list[dict]], ReadReport]:
                 continue
             rep.ok += 1
             convs.append(msgs)
+    check_read(rep, path)
+    return convs, rep
+
+
+def check_read(rep: ReadReport, where) -> None:
+    """An empty or all-bad dataset is an error naming what was wrong with it."""
     if rep.lines == 0:
-        raise SpecscopeError(f"dataset {path} is empty")
+        raise SpecscopeError(f"dataset {where} is empty")
     if rep.ok == 0:
-        raise SpecscopeError(f"no usable conversation in {path}: {rep.malformed} malformed lines, "
+        raise SpecscopeError(f"no usable conversation in {where}: {rep.malformed} malformed {rep.unit}s, "
                              f"{rep.no_assistant} without an assistant turn (first: {rep.first_errors[0]}); "
                              f"expected ShareGPT {{'conversations': [{{'from', 'value'}}]}} or OpenAI "
                              f"{{'messages': [{{'role', 'content'}}]}} records")
-    return convs, rep
 
 
 def tokenize_conversation(tok, messages: list[dict], max_len: int) -> tuple[list[int], list[int]]:
@@ -239,6 +245,8 @@ def synthesise(model, tok, out_path: Path, n: int, *, batch: int = 16, user_toke
             have += 1
         except (ValueError, IndexError, KeyError):
             continue
+    if progress:
+        progress(have)              # done before this run: not counted in its rate
     prefix = magpie_prefix(tok)
     stop = tok.eos_ids
     user_sp = SamplingParams(temperature=user_temperature, top_p=0.95)
@@ -309,7 +317,9 @@ def answer_prompts(model, tok, items: list[dict], out_path: Path, max_new: int, 
     enc = [(it, tok.encode_messages([{"role": "user", "content": it["prompt"]}])) for it in todo]
     enc.sort(key=lambda x: len(x[1]))
     stop = tok.eos_ids
-    n = len(done)
+    n = len(items) - len(todo)
+    if progress:
+        progress(n)                 # done before this run: not counted in its rate
     with open_for_append(out_path) as f:
         for i in range(0, len(enc), batch):
             chunk = enc[i:i + batch]
@@ -404,10 +414,11 @@ def capture(model, tok, convs: list[list[dict]], out_dir: Path, aux_layers: list
     done = {s["index"] for s in manifest["shards"] if s.get("conversations", s["sequences"]) == want.get(s["index"])
             and s.get("conv_hash", digest.get(s["index"])) == digest.get(s["index"])}
     manifest["shards"] = [s for s in manifest["shards"] if s["index"] in done]
+    finished = sum(want[si] for si in done)
+    if progress:
+        progress(finished)          # captured before this run: not counted in its rate
     for si in range(n_shards):
         if si in done:
-            if progress:
-                progress(min(len(convs), (si + 1) * shard_size))
             continue
         items = []
         for c in convs[si * shard_size:(si + 1) * shard_size]:
@@ -444,8 +455,9 @@ def capture(model, tok, convs: list[list[dict]], out_dir: Path, aux_layers: list
                                        "conv_hash": digest[si], "sequences": 0, "tokens": 0, "loss_tokens": 0})
         manifest["shards"].sort(key=lambda x: x["index"])
         _write_manifest(manifest, mpath)
+        finished += want[si]
         if progress:
-            progress(min(len(convs), (si + 1) * shard_size))
+            progress(finished)
     _write_manifest(manifest, mpath)
     return manifest
 
@@ -458,13 +470,20 @@ def _write_manifest(manifest: dict, mpath: Path):
     os.replace(tmp, mpath)
 
 
-class CapturedData:
-    """All captured sequences in memory (fp16 features), addressable by index."""
+FEATURES = ("aux", "hidden", "argmax", "input_ids", "loss_mask")
 
-    def __init__(self, data_dir: str | Path, device="cpu"):
-        """device="cuda" keeps every feature on the GPU (an H200 holds millions of tokens): batches are then
-        assembled there, with no host-to-device copy per step."""
-        from safetensors.torch import load_file
+
+class CapturedData:
+    """The captured sequences, addressable by index (`data.seqs[i]` -> {"aux", "hidden", "argmax", "input_ids",
+    "loss_mask"}).
+
+    Streamed (the default off CUDA): only each sequence's shard and token range are kept, and its features are read
+    from disk when asked for, so training holds a batch of features rather than the whole capture (the page cache
+    does the rest). In memory (the default on CUDA: an H200 holds millions of tokens): every feature is loaded onto
+    `device` once and batches are assembled there, with no host-to-device copy per step."""
+
+    def __init__(self, data_dir: str | Path, device="cpu", stream: bool | None = None):
+        from specscope.models.loader import SafetensorsReader
 
         data_dir = Path(data_dir)
         mpath = data_dir / MANIFEST
@@ -472,20 +491,58 @@ class CapturedData:
             raise SpecscopeError(f"{data_dir} has no {MANIFEST}; run the data stage first")
         self.manifest = json.loads(mpath.read_text())
         self.aux_layers = self.manifest["aux_layers"]
-        self.seqs = []
+        self.stream = stream if stream is not None else torch.device(device).type != "cuda"
+        self.device = device
+        self.index: list[tuple[SafetensorsReader, int, int]] = []      # (shard, first token, end token)
+        loaded = []
         for s in self.manifest["shards"]:
             if not s["file"]:
                 continue
-            t = load_file(str(data_dir / s["file"]), device=str(device))
-            off = t["offsets"].tolist()
-            for a, b in zip(off[:-1], off[1:]):
-                self.seqs.append({k: t[k][a:b] for k in ("aux", "hidden", "argmax", "input_ids", "loss_mask")})
-        if not self.seqs:
+            if self.stream:
+                r = SafetensorsReader([data_dir / s["file"]])
+                off = r.read("offsets").tolist()
+                self.index += [(r, a, b) for a, b in zip(off[:-1], off[1:])]
+            else:
+                from safetensors.torch import load_file
+
+                t = load_file(str(data_dir / s["file"]), device=str(device))
+                off = t["offsets"].tolist()
+                loaded += [{k: t[k][a:b] for k in FEATURES} for a, b in zip(off[:-1], off[1:])]
+        self.seqs = _Streamed(self) if self.stream else loaded
+        if not len(self.seqs):
             raise SpecscopeError(f"{data_dir} holds no captured sequences")
+
+    def read(self, i: int, keys=FEATURES) -> dict:
+        """Sequence i's features named by `keys` (from disk when streamed: only those are read)."""
+        if not self.stream:
+            return {k: self.seqs[i][k] for k in keys}
+        r, a, b = self.index[i]
+        return {k: r.read_rows(k, a, b) for k in keys}
 
     def __len__(self):
         return len(self.seqs)
 
     @property
     def tokens(self) -> int:
+        if self.stream:
+            return sum(b - a for _, a, b in self.index)
         return sum(len(s["input_ids"]) for s in self.seqs)
+
+
+class _Streamed:
+    """`CapturedData.seqs` when streamed: a read-only sequence whose items are read from disk on access."""
+
+    def __init__(self, data: CapturedData):
+        self.data = data
+
+    def __len__(self):
+        return len(self.data.index)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self.data.read(j) for j in range(*i.indices(len(self)))]
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        return self.data.read(i)

@@ -2,7 +2,8 @@
 
     WORKDIR/answers.jsonl         the target's answers to --prompt-file prompts (appended, resumable)
     WORKDIR/synth.jsonl           Magpie conversations synthesised from the target (appended, resumable)
-    WORKDIR/conversations.jsonl   the training conversations: answers + synth, or a regenerated --dataset
+    WORKDIR/conversations.jsonl   the training conversations assembled from answers + synth
+    WORKDIR/regenerated.jsonl     a --dataset with the target's own answers (--regenerate), keyed by its inputs
     WORKDIR/data/                 captured target features: manifest.json + safetensors shards
     WORKDIR/vocab.pt              d2t / t2d and the response-token coverage
     WORKDIR/train/                metrics.jsonl, checkpoints/ (model, optimizer, scheduler, RNG)
@@ -29,6 +30,38 @@ def load_target(name: str, device, dtype="fp32"):
     return model, Tokenizer(path), path
 
 
+class TargetHead:
+    """What the vocab and train stages need of a target: its config, and its embedding, final norm and LM head read
+    alone from the checkpoint's safetensors. The layers (most of the weights) never load: `--stages train` of an
+    8B target holds ~2 GB of it instead of 32."""
+
+    def __init__(self, path: Path, device="cpu"):
+        from types import SimpleNamespace
+
+        from specscope.models.loader import SafetensorsReader, load_config, weight_files
+
+        self.config, _ = load_config(path)
+        reader = SafetensorsReader(weight_files(path))
+
+        def tensor(name: str) -> torch.Tensor:
+            if name not in reader:
+                raise SpecscopeError(f"{path} has no tensor {name!r}; is it a Llama-family checkpoint?")
+            return reader.read(name).to(device=device, dtype=torch.float32)
+
+        self.embed_tokens = SimpleNamespace(weight=tensor("model.embed_tokens.weight"))
+        self.norm = SimpleNamespace(weight=tensor("model.norm.weight"))
+        self.lm_head = SimpleNamespace(weight=self.embed_tokens.weight if self.config.tie_word_embeddings
+                                       else tensor("lm_head.weight"))
+        self.device, self.dtype, self.source_path = torch.device(device), torch.float32, str(path)
+
+
+def load_target_head(name: str, device) -> tuple[TargetHead, Path]:
+    from specscope.models.hub import resolve_model
+
+    path = resolve_model(name)
+    return TargetHead(path, device), path
+
+
 def target_info(name: str, path: Path, model) -> dict:
     return {"name_or_path": name, "path": str(path), "architectures": [model.config.architecture],
             "num_hidden_layers": model.config.num_hidden_layers, "hidden_size": model.config.hidden_size,
@@ -36,9 +69,12 @@ def target_info(name: str, path: Path, model) -> dict:
 
 
 class Rate:
-    """Progress lines with the measured rate and the time left ("answered 512/7900 (41.2/s, 3m00s left)")."""
+    """Progress lines with the measured rate and the time left ("answered 512/7900 (41.2/s, 3m00s left)").
 
-    def __init__(self, what: str, total: int, log, start: int = 0, every_s: float = 10.0):
+    The rate counts only work done in this run: `start` is what was already done when it began (a resumed run),
+    or, left None, the first call's count, which callers report before doing any work."""
+
+    def __init__(self, what: str, total: int, log, start: int | None = None, every_s: float = 10.0):
         import time
 
         self.what, self.total, self.log, self.every = what, total, log, every_s
@@ -49,6 +85,11 @@ class Rate:
         import time
 
         now = time.monotonic()
+        if self.start is None:
+            self.start, self.t0, self.last = n, now, now
+            if n:
+                self.log(f"{self.what} {n}/{self.total} already done (resumed)")
+            return
         if not force and now - self.last < self.every and n < self.total:
             return
         self.last = now
@@ -113,11 +154,14 @@ def _adopt_synth_only_layout(out: Path, synth_path: Path, log) -> None:
         log(f"moved the synthesised conversations of {out} to {synth_path} (where synthesis appends now)")
 
 
-def data_stage(workdir: Path, model, tok, tinfo: dict, *, dataset: str | None = None, synth: int = 0,
+def data_stage(workdir: Path, model, tok, tinfo: dict, *, dataset: str | None = None, conversations=None,
+               synth: int = 0,
                regenerate: str = "none", aux_layers: list[int], synth_batch: int = 16, user_tokens: int = 64,
                response_tokens: int = 192, max_len: int = 1024, seed: int = 0, gen_model=None, log=print,
                prompt_files: list[str] | None = None, answer_batch: int = 32, capture_batch: int = 4,
                user_temperature: float = 0.8) -> dict:
+    """`conversations`: the --dataset already read by train.datasets.load_conversations ((convs, report)); read
+    here (its default split) when not given."""
     from specscope.engine.sampling import SamplingParams
     from specscope.train.data import (answer_prompts, capture, read_conversations, read_jsonl,
                                       regenerate as regen, synthesise)
@@ -173,26 +217,45 @@ def data_stage(workdir: Path, model, tok, tinfo: dict, *, dataset: str | None = 
             report["by_source"][r.get("source", "?")] = report["by_source"].get(r.get("source", "?"), 0) + 1
         (workdir / "data_report.json").write_text(json.dumps(report, indent=1))
     elif dataset:
-        convs, rep = read_conversations(dataset)
+        from specscope.train.datasets import load_conversations
+
+        convs, rep = conversations if conversations is not None else load_conversations(dataset)
         log(rep.summary())
         if regenerate != "none":
-            if out.exists():
-                convs, _ = read_conversations(out)
-                log(f"reusing {len(convs)} regenerated conversations in {out}")
-            else:
-                sp = SamplingParams(temperature=0.0 if regenerate == "greedy" else 0.8, top_p=0.95, seed=seed)
-                convs = regen(gen_model, tok, convs, response_tokens, sp, seed=seed, batch=answer_batch)
-                tmp = out.with_suffix(".tmp")
-                tmp.write_text("".join(json.dumps({"messages": c}) + "\n" for c in convs))
-                tmp.replace(out)
+            convs = regenerated(workdir, convs, gen_model, tok, regenerate, response_tokens, seed, answer_batch, log)
     else:
-        raise SpecscopeError("the data stage needs --prompt-file FILE, --dataset JSONL or --synth N "
+        raise SpecscopeError("the data stage needs --prompt-file FILE, --dataset FILE|DIR|ID or --synth N "
                              "(conversations to synthesise)")
     manifest = capture(model, tok, convs, workdir / "data", aux_layers, max_len=max_len, target_info=tinfo,
                        batch=capture_batch, progress=Rate("captured", len(convs), log))
     log(f"data: {manifest['sequences']} sequences, {manifest['tokens']} tokens "
         f"({manifest['loss_tokens']} assistant tokens) in {workdir / 'data'}")
     return manifest
+
+
+def regenerated(workdir: Path, convs: list[list[dict]], model, tok, mode: str, response_tokens: int, seed: int,
+                batch: int, log=print) -> list[list[dict]]:
+    """--dataset --regenerate: `convs` with the target's own answers, cached in WORKDIR/regenerated.jsonl under a
+    key of everything that produced them (the conversations, mode, answer length, seed, target): another dataset
+    or setting regenerates instead of reusing answers to other questions."""
+    from specscope.engine.sampling import SamplingParams
+    from specscope.train.data import conv_hash, read_conversations, regenerate as regen
+
+    path, key_file = workdir / "regenerated.jsonl", workdir / "regenerated.key"
+    key = conv_hash({"conversations": convs, "mode": mode, "response_tokens": response_tokens, "seed": seed,
+                     "target": str(getattr(model, "source_path", ""))})
+    if path.exists() and key_file.exists() and key_file.read_text().strip() == key:
+        cached, _ = read_conversations(path)
+        log(f"reusing {len(cached)} regenerated conversations in {path}")
+        return cached
+    sp = SamplingParams(temperature=0.0 if mode == "greedy" else 0.8, top_p=0.95, seed=seed)
+    out = regen(model, tok, convs, response_tokens, sp, seed=seed, batch=batch)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(json.dumps({"messages": c}, ensure_ascii=False) + "\n" for c in out), encoding="utf-8")
+    key_file.unlink(missing_ok=True)        # never a key beside answers it does not describe, even after a kill
+    tmp.replace(path)
+    key_file.write_text(key)
+    return out
 
 
 def vocab_stage(workdir: Path, data, vocab_size: int, draft_vocab: int, log=print) -> dict:
@@ -232,28 +295,17 @@ def fresh_drafter(target, d2t: torch.Tensor, t2d: torch.Tensor, aux_layers: list
 
 def init_drafter(path: str, target):
     """--init: an existing drafter (either layout) to fine-tune; it must fit the target."""
+    from specscope.models.hub import resolve_drafter
     from specscope.speculative.formats import load_drafter
     from specscope.speculative.eagle3 import Eagle3Drafter
 
     try:
-        d = load_drafter(_resolve_drafter_path(path), target, dtype=torch.float32, device="cpu")
+        d = load_drafter(resolve_drafter(path), target, dtype=torch.float32, device="cpu")
     except SpecscopeError as e:
         raise SpecscopeError(f"--init {path}: {e}") from None
     fresh = Eagle3Drafter(d.config)
     fresh.load_state_dict(d.state_dict())
     return fresh
-
-
-def _resolve_drafter_path(name: str) -> Path:
-    from specscope.speculative.decode import shipped_drafter
-
-    p = Path(name)
-    if name.strip() and p.is_dir():
-        return p
-    shipped = shipped_drafter(name)
-    if shipped is not None:
-        return shipped
-    raise SpecscopeError(f"drafter {name!r} is neither a directory nor a shipped drafter name")
 
 
 def export(source: str | Path, out: str | Path, fmt: str, dtype: torch.dtype | None = None,
@@ -304,7 +356,7 @@ def heldout_prompts(data, eval_fraction: float, seed: int, n: int) -> list[list[
     _, held = split_indices(len(data), eval_fraction, seed)
     out = []
     for i in held:
-        s = data.seqs[i]
+        s = data.read(i, ("input_ids", "loss_mask"))
         m = s["loss_mask"].bool()
         if not bool(m.any()):
             continue

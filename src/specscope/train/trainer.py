@@ -28,7 +28,8 @@ class TrainConfig:
     lr: float = 3e-4
     weight_decay: float = 0.0
     warmup: int = 20                 # optimizer steps
-    total_steps: int = 1000
+    total_steps: int | None = 1000   # None with num_epochs: as many steps as the epochs take
+    num_epochs: float | None = None  # passes over the training split; with total_steps too, whichever ends first
     min_lr_ratio: float = 0.1
     batch_size: int = 8              # sequences per optimizer step (global, over all processes)
     grad_clip: float = 0.5
@@ -48,6 +49,44 @@ class TrainConfig:
 
 def dist_info() -> tuple[int, int]:
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+def rank_device(requested: str, local_rank: int | None, cuda_count: int) -> str:
+    """The device this process trains on. Under torchrun each process of a node has its own GPU, cuda:LOCAL_RANK:
+    a bare "cuda" would put every rank's model on GPU 0. Pure (the caller says what it sees), so testable anywhere."""
+    if requested == "cpu" or (requested == "auto" and cuda_count == 0):
+        return "cpu"
+    if requested not in ("auto", "cuda"):
+        return requested                      # an explicit cuda:N is the user's to choose
+    if cuda_count == 0:
+        raise SpecscopeError("--device cuda was asked for but no CUDA device is available; use --device cpu")
+    if local_rank is None:
+        return "cuda"
+    if not 0 <= local_rank < cuda_count:
+        raise SpecscopeError(f"this is process LOCAL_RANK={local_rank} but only {cuda_count} CUDA device(s) are "
+                             f"visible; start at most {cuda_count} per node (torchrun --nproc-per-node "
+                             f"{cuda_count}) or make more visible (CUDA_VISIBLE_DEVICES)")
+    return f"cuda:{local_rank}"
+
+
+def process_device(requested: str) -> torch.device:
+    """rank_device for this process (LOCAL_RANK from torchrun), made the current CUDA device (NCCL and every bare
+    .cuda() then use it)."""
+    lr = os.environ.get("LOCAL_RANK")
+    dev = torch.device(rank_device(requested, int(lr) if lr is not None else None,
+                                   torch.cuda.device_count() if torch.cuda.is_available() else 0))
+    if dev.type == "cuda" and dev.index is not None:
+        torch.cuda.set_device(dev)
+    return dev
+
+
+def total_steps_for(max_steps: int | None, num_epochs: float | None, n_train: int, batch_size: int) -> int:
+    """Optimizer steps of a run: --max-train-steps, the steps --num-epochs passes take (an epoch is
+    n_train // batch_size steps, as batch_indices draws them), or the fewer of the two when both are given."""
+    if num_epochs is None:
+        return max_steps if max_steps is not None else 1000
+    epoch_steps = max(1, math.ceil(num_epochs * max(1, n_train // batch_size)))
+    return epoch_steps if max_steps is None else min(max_steps, epoch_steps)
 
 
 def init_distributed(device: torch.device):
@@ -196,9 +235,10 @@ def _autocast(cfg: TrainConfig, device):
 
 def train(drafter, embed: torch.Tensor, lm_head_w: torch.Tensor, data, out_dir: Path, cfg: TrainConfig,
           device: torch.device, resume: bool = False, progress: bool = True, log=print, stop_after: int | None = None,
-          meta: dict | None = None):
-    """Train `drafter` in place; metrics to out_dir/metrics.jsonl, checkpoints to out_dir/checkpoints.
-    `stop_after`: return after that many optimizer steps of this call (tests; kill simulation)."""
+          meta: dict | None = None, report_to: str = "none"):
+    """Train `drafter` in place; metrics to out_dir/metrics.jsonl (and to the `report_to` tracker), checkpoints
+    to out_dir/checkpoints. `stop_after`: return after that many optimizer steps of this call (tests; kill
+    simulation)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     rank, world = init_distributed(device)
@@ -211,6 +251,7 @@ def train(drafter, embed: torch.Tensor, lm_head_w: torch.Tensor, data, out_dir: 
     train_idx, eval_idx = split_indices(len(data), cfg.eval_fraction, cfg.seed)
     if not train_idx:
         raise SpecscopeError("not enough captured sequences to train (need at least 2)")
+    cfg.total_steps = total_steps_for(cfg.total_steps, cfg.num_epochs, len(train_idx), cfg.batch_size)
 
     drafter.to(device).train()
     drafter.requires_grad_(True)
@@ -243,11 +284,17 @@ def train(drafter, embed: torch.Tensor, lm_head_w: torch.Tensor, data, out_dir: 
                     and _metric_step(l) <= step]
             metrics_path.write_text("".join(l + "\n" for l in keep))
     model = DDP(loss_mod) if world > 1 else loss_mod
+    from specscope.train.tracking import Tracker
+
+    tracker = Tracker(report_to, out_dir, {**cfg.to_dict(), "world_size": world}, run_name=out_dir.parent.name) \
+        if rank == 0 and report_to != "none" else None
 
     def write_metrics(rec):
         if rank == 0:
             with open(metrics_path, "a") as f:
                 f.write(json.dumps(rec) + "\n")
+            if tracker:
+                tracker.log(rec)
 
     tokens_seen = step * _avg_tokens(data, train_idx, cfg.batch_size)
     bar = _progress(progress and rank == 0, cfg.total_steps, step)
@@ -342,6 +389,8 @@ def train(drafter, embed: torch.Tensor, lm_head_w: torch.Tensor, data, out_dir: 
     finally:
         if bar:
             bar.close()
+        if tracker:
+            tracker.close()
     return last
 
 
@@ -363,7 +412,7 @@ def _best_so_far(ckpt_dir: Path) -> float:
 def _avg_tokens(data, idx, bs):
     if not idx:
         return 0
-    return int(sum(int(data.seqs[i]["loss_mask"].sum()) for i in idx) / len(idx) * bs)
+    return int(sum(int(data.read(i, ("loss_mask",))["loss_mask"].sum()) for i in idx) / len(idx) * bs)
 
 
 class _progress:

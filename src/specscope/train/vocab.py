@@ -10,7 +10,8 @@ from specscope.errors import SpecscopeError
 def token_counts(data, vocab_size: int) -> torch.Tensor:
     """Counts of assistant-turn tokens over the captured data (the tokens a drafter must propose)."""
     counts = torch.zeros(vocab_size, dtype=torch.long)
-    for s in data.seqs:
+    for i in range(len(data)):
+        s = data.read(i, ("input_ids", "loss_mask"))      # not the features: a streamed capture reads only these
         ids = s["input_ids"].long()[s["loss_mask"].bool()]
         counts += torch.bincount(ids, minlength=vocab_size)[:vocab_size].cpu()
     return counts

@@ -207,8 +207,10 @@ def run_demo(opts: DemoOptions, ui: DemoUI | None = None) -> dict:
                               title=f"specscope demo: {Path(str(path)).name} + {draft}")
         result["report"] = str(report)
     result["seconds"] = round(time.perf_counter() - t_start, 2)
-    summary_path = out_dir / "summary.json"
-    summary_path.write_text(json.dumps(result, indent=1, default=str))
+    from specscope.fileio import write_atomic
+
+    summary_path = write_atomic(out_dir / "summary.json", json.dumps(result, indent=1, default=str), "--output",
+                                make_parents=True)
     result["summary_json"] = str(summary_path)
     return result
 

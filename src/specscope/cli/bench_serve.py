@@ -221,6 +221,8 @@ def save_results(out: dict, config: dict, run_id, result_dir, result_filename, d
     import json
     from pathlib import Path
 
+    from specscope.fileio import write_atomic
+
     d = Path(result_dir)
     try:
         d.mkdir(parents=True, exist_ok=True)
@@ -249,8 +251,7 @@ def save_results(out: dict, config: dict, run_id, result_dir, result_filename, d
             rate = config["request_rate"]
             name = (f"{backend}-{rate}qps" + (f"-concurrency{c}" if c else "")
                     + f"-{model_base}-{now.strftime('%Y%m%d-%H%M%S')}.json")
-        path = d / name
-        path.write_text(json.dumps(result, indent=2, default=str) + "\n")
+        path = write_atomic(d / name, json.dumps(result, indent=2, default=str) + "\n", "--save-result file")
         files.append(str(path))
     return files
 

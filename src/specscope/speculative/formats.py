@@ -22,13 +22,13 @@ refuses the SGLang layout for features SGLang would silently ignore.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from specscope.errors import SpecscopeError
+from specscope.fileio import atomic_output, write_atomic
 from specscope.models.config import (MAX_HEAD_DIM, MAX_HEADS, MAX_HIDDEN, MAX_LAYERS, MAX_POSITIONS, MAX_VOCAB,
                                      cfg_bool, cfg_float, cfg_int, cfg_str, rope_scaling_of, rope_theta_of)
 from specscope.models.loader import read_json_object
@@ -659,15 +659,14 @@ def save_drafter(drafter: Eagle3Drafter, path: str | Path, format: str = "sglang
     tensors = ours_to_file(drafter, format)
     if dtype is not None:
         tensors = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in tensors.items()}
-    tmp = path / "model.safetensors.tmp"
-    save_file(tensors, str(tmp), metadata={"format": "pt"})
-    os.chmod(tmp, 0o644)   # safetensors creates private files; a drafter is meant to be shared
-    os.replace(tmp, path / "model.safetensors")
+    # each file atomically (readable by all: a drafter is meant to be shared), weights first, config last
+    with atomic_output(path / "model.safetensors", "drafter weights") as tmp:
+        save_file(tensors, str(tmp), metadata={"format": "pt"})
     for stale in [path / "model.safetensors.index.json", *path.glob("model-*-of-*.safetensors")]:
         stale.unlink(missing_ok=True)    # an earlier sharded copy would shadow the file just written
-    (path / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    write_atomic(path / "config.json", json.dumps(cfg, indent=2) + "\n", "drafter config")
     for name, text in (extra_files or {}).items():
-        (path / name).write_text(text)
+        write_atomic(path / name, text, "drafter file")
     return path
 
 

@@ -22,6 +22,7 @@ import torch
 
 from specscope.engine.sampling import SamplingParams, next_token
 from specscope.errors import SpecscopeError, require_file
+from specscope.fileio import atomic_output, write_atomic
 
 ROLE_ALIASES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
                 "bing": "assistant", "bard": "assistant", "model": "assistant", "system": "system"}
@@ -216,9 +217,7 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 def write_json_atomic(path: Path, obj):
-    tmp = Path(path).with_name(Path(path).name + ".tmp")
-    tmp.write_text(json.dumps(obj))
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(obj), "state file")
 
 
 def synthesise(model, tok, out_path: Path, n: int, *, batch: int = 16, user_tokens: int = 64,
@@ -433,9 +432,8 @@ def capture(model, tok, convs: list[list[dict]], out_dir: Path, aux_layers: list
             flat = {k: torch.cat(v).contiguous() for k, v in tensors.items()}
             flat["offsets"] = torch.tensor(offsets, dtype=torch.int64)
             name = f"shard-{si:05d}.safetensors"
-            tmp = out_dir / (name + ".tmp")
-            save_file(flat, str(tmp))
-            os.replace(tmp, out_dir / name)
+            with atomic_output(out_dir / name, "captured data shard") as tmp:
+                save_file(flat, str(tmp))
             manifest["shards"].append({"index": si, "file": name, "conversations": want[si],
                                        "conv_hash": digest[si], "sequences": len(offsets) - 1,
                                        "tokens": offsets[-1], "loss_tokens": int(flat["loss_mask"].sum())})
@@ -453,9 +451,7 @@ def capture(model, tok, convs: list[list[dict]], out_dir: Path, aux_layers: list
 def _write_manifest(manifest: dict, mpath: Path):
     for key in ("sequences", "tokens", "loss_tokens"):
         manifest[key] = sum(s[key] for s in manifest["shards"])
-    tmp = mpath.with_name(MANIFEST + ".tmp")
-    tmp.write_text(json.dumps(manifest, indent=1))
-    os.replace(tmp, mpath)
+    write_atomic(mpath, json.dumps(manifest, indent=1), "data manifest")
 
 
 class CapturedData:

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from specscope.errors import SpecscopeError
+from specscope.fileio import atomic_output, write_atomic
 
 
 def load_target(name: str, device, dtype="fp32"):
@@ -163,9 +164,7 @@ def data_stage(workdir: Path, model, tok, tinfo: dict, *, dataset: str | None = 
             # a conversations.jsonl this stage did not assemble (put there by hand, or an older layout): keep it
             out.replace(out.with_name(out.name + ".orig"))
             log(f"kept the earlier {out.name} as {out.name}.orig")
-        tmp = out.with_suffix(".tmp")
-        tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in recs), encoding="utf-8")
-        tmp.replace(out)
+        write_atomic(out, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in recs), "conversations file")
         convs, _ = read_conversations(out)
         report["conversations"] = len(convs)
         report["by_source"] = {}
@@ -201,7 +200,8 @@ def vocab_stage(workdir: Path, data, vocab_size: int, draft_vocab: int, log=prin
     counts = token_counts(data, vocab_size)
     d2t, t2d = build_vocab(counts, draft_vocab)
     cov = coverage(counts, t2d)
-    torch.save({"d2t": d2t, "t2d": t2d, "coverage": cov, "draft_vocab_size": draft_vocab}, workdir / "vocab.pt")
+    with atomic_output(workdir / "vocab.pt", "vocabulary file") as tmp:
+        torch.save({"d2t": d2t, "t2d": t2d, "coverage": cov, "draft_vocab_size": draft_vocab}, tmp)
     log(f"draft vocabulary: {draft_vocab} tokens cover {cov:.2%} of the {int(counts.sum())} response tokens")
     return {"coverage": cov, "draft_vocab_size": draft_vocab}
 
@@ -355,9 +355,10 @@ def select_stage(workdir: Path, target, tok, data, eval_fraction: float, seed: i
             f"{len(prompts)} held-out training prompts; TTT chain τ {r['ttt_eval']['chain_tau']:.3f}")
         if best is None or r["tau"] > best[0]["tau"]:
             best = (r, st)
-    torch.save(best[1], workdir / "train" / "selected.pt")
+    with atomic_output(workdir / "train" / "selected.pt", "selected checkpoint") as tmp:
+        torch.save(best[1], tmp)
     out = {"selected_step": best[0]["step"], "shape": [shape.steps, shape.topk, shape.draft_tokens],
            "max_new_tokens": max_new_tokens, "snapshots": rows}
-    (workdir / "select.json").write_text(json.dumps(out, indent=1))
+    write_atomic(workdir / "select.json", json.dumps(out, indent=1), "selection table")
     log(f"selected step {best[0]['step']} (real τ {best[0]['tau']:.3f})")
     return out

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from specscope.errors import SpecscopeError
+from specscope.fileio import atomic_output, write_atomic
 from specscope.train.ttt import TTTLoss, count_positions, summarise
 
 
@@ -141,11 +142,9 @@ def save_checkpoint(ckpt_dir: Path, step: int, drafter, opt, sched, cfg: TrainCo
     state = {"step": step, "model": {k: v.detach().cpu() for k, v in drafter.state_dict().items()},
              "drafter_config": drafter.config.to_dict(), "optimizer": opt.state_dict(),
              "scheduler": sched.state_dict(), "rng": rng_state(), "train_config": cfg.to_dict(), "meta": meta}
-    tmp = ckpt_dir / f".ckpt-{step:07d}.pt.tmp"
-    torch.save(state, tmp)
-    os.replace(tmp, ckpt_dir / f"ckpt-{step:07d}.pt")
-    (ckpt_dir / "latest.tmp").write_text(f"ckpt-{step:07d}.pt")
-    os.replace(ckpt_dir / "latest.tmp", ckpt_dir / "latest")
+    with atomic_output(ckpt_dir / f"ckpt-{step:07d}.pt", "checkpoint") as tmp:
+        torch.save(state, tmp)
+    write_atomic(ckpt_dir / "latest", f"ckpt-{step:07d}.pt", "checkpoint pointer")
     # keep the two newest: a crash while writing one never loses the previous
     for old in sorted(ckpt_dir.glob("ckpt-*.pt"))[:-2]:
         old.unlink()
@@ -241,7 +240,7 @@ def train(drafter, embed: torch.Tensor, lm_head_w: torch.Tensor, data, out_dir: 
         if metrics_path.exists():
             keep = [l for l in metrics_path.read_text().split("\n") if _metric_step(l) is not None
                     and _metric_step(l) <= step]
-            metrics_path.write_text("".join(l + "\n" for l in keep))
+            write_atomic(metrics_path, "".join(l + "\n" for l in keep), "metrics file")
     model = DDP(loss_mod) if world > 1 else loss_mod
 
     def write_metrics(rec):
@@ -309,21 +308,20 @@ def train(drafter, embed: torch.Tensor, lm_head_w: torch.Tensor, data, out_dir: 
                                "loss_k": ev["loss"], "sim_tau": ev["sim_tau"], "chain_tau": ev["chain_tau"],
                                "positions": ev["positions"]})
                 # every evaluated step's weights, for checkpoint selection by real decoding (the `select` stage)
-                snap = out_dir / "snapshots"
-                snap.mkdir(parents=True, exist_ok=True)
-                torch.save({"step": step, "model": {k: v.detach().cpu() for k, v in drafter.state_dict().items()},
-                            "drafter_config": drafter.config.to_dict(), "train_config": cfg.to_dict(),
-                            "meta": {**(meta or {}), "tokens": tokens_seen, "eval": ev}}, snap / "tmp.pt")
-                os.replace(snap / "tmp.pt", snap / f"step-{step:07d}.pt")
+                with atomic_output(out_dir / "snapshots" / f"step-{step:07d}.pt", "snapshot", make_parents=True) as tmp:
+                    torch.save({"step": step,
+                                "model": {k: v.detach().cpu() for k, v in drafter.state_dict().items()},
+                                "drafter_config": drafter.config.to_dict(), "train_config": cfg.to_dict(),
+                                "meta": {**(meta or {}), "tokens": tokens_seen, "eval": ev}}, tmp)
                 if ev["chain_tau"] > best:
                     # the best held-out checkpoint by per-position chain τ (closer to real chain decoding than SpecForge's
                     # simulated τ); weights only
                     best = ev["chain_tau"]
-                    ckpt_dir.mkdir(parents=True, exist_ok=True)
-                    torch.save({"step": step, "model": {k: v.detach().cpu() for k, v in drafter.state_dict().items()},
-                                "drafter_config": drafter.config.to_dict(),
-                                "meta": {**(meta or {}), "tokens": tokens_seen, "eval": ev}}, ckpt_dir / "best.tmp")
-                    os.replace(ckpt_dir / "best.tmp", ckpt_dir / "best.pt")
+                    with atomic_output(ckpt_dir / "best.pt", "checkpoint", make_parents=True) as tmp:
+                        torch.save({"step": step,
+                                    "model": {k: v.detach().cpu() for k, v in drafter.state_dict().items()},
+                                    "drafter_config": drafter.config.to_dict(),
+                                    "meta": {**(meta or {}), "tokens": tokens_seen, "eval": ev}}, tmp)
                 note = (f"step {step}: held-out acc_0 {ev['acc'][0]:.3f} sim τ {ev['sim_tau']:.2f} "
                         f"chain τ {ev['chain_tau']:.2f}")
                 if bar:

@@ -76,31 +76,32 @@ def normalise(obj) -> list[dict]:
 
 def read_conversations(path: str | Path) -> tuple[list[list[dict]], ReadReport]:
     """Read a JSONL file; malformed lines are counted and skipped, an all-bad file is an error."""
+    from specscope.fileio import iter_lines
+
     path = Path(path)
     require_file(path, "dataset")
     rep, convs = ReadReport(), []
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            rep.lines += 1
-            try:
-                msgs = normalise(json.loads(line))
-            except RecursionError:
-                rep.malformed += 1
-                rep.note(lineno, "JSON nested too deeply")
-                continue
-            except (json.JSONDecodeError, ValueError) as e:
-                rep.malformed += 1
-                rep.note(lineno, str(e) if isinstance(e, ValueError) and not isinstance(e, json.JSONDecodeError)
-                         else "not valid JSON")
-                continue
-            if not any(m["role"] == "assistant" for m in msgs):
-                rep.no_assistant += 1
-                rep.note(lineno, "no assistant turn")
-                continue
-            rep.ok += 1
-            convs.append(msgs)
+    for lineno, line in iter_lines(path, "dataset"):     # strict UTF-8: a bad byte is an error, not U+FFFD
+        if not line.strip():
+            continue
+        rep.lines += 1
+        try:
+            msgs = normalise(json.loads(line))
+        except RecursionError:
+            rep.malformed += 1
+            rep.note(lineno, "JSON nested too deeply")
+            continue
+        except (json.JSONDecodeError, ValueError) as e:
+            rep.malformed += 1
+            rep.note(lineno, str(e) if isinstance(e, ValueError) and not isinstance(e, json.JSONDecodeError)
+                     else "not valid JSON")
+            continue
+        if not any(m["role"] == "assistant" for m in msgs):
+            rep.no_assistant += 1
+            rep.note(lineno, "no assistant turn")
+            continue
+        rep.ok += 1
+        convs.append(msgs)
     if rep.lines == 0:
         raise SpecscopeError(f"dataset {path} is empty")
     if rep.ok == 0:

@@ -155,6 +155,10 @@ def bench_serve(ctx, url, model, endpoint, dataset, category, num_prompts, max_t
     else:
         ds = load_prompts(dataset, tuple(category), num_prompts)
         prompts = [r["prompt"] for r in ds["prompts"]]
+    if not no_record:       # before minutes of requests: a registry that cannot take the run is refused now
+        from specscope.registry import check_registry
+
+        check_registry(db)
     total = len(prompts) * len(levels)
     done = {"n": 0}
     tty = sys.stderr.isatty()

@@ -13,9 +13,10 @@ _DB = db_option
 
 
 def _open(db):
+    """The registry to read stored runs from: never created by reading it."""
     from specscope.registry import open_registry
 
-    return open_registry(db)
+    return open_registry(db, create=False)
 
 
 # ------------------------------------------------------------------------------------------------ verify-curve

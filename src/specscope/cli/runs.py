@@ -22,9 +22,10 @@ from specscope.cli.common import db_option  # noqa: E402
 
 
 def _open(db):
+    """The registry these commands read or edit: never created by them (an empty one would only hide a typo)."""
     from specscope.registry import open_registry
 
-    return open_registry(db)
+    return open_registry(db, create=False)
 
 
 @click.group()
@@ -50,8 +51,13 @@ def _fmt(v, nd=2):
 @db_option
 def list_cmd(kind, tag, name, model, limit, as_json, db):
     """Newest runs first."""
-    with _open(db) as reg:
-        rows = reg.list_runs(kind=kind, tag=tag, name=name, model=model, limit=limit)
+    from specscope.registry.db import registry_path
+
+    if registry_path(db).exists():
+        with _open(db) as reg:
+            rows = reg.list_runs(kind=kind, tag=tag, name=name, model=model, limit=limit)
+    else:
+        rows = []           # nothing stored yet: an empty list, and no empty registry file left behind
     if as_json:
         emit_json(rows)
         return

@@ -44,6 +44,32 @@ class TrainConfig:
     def to_dict(self):
         return asdict(self)
 
+    def validate(self):
+        """The library's own guard (the CLI's flag types refuse the same before anything loads): a NaN or negative
+        rate reaches the optimizer as an exception or, worse, as NaN weights."""
+        for name, v, lo in (("lr", self.lr, 0.0), ("grad_clip", self.grad_clip, 0.0)):
+            if not (math.isfinite(v) and v > lo):
+                raise SpecscopeError(f"{name} must be a finite number > 0, got {v}")
+        if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
+            raise SpecscopeError(f"weight_decay must be a finite number >= 0, got {self.weight_decay}")
+        if self.max_minutes is not None and not (math.isfinite(self.max_minutes) and self.max_minutes > 0):
+            raise SpecscopeError(f"max_minutes must be a finite number > 0, got {self.max_minutes}")
+
+
+def divergence(step: int, what: str, value: float, cfg: TrainConfig, first: bool) -> str:
+    """Why training stopped at a non-finite loss or gradient, with the likely cause. `first`: no weight update had
+    happened yet in this run, so the learning rate cannot be to blame."""
+    if first:
+        cause = ("it happened before any weight update, so not the learning rate: the captured data or the "
+                 "initial drafter (--init) hold non-finite values")
+    elif cfg.lr > 1e-2:
+        cause = f"the learning rate --lr {cfg.lr:g} is far too high (EAGLE-3 drafters train at 1e-4 to 1e-3)"
+    else:
+        cause = (f"the learning rate --lr {cfg.lr:g} is too high for this data (or --grad-clip {cfg.grad_clip:g} "
+                 f"too loose); lower it")
+    return (f"training diverged at step {step}: the {what} became {value}; likely cause: {cause}. No drafter was "
+            f"written; train again without --resume")
+
 
 # ---------------------------------------------------------------- distributed
 
@@ -200,6 +226,7 @@ def train(drafter, embed: torch.Tensor, lm_head_w: torch.Tensor, data, out_dir: 
     `stop_after`: return after that many optimizer steps of this call (tests; kill simulation)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    cfg.validate()
     rank, world = init_distributed(device)
     if cfg.batch_size % world:
         raise SpecscopeError(f"--batch-size {cfg.batch_size} must be a multiple of the process count {world}")
@@ -266,9 +293,17 @@ def train(drafter, embed: torch.Tensor, lm_head_w: torch.Tensor, data, out_dir: 
             all_reduce_(denom)
             with _autocast(cfg, device):
                 loss, stats = model(batch, denom)
+            # a diverged run stops here: one more step would turn every weight into NaN, and a drafter of NaNs
+            # still loads and "runs". Every rank learns of it (a rank alone in a collective would hang)
+            bad = torch.tensor([0.0 if bool(torch.isfinite(loss.detach())) else 1.0])
+            if float(all_reduce_(bad)) > 0:
+                raise SpecscopeError(divergence(step + 1, "loss", float(loss.detach()) * world, cfg,
+                                                first=step == 0))
             # DDP averages gradients over ranks; the per-rank loss is a share of the global sum, so scale back
             (loss * world).backward()
             gn = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+            if not bool(torch.isfinite(gn)):     # the same on every rank: DDP has averaged the gradients
+                raise SpecscopeError(divergence(step + 1, "gradient norm", float(gn), cfg, first=step == 0))
             opt.step()
             sched.step()
             opt.zero_grad(set_to_none=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 
 import click
@@ -109,6 +110,10 @@ def output_option(help, default=None, hidden=(), file_okay=True, dir_okay=True, 
                         type=click.Path(file_okay=file_okay, dir_okay=dir_okay), help=help)
 
 
+# drafting knobs: far past any useful shape, short of a tree that would not fit in memory
+MAX_STEPS, MAX_TOPK, MAX_DRAFT_TOKENS = 64, 64, 1024
+
+
 def spec_options(steps_help="Draft depth: drafter steps per cycle (tree depth / chain length).",
                  steps_default=None, topk_default=None, draft_tokens_default=None, draft_tokens_help=None):
     """--steps / --topk / --draft-tokens with SGLang's and vLLM's spellings as aliases:
@@ -117,13 +122,14 @@ def spec_options(steps_help="Draft depth: drafter steps per cycle (tree depth / 
     def deco(f):
         for opt in reversed([
             click.option("--steps", "--speculative-num-steps", "--num-speculative-tokens", "steps",
-                         type=click.IntRange(min=1), default=steps_default, show_default=steps_default is not None,
+                         type=click.IntRange(1, MAX_STEPS), default=steps_default,
+                         show_default=steps_default is not None,
                          help=steps_help + " SGLang --speculative-num-steps; vLLM num_speculative_tokens."),
-            click.option("--topk", "--speculative-eagle-topk", "topk", type=click.IntRange(min=1),
+            click.option("--topk", "--speculative-eagle-topk", "topk", type=click.IntRange(1, MAX_TOPK),
                          default=topk_default, show_default=topk_default is not None,
                          help="Tree branching; 1 = chain. SGLang --speculative-eagle-topk."),
             click.option("--draft-tokens", "--speculative-num-draft-tokens", "draft_tokens",
-                         type=click.IntRange(min=2), default=draft_tokens_default,
+                         type=click.IntRange(2, MAX_DRAFT_TOKENS), default=draft_tokens_default,
                          show_default=draft_tokens_default is not None,
                          help=(draft_tokens_help or "Tokens verified per cycle (tree nodes + root).")
                          + " SGLang --speculative-num-draft-tokens."),
@@ -153,6 +159,20 @@ class SamplingParam(click.ParamType):
             except ValueError:
                 self.fail(f"{value!r} is not {'an integer' if self.name == 'integer' else 'a number'}", param, ctx)
         return check_field(self.field, value, style="cli")  # ParamError: "error: --seed must be ..." exit 2
+
+
+class FiniteFloat(click.FloatRange):
+    """A float flag that must be a finite number (and in range, with FloatRange's min/max/min_open/max_open).
+    click's FloatRange alone lets nan through every bound (nan < min is False) and inf through an open top:
+    `train --lr nan` reached the optimizer, `--max-minutes nan` the clock."""
+
+    name = "float"
+
+    def convert(self, value, param, ctx):
+        rv = click.FLOAT.convert(value, param, ctx)
+        if not math.isfinite(rv):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        return super().convert(rv, param, ctx)
 
 
 TEMPERATURE = SamplingParam("temperature")

@@ -125,6 +125,9 @@ def test_breakeven_cli_words_and_json(capsys):
     (["--run", "nosuchrun"], "no run 'nosuchrun'"),
 ])
 def test_breakeven_bad_input(args, msg, capsys):
+    from specscope.registry import open_registry
+
+    open_registry().close()   # an existing, empty registry: --run names a run it does not hold
     with pytest.raises(SystemExit) as e:
         main(["breakeven", *args])
     assert e.value.code == 2

@@ -171,6 +171,12 @@ def test_tune_cli_errors(capsys):
     assert "pass --run ID" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["tune", "--run", "nosuchrun"])
+    assert "no run registry at" in capsys.readouterr().err      # reading never creates one
+    from specscope.registry import open_registry
+
+    open_registry().close()
+    with pytest.raises(SystemExit):
+        main(["tune", "--run", "nosuchrun"])
     assert "no run 'nosuchrun'" in capsys.readouterr().err
 
 

@@ -81,8 +81,15 @@ def test_jsonl_keeps_its_line_numbers_and_errors(tmp_path):
     assert len(convs) == 1 and rep.first_errors == ["line 2: not valid JSON"]
 
 
-def test_cli_dataset_errors_before_the_target_loads(tmp_path, capsys):
-    work = ["train", "--workdir", tmp_path / "w", "--stages", "data", "--model", tmp_path / "no-target"]
+def test_cli_dataset_errors_before_the_target_loads(tmp_path, capsys, monkeypatch):
+    from specscope.train import pipeline
+
+    def no_load(*a, **k):
+        raise AssertionError("the target was loaded before the dataset was checked")
+
+    monkeypatch.setattr(pipeline, "load_target", no_load)
+    tgt = make_chat_target(tmp_path / "target")   # its files are checked first; it is never loaded
+    work = ["train", "--workdir", tmp_path / "w", "--stages", "data", "--model", tgt]
     line = one_error_line(*cli(capsys, *work, "--dataset", tmp_path / "nope.parquet")[::2])
     assert "nope.parquet" in line and "does not exist" in line
     line = one_error_line(*cli(capsys, *work, "--dataset", "nobody/no-such-dataset")[::2])

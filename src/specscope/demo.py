@@ -97,21 +97,31 @@ def run_demo(opts: DemoOptions, ui: DemoUI | None = None) -> dict:
     cfg = SpecConfig.for_drafter(draft, opts.steps, opts.topk, opts.draft_tokens)
     if draft == "ngram" and cfg.topk != 1:
         raise SpecscopeError("n-gram drafting proposes a chain; use --topk 1")
+    # now rather than after minutes of decoding: the output files, the registry, the drafter's files
     out_dir = Path(opts.out).expanduser()
-    try:        # now rather than after minutes of decoding
-        out_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise SpecscopeError(f"cannot use --output {str(out_dir)!r}: {e.strerror or e}") from None
-    dev = str(opts.device)
+    from specscope.fileio import check_output_file, check_writable
 
-    _check_shipped(draft)            # before loading anything: on a fresh machine that takes a while
+    check_writable(out_dir, "--output", is_dir=True)
+    for name in ("report.html", "summary.json"):
+        check_output_file(out_dir / name, "--output")
+    from specscope.registry import check_registry
+
+    check_registry(opts.db)
+    _check_shipped(draft)
+    if draft != "ngram":
+        from specscope.speculative.decode import drafter_path
+
+        drafter_path(draft)          # a missing --draft fails here, not after the target loads
+    dev = str(opts.device)
     t_start = time.perf_counter()
+    from specscope.engine.session import preflight
     from specscope.models.hub import KNOWN_MODELS, is_pulled, resolve_model
 
     if opts.model in KNOWN_MODELS and not is_pulled(opts.model):
         # first run on this machine: the pull draws its own progress bar, so no spinner meanwhile
         ui.note(f"pulling {opts.model} into the model cache (first run only)")
         resolve_model(opts.model)
+    preflight(opts.model, opts.max_new_tokens, draft, cfg.steps, cfg.topk, cfg.draft_tokens)
     ui.stage(f"loading {opts.model}")
     dtype = str(parse_dtype(opts.dtype, dev)).replace("torch.", "")
     target, tok, path = load_target(opts.model, opts.dtype, dev)
@@ -207,8 +217,10 @@ def run_demo(opts: DemoOptions, ui: DemoUI | None = None) -> dict:
                               title=f"specscope demo: {Path(str(path)).name} + {draft}")
         result["report"] = str(report)
     result["seconds"] = round(time.perf_counter() - t_start, 2)
-    summary_path = out_dir / "summary.json"
-    summary_path.write_text(json.dumps(result, indent=1, default=str))
+    from specscope.fileio import write_atomic
+
+    summary_path = write_atomic(out_dir / "summary.json", json.dumps(result, indent=1, default=str), "--output",
+                                make_parents=True)
     result["summary_json"] = str(summary_path)
     return result
 

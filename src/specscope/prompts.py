@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from specscope.errors import SpecscopeError, require_file
+from specscope.fileio import read_text
 from specscope.jsonio import loads
 
 PACKAGED = Path(__file__).resolve().parent / "assets" / "prompts"
@@ -52,7 +53,7 @@ def spec_bench_path() -> Path:
 
 def _read_jsonl(path: Path) -> list:
     items = []
-    for i, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+    for i, line in enumerate(read_text(path, "prompt file").splitlines(), 1):
         if line.strip():
             items.append(loads(line, f"{path}:{i}"))
     return items
@@ -113,10 +114,9 @@ def load_prompts(dataset: str, categories: tuple[str, ...] = (), num_prompts: in
     if not path.suffix and not path.exists():
         raise SpecscopeError(f"dataset file {str(path)!r} does not exist (packaged sets: {', '.join(NAMED)})")
     require_file(path, "dataset file")
-    raw = path.read_bytes()
+    text = read_text(path, "dataset file")        # strict: a bad byte is an error, never a U+FFFD prompt
     rows = []
     if path.suffix in (".jsonl", ".json"):
-        text = raw.decode("utf-8", errors="replace")
         items = None
         if path.suffix == ".json":
             items = loads(text, str(path))
@@ -131,8 +131,7 @@ def load_prompts(dataset: str, categories: tuple[str, ...] = (), num_prompts: in
             p, c = _prompt_of(obj, f"{path}:{i}")
             rows.append({"prompt": p, "category": c})
     else:  # plain text: one prompt per non-empty line
-        rows = [{"prompt": ln, "category": None} for ln in raw.decode("utf-8", errors="replace").splitlines()
-                if ln.strip()]
+        rows = [{"prompt": ln, "category": None} for ln in text.splitlines() if ln.strip()]
     return _finish("spec_bench" if dataset == "spec_bench" else path.name, path, rows, categories, num_prompts)
 
 

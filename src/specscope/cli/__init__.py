@@ -14,6 +14,7 @@ import click
 
 from specscope import __version__
 from specscope.errors import SpecscopeError
+from specscope.fileio import PATH_HINTS   # one wording for path errors, here and in fileio
 
 # command name -> "module:attribute" (a click.Command)
 COMMANDS = {
@@ -100,12 +101,6 @@ def one_line(text: str) -> str:
     return " ".join(part.strip() for part in text.splitlines() if part.strip())
 
 
-_PATH_HINTS = {errno.ENAMETOOLONG: "a path component is longer than the file system allows (usually 255 bytes); "
-                                   "use a shorter name",
-               errno.ENOTDIR: "a part of the path is a file, not a directory; fix the path",
-               errno.EACCES: "permission denied; pick a path you can use",
-               errno.EROFS: "the file system is read-only; pick a writable path",
-               errno.ENOSPC: "no space left on the device; free some or pick another path"}
 
 
 def user_path_error(e: OSError, argv: list[str]) -> str | None:
@@ -128,7 +123,7 @@ def user_path_error(e: OSError, argv: list[str]) -> str | None:
             # a directory above it counts only when the user typed that component (not the cwd or $HOME)
             above = given.startswith(f.rstrip(os.sep) + os.sep) and os.path.basename(f) in token.split(os.sep)
             if f == given or inside or above:
-                hint = _PATH_HINTS.get(e.errno) or f"{e.strerror or type(e).__name__}; pass a usable path"
+                hint = PATH_HINTS.get(e.errno) or f"{e.strerror or type(e).__name__}; pass a usable path"
                 at = "" if f == given else f" at {_short(f)!r}"
                 return f"{flag + ' ' if flag else ''}{_short(token)!r}{at}: {hint}"
     return None

@@ -191,6 +191,10 @@ def bench_serve(ctx, url, model, endpoint, dataset, category, num_prompts, max_t
     else:
         ds = load_prompts(dataset, tuple(category), num_prompts)
         prompts = [r["prompt"] for r in ds["prompts"]]
+    if not no_record:       # before minutes of requests: a registry that cannot take the run is refused now
+        from specscope.registry import check_registry
+
+        check_registry(db)
     total = len(prompts) * len(levels)
     done = {"n": 0}
     tty = sys.stderr.isatty()
@@ -265,6 +269,8 @@ def save_results(out: dict, config: dict, run_id, result_dir, result_filename, d
     import json
     from pathlib import Path
 
+    from specscope.fileio import write_atomic
+
     d = Path(result_dir)
     try:
         d.mkdir(parents=True, exist_ok=True)
@@ -293,8 +299,8 @@ def save_results(out: dict, config: dict, run_id, result_dir, result_filename, d
             rate = config["request_rate"]
             name = (f"{backend}-{rate}qps" + (f"-concurrency{c}" if c else "")
                     + f"-{model_base}-{now.strftime('%Y%m%d-%H%M%S')}.json")
-        path = d / name
-        path.write_text(json.dumps(result, indent=2, default=str, allow_nan=False) + "\n")
+        path = write_atomic(d / name, json.dumps(result, indent=2, default=str, allow_nan=False) + "\n",
+                            "--save-result file")
         files.append(str(path))
     return files
 

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 
 import click
 
 from specscope.errors import SpecscopeError
+from specscope.fileio import check_writable, decode_utf8, write_atomic  # noqa: F401  (the commands' file helpers)
 
 
 def emit_json(obj) -> None:
@@ -111,6 +113,10 @@ def output_option(help, default=None, hidden=(), file_okay=True, dir_okay=True, 
                         type=click.Path(file_okay=file_okay, dir_okay=dir_okay), help=help)
 
 
+# drafting knobs: far past any useful shape, short of a tree that would not fit in memory
+MAX_STEPS, MAX_TOPK, MAX_DRAFT_TOKENS = 64, 64, 1024
+
+
 def spec_options(steps_help="Draft depth: drafter steps per cycle (tree depth / chain length).",
                  steps_default=None, topk_default=None, draft_tokens_default=None, draft_tokens_help=None):
     """--steps / --topk / --draft-tokens with SGLang's and vLLM's spellings as aliases:
@@ -119,13 +125,14 @@ def spec_options(steps_help="Draft depth: drafter steps per cycle (tree depth / 
     def deco(f):
         for opt in reversed([
             click.option("--steps", "--speculative-num-steps", "--num-speculative-tokens", "steps",
-                         type=click.IntRange(min=1), default=steps_default, show_default=steps_default is not None,
+                         type=click.IntRange(1, MAX_STEPS), default=steps_default,
+                         show_default=steps_default is not None,
                          help=steps_help + " SGLang --speculative-num-steps; vLLM num_speculative_tokens."),
-            click.option("--topk", "--speculative-eagle-topk", "topk", type=click.IntRange(min=1),
+            click.option("--topk", "--speculative-eagle-topk", "topk", type=click.IntRange(1, MAX_TOPK),
                          default=topk_default, show_default=topk_default is not None,
                          help="Tree branching; 1 = chain. SGLang --speculative-eagle-topk."),
             click.option("--draft-tokens", "--speculative-num-draft-tokens", "draft_tokens",
-                         type=click.IntRange(min=2), default=draft_tokens_default,
+                         type=click.IntRange(2, MAX_DRAFT_TOKENS), default=draft_tokens_default,
                          show_default=draft_tokens_default is not None,
                          help=(draft_tokens_help or "Tokens verified per cycle (tree nodes + root).")
                          + " SGLang --speculative-num-draft-tokens."),
@@ -157,6 +164,20 @@ class SamplingParam(click.ParamType):
         return check_field(self.field, value, style="cli")  # ParamError: "error: --seed must be ..." exit 2
 
 
+class FiniteFloat(click.FloatRange):
+    """A float flag that must be a finite number (and in range, with FloatRange's min/max/min_open/max_open).
+    click's FloatRange alone lets nan through every bound (nan < min is False) and inf through an open top:
+    `train --lr nan` reached the optimizer, `--max-minutes nan` the clock."""
+
+    name = "float"
+
+    def convert(self, value, param, ctx):
+        rv = click.FLOAT.convert(value, param, ctx)
+        if not math.isfinite(rv):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        return super().convert(rv, param, ctx)
+
+
 TEMPERATURE = SamplingParam("temperature")
 TOP_P = SamplingParam("top_p")
 TOP_K = SamplingParam("top_k")
@@ -166,64 +187,4 @@ SEED = SamplingParam("seed")
 def read_stdin_text(what: str) -> str:
     """Standard input as UTF-8 text; invalid bytes are a user error naming the offset, not a tokenizer crash."""
     data = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read()
-    if isinstance(data, str):
-        return data
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise SpecscopeError(f"{what}: standard input is not valid UTF-8 (byte 0x{data[e.start]:02x} at offset "
-                             f"{e.start}); convert it, e.g. with iconv -t UTF-8") from None
-
-
-def write_output(path: str, text: str) -> None:
-    """Write a command's output file whole (a temp file renamed into place); any OS refusal is one line."""
-    import os
-    from pathlib import Path
-
-    p = Path(path).expanduser()
-    tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")
-    if p.is_dir():
-        raise SpecscopeError(f"cannot write {path}: it is a directory; pass a file name to -o")
-    try:
-        if p.exists() and not p.is_file():  # /dev/stdout, a fifo: write through, never rename over it
-            with open(p, "w", encoding="utf-8") as f:
-                f.write(text)
-            return
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, p)
-    except OSError as e:
-        try:
-            tmp.unlink(missing_ok=True)
-        except OSError:
-            pass
-        raise SpecscopeError(f"cannot write {path} ({e.strerror or e}); pick a writable path for -o") from None
-
-
-def check_writable(path, flag: str, is_dir: bool = False) -> None:
-    """Fail before the work, not after it: `path` (a file, or a directory if is_dir) could be created where it is
-    asked for. Nothing is left behind; a probe file in the nearest existing directory proves it (permission bits
-    alone say yes for root in /proc, or on a read-only mount)."""
-    import os
-    import tempfile
-    from pathlib import Path
-
-    p = Path(path).expanduser()
-    if p.exists():
-        if is_dir and not p.is_dir():
-            raise SpecscopeError(f"{flag} {str(p)!r} exists and is not a directory")
-        if not is_dir and p.is_dir():
-            raise SpecscopeError(f"{flag} {str(p)!r} is a directory; pass a file name")
-        if not os.access(p, os.W_OK):
-            raise SpecscopeError(f"{flag} {str(p)!r} is not writable")
-        return
-    anc = p.parent
-    while not anc.exists() and anc != anc.parent:
-        anc = anc.parent
-    if not anc.is_dir():
-        raise SpecscopeError(f"{flag} {str(p)!r} cannot be created: {str(anc)!r} is not a directory")
-    try:
-        with tempfile.TemporaryFile(dir=anc, prefix=".specscope-probe-"):
-            pass
-    except OSError as e:
-        raise SpecscopeError(f"{flag} {str(p)!r} cannot be created in {str(anc)!r} ({e.strerror or e}); "
-                             f"pick a writable location") from None
+    return data if isinstance(data, str) else decode_utf8(data, f"{what}: standard input")

@@ -39,7 +39,7 @@ def compare(run_ids, by, metric, tag, min_effect, as_json, db):
     from specscope.registry import open_registry
     from specscope.registry.compare import compare_runs, matrix
 
-    with open_registry(db) as reg:
+    with open_registry(db, create=False) as reg:
         ids = [reg.resolve(i) for i in run_ids]
         if tag:
             ids += [r["id"] for r in reversed(reg.list_runs(tag=tag)) if r["id"] not in ids]

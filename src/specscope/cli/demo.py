@@ -79,7 +79,7 @@ class _RichUI:
                file_okay=False, show_default=True)
 @draft_option("Drafter: the shipped EAGLE-3 one by default; 'ngram', an EAGLE-3 directory or Hugging Face id, or a "
               "small HF model.")
-@click.option("--max-new-tokens", type=click.IntRange(min=2), default=112, show_default=True,
+@click.option("--max-new-tokens", type=click.IntRange(2, 1 << 20), default=112, show_default=True,
               help="Most tokens to generate per prompt.")
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="CPU threads for torch.")
 @click.option("--model", "model_name", default="smollm2-135m", show_default=True,

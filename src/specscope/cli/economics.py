@@ -6,18 +6,20 @@ import math
 
 import click
 
-from specscope.cli.common import (alias_option, check_writable, db_option, device_option, draft_option,
+from specscope.cli.common import (FiniteFloat, alias_option, check_writable, db_option, device_option, draft_option,
                                   dtype_option, emit_json, json_option, output_option, setup_runtime, spec_options,
                                   stderr_console, stdout_console)
+from specscope.economics.verify_curve import MAX_REPEATS
 from specscope.errors import SpecscopeError
 
 _DB = db_option
 
 
 def _open(db):
+    """The registry to read stored runs from: never created by reading it."""
     from specscope.registry import open_registry
 
-    return open_registry(db)
+    return open_registry(db, create=False)
 
 
 # ------------------------------------------------------------------------------------------------ verify-curve
@@ -30,8 +32,10 @@ def _open(db):
               help="Context lengths (cached tokens), comma-separated.")
 @click.option("--tokens", default="1,2,4,8,16,32,64", show_default=True,
               help="Query tokens per forward (what a cycle verifies), comma-separated.")
-@click.option("--warmup", type=int, default=1, show_default=True, help="Untimed forwards per point.")
-@click.option("--repeats", type=int, default=5, show_default=True, help="Timed forwards per point.")
+@click.option("--warmup", type=int, default=1, show_default=True,
+              help=f"Untimed forwards per point (0..{MAX_REPEATS}).")
+@click.option("--repeats", type=int, default=5, show_default=True,
+              help=f"Timed forwards per point (1..{MAX_REPEATS}).")
 @dtype_option()
 @device_option()
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="CPU threads for torch.")
@@ -46,18 +50,28 @@ def verify_curve(model_name, contexts, tokens, warmup, repeats, dtype, device, t
                  no_record, name, db, as_json):
     """Measure the target's forward time for n query tokens at each context length, fit where it stops being
     flat (the knee), store the curve as a run and plot it."""
-    from specscope.economics.verify_curve import knee_words, measure_curve, parse_int_list
+    from specscope.economics.verify_curve import check_plan, knee_words, measure_curve, parse_int_list
     from specscope.models.hub import resolve_model
-    from specscope.models.loader import load_model, parse_dtype
+    from specscope.models.loader import load_config, load_model, parse_dtype, weight_files
 
+    # before the model loads and minutes of measuring, not after: the plot path, the registry, the plan
     if output and not no_plot:
-        check_writable(output, "--output")  # before minutes of measuring, not after
+        from specscope.economics.plots import plot_format
 
+        check_writable(output, "--output")
+        plot_format(output)
+    if not no_record:
+        from specscope.registry import check_registry
+
+        check_registry(db)
     ctxs = parse_int_list(contexts, "--context")
     toks = parse_int_list(tokens, "--tokens")
+    path = resolve_model(model_name)
+    mcfg, _ = load_config(path)                 # config.json and the weight files' presence: no weights read
+    weight_files(path)
+    check_plan(ctxs, toks, warmup, repeats, mcfg.max_position_embeddings)
     dev = setup_runtime(threads, device)
     dt = parse_dtype(dtype, str(dev))
-    path = resolve_model(model_name)
     model = load_model(path, dtype=dt, device=dev)
     err = stderr_console()
     total = len(ctxs) * len(toks)
@@ -206,7 +220,8 @@ def read_prompts(dataset: str | None, limit: int) -> list[str]:
 @click.option("--baseline-run", "baseline_ref", default=None,
               help="Baseline run for T_decode (default: the one recorded with the run).")
 @click.option("--verify-curve", "curve_ref", default=None, help="A verify_curve run to scale verify cost by n.")
-@click.option("--decode-ms", type=float, default=None, help="Plain decoding ms/token (instead of a baseline run).")
+@click.option("--decode-ms", type=FiniteFloat(min=0, min_open=True), default=None,
+              help="Plain decoding ms/token (instead of a baseline run).")
 @click.option("--profile", "do_profile", is_flag=True,
               help="First make the profiled run (baseline + speculative with rank-wise acceptance) and store it.")
 @click.option("--model", "model_name", default="smollm2-135m", show_default=True, help="Target (with --profile).")
@@ -216,18 +231,18 @@ def read_prompts(dataset: str | None, limit: int) -> list[str]:
 @alias_option("--dataset", "prompts_file", hidden=("--prompts",), default=None,
               help="Prompts to profile/validate on: 'mt_bench' (packaged MT-bench first turns, the default), "
                    "'spec_bench', or a .jsonl/.json/.txt file. With --run: the run's own prompts.")
-@click.option("--num-prompts", type=click.IntRange(min=1), default=3, show_default=True,
+@click.option("--num-prompts", type=click.IntRange(1, 10_000), default=3, show_default=True,
               help="Prompts of --dataset to profile / validate on.")
-@click.option("--max-new-tokens", type=click.IntRange(min=2), default=64, show_default=True,
+@click.option("--max-new-tokens", type=click.IntRange(2, 1 << 20), default=64, show_default=True,
               help="Most tokens per prompt (with --run: the run's own).")
 @click.option("--max-steps", type=click.IntRange(1, 64), default=None,
               help="Deepest configuration to consider (beyond the measured depth the last rate is extrapolated).")
-@click.option("--max-topk", type=click.IntRange(min=1), default=None)
-@click.option("--max-draft-tokens", type=click.IntRange(min=2), default=64, show_default=True)
-@click.option("--top", type=click.IntRange(min=1), default=10, show_default=True, help="Predictions to show.")
+@click.option("--max-topk", type=click.IntRange(1, 64), default=None)
+@click.option("--max-draft-tokens", type=click.IntRange(2, 1024), default=64, show_default=True)
+@click.option("--top", type=click.IntRange(1, 10_000), default=10, show_default=True, help="Predictions to show.")
 @click.option("--stat", type=click.Choice(["mean", "median"]), default="mean", show_default=True,
               help="Per-cycle phase statistic the costs come from (median ignores scheduler stalls).")
-@click.option("--validate", "n_validate", type=click.IntRange(min=0), default=0,
+@click.option("--validate", "n_validate", type=click.IntRange(0, 1000), default=0,
               help="Measure the top N predictions with the real engine.")
 @dtype_option()
 @device_option()
@@ -243,13 +258,29 @@ def tune(run_ref, baseline_ref, curve_ref, decode_ms, do_profile, model_name, dr
     the top N predictions and reports predicted vs measured speedup."""
     from specscope.economics import tune as T
 
-    if decode_ms is not None and not decode_ms > 0:
-        raise SpecscopeError(f"--decode-ms must be a positive number of milliseconds, got {decode_ms}")
     if not do_profile and not run_ref:
         raise SpecscopeError("pass --run ID (a profiled speculative run) or --profile to make one")
+    # what flags and files decide, decided before a model loads (and before minutes of measuring)
+    if output:
+        check_writable(output, "--output", is_dir=True)
+    if do_profile:
+        from specscope.speculative.decode import SpecConfig
+
+        if not draft:
+            raise SpecscopeError("--profile needs --draft (e.g. smollm2-135m-eagle3 or ngram)")
+        if draft == "ngram" and topk != 1:
+            raise SpecscopeError(f"n-gram drafting proposes a chain: profile it with --topk 1 --draft-tokens "
+                                 f"{steps + 1} (got --topk {topk}; tune profiles a --topk 4 tree by default)")
+        SpecConfig.from_knobs(steps, topk, draft_tokens)      # the profiled shape is one the drafter can propose
+    if do_profile or n_validate:        # these store runs (the profiled pair, a verify curve)
+        from specscope.registry import check_registry
+
+        check_registry(db)
     err = stderr_console()
     say = (lambda m: None) if as_json else err.print
     ctx = _TuneContext(model_name, draft, dtype, device, threads, prompts_file, num_prompts, max_new_tokens)
+    if prompts_file is not None or do_profile:
+        ctx.prompts = read_prompts(prompts_file, num_prompts)
     if do_profile:
         run, base = ctx.profile(steps, topk, draft_tokens, db, say)
     else:
@@ -326,16 +357,17 @@ class _TuneContext:
     def load(self):
         if self._loaded is None:
             from specscope.economics.probe import encode_prompts
-            from specscope.engine.session import load_target, stop_ids_for
+            from specscope.engine.session import load_target, preflight, stop_ids_for
             from specscope.speculative.decode import build_drafter
 
             if not self.draft:
                 raise SpecscopeError("no drafter: pass --draft (e.g. smollm2-135m-eagle3 or ngram)")
+            # the target's and the drafter's files, and the token budget against the context: before loading
+            preflight(self.model_name, self.max_new_tokens, self.draft)
+            prompts = self.prompts = self.prompts or read_prompts(self.prompts_file, self.num_prompts)
             dev = setup_runtime(self.threads, self.device)
             target, tok, path = load_target(self.model_name, self.dtype, str(dev))
             drafter = build_drafter(self.draft, target, self.dtype, str(dev))
-            prompts = self.prompts or read_prompts(self.prompts_file, self.num_prompts)
-            self.prompts = prompts
             self._loaded = (target, drafter, encode_prompts(tok, prompts), stop_ids_for(target, tok), path)
         return self._loaded
 

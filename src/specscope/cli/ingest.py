@@ -83,6 +83,10 @@ def ingest(files, engine, tags, name, no_record, progress, db, as_json):
     tabled in docs/engine-metrics.md; a per-file report says which lines were used, skipped, and why."""
     from specscope.ingest.core import ingest_file
 
+    if not no_record:       # before streaming what may be gigabytes of logs, not after each file
+        from specscope.registry import check_registry
+
+        check_registry(db)
     done, failed = [], []
     for f in files:
         bar, update = _progress_for(f, progress)

@@ -8,7 +8,7 @@ import json
 
 import click
 
-from specscope.cli.common import emit_json, json_option, output_option, write_output
+from specscope.cli.common import check_writable, emit_json, json_option, output_option, write_atomic
 
 
 def _console():
@@ -22,9 +22,10 @@ from specscope.cli.common import db_option  # noqa: E402
 
 
 def _open(db):
+    """The registry these commands read or edit: never created by them (an empty one would only hide a typo)."""
     from specscope.registry import open_registry
 
-    return open_registry(db)
+    return open_registry(db, create=False)
 
 
 @click.group()
@@ -50,8 +51,13 @@ def _fmt(v, nd=2):
 @db_option
 def list_cmd(kind, tag, name, model, limit, as_json, db):
     """Newest runs first."""
-    with _open(db) as reg:
-        rows = reg.list_runs(kind=kind, tag=tag, name=name, model=model, limit=limit)
+    from specscope.registry.db import registry_path
+
+    if registry_path(db).exists():
+        with _open(db) as reg:
+            rows = reg.list_runs(kind=kind, tag=tag, name=name, model=model, limit=limit)
+    else:
+        rows = []           # nothing stored yet: an empty list, and no empty registry file left behind
     if as_json:
         emit_json(rows)
         return
@@ -145,11 +151,13 @@ def _csv_rows(records: list[dict]) -> tuple[list[str], list[dict]]:
                    "per run, scalar fields flattened to columns.")
 @click.option("--json", "legacy_fmt", flag_value="json", hidden=True)   # old spellings of --format
 @click.option("--csv", "legacy_fmt", flag_value="csv", hidden=True)
-@output_option("Write to this file instead of standard output.")  # write_output says what is wrong with it
+@output_option("Write to this file instead of standard output.")
 @db_option
 def export(run_ids, fmt, legacy_fmt, output, db):
     """Export runs as JSON or CSV."""
     fmt = fmt or legacy_fmt or ("csv" if output and str(output).lower().endswith(".csv") else "json")
+    if output:
+        check_writable(output, "--output")       # before reading a large registry, not after
     with _open(db) as reg:
         recs = [reg.get_run(i) for i in run_ids]
     if fmt == "csv":
@@ -162,7 +170,7 @@ def export(run_ids, fmt, legacy_fmt, output, db):
     else:
         text = json.dumps(recs, indent=2, default=str) + "\n"
     if output:
-        write_output(output, text)
+        write_atomic(output, text)
         click.echo(f"wrote {len(recs)} run(s) to {output}", err=True)
     else:
         click.echo(text, nl=False)

@@ -6,11 +6,13 @@ from pathlib import Path
 
 import click
 
-from specscope.cli.common import (SEED, alias_option, check_writable, device_option, dtype_option, emit_json,
-                                  json_option, output_option, setup_runtime)
+from specscope.cli.common import (SEED, FiniteFloat, alias_option, check_writable, device_option, dtype_option,
+                                  emit_json, json_option, output_option, setup_runtime)
 from specscope.errors import SpecscopeError
 
 STAGES = ("data", "vocab", "train", "select")
+# upper bounds of the integer flags: far past any real run, short of what would hang or exhaust memory
+MAX_COUNT, MAX_BATCH, MAX_TOKENS, MAX_VOCAB, MAX_STEPS = 10**8, 65_536, 1 << 20, 1 << 24, 10**9
 
 
 def _stages(value: str) -> list[str]:
@@ -40,48 +42,50 @@ def _stages(value: str) -> list[str]:
 @click.option("--prompt-file", "prompt_files", multiple=True, type=click.Path(dir_okay=False),
               help="Real prompts (JSONL: prompt / question / instruction+input / turns / conversations), answered "
                    "by the target; repeatable. Prompts overlapping evaluation sets are dropped and counted.")
-@click.option("--synth", type=click.IntRange(min=0), default=0, show_default=True,
+@click.option("--synth", type=click.IntRange(0, MAX_COUNT), default=0, show_default=True,
               help="Without --dataset: synthesise this many conversations from the target (Magpie).")
 @click.option("--regenerate", type=click.Choice(["none", "greedy", "sample"]), default="none", show_default=True,
               help="Replace the dataset's assistant turns with the target's own answers.")
-@click.option("--synth-batch", type=click.IntRange(min=1), default=16, show_default=True,
+@click.option("--synth-batch", type=click.IntRange(1, MAX_BATCH), default=16, show_default=True,
               help="Conversations synthesised per batched generation.")
-@click.option("--user-temperature", type=click.FloatRange(0.0, 2.0), default=0.8, show_default=True,
+@click.option("--user-temperature", type=FiniteFloat(0.0, 2.0), default=0.8, show_default=True,
               help="Sampling temperature of synthesised user turns.")
-@click.option("--answer-batch", type=click.IntRange(min=1), default=32, show_default=True,
+@click.option("--answer-batch", type=click.IntRange(1, MAX_BATCH), default=32, show_default=True,
               help="Prompts answered per batched generation.")
-@click.option("--capture-batch", type=click.IntRange(min=1), default=4, show_default=True,
+@click.option("--capture-batch", type=click.IntRange(1, MAX_BATCH), default=4, show_default=True,
               help="Sequences per capture forward.")
-@click.option("--user-tokens", type=click.IntRange(min=8), default=64, show_default=True)
-@click.option("--response-tokens", type=click.IntRange(min=8), default=192, show_default=True)
+@click.option("--user-tokens", type=click.IntRange(8, MAX_TOKENS), default=64, show_default=True)
+@click.option("--response-tokens", type=click.IntRange(8, MAX_TOKENS), default=192, show_default=True)
 @dtype_option("--gen-dtype", short=("fp32", "bf16", "fp16"), default="fp32",
               help="Target dtype for synthesis/regeneration (features are always captured in fp32).")
-@click.option("--max-len", "--max-length", "max_len", type=click.IntRange(min=8), default=1024, show_default=True,
-              help="Most tokens per training sequence.")
-@click.option("--draft-vocab", type=click.IntRange(min=1), default=8192, show_default=True)
-@click.option("--ttt-steps", "--ttt-length", "ttt_steps", type=click.IntRange(min=1), default=7, show_default=True,
+@click.option("--max-len", "--max-length", "max_len", type=click.IntRange(8, MAX_TOKENS), default=1024,
+              show_default=True, help="Most tokens per training sequence.")
+@click.option("--draft-vocab", type=click.IntRange(1, MAX_VOCAB), default=8192, show_default=True)
+@click.option("--ttt-steps", "--ttt-length", "ttt_steps", type=click.IntRange(1, 64), default=7, show_default=True,
               help="K unrolled TTT steps.")
-@alias_option("--max-train-steps", "total_steps", hidden=("--steps",), type=click.IntRange(min=1), default=None,
-              help="Optimizer steps (default 1000 without --num-epochs; with it, the fewer of the two). --steps "
-                   "elsewhere is the draft depth.")
-@click.option("--num-epochs", type=click.FloatRange(min=0, min_open=True), default=None,
+@alias_option("--max-train-steps", "total_steps", hidden=("--steps",), type=click.IntRange(1, MAX_STEPS),
+              default=None, help="Optimizer steps (default 1000 without --num-epochs; with it, the fewer of the "
+                                 "two). --steps elsewhere is the draft depth.")
+@click.option("--num-epochs", type=FiniteFloat(min=0, min_open=True, max=10**6), default=None,
               help="Passes over the training split (fractions allowed); the cosine schedule spans them.")
-@click.option("--batch-size", type=click.IntRange(min=1), default=8, show_default=True,
+@click.option("--batch-size", type=click.IntRange(1, MAX_BATCH), default=8, show_default=True,
               help="Sequences per optimizer step (global).")
-@click.option("--lr", "--learning-rate", "lr", type=float, default=3e-4, show_default=True)
-@click.option("--warmup", type=click.IntRange(min=1), default=20, show_default=True)
-@click.option("--grad-clip", type=float, default=0.5, show_default=True)
-@click.option("--weight-decay", type=float, default=0.0, show_default=True)
+@click.option("--lr", "--learning-rate", "lr", type=FiniteFloat(min=0, min_open=True), default=3e-4,
+              show_default=True, help="Peak learning rate (AdamW).")
+@click.option("--warmup", type=click.IntRange(1, MAX_STEPS), default=20, show_default=True)
+@click.option("--grad-clip", type=FiniteFloat(min=0, min_open=True), default=0.5, show_default=True,
+              help="Largest gradient norm.")
+@click.option("--weight-decay", type=FiniteFloat(min=0), default=0.0, show_default=True)
 @dtype_option(short=("fp32", "bf16"), default="fp32",
               help="Training compute dtype (bf16 = autocast, fp32 master weights); bfloat16 / float32 accepted.")
-@click.option("--eval-every", type=click.IntRange(min=1), default=100, show_default=True)
-@click.option("--ckpt-every", type=click.IntRange(min=1), default=100, show_default=True)
-@click.option("--eval-fraction", type=click.FloatRange(0, 0.5), default=0.05, show_default=True)
-@click.option("--max-minutes", type=click.FloatRange(min=0.1), default=None,
+@click.option("--eval-every", type=click.IntRange(1, MAX_STEPS), default=100, show_default=True)
+@click.option("--ckpt-every", type=click.IntRange(1, MAX_STEPS), default=100, show_default=True)
+@click.option("--eval-fraction", type=FiniteFloat(0, 0.5), default=0.05, show_default=True)
+@click.option("--max-minutes", type=FiniteFloat(0.1, 10**7), default=None,
               help="Stop training after this many minutes (checkpoint saved; --resume continues).")
-@alias_option("--select-num-prompts", "select_prompts", hidden=("--select-prompts",), type=click.IntRange(min=1),
+@alias_option("--select-num-prompts", "select_prompts", hidden=("--select-prompts",), type=click.IntRange(1, 10_000),
               default=12, show_default=True, help="select stage: held-out training prompts decoded per snapshot.")
-@click.option("--select-steps", type=click.IntRange(min=1), default=3, show_default=True,
+@click.option("--select-steps", type=click.IntRange(1, 64), default=3, show_default=True,
               help="select stage: chain length used to rank snapshots by real decoding τ.")
 @click.option("--seed", type=SEED, default=0, show_default=True)
 @click.option("--resume", is_flag=True, help="Continue from the work directory's latest checkpoint.")
@@ -112,64 +116,68 @@ def train(workdir, target_name, stages, dataset, dataset_split, dataset_config, 
     """
     import torch
 
+    from specscope.engine.session import preflight as model_preflight
     from specscope.models.loader import DTYPES
     from specscope.speculative.eagle3 import DrafterConfig
+    from specscope.speculative.formats import resolve_target
     from specscope.train import pipeline
-    from specscope.train.data import CapturedData
     from specscope.train.tracking import check_tracker
     from specscope.train.trainer import TrainConfig, dist_info, process_device, train as run_train
 
     todo = _stages(stages)
-    # what can be refused from flags and files is refused before the target loads, not after hours of training
+    # everything flags and files decide is decided before the target loads, not after minutes of loading and
+    # capturing: output paths, the target's files, --init, the data sources, the vocabulary size, earlier stages
     check_writable(workdir, "--workdir", is_dir=True)
     if output is not None:
         check_writable(output, "--output", is_dir=True)
-    if dataset is not None and "data" in todo:
-        from specscope.train.datasets import check_dataset
-
-        check_dataset(dataset)
     if "train" in todo:
         check_tracker(report_to)
-    dev = process_device(setup_runtime(threads, device).type)       # under torchrun: cuda:LOCAL_RANK
     work = Path(workdir)
     rank, world = dist_info()
     say = (lambda m: click.echo(m, err=True)) if rank == 0 else (lambda m: None)
     if world > 1 and ("data" in todo or "vocab" in todo or "select" in todo):
         raise SpecscopeError("run the data, vocab and select stages in one process; torchrun only --stages train")
-    convs = None
-    if dataset is not None and "data" in todo and not prompt_files:     # a bad dataset fails before the target loads
-        from specscope.train.datasets import load_conversations
-
-        convs = load_conversations(dataset, dataset_split, dataset_config, dataset_streaming)
+    tpath, tcfg, _ = model_preflight(target_name)
+    init = pipeline.init_drafter(init_from, resolve_target(str(tpath), target_name)) if init_from else None
+    L = tcfg.num_hidden_layers
+    aux = list(init.aux_layers) if init is not None else DrafterConfig.default_aux_layers(L)
+    if not all(0 <= i <= L for i in aux):
+        raise SpecscopeError(f"the target has {L} layers, so EAGLE-3's aux layers {aux} (2, L//2, L-3 by default) "
+                             f"fall outside 0..{L}; train for a target with at least 4 layers")
+    sources = (pipeline.read_data_sources(dataset, list(prompt_files), synth, log=say, dataset_split=dataset_split,
+                                          dataset_config=dataset_config, dataset_streaming=dataset_streaming)
+               if "data" in todo else None)
+    if "vocab" in todo and init is None and draft_vocab > tcfg.vocab_size:
+        raise SpecscopeError(f"--draft-vocab {draft_vocab} is larger than the target's vocabulary of "
+                             f"{tcfg.vocab_size} tokens; use at most {tcfg.vocab_size}")
+    dev = process_device(setup_runtime(threads, device).type)       # under torchrun: cuda:LOCAL_RANK
+    data = None
+    if "data" not in todo and ("vocab" in todo or "train" in todo or "select" in todo):
+        data = _captured(work, aux, dev)
+    if "train" in todo and "vocab" not in todo and init is None and not (work / "vocab.pt").exists():
+        raise SpecscopeError(f"{work / 'vocab.pt'} does not exist; run the vocab stage first (--stages vocab,train)")
+    if "select" in todo and "train" not in todo and not any((work / "train" / "snapshots").glob("step-*.pt")):
+        raise SpecscopeError(f"no snapshots in {work / 'train' / 'snapshots'}; run the train stage first")
     if "data" in todo or "select" in todo:                  # these run the target
         target, tok, tpath = pipeline.load_target(target_name, dev, "fp32")
     else:                                                    # vocab / train: its config, embedding and LM head
         target, tpath = pipeline.load_target_head(target_name, dev)
     tinfo = pipeline.target_info(target_name, tpath, target)
-    init = pipeline.init_drafter(init_from, target) if init_from else None
-    L = target.config.num_hidden_layers
-    aux = list(init.aux_layers) if init is not None else DrafterConfig.default_aux_layers(L)
-    if not all(0 <= i <= L for i in aux):
-        raise SpecscopeError(f"the target has {L} layers, so EAGLE-3's aux layers {aux} (2, L//2, L-3 by default) "
-                             f"fall outside 0..{L}; train for a target with at least 4 layers")
     summary = {"workdir": str(work), "target": tinfo, "stages": todo}
 
     if "data" in todo:
         gen = pipeline.load_target(target_name, dev, gen_dtype)[0] if gen_dtype != "fp32" else target
-        man = pipeline.data_stage(work, target, tok, tinfo, dataset=dataset, conversations=convs, synth=synth,
+        man = pipeline.data_stage(work, target, tok, tinfo, dataset=dataset, synth=synth,
                                   regenerate=regenerate,
                                   aux_layers=aux, synth_batch=synth_batch, user_tokens=user_tokens,
                                   response_tokens=response_tokens, max_len=max_len, seed=seed, gen_model=gen, log=say,
                                   prompt_files=list(prompt_files), answer_batch=answer_batch,
-                                  capture_batch=capture_batch, user_temperature=user_temperature)
+                                  capture_batch=capture_batch, user_temperature=user_temperature,
+                                  sources=sources)
         summary["data"] = {k: man.get(k) for k in ("sequences", "tokens", "loss_tokens", "skipped")}
         del gen
-    data = None
-    if "vocab" in todo or "train" in todo or "select" in todo:
-        data = CapturedData(work / "data", device=dev if dev.type == "cuda" else "cpu")
-        if data.aux_layers != aux:
-            raise SpecscopeError(f"the data in {work / 'data'} was captured at aux layers {data.aux_layers} but the "
-                                 f"drafter reads {aux}; capture again into a new --workdir")
+        if "vocab" in todo or "train" in todo or "select" in todo:
+            data = _captured(work, aux, dev)
     if "vocab" in todo:
         if init is not None:
             say("--init: keeping the initial drafter's own draft vocabulary")
@@ -179,10 +187,7 @@ def train(workdir, target_name, stages, dataset, dataset_split, dataset_config, 
         if init is not None:
             drafter = init
         else:
-            vf = work / "vocab.pt"
-            if not vf.exists():
-                raise SpecscopeError(f"{vf} does not exist; run the vocab stage first (--stages vocab,train)")
-            v = torch.load(str(vf), weights_only=True)
+            v = torch.load(str(work / "vocab.pt"), weights_only=True)
             drafter = pipeline.fresh_drafter(target, v["d2t"], v["t2d"], aux, seed=seed)
         cfg = TrainConfig(ttt_steps=ttt_steps, lr=lr, weight_decay=weight_decay, warmup=warmup,
                           total_steps=total_steps, num_epochs=num_epochs, batch_size=batch_size, grad_clip=grad_clip,
@@ -213,6 +218,18 @@ def train(workdir, target_name, stages, dataset, dataset_split, dataset_config, 
             dist.destroy_process_group()
     if as_json and rank == 0:
         emit_json(summary)
+
+
+def _captured(work: Path, aux: list[int], dev):
+    """The captured features the later stages read (in GPU memory on CUDA), checked against the drafter's aux
+    layers."""
+    from specscope.train.data import CapturedData
+
+    data = CapturedData(work / "data", device=dev if dev.type == "cuda" else "cpu")
+    if data.aux_layers != aux:
+        raise SpecscopeError(f"the data in {work / 'data'} was captured at aux layers {data.aux_layers} but the "
+                             f"drafter reads {aux}; capture again into a new --workdir")
+    return data
 
 
 @click.command()

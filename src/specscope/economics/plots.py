@@ -14,16 +14,29 @@ def _plt():
     return plt
 
 
-def _save(fig, path) -> str:
+FORMATS = ("png", "svg", "svgz", "pdf", "eps", "ps", "jpg", "jpeg", "tif", "tiff", "webp")
+
+
+def plot_format(path, flag: str = "--output") -> str:
+    """The image format a plot path asks for by its suffix (PNG without one); checked before any work."""
     from specscope.errors import SpecscopeError
+
+    fmt = Path(path).suffix.lstrip(".").lower() or "png"
+    if fmt not in FORMATS:
+        raise SpecscopeError(f"{flag} {str(path)!r}: cannot write a .{fmt} image; end it in one of "
+                             f"{', '.join('.' + f for f in FORMATS)}")
+    return fmt
+
+
+def _save(fig, path) -> str:
+    """The figure to the regular file `path`, atomically; the format follows its suffix (PNG without one)."""
+    from specscope.fileio import atomic_output
 
     path = Path(path)
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
         fig.tight_layout()
-        fig.savefig(path, dpi=110)
-    except OSError as e:
-        raise SpecscopeError(f"cannot write the plot {path} ({e.strerror or e})") from None
+        with atomic_output(path, "plot", make_parents=True) as tmp:
+            fig.savefig(tmp, dpi=110, format=plot_format(path))
     finally:
         _plt().close(fig)
     return str(path)

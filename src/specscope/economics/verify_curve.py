@@ -202,17 +202,25 @@ class VerifyCurve:
         return self(n, context) / self(n_ref, context)
 
 
-def measure_curve(model, contexts, tokens, warmup: int = 2, repeats: int = 5, progress=None) -> dict:
-    """Measure every (context, n) point and fit each context. Returns {"points", "fits", "samples"}."""
-    if warmup < 0:
-        raise SpecscopeError(f"--warmup must be >= 0, got {warmup}")
-    if repeats < 1:
-        raise SpecscopeError(f"--repeats must be >= 1, got {repeats}")
-    limit = model.config.max_position_embeddings
+MAX_REPEATS = 10_000    # forwards per point: far past a stable median, short of running until killed
+
+
+def check_plan(contexts, tokens, warmup: int, repeats: int, limit: int) -> None:
+    """A measurement the model can do in a bounded time: `limit` is its context (config.json's
+    max_position_embeddings, known before the weights load)."""
+    if not 0 <= warmup <= MAX_REPEATS:
+        raise SpecscopeError(f"--warmup must be >= 0 and <= {MAX_REPEATS}, got {warmup}")
+    if not 1 <= repeats <= MAX_REPEATS:
+        raise SpecscopeError(f"--repeats must be >= 1 and <= {MAX_REPEATS}, got {repeats}")
     too_long = [L for L in contexts if L + max(tokens) > limit]
     if too_long:
         raise SpecscopeError(f"context {too_long[0]} + {max(tokens)} tokens exceeds the model's context of {limit}; "
                              f"lower --context or --tokens")
+
+
+def measure_curve(model, contexts, tokens, warmup: int = 2, repeats: int = 5, progress=None) -> dict:
+    """Measure every (context, n) point and fit each context. Returns {"points", "fits", "samples"}."""
+    check_plan(contexts, tokens, warmup, repeats, model.config.max_position_embeddings)
     points, samples, fits = [], {}, {}
     for L in contexts:
         cache = model.new_cache(L + max(tokens))

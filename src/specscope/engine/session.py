@@ -97,6 +97,10 @@ def run_generate(req: GenerateRequest, on_text=None) -> dict:
     from specscope.engine.tokenizer import StreamDecoder
 
     preflight(req.model, req.max_new_tokens, req.draft, req.steps, req.topk, req.draft_tokens)
+    if req.record:      # a registry that cannot take the run is refused now, not warned about after the work
+        from specscope.registry import check_registry
+
+        check_registry(req.db)
     sp = req.sampling()
     model, tok, path = load_target(req.model, req.dtype, req.device)
     prompt_ids = tok.encode(req.prompt, chat=req.chat)

@@ -133,8 +133,9 @@ def _retry_locked(fn, timeout: float):
 
 
 class Registry:
-    def __init__(self, path: Path, timeout: float = 60.0):
+    def __init__(self, path: Path, timeout: float = 60.0, create: bool = True):
         self.path = Path(path)
+        _check_registry_path(self.path, create)
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._conn = sqlite3.connect(str(self.path), timeout=timeout, isolation_level=None)
@@ -336,7 +337,46 @@ def _s(v):
     return None if v is None else str(v)
 
 
-def open_registry(db_path=None, timeout: float = 60.0) -> Registry:
+def _check_registry_path(path: Path, create: bool) -> None:
+    """What SQLite would only say late or vaguely: a directory, a device or a FIFO is not a registry, and a reader
+    must not create an empty one where it was pointed at nothing."""
+    import stat
+
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        if not create:
+            raise SpecscopeError(f"no run registry at {path} (nothing has been stored there); point --db / "
+                                 f"SPECSCOPE_DB at an existing one") from None
+        return
+    except OSError as e:
+        raise SpecscopeError(f"cannot open the run registry at {path} ({e.strerror or e}); set --db or "
+                             f"SPECSCOPE_DB to a writable path") from None
+    if not stat.S_ISREG(st.st_mode):
+        what = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file"
+        raise SpecscopeError(f"the run registry {path} is {what}; point --db / SPECSCOPE_DB at a registry file")
+
+
+def open_registry(db_path=None, timeout: float = 60.0, create: bool = True) -> Registry:
     """The registry at `db_path`, else $SPECSCOPE_DB, else $XDG_DATA_HOME/specscope/runs.db. `timeout`: seconds
-    to wait for another writer's lock."""
-    return Registry(Path(db_path).expanduser() if db_path else default_db_path(), timeout)
+    to wait for another writer's lock. `create=False` (commands that only read) refuses a missing file instead of
+    leaving an empty registry behind."""
+    return Registry(registry_path(db_path), timeout, create)
+
+
+def registry_path(db_path=None) -> Path:
+    """--db as given, else $SPECSCOPE_DB, else the default location."""
+    return Path(db_path).expanduser() if db_path else default_db_path()
+
+
+def check_registry(db_path=None) -> Path:
+    """Before a command's work: the registry it will store runs in opens (an existing file is a usable registry;
+    a new one could be created). Creates nothing; returns the path."""
+    path = registry_path(db_path)
+    if path.exists() or path.is_symlink():
+        open_registry(path, create=False).close()
+    else:
+        from specscope.fileio import check_writable
+
+        check_writable(path, "--db")
+    return path

@@ -46,17 +46,10 @@ def load_runs(reg, refs) -> tuple[list[dict], dict[str, dict]]:
 
 
 def write_report(runs: list[dict], path, linked: dict | None = None, title: str | None = None) -> Path:
-    """Write the report to `path` (parents created); returns the path."""
-    text = build_report(runs, linked, title)
-    path = Path(path).expanduser()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(text, encoding="utf-8")
-        tmp.replace(path)
-    except OSError as e:
-        raise SpecscopeError(f"cannot write the report to {path}: {e.strerror or e}") from None
-    return path
+    """Write the report to the regular file `path` (atomically, parents created); returns the path."""
+    from specscope.fileio import write_atomic
+
+    return write_atomic(path, build_report(runs, linked, title), "report", make_parents=True)
 
 
 def build_report(runs: list[dict], linked: dict | None = None, title: str | None = None) -> str:

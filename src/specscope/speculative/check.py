@@ -21,7 +21,7 @@ import torch
 from specscope.errors import SpecscopeError
 from specscope.speculative.eagle3 import DrafterConfig
 from specscope.speculative.formats import (TargetFacts, aux_conventions, detect_format, load_drafter, map_problems,
-                                           parse_config, read_config, weight_reader)
+                                           nonfinite_tensors, parse_config, read_config, weight_reader)
 
 OK, WARN, FAIL, SKIP = "ok", "warn", "fail", "skip"
 # running the target here is "quick" only up to this many parameters (CPU float32 forward of a few prompts)
@@ -345,6 +345,13 @@ def static_checks(report: Report, path: Path, facts: TargetFacts):
             drafter = load_drafter(path, facts, validate=False)     # pair faults are reported above, not raised
         except SpecscopeError as e:
             report.add("weights", FAIL, str(e))
+            return None, cfg, has_map
+        bad = nonfinite_tensors(drafter.state_dict())
+        report.add("weights", FAIL if bad else OK,
+                   f"{len(bad)} tensor(s) hold NaN or inf ({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''}): "
+                   f"a diverged training run; it cannot draft anything, retrain it with a lower --lr"
+                   if bad else "every weight is finite")
+        if bad:
             return None, cfg, has_map
         problems = map_problems(drafter, t.vocab_size) if cfg.vocab_size == t.vocab_size else []
         report.add("token map", FAIL if problems else OK, "; ".join(problems) or

@@ -22,13 +22,13 @@ refuses the SGLang layout for features SGLang would silently ignore.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from specscope.errors import SpecscopeError
+from specscope.fileio import atomic_output, write_atomic
 from specscope.models.config import (MAX_HEAD_DIM, MAX_HEADS, MAX_HIDDEN, MAX_LAYERS, MAX_POSITIONS, MAX_VOCAB,
                                      cfg_bool, cfg_float, cfg_int, cfg_str, rope_scaling_of, rope_theta_of)
 from specscope.models.loader import read_json_object
@@ -530,6 +530,9 @@ def load_drafter(path: str | Path, target=None, dtype: torch.dtype | None = None
     drafter.rope_upto(1)                 # the float32 RoPE table, built after any cast
     drafter.source_path = str(path)
     drafter.eval().requires_grad_(False)
+    if validate and (bad := nonfinite_tensors(drafter.state_dict())):
+        raise SpecscopeError(f"drafter {str(path)!r} has non-finite weights ({_names(bad)} hold NaN or inf; a "
+                             f"diverged training run?); it cannot draft anything: retrain it with a lower --lr")
     if target is not None and validate:
         validate_drafter(drafter, target)
     if facts is not None and validate:
@@ -652,21 +655,41 @@ def save_drafter(drafter: Eagle3Drafter, path: str | Path, format: str = "sglang
         raise SpecscopeError(f"unknown drafter format {format!r}; use one of {', '.join(FORMATS)}")
     wdtype = str(dtype or drafter.dtype).replace("torch.", "")
     cfg = config_dict(drafter, format, target_info, wdtype, speculative_tokens)   # refusals before any write
+    bad = nonfinite_tensors(drafter.state_dict())
+    if bad:
+        raise SpecscopeError(f"refusing to write a drafter whose weights are not finite ({_names(bad)} hold NaN or "
+                             f"inf): it would propose garbage; retrain it (a lower --lr)")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tensors = ours_to_file(drafter, format)
     if dtype is not None:
         tensors = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in tensors.items()}
-    tmp = path / "model.safetensors.tmp"
-    save_file(tensors, str(tmp), metadata={"format": "pt"})
-    os.chmod(tmp, 0o644)   # safetensors creates private files; a drafter is meant to be shared
-    os.replace(tmp, path / "model.safetensors")
+    # each file atomically (readable by all: a drafter is meant to be shared), weights first, config last
+    with atomic_output(path / "model.safetensors", "drafter weights") as tmp:
+        save_file(tensors, str(tmp), metadata={"format": "pt"})
     for stale in [path / "model.safetensors.index.json", *path.glob("model-*-of-*.safetensors")]:
         stale.unlink(missing_ok=True)    # an earlier sharded copy would shadow the file just written
-    (path / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    write_atomic(path / "config.json", json.dumps(cfg, indent=2) + "\n", "drafter config")
     for name, text in (extra_files or {}).items():
-        (path / name).write_text(text)
+        write_atomic(path / name, text, "drafter file")
     return path
+
+
+def nonfinite_tensors(state: dict) -> list[str]:
+    """Names of the floating tensors in `state` holding NaN or inf: what a diverged training run leaves."""
+    return [k for k, v in state.items() if torch.is_tensor(v) and v.is_floating_point() and v.device.type != "meta"
+            and not _finite(v)]
+
+
+def _finite(t: torch.Tensor, chunk: int = 1 << 16) -> bool:
+    """All of `t` finite, checked a slice at a time: a whole-tensor isfinite() would allocate a mask as large as
+    the tensor's element count, on top of the weights being loaded."""
+    flat = t.detach().reshape(-1)
+    return all(bool(torch.isfinite(flat[i:i + chunk]).all()) for i in range(0, flat.numel(), chunk))
+
+
+def _names(keys: list[str]) -> str:
+    return ", ".join(repr(k) for k in keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
 
 
 def map_problems(drafter: Eagle3Drafter, vocab_size: int) -> list[str]:

@@ -22,6 +22,7 @@ import torch
 
 from specscope.engine.sampling import SamplingParams, next_token
 from specscope.errors import SpecscopeError, require_file
+from specscope.fileio import atomic_output, write_atomic
 
 ROLE_ALIASES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
                 "bing": "assistant", "bard": "assistant", "model": "assistant", "system": "system"}
@@ -76,31 +77,32 @@ def normalise(obj) -> list[dict]:
 
 def read_conversations(path: str | Path) -> tuple[list[list[dict]], ReadReport]:
     """Read a JSONL file; malformed lines are counted and skipped, an all-bad file is an error."""
+    from specscope.fileio import iter_lines
+
     path = Path(path)
     require_file(path, "dataset")
     rep, convs = ReadReport(), []
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            rep.lines += 1
-            try:
-                msgs = normalise(json.loads(line))
-            except RecursionError:
-                rep.malformed += 1
-                rep.note(lineno, "JSON nested too deeply")
-                continue
-            except (json.JSONDecodeError, ValueError) as e:
-                rep.malformed += 1
-                rep.note(lineno, str(e) if isinstance(e, ValueError) and not isinstance(e, json.JSONDecodeError)
-                         else "not valid JSON")
-                continue
-            if not any(m["role"] == "assistant" for m in msgs):
-                rep.no_assistant += 1
-                rep.note(lineno, "no assistant turn")
-                continue
-            rep.ok += 1
-            convs.append(msgs)
+    for lineno, line in iter_lines(path, "dataset"):     # strict UTF-8: a bad byte is an error, not U+FFFD
+        if not line.strip():
+            continue
+        rep.lines += 1
+        try:
+            msgs = normalise(json.loads(line))
+        except RecursionError:
+            rep.malformed += 1
+            rep.note(lineno, "JSON nested too deeply")
+            continue
+        except (json.JSONDecodeError, ValueError) as e:
+            rep.malformed += 1
+            rep.note(lineno, str(e) if isinstance(e, ValueError) and not isinstance(e, json.JSONDecodeError)
+                     else "not valid JSON")
+            continue
+        if not any(m["role"] == "assistant" for m in msgs):
+            rep.no_assistant += 1
+            rep.note(lineno, "no assistant turn")
+            continue
+        rep.ok += 1
+        convs.append(msgs)
     check_read(rep, path)
     return convs, rep
 
@@ -222,9 +224,7 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 def write_json_atomic(path: Path, obj):
-    tmp = Path(path).with_name(Path(path).name + ".tmp")
-    tmp.write_text(json.dumps(obj))
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(obj), "state file")
 
 
 def synthesise(model, tok, out_path: Path, n: int, *, batch: int = 16, user_tokens: int = 64,
@@ -444,9 +444,8 @@ def capture(model, tok, convs: list[list[dict]], out_dir: Path, aux_layers: list
             flat = {k: torch.cat(v).contiguous() for k, v in tensors.items()}
             flat["offsets"] = torch.tensor(offsets, dtype=torch.int64)
             name = f"shard-{si:05d}.safetensors"
-            tmp = out_dir / (name + ".tmp")
-            save_file(flat, str(tmp))
-            os.replace(tmp, out_dir / name)
+            with atomic_output(out_dir / name, "captured data shard") as tmp:
+                save_file(flat, str(tmp))
             manifest["shards"].append({"index": si, "file": name, "conversations": want[si],
                                        "conv_hash": digest[si], "sequences": len(offsets) - 1,
                                        "tokens": offsets[-1], "loss_tokens": int(flat["loss_mask"].sum())})
@@ -465,9 +464,7 @@ def capture(model, tok, convs: list[list[dict]], out_dir: Path, aux_layers: list
 def _write_manifest(manifest: dict, mpath: Path):
     for key in ("sequences", "tokens", "loss_tokens"):
         manifest[key] = sum(s[key] for s in manifest["shards"])
-    tmp = mpath.with_name(MANIFEST + ".tmp")
-    tmp.write_text(json.dumps(manifest, indent=1))
-    os.replace(tmp, mpath)
+    write_atomic(mpath, json.dumps(manifest, indent=1), "data manifest")
 
 
 FEATURES = ("aux", "hidden", "argmax", "input_ids", "loss_mask")

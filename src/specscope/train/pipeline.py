@@ -13,11 +13,13 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from specscope.errors import SpecscopeError
+from specscope.fileio import atomic_output, write_atomic
 
 
 def load_target(name: str, device, dtype="fp32"):
@@ -154,33 +156,69 @@ def _adopt_synth_only_layout(out: Path, synth_path: Path, log) -> None:
         log(f"moved the synthesised conversations of {out} to {synth_path} (where synthesis appends now)")
 
 
-def data_stage(workdir: Path, model, tok, tinfo: dict, *, dataset: str | None = None, conversations=None,
-               synth: int = 0,
+@dataclass
+class DataSources:
+    """The data stage's inputs, read and checked in full: real prompts (+ synthesis), or a dataset's
+    conversations (`convs` set)."""
+
+    items: list[dict] = field(default_factory=list)     # --prompt-file prompts kept, {"id", "prompt", "source"}
+    report: dict = field(default_factory=dict)
+    overlap: object = None                               # the EvalOverlap that synthesis filters against too
+    convs: list | None = None                            # --dataset conversations
+
+
+def read_data_sources(dataset: str | None, prompt_files: list[str] | None, synth: int, log=print,
+                      dataset_split: str | None = None, dataset_config: str | None = None,
+                      dataset_streaming: bool = False) -> DataSources:
+    """Every file the data stage reads, read and checked now: `train` calls this before the target loads, so a
+    missing source, bad bytes or a file with no usable record costs no model load. A --dataset is read through
+    train.datasets.load_conversations (JSONL, JSON, Parquet, directories, hub ids)."""
+    from specscope.train.datasets import load_conversations
+    from specscope.train.sources import EvalOverlap
+
+    if prompt_files or (synth > 0 and not dataset):
+        # real prompts answered by the target, then (optionally) Magpie conversations for breadth
+        overlap = EvalOverlap()
+        if not prompt_files:
+            return DataSources(report={"files": [], "dropped_overlap": 0, "dropped_duplicate": 0, "examples": []},
+                               overlap=overlap)
+        items, report = gather_prompts(prompt_files, overlap, log)
+        if not items and synth == 0:
+            raise SpecscopeError(f"no training prompt is left in --prompt-file ({report['dropped_overlap']} overlap "
+                                 f"evaluation prompts, {report['dropped_duplicate']} are duplicates); add other "
+                                 f"prompts or --synth N")
+        return DataSources(items=items, report=report, overlap=overlap)
+    if dataset:
+        convs, rep = load_conversations(dataset, dataset_split, dataset_config, dataset_streaming)
+        log(rep.summary())
+        return DataSources(convs=convs)
+    raise SpecscopeError("the data stage needs --prompt-file FILE, --dataset FILE|DIR|ID or --synth N "
+                         "(conversations to synthesise)")
+
+
+def data_stage(workdir: Path, model, tok, tinfo: dict, *, dataset: str | None = None, synth: int = 0,
                regenerate: str = "none", aux_layers: list[int], synth_batch: int = 16, user_tokens: int = 64,
                response_tokens: int = 192, max_len: int = 1024, seed: int = 0, gen_model=None, log=print,
                prompt_files: list[str] | None = None, answer_batch: int = 32, capture_batch: int = 4,
-               user_temperature: float = 0.8) -> dict:
-    """`conversations`: the --dataset already read by train.datasets.load_conversations ((convs, report)); read
-    here (its default split) when not given."""
+               user_temperature: float = 0.8, sources: DataSources | None = None) -> dict:
+    """`sources`: what read_data_sources returned for these flags (read here when not given)."""
     from specscope.engine.sampling import SamplingParams
     from specscope.train.data import (answer_prompts, capture, read_conversations, read_jsonl,
                                       regenerate as regen, synthesise)
-    from specscope.train.sources import EvalOverlap
 
+    if sources is None:
+        sources = read_data_sources(dataset, prompt_files, synth, log)
     workdir.mkdir(parents=True, exist_ok=True)
     gen_model = gen_model or model
     out = workdir / "conversations.jsonl"
     synth_path = workdir / "synth.jsonl"
-    assemble = bool(prompt_files) or (synth > 0 and not dataset)
+    assemble = sources.convs is None
     if assemble:
         _adopt_synth_only_layout(out, synth_path, log)
-    if assemble:
-        # real prompts answered by the target, then (optionally) Magpie conversations for breadth. Synthesis always
-        # appends to synth.jsonl and conversations.jsonl is always rebuilt from the two, so adding --prompt-file to
-        # a synth-only work directory (or the other way round) keeps everything generated so far
-        overlap = EvalOverlap()
-        items, report = (gather_prompts(prompt_files, overlap, log) if prompt_files else
-                         ([], {"files": [], "dropped_overlap": 0, "dropped_duplicate": 0, "examples": []}))
+        # Synthesis always appends to synth.jsonl and conversations.jsonl is always rebuilt from the answers and
+        # the synthesised conversations, so adding --prompt-file to a synth-only work directory (or the other way
+        # round) keeps everything generated so far
+        overlap, items, report = sources.overlap, sources.items, sources.report
         answers = workdir / "answers.jsonl"
         if items:
             sp = SamplingParams(temperature=0.0 if regenerate in ("none", "greedy") else 0.8, top_p=0.95, seed=seed)
@@ -207,25 +245,17 @@ def data_stage(workdir: Path, model, tok, tinfo: dict, *, dataset: str | None = 
             # a conversations.jsonl this stage did not assemble (put there by hand, or an older layout): keep it
             out.replace(out.with_name(out.name + ".orig"))
             log(f"kept the earlier {out.name} as {out.name}.orig")
-        tmp = out.with_suffix(".tmp")
-        tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in recs), encoding="utf-8")
-        tmp.replace(out)
+        write_atomic(out, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in recs), "conversations file")
         convs, _ = read_conversations(out)
         report["conversations"] = len(convs)
         report["by_source"] = {}
         for r in recs:
             report["by_source"][r.get("source", "?")] = report["by_source"].get(r.get("source", "?"), 0) + 1
-        (workdir / "data_report.json").write_text(json.dumps(report, indent=1))
-    elif dataset:
-        from specscope.train.datasets import load_conversations
-
-        convs, rep = conversations if conversations is not None else load_conversations(dataset)
-        log(rep.summary())
+        write_atomic(workdir / "data_report.json", json.dumps(report, indent=1), "data report")
+    else:
+        convs = sources.convs
         if regenerate != "none":
             convs = regenerated(workdir, convs, gen_model, tok, regenerate, response_tokens, seed, answer_batch, log)
-    else:
-        raise SpecscopeError("the data stage needs --prompt-file FILE, --dataset FILE|DIR|ID or --synth N "
-                             "(conversations to synthesise)")
     manifest = capture(model, tok, convs, workdir / "data", aux_layers, max_len=max_len, target_info=tinfo,
                        batch=capture_batch, progress=Rate("captured", len(convs), log))
     log(f"data: {manifest['sequences']} sequences, {manifest['tokens']} tokens "
@@ -264,7 +294,8 @@ def vocab_stage(workdir: Path, data, vocab_size: int, draft_vocab: int, log=prin
     counts = token_counts(data, vocab_size)
     d2t, t2d = build_vocab(counts, draft_vocab)
     cov = coverage(counts, t2d)
-    torch.save({"d2t": d2t, "t2d": t2d, "coverage": cov, "draft_vocab_size": draft_vocab}, workdir / "vocab.pt")
+    with atomic_output(workdir / "vocab.pt", "vocabulary file") as tmp:
+        torch.save({"d2t": d2t, "t2d": t2d, "coverage": cov, "draft_vocab_size": draft_vocab}, tmp)
     log(f"draft vocabulary: {draft_vocab} tokens cover {cov:.2%} of the {int(counts.sum())} response tokens")
     return {"coverage": cov, "draft_vocab_size": draft_vocab}
 
@@ -414,9 +445,10 @@ def select_stage(workdir: Path, target, tok, data, eval_fraction: float, seed: i
             f"{len(prompts)} held-out training prompts; TTT chain τ {r['ttt_eval']['chain_tau']:.3f}")
         if best is None or r["tau"] > best[0]["tau"]:
             best = (r, st)
-    torch.save(best[1], workdir / "train" / "selected.pt")
+    with atomic_output(workdir / "train" / "selected.pt", "selected checkpoint") as tmp:
+        torch.save(best[1], tmp)
     out = {"selected_step": best[0]["step"], "shape": [shape.steps, shape.topk, shape.draft_tokens],
            "max_new_tokens": max_new_tokens, "snapshots": rows}
-    (workdir / "select.json").write_text(json.dumps(out, indent=1))
+    write_atomic(workdir / "select.json", json.dumps(out, indent=1), "selection table")
     log(f"selected step {best[0]['step']} (real τ {best[0]['tau']:.3f})")
     return out

@@ -68,30 +68,31 @@ def user_turn(obj) -> str:
 
 
 def read_user_turns(path: str | Path, max_chars: int = 4000) -> tuple[list[str], PromptReport]:
+    from specscope.errors import require_file
+    from specscope.fileio import iter_lines
+
     path = Path(path)
-    if not path.is_file():
-        raise SpecscopeError(f"prompt file {str(path)!r} does not exist or is not a regular file")
+    require_file(path, "--prompt-file")
     rep, out = PromptReport(path=str(path)), []
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for line in f:
-            if not line.strip():
-                continue
-            rep.lines += 1
-            try:
-                text = user_turn(json.loads(line)).strip()
-            except (json.JSONDecodeError, RecursionError):
-                rep.skipped["not JSON"] += 1
-                continue
-            except ValueError as e:
-                rep.skipped[str(e)] += 1
-                continue
-            if not text:
-                rep.skipped["empty prompt"] += 1
-            elif len(text) > max_chars:
-                rep.skipped[f"longer than {max_chars} characters"] += 1
-            else:
-                rep.used += 1
-                out.append(text)
+    for _, line in iter_lines(path, "--prompt-file"):      # strict UTF-8: a bad byte is an error, not U+FFFD
+        if not line.strip():
+            continue
+        rep.lines += 1
+        try:
+            text = user_turn(json.loads(line)).strip()
+        except (json.JSONDecodeError, RecursionError):
+            rep.skipped["not JSON"] += 1
+            continue
+        except ValueError as e:
+            rep.skipped[str(e)] += 1
+            continue
+        if not text:
+            rep.skipped["empty prompt"] += 1
+        elif len(text) > max_chars:
+            rep.skipped[f"longer than {max_chars} characters"] += 1
+        else:
+            rep.used += 1
+            out.append(text)
     if rep.used == 0:
         raise SpecscopeError(f"no usable prompt in {path} ({rep.summary()}); expected JSONL records with a "
                              f"'prompt', 'question', 'instruction', 'turns' or conversation field")

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from specscope.errors import SpecscopeError
+from specscope.fileio import atomic_output, write_atomic
 from specscope.train.ttt import TTTLoss, count_positions, summarise
 
 
@@ -43,6 +44,32 @@ class TrainConfig:
 
     def to_dict(self):
         return asdict(self)
+
+    def validate(self):
+        """The library's own guard (the CLI's flag types refuse the same before anything loads): a NaN or negative
+        rate reaches the optimizer as an exception or, worse, as NaN weights."""
+        for name, v, lo in (("lr", self.lr, 0.0), ("grad_clip", self.grad_clip, 0.0)):
+            if not (math.isfinite(v) and v > lo):
+                raise SpecscopeError(f"{name} must be a finite number > 0, got {v}")
+        if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
+            raise SpecscopeError(f"weight_decay must be a finite number >= 0, got {self.weight_decay}")
+        if self.max_minutes is not None and not (math.isfinite(self.max_minutes) and self.max_minutes > 0):
+            raise SpecscopeError(f"max_minutes must be a finite number > 0, got {self.max_minutes}")
+
+
+def divergence(step: int, what: str, value: float, cfg: TrainConfig, first: bool) -> str:
+    """Why training stopped at a non-finite loss or gradient, with the likely cause. `first`: no weight update had
+    happened yet in this run, so the learning rate cannot be to blame."""
+    if first:
+        cause = ("it happened before any weight update, so not the learning rate: the captured data or the "
+                 "initial drafter (--init) hold non-finite values")
+    elif cfg.lr > 1e-2:
+        cause = f"the learning rate --lr {cfg.lr:g} is far too high (EAGLE-3 drafters train at 1e-4 to 1e-3)"
+    else:
+        cause = (f"the learning rate --lr {cfg.lr:g} is too high for this data (or --grad-clip {cfg.grad_clip:g} "
+                 f"too loose); lower it")
+    return (f"training diverged at step {step}: the {what} became {value}; likely cause: {cause}. No drafter was "
+            f"written; train again without --resume")
 
 
 # ---------------------------------------------------------------- distributed
@@ -180,11 +207,9 @@ def save_checkpoint(ckpt_dir: Path, step: int, drafter, opt, sched, cfg: TrainCo
     state = {"step": step, "model": {k: v.detach().cpu() for k, v in drafter.state_dict().items()},
              "drafter_config": drafter.config.to_dict(), "optimizer": opt.state_dict(),
              "scheduler": sched.state_dict(), "rng": rng_state(), "train_config": cfg.to_dict(), "meta": meta}
-    tmp = ckpt_dir / f".ckpt-{step:07d}.pt.tmp"
-    torch.save(state, tmp)
-    os.replace(tmp, ckpt_dir / f"ckpt-{step:07d}.pt")
-    (ckpt_dir / "latest.tmp").write_text(f"ckpt-{step:07d}.pt")
-    os.replace(ckpt_dir / "latest.tmp", ckpt_dir / "latest")
+    with atomic_output(ckpt_dir / f"ckpt-{step:07d}.pt", "checkpoint") as tmp:
+        torch.save(state, tmp)
+    write_atomic(ckpt_dir / "latest", f"ckpt-{step:07d}.pt", "checkpoint pointer")
     # keep the two newest: a crash while writing one never loses the previous
     for old in sorted(ckpt_dir.glob("ckpt-*.pt"))[:-2]:
         old.unlink()
@@ -241,6 +266,7 @@ def train(drafter, embed: torch.Tensor, lm_head_w: torch.Tensor, data, out_dir: 
     simulation)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    cfg.validate()
     rank, world = init_distributed(device)
     if cfg.batch_size % world:
         raise SpecscopeError(f"--batch-size {cfg.batch_size} must be a multiple of the process count {world}")
@@ -282,7 +308,7 @@ def train(drafter, embed: torch.Tensor, lm_head_w: torch.Tensor, data, out_dir: 
         if metrics_path.exists():
             keep = [l for l in metrics_path.read_text().split("\n") if _metric_step(l) is not None
                     and _metric_step(l) <= step]
-            metrics_path.write_text("".join(l + "\n" for l in keep))
+            write_atomic(metrics_path, "".join(l + "\n" for l in keep), "metrics file")
     model = DDP(loss_mod) if world > 1 else loss_mod
     from specscope.train.tracking import Tracker
 
@@ -314,9 +340,17 @@ def train(drafter, embed: torch.Tensor, lm_head_w: torch.Tensor, data, out_dir: 
             all_reduce_(denom)
             with _autocast(cfg, device):
                 loss, stats = model(batch, denom)
+            # a diverged run stops here: one more step would turn every weight into NaN, and a drafter of NaNs
+            # still loads and "runs". Every rank learns of it (a rank alone in a collective would hang)
+            bad = torch.tensor([0.0 if bool(torch.isfinite(loss.detach())) else 1.0])
+            if float(all_reduce_(bad)) > 0:
+                raise SpecscopeError(divergence(step + 1, "loss", float(loss.detach()) * world, cfg,
+                                                first=step == 0))
             # DDP averages gradients over ranks; the per-rank loss is a share of the global sum, so scale back
             (loss * world).backward()
             gn = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+            if not bool(torch.isfinite(gn)):     # the same on every rank: DDP has averaged the gradients
+                raise SpecscopeError(divergence(step + 1, "gradient norm", float(gn), cfg, first=step == 0))
             opt.step()
             sched.step()
             opt.zero_grad(set_to_none=True)
@@ -356,21 +390,20 @@ def train(drafter, embed: torch.Tensor, lm_head_w: torch.Tensor, data, out_dir: 
                                "loss_k": ev["loss"], "sim_tau": ev["sim_tau"], "chain_tau": ev["chain_tau"],
                                "positions": ev["positions"]})
                 # every evaluated step's weights, for checkpoint selection by real decoding (the `select` stage)
-                snap = out_dir / "snapshots"
-                snap.mkdir(parents=True, exist_ok=True)
-                torch.save({"step": step, "model": {k: v.detach().cpu() for k, v in drafter.state_dict().items()},
-                            "drafter_config": drafter.config.to_dict(), "train_config": cfg.to_dict(),
-                            "meta": {**(meta or {}), "tokens": tokens_seen, "eval": ev}}, snap / "tmp.pt")
-                os.replace(snap / "tmp.pt", snap / f"step-{step:07d}.pt")
+                with atomic_output(out_dir / "snapshots" / f"step-{step:07d}.pt", "snapshot", make_parents=True) as tmp:
+                    torch.save({"step": step,
+                                "model": {k: v.detach().cpu() for k, v in drafter.state_dict().items()},
+                                "drafter_config": drafter.config.to_dict(), "train_config": cfg.to_dict(),
+                                "meta": {**(meta or {}), "tokens": tokens_seen, "eval": ev}}, tmp)
                 if ev["chain_tau"] > best:
                     # the best held-out checkpoint by per-position chain τ (closer to real chain decoding than SpecForge's
                     # simulated τ); weights only
                     best = ev["chain_tau"]
-                    ckpt_dir.mkdir(parents=True, exist_ok=True)
-                    torch.save({"step": step, "model": {k: v.detach().cpu() for k, v in drafter.state_dict().items()},
-                                "drafter_config": drafter.config.to_dict(),
-                                "meta": {**(meta or {}), "tokens": tokens_seen, "eval": ev}}, ckpt_dir / "best.tmp")
-                    os.replace(ckpt_dir / "best.tmp", ckpt_dir / "best.pt")
+                    with atomic_output(ckpt_dir / "best.pt", "checkpoint", make_parents=True) as tmp:
+                        torch.save({"step": step,
+                                    "model": {k: v.detach().cpu() for k, v in drafter.state_dict().items()},
+                                    "drafter_config": drafter.config.to_dict(),
+                                    "meta": {**(meta or {}), "tokens": tokens_seen, "eval": ev}}, tmp)
                 note = (f"step {step}: held-out acc_0 {ev['acc'][0]:.3f} sim τ {ev['sim_tau']:.2f} "
                         f"chain τ {ev['chain_tau']:.2f}")
                 if bar:

@@ -126,13 +126,17 @@ def spec_options(steps_help="Draft depth: drafter steps per cycle (tree depth / 
                          show_default=draft_tokens_default is not None,
                          help=(draft_tokens_help or "Tokens verified per cycle (tree nodes + root).")
                          + " SGLang --speculative-num-draft-tokens."),
+            click.option("--ngram-tokens", "ngram_tokens", type=click.IntRange(min=0), default=None,
+                         help="Hybrid drafters (--draft DRAFTER+ngram): copied tokens grafted onto the tree and "
+                              "verified on top of --draft-tokens (default 6)."),
         ]):
             f = opt(f)
         return f
     return deco
 
 
-def draft_option(help="Drafter: EAGLE-3 directory or name, 'ngram', or a small HF model. "
+def draft_option(help="Drafter: EAGLE-3 directory or name, 'ngram' (n-gram copying; 'ngram-lookup' for prompt "
+                      "lookup), a small HF model, or DRAFTER+ngram (both in one tree). "
                       "SGLang --speculative-draft-model-path."):
     return click.option("--draft", "--speculative-draft-model-path", "draft", default=None, help=help)
 class SamplingParam(click.ParamType):

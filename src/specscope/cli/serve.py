@@ -49,8 +49,8 @@ def bind_socket(host: str, port: int):
               help="Seconds to let in-flight requests finish after SIGTERM.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="warning",
               show_default=True)
-def serve(model_name, served_model_name, draft, steps, topk, draft_tokens, dtype, device, threads, host, port,
-          api_key, max_queue, max_prompt_tokens, max_tokens_cap, metrics_prefix, no_phase_profile, shutdown_timeout,
+def serve(model_name, served_model_name, draft, steps, topk, draft_tokens, ngram_tokens, dtype, device, threads, host,
+          port, api_key, max_queue, max_prompt_tokens, max_tokens_cap, metrics_prefix, no_phase_profile, shutdown_timeout,
           log_level):
     """Serve the model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /metrics)."""
     import ipaddress
@@ -63,11 +63,13 @@ def serve(model_name, served_model_name, draft, steps, topk, draft_tokens, dtype
 
     from specscope.engine.session import preflight
 
-    preflight(model_name, None, draft, steps, topk, draft_tokens)  # bad flags fail before the model loads
+    # bad flags fail before the model loads
+    preflight(model_name, None, draft, steps, topk, draft_tokens, ngram_tokens)
     dev = setup_runtime(threads, device)
     cfg = ServeConfig(model=model_name, served_name=served_model_name, draft=draft, steps=steps, topk=topk,
-                      draft_tokens=draft_tokens, dtype=dtype, device=str(dev), max_queue=max_queue,
-                      max_prompt_tokens=max_prompt_tokens, max_tokens_cap=max_tokens_cap, api_key=api_key or None,
+                      draft_tokens=draft_tokens, ngram_tokens=ngram_tokens, dtype=dtype, device=str(dev),
+                      max_queue=max_queue, max_prompt_tokens=max_prompt_tokens, max_tokens_cap=max_tokens_cap,
+                      api_key=api_key or None,
                       profile_phases=not no_phase_profile, metrics_prefix=metrics_prefix)
     try:
         loopback = ipaddress.ip_address(host).is_loopback

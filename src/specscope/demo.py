@@ -312,8 +312,7 @@ def _records(config, draft, drafter, cfg, bprof, sprof, per_prompt, opts) -> tup
     sres = {**totals("speculative"),
             "baseline_decode_ms_per_token": bres.get("decode_ms_per_token"),
             "baseline": {"decode_ms_per_token": bres.get("decode_ms_per_token"), "tok_per_s": bres.get("tok_per_s")},
-            "identical_outputs": sum(r["identical"] for r in per_prompt),
-        "accepted_by_source": srec["results"].get("accepted_by_source"), "prompts": len(per_prompt),
+            "identical_outputs": sum(r["identical"] for r in per_prompt), "prompts": len(per_prompt),
             "mean_context": sum(r["prompt_tokens"] + r["speculative"]["tokens"] / 2 for r in per_prompt)
             / len(per_prompt),
             # acceptance by (depth, sibling rank): `specscope tune --run` predicts other shapes from it

@@ -121,7 +121,9 @@ def _print_summary(res: dict) -> None:
     con.rule(f"[bold]{res['prompts']} prompt(s) × up to {res['max_new_tokens']} new tokens, greedy, "
              f"{res['dtype']} on {res['device']} ({res['threads']} thread{'s' if res['threads'] != 1 else ''})")
     con.print(f"Plain decoding:        {b['tok_per_s']:7.2f} tok/s   {b['decode_ms_per_token']:6.2f} ms/token")
-    shape = f"s{d['steps']} k{d['topk']} n{d['draft_tokens']}" + (f" g{d['ngram_tokens']}" * bool(d.get("ngram_tokens")))
+    shape = f"s{d['steps']} k{d['topk']} n{d['draft_tokens']}"
+    if d.get("ngram_tokens"):
+        shape += f" g{d['ngram_tokens']}"
     con.print(f"{method + ' (' + shape + '):':<22}"
               f"{s['tok_per_s']:7.2f} tok/s   {s['decode_ms_per_token']:6.2f} ms/token   τ = {s['accept_length']:.2f}")
     if res.get("accepted_by_source"):

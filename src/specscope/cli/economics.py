@@ -230,8 +230,8 @@ def read_prompts(dataset: str | None, limit: int) -> list[str]:
 @_DB
 @json_option()
 def tune(run_ref, baseline_ref, curve_ref, decode_ms, do_profile, model_name, draft, steps, topk, draft_tokens,
-         ngram_tokens, prompts_file, num_prompts, max_new_tokens, max_steps, max_topk, max_draft_tokens, top, stat, n_validate, dtype,
-         device, threads, output, db, as_json):
+         ngram_tokens, prompts_file, num_prompts, max_new_tokens, max_steps, max_topk, max_draft_tokens, top, stat,
+         n_validate, dtype, device, threads, output, db, as_json):
     """Predict the best (steps, topk, draft_tokens) from one profiled run, without a sweep; --validate N measures
     the top N predictions and reports predicted vs measured speedup."""
     from specscope.economics import tune as T
@@ -397,7 +397,8 @@ class _TuneContext:
 
 
 def _label(r: dict) -> str:
-    return f"s{r['steps']} k{r['topk']} n{r['draft_tokens']}" + (f" g{r['ngram_tokens']}" if "ngram_tokens" in r else "")
+    g = f" g{r['ngram_tokens']}" if "ngram_tokens" in r else ""
+    return f"s{r['steps']} k{r['topk']} n{r['draft_tokens']}{g}"
 
 
 def _print_tune(out, rows, acc, cost, validation):

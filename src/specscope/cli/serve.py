@@ -50,8 +50,8 @@ def bind_socket(host: str, port: int):
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="warning",
               show_default=True)
 def serve(model_name, served_model_name, draft, steps, topk, draft_tokens, ngram_tokens, dtype, device, threads, host,
-          port, api_key, max_queue, max_prompt_tokens, max_tokens_cap, metrics_prefix, no_phase_profile, shutdown_timeout,
-          log_level):
+          port, api_key, max_queue, max_prompt_tokens, max_tokens_cap, metrics_prefix, no_phase_profile,
+          shutdown_timeout, log_level):
     """Serve the model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /metrics)."""
     import ipaddress
 

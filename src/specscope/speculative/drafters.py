@@ -14,7 +14,7 @@ import torch
 from specscope.engine.sampling import SamplingParams, probs_from_logits
 from specscope.errors import SpecscopeError
 from specscope.speculative.ngram import SOURCES
-from specscope.speculative.tree import COPIED, DraftTree, select_nodes
+from specscope.speculative.tree import DraftTree, select_nodes
 
 
 class Drafter:

@@ -317,6 +317,7 @@ class HybridDrafter(Drafter):
         room = self.context - len(self.source.tokens)        # depths left before the context ends
         budget = min(cfg.draft_tokens - 1 + cfg.ngram_tokens, room)
         chain, match = self.source.propose(budget)
+        chain = chain[:budget]                   # a source may offer more than asked
         if match >= self.copy_match:
             return DraftTree.empty(self.device).graft(chain)
         tree = self.drafter.propose(cfg, sampling, gen, profiler)

@@ -1,7 +1,8 @@
 """Speculative decoding on SmolLM2, Spec-Bench prompts by task, greedy, side by side in one run.
 
-Methods: our baseline, EAGLE-3 (tree and chain, the shipped drafter), n-gram prompt lookup, transformers `generate`
-and transformers prompt-lookup decoding. For each: tok/s (Spec-Bench: Σ new tokens / Σ wall time per prompt, plain
+Methods: our baseline, EAGLE-3 (tree and chain, the shipped drafter), n-gram copying (the suffix index, `ngram`, and
+prompt lookup, `ngram_lookup`), the hybrid of the EAGLE-3 tree and n-gram copying in one verified tree
+(`eagle3_ngram`), transformers `generate` and transformers prompt-lookup decoding. For each: tok/s (Spec-Bench: Σ new tokens / Σ wall time per prompt, plain
 mean over prompts of a task), speedup over our baseline, τ (accepted + 1 per cycle, pooled over cycles), and whether
 the output is token-identical to our baseline greedy output.
 
@@ -35,9 +36,9 @@ def task_of(category: str) -> str:
 def draft_files(spec: str) -> list:
     """What identifies a drafter's weights in a resume key: its files' names, sizes and mtimes (retrained weights
     under the same name are a new measurement)."""
-    from specscope.speculative.decode import drafter_path
+    from specscope.speculative.decode import drafter_path, split_draft
 
-    if spec == "ngram":
+    if split_draft(spec)[0] is None:     # n-gram copying has no files
         return []
     return sorted((p.name, p.stat().st_size, int(p.stat().st_mtime)) for p in drafter_path(spec).iterdir()
                   if p.is_file())
@@ -72,7 +73,9 @@ def main(argv=None):
     ap.add_argument("--tree", default="3,2,6;5,4,12",
                     help="steps,topk,draft_tokens for the EAGLE-3 tree(s); several separated by ';'")
     ap.add_argument("--chain", default="3,1,4", help="steps,topk,draft_tokens for the EAGLE-3 chain")
-    ap.add_argument("--ngram", default="4,1,5")
+    ap.add_argument("--ngram", default="4,1,5", help="steps,topk,draft_tokens of both n-gram sources")
+    ap.add_argument("--hybrid", default="2,4,8,6",
+                    help="steps,topk,draft_tokens,ngram_tokens of the hybrid (--draft + n-gram); '' skips it")
     ap.add_argument("--hf", action="store_true", help="also run transformers generate and prompt lookup")
     ap.add_argument("--no-hf", action="store_true", help=argparse.SUPPRESS)   # the old default-on spelling
     ap.add_argument("--fresh", action="store_true", help="ignore the state file of an earlier, killed run")
@@ -88,6 +91,7 @@ def main(argv=None):
     from specscope.engine.generate import generate
     from specscope.engine.session import load_target, stop_ids_for
     from specscope.speculative.decode import SpecConfig, build_drafter, speculative_generate
+    from specscope.speculative.drafters import HybridDrafter
     from specscope.errors import SpecscopeError
     from specscope.train.data import open_for_append, read_jsonl
 
@@ -98,8 +102,7 @@ def main(argv=None):
     prompts = pick_prompts(args.tasks.split(","), args.limit, args.mt_bench_limit)
 
     def knobs(s):
-        a, b, c = (int(x) for x in s.split(","))
-        return SpecConfig(a, b, c)
+        return SpecConfig(*(int(x) for x in s.split(",")))
 
     methods = {"baseline": None}
     try:
@@ -109,10 +112,13 @@ def main(argv=None):
             name = "eagle3_tree" if ";" not in args.tree else f"eagle3_tree_{k.steps}x{k.topk}x{k.draft_tokens}"
             methods[name] = ("eagle", k)
         methods["eagle3_chain"] = ("eagle", knobs(args.chain))
+        if args.hybrid:
+            methods["eagle3_ngram"] = ("hybrid", knobs(args.hybrid))
     except SpecscopeError as e:
         console.print(f"[yellow]EAGLE-3 skipped: {e}")
         eagle = None
     methods["ngram"] = ("ngram", knobs(args.ngram))
+    methods["ngram_lookup"] = ("ngram-lookup", knobs(args.ngram))
     hf = None
     if args.hf and not args.no_hf:
         from transformers import AutoModelForCausalLM
@@ -155,10 +161,17 @@ def main(argv=None):
                     r = generate(target, ids, args.max_new_tokens, stop_ids=stop)
                     out, secs = r.token_ids, r.seconds
                 elif isinstance(spec, tuple):
-                    d = eagle if spec[0] == "eagle" else build_drafter("ngram", target)
+                    if spec[0] == "eagle":
+                        d = eagle
+                    elif spec[0] == "hybrid":     # fresh n-gram state, the loaded EAGLE-3 drafter shared
+                        d = HybridDrafter(eagle, target.config.max_position_embeddings)
+                    else:
+                        d = build_drafter(spec[0], target)
                     r = speculative_generate(target, d, ids, args.max_new_tokens, stop_ids=stop, cfg=spec[1])
                     out, secs = r.token_ids, r.seconds
-                    extra = {"accept_lengths": r.extra["accept_lengths"]}
+                    extra = {"accept_lengths": r.extra["accept_lengths"],
+                             **({"accepted_by_source": r.extra["accepted_by_source"]}
+                                if "accepted_by_source" in r.extra else {})}
                 else:
                     kw = {"prompt_lookup_num_tokens": 10} if spec == "hf_pld" else {}
                     with torch.inference_mode():
@@ -198,6 +211,9 @@ def main(argv=None):
             acc = [a for i in its for a in i.get("accept_lengths", [])]
             s["tasks"][t] = {"tok_per_s": tps, "accept_length": (sum(acc) / len(acc)) if acc else 1.0,
                              "identical": sum(i["identical"] for i in its), "prompts": len(its)}
+            by_source = [i["accepted_by_source"] for i in its if "accepted_by_source" in i]
+            if by_source:
+                s["tasks"][t]["accepted_by_source"] = {k: sum(b.get(k, 0) for b in by_source) for k in by_source[0]}
         summary[m] = s
     base_t = summary["baseline"]["tasks"]
     for m, s in summary.items():

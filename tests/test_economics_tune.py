@@ -279,3 +279,89 @@ def test_borrowed_ranks_never_push_siblings_above_one():
     for c in candidate_configs(acc, max_steps=4):
         r = predict(acc, cost, *c)
         assert 1.0 <= r["tau"] <= c[0] + 1
+
+
+# ------------------------------------------------------------------------------------------------ hybrids
+
+def _hybrid_run():
+    """A hybrid run (steps 3, topk 2, 6 draft tokens, 4 n-gram tokens): cycles "mode,a_d,a_c,c_len,c_new"."""
+    run = _tree_run()
+    run["config"]["ngram_tokens"] = 4
+    run["results"]["hybrid_cycles"] = {
+        "tree,2,0,4,4": 10,     # the copy was wrong from its first token: the drafter's 2 stand
+        "tree,1,3,4,3": 10,     # shared its first node, then 2 more accepted from the copy alone
+        "tree,0,0,0,0": 10,     # no copy offered
+        "copy,0,8,9,9": 10,     # long copies, drafter skipped: 8 of 9 accepted
+    }
+    return run
+
+
+def test_hybrid_model_reads_what_the_copy_added():
+    from specscope.economics.tune import HybridModel
+
+    hyb = HybridModel.from_run(_hybrid_run())
+    assert hyb.ngram_tokens == 4 and hyb.copy_budget == 9 and hyb.copy_share == pytest.approx(0.25)
+    assert hyb.drafted_tau == pytest.approx(1 + (2 + 1 + 0) / 3)
+    # a copy of L tokens: its first L are exact truncations of the recorded ones
+    assert [hyb.tree_gain(L) for L in range(5)] == pytest.approx([0, 0, 1 / 3, 2 / 3, 2 / 3])
+    assert [hyb.tree_nodes(L) for L in range(5)] == pytest.approx([0, 1 / 3, 3 / 3, 5 / 3, 7 / 3])
+    assert hyb.copy_tau(9) == 9 and hyb.copy_tau(5) == 6 and hyb.copy_rows(5) == 6
+
+
+def test_hybrid_predictions_price_copies_at_verify_cost_only():
+    from specscope.economics.tune import HybridModel, hybrid_configs
+    from specscope.economics.verify_curve import PiecewiseFit, VerifyCurve
+
+    run = _hybrid_run()
+    hyb = HybridModel.from_run(run)
+    acc = AcceptanceModel.from_run(run)
+    flat = CostModel.from_runs(run, None, decode_ms=25.0).drafted_only(1 - hyb.copy_share)
+    assert flat.step0_ms == pytest.approx(2.0 / 0.75)          # the drafter ran in 3 of 4 cycles
+    r0, r4 = (predict(acc, flat, 3, 2, 6, L, hyb) for L in (0, 4))
+    assert r4["draft_ms"] == r0["draft_ms"] == pytest.approx(0.75 * predict(acc, flat, 3, 2, 6)["draft_ms"])
+    # tree cycles gain 2/3 from a 4-token copy; copy cycles verify chains of 5 + L: 6 tokens at L 0, 9 at L 4
+    assert r4["tau"] - r0["tau"] == pytest.approx(0.75 * 2 / 3 + 0.25 * (9 - 6))
+    # without a curve verify is flat, so a longer copy only gains; a steep curve makes its rows cost
+    by_L = sorted(rank(acc, flat, hybrid_configs([(3, 2, 6)], hyb), hyb), key=lambda r: r["ngram_tokens"])
+    assert [r["ngram_tokens"] for r in by_L] == [0, 1, 2, 3, 4]
+    assert [r["speedup"] for r in by_L] == sorted(r["speedup"] for r in by_L)
+    assert by_L[0]["speedup"] < by_L[4]["speedup"]
+    steep = VerifyCurve({200: PiecewiseFit(20.0, 1.0, 1.0, 8.0)})
+    cost = CostModel.from_runs(run, None, steep, decode_ms=25.0).drafted_only(0.75)
+    rows = rank(acc, cost, hybrid_configs([(3, 2, 6)], hyb), hyb)
+    assert rows[0]["ngram_tokens"] < 4
+    verify = [r["verify_ms"] for r in sorted(rows, key=lambda r: r["ngram_tokens"])]
+    assert verify == sorted(verify) and verify[0] < verify[-1]
+    # the drafter's own τ, not the copy's gains, calibrates its tree
+    assert acc.tree_scale == AcceptanceModel.from_run({**run, "results": {**run["results"],
+                                                                          "accept_length": 99.0}}).tree_scale
+
+
+def test_breakeven_bounds_a_hybrid_by_its_copy_chain():
+    from specscope.economics.breakeven import BreakevenInputs, breakeven, inputs_from_runs
+
+    run = _hybrid_run()
+    run["results"]["accept_length"] = 4.5          # more than steps + 1: copy cycles verify chains of 9
+    inp = inputs_from_runs(run, {"id": "b", "results": {"decode_ms_per_token": 25.0}}, BreakevenInputs())
+    assert inp.steps == 9 and breakeven(inp)["max_accept_length"] == 10
+
+
+def test_profile_and_tune_a_hybrid_tiny(tmp_path, capsys):
+    target = tmp_path / "target"
+    make_hf_model(target)
+    make_tiny_tokenizer(target)
+    draft = tmp_path / "draft"
+    _perturbed_copy(make_hf_model(tmp_path / "scratch"), draft)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("the the quick brown fox the quick brown fox jumps the quick\n")
+    main(["tune", "--profile", "--model", str(target), "--draft", f"{draft}+ngram", "--prompts", str(prompts),
+          "--num-prompts", "1", "--max-new-tokens", "16", "--steps", "2", "--topk", "2", "--draft-tokens", "4",
+          "--ngram-tokens", "3", "--max-draft-tokens", "4", "--max-steps", "2", "--validate", "1",
+          "--device", "cpu", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    preds = out["predictions"]
+    assert {p["ngram_tokens"] for p in preds} <= {0, 1, 2, 3} and all("copy_share" in p for p in preds)
+    v = out["validation"][0]
+    assert v["ngram_tokens"] == preds[0]["ngram_tokens"] and v["measured_tau"] >= 1.0
+    main(["tune", "--run", out["run"], "--top", "3"])
+    assert "--ngram-tokens" in capsys.readouterr().out

@@ -28,15 +28,24 @@ FALLBACK_PROMPTS = (
 )
 
 
+def demo_drafter() -> str:
+    """The drafter the demo uses without --draft. To demo the hybrid instead, return
+    f"{DEFAULT_DRAFTER}+ngram" (the shipped EAGLE-3 drafter and n-gram copying in one tree)."""
+    from specscope.speculative.decode import DEFAULT_DRAFTER
+
+    return DEFAULT_DRAFTER
+
+
 @dataclass
 class DemoOptions:
     model: str = "smollm2-135m"
-    draft: str | None = None              # None: the shipped EAGLE-3 drafter for the demo model
+    draft: str | None = None              # None: demo_drafter()
     prompts: int = 4
     max_new_tokens: int = 112
     steps: int | None = None
     topk: int | None = None
     draft_tokens: int | None = None
+    ngram_tokens: int | None = None
     dtype: str = "auto"
     device: str = "cpu"
     out: str = "specscope-demo"
@@ -86,16 +95,16 @@ def run_demo(opts: DemoOptions, ui: DemoUI | None = None) -> dict:
     from specscope.engine.tokenizer import StreamDecoder
     from specscope.models.loader import parse_dtype
     from specscope.profile import CycleProfiler
-    from specscope.speculative.decode import DEFAULT_DRAFTER, SpecConfig, speculative_generate
+    from specscope.speculative.decode import SpecConfig, speculative_generate, split_draft
 
     ui = ui or DemoUI()
     if opts.max_new_tokens < 2:
         raise SpecscopeError(f"--max-new-tokens must be >= 2, got {opts.max_new_tokens}")
     prompts, prompt_set = pick_prompts(opts.prompts)
-    draft = opts.draft or DEFAULT_DRAFTER
+    draft = opts.draft or demo_drafter()
     # no knobs: the drafter's own best measured shape (a shipped drafter declares it), else the defaults
-    cfg = SpecConfig.for_drafter(draft, opts.steps, opts.topk, opts.draft_tokens)
-    if draft == "ngram" and cfg.topk != 1:
+    cfg = SpecConfig.for_drafter(draft, opts.steps, opts.topk, opts.draft_tokens, opts.ngram_tokens)
+    if split_draft(draft)[0] is None and cfg.topk != 1:
         raise SpecscopeError("n-gram drafting proposes a chain; use --topk 1")
     # now rather than after minutes of decoding: the output files, the registry, the drafter's files
     out_dir = Path(opts.out).expanduser()
@@ -201,6 +210,7 @@ def run_demo(opts: DemoOptions, ui: DemoUI | None = None) -> dict:
         "speedup": _ratio(srec["results"]["tok_per_s"], brec["results"]["tok_per_s"]),
         "speedup_end_to_end": _ratio(srec["results"]["e2e_tok_per_s"], brec["results"]["e2e_tok_per_s"]),
         "identical_outputs": sum(r["identical"] for r in per_prompt),
+        "accepted_by_source": srec["results"].get("accepted_by_source"),
         "profile_lines": {"baseline": bprof.lines(), "speculative": sprof.lines(brec["results"]["tok_per_s"])},
         "breakeven": be, "shown": {"prompt": prompts[0]["prompt"], "text": shown_text},
         "runs": {"baseline": brec["id"], "speculative": srec["id"],
@@ -240,8 +250,9 @@ def _warnings(prompt_set: str, brec: dict) -> list[str]:
 
 
 def _check_shipped(draft: str) -> None:
-    from specscope.speculative.decode import ASSETS, DEFAULT_DRAFTER
+    from specscope.speculative.decode import ASSETS, DEFAULT_DRAFTER, split_draft
 
+    draft = split_draft(draft)[0]
     if draft == DEFAULT_DRAFTER and not (ASSETS / draft / "config.json").exists():
         raise SpecscopeError(f"the shipped EAGLE-3 drafter {draft!r} is missing from this install "
                              f"({ASSETS / draft}); reinstall specscope, train one with `specscope train`, "
@@ -255,10 +266,14 @@ def _load_drafter(draft: str, target, opts: DemoOptions):
 
 
 def _method_name(draft: str, drafter) -> str:
+    from specscope.speculative.decode import split_draft
+
+    model, source = split_draft(draft)
     kind = str(getattr(drafter, "kind", "") or "")
-    if draft == "ngram" or "ngram" in kind:
+    if model is None:
         return "n-gram"
-    return "EAGLE-3" if "eagle" in kind.lower() or "eagle" in draft.lower() else "draft model"
+    name = "EAGLE-3" if "eagle" in kind.lower() or "eagle" in model.lower() else "draft model"
+    return f"{name} + n-gram" if source else name
 
 
 def _prompt_stats(p: dict, ids: list[int], b, s) -> dict:
@@ -272,6 +287,8 @@ def _prompt_stats(p: dict, ids: list[int], b, s) -> dict:
     sp.update(accept_length=round(s.extra["accept_length"], 4), cycles=s.extra["cycles"],
               verify_tokens_mean=s.extra.get("verify_tokens_mean"),
               acceptance_by_depth_rank=s.extra.get("acceptance_by_depth_rank"))
+    if "hybrid_cycles" in s.extra:
+        sp.update(accepted_by_source=s.extra["accepted_by_source"], hybrid_cycles=s.extra["hybrid_cycles"])
     return {"question_id": p.get("question_id"), "category": p.get("category"), "prompt_tokens": len(ids),
             "baseline": side(b), "speculative": sp, "identical": b.token_ids == s.token_ids}
 
@@ -283,7 +300,7 @@ def _weighted(pairs):
 
 def _records(config, draft, drafter, cfg, bprof, sprof, per_prompt, opts) -> tuple[dict, dict]:
     from specscope.registry import make_record
-    from specscope.speculative.acceptance import RankCounts
+    from specscope.speculative.acceptance import RankCounts, SourceCounts
 
     def totals(side):
         toks = sum(r[side]["tokens"] for r in per_prompt)
@@ -315,11 +332,15 @@ def _records(config, draft, drafter, cfg, bprof, sprof, per_prompt, opts) -> tup
                                                           for r in per_prompt]),
             "verify_tokens_mean": _weighted([(r["speculative"].get("verify_tokens_mean"), r["speculative"]["cycles"])
                                              for r in per_prompt])}
-    srec = make_record("speculative", f"demo {draft} s{cfg.steps} k{cfg.topk} n{cfg.draft_tokens} "
+    hybrid = SourceCounts.merge([r["speculative"].get("hybrid_cycles") for r in per_prompt])
+    if hybrid:   # a hybrid: `specscope tune --run` predicts other n-gram budgets from these
+        sres["hybrid_cycles"] = hybrid
+    ngram = f" g{cfg.ngram_tokens}" if cfg.ngram_tokens else ""
+    srec = make_record("speculative", f"demo {draft} s{cfg.steps} k{cfg.topk} n{cfg.draft_tokens}{ngram} "
                                       f"({n_prompts})",
                        config={**config, "draft": _draft_ref(draft), "drafter_kind": getattr(drafter, "kind", None),
                                "steps": cfg.steps, "topk": cfg.topk, "draft_tokens": cfg.draft_tokens,
-                               "engine": "speculative"},
+                               "ngram_tokens": cfg.ngram_tokens, "engine": "speculative"},
                        profiler=sprof, results=sres, samples={"per_prompt": flat("speculative")},
                        tags=opts.tags, env=env)
     srec["results"]["speedup"] = _ratio(srec["results"]["tok_per_s"], bres["tok_per_s"])
@@ -328,10 +349,10 @@ def _records(config, draft, drafter, cfg, bprof, sprof, per_prompt, opts) -> tup
 
 def _draft_ref(draft: str) -> str:
     """A shipped drafter's directory (so the registry hashes its weights), else what the user gave."""
-    from specscope.speculative.decode import ASSETS
+    from specscope.speculative.decode import ASSETS, NGRAM_SPECS
 
     p = ASSETS / draft
-    return str(p) if draft != "ngram" and p.exists() else draft
+    return str(p) if draft not in NGRAM_SPECS and p.exists() else draft
 
 
 def _verify_curve(target, per_prompt, cfg, config) -> dict:
@@ -342,8 +363,8 @@ def _verify_curve(target, per_prompt, cfg, config) -> dict:
 
     ctx = int(sum(r["prompt_tokens"] + r["speculative"]["tokens"] / 2 for r in per_prompt) / len(per_prompt))
     ctx = max(16, min(ctx, target.config.max_position_embeddings - 64))
-    top = max(8, 2 * cfg.draft_tokens)
-    tokens = sorted({n for n in (1, 2, 4, 8, 16, 32, 64) if n <= top} | {cfg.draft_tokens})
+    top = max(8, 2 * cfg.verify_tokens)
+    tokens = sorted({n for n in (1, 2, 4, 8, 16, 32, 64) if n <= top} | {cfg.draft_tokens, cfg.verify_tokens})
     tokens = [n for n in tokens if ctx + n <= target.config.max_position_embeddings]
     res = measure_curve(target, [ctx], tokens, warmup=1, repeats=5)
     results = {"points": res["points"], "fits": res["fits"],

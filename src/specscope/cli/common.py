@@ -136,6 +136,9 @@ def spec_options(steps_help="Draft depth: drafter steps per cycle (tree depth / 
                          show_default=draft_tokens_default is not None,
                          help=(draft_tokens_help or "Tokens verified per cycle (tree nodes + root).")
                          + " SGLang --speculative-num-draft-tokens."),
+            click.option("--ngram-tokens", "ngram_tokens", type=click.IntRange(min=0), default=None,
+                         help="Hybrid drafters (--draft DRAFTER+ngram): copied tokens grafted onto the tree and "
+                              "verified on top of --draft-tokens (default 6)."),
         ]):
             f = opt(f)
         return f
@@ -143,7 +146,8 @@ def spec_options(steps_help="Draft depth: drafter steps per cycle (tree depth / 
 
 
 def draft_option(help="Drafter: an EAGLE-3 directory, shipped name or Hugging Face id (org/name[@revision]), "
-                      "'ngram', or a small HF model. SGLang --speculative-draft-model-path."):
+                      "'ngram' (n-gram copying; 'ngram-lookup' for prompt lookup), a small HF model, or "
+                      "DRAFTER+ngram (both in one tree). SGLang --speculative-draft-model-path."):
     return click.option("--draft", "--speculative-draft-model-path", "draft", default=None, help=help)
 class SamplingParam(click.ParamType):
     """A click type checked by the sampling schema (engine/params.py), so the CLI refuses exactly what the server

@@ -77,8 +77,8 @@ class _RichUI:
               show_default=True, help="MT-bench first turns to decode (one per category in turn; packaged set).")
 @output_option("Directory for report.html and summary.json.", default="specscope-demo", hidden=("--out",),
                file_okay=False, show_default=True)
-@draft_option("Drafter: the shipped EAGLE-3 one by default; 'ngram', an EAGLE-3 directory or Hugging Face id, or a "
-              "small HF model.")
+@draft_option("Drafter: the shipped EAGLE-3 one by default; 'ngram', an EAGLE-3 directory or Hugging Face id, a "
+              "small HF model, or DRAFTER+ngram (e.g. smollm2-135m-eagle3+ngram: both in one tree).")
 @click.option("--max-new-tokens", type=click.IntRange(2, 1 << 20), default=112, show_default=True,
               help="Most tokens to generate per prompt.")
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="CPU threads for torch.")
@@ -90,16 +90,16 @@ class _RichUI:
 @click.option("--no-verify-curve", is_flag=True, help="Skip the short verify-cost measurement.")
 @db_option
 @json_option("Print one JSON object (no streaming).")
-def demo(num_prompts, output, draft, max_new_tokens, threads, model_name, steps, topk, draft_tokens, dtype, device,
-         no_verify_curve, db, as_json):
+def demo(num_prompts, output, draft, max_new_tokens, threads, model_name, steps, topk, draft_tokens, ngram_tokens,
+         dtype, device, no_verify_curve, db, as_json):
     """The tour: plain vs speculative (EAGLE-3) decoding of a few MT-bench prompts on the demo model, with the
     profile, τ, the speedup and the break-even, both runs stored and an HTML report written."""
     from specscope.demo import DemoOptions, DemoUI, run_demo
 
     dev = setup_runtime(threads, device)
     opts = DemoOptions(model=model_name, draft=draft, prompts=num_prompts, max_new_tokens=max_new_tokens,
-                       steps=steps, topk=topk, draft_tokens=draft_tokens, dtype=dtype, device=str(dev), out=output,
-                       db=db, verify_curve=not no_verify_curve)
+                       steps=steps, topk=topk, draft_tokens=draft_tokens, ngram_tokens=ngram_tokens, dtype=dtype,
+                       device=str(dev), out=output, db=db, verify_curve=not no_verify_curve)
     if as_json:
         emit_json(run_demo(opts, DemoUI()))
         return
@@ -121,8 +121,15 @@ def _print_summary(res: dict) -> None:
     con.rule(f"[bold]{res['prompts']} prompt(s) × up to {res['max_new_tokens']} new tokens, greedy, "
              f"{res['dtype']} on {res['device']} ({res['threads']} thread{'s' if res['threads'] != 1 else ''})")
     con.print(f"Plain decoding:        {b['tok_per_s']:7.2f} tok/s   {b['decode_ms_per_token']:6.2f} ms/token")
-    con.print(f"{method + ' (s' + str(d['steps']) + ' k' + str(d['topk']) + ' n' + str(d['draft_tokens']) + '):':<22}"
+    shape = f"s{d['steps']} k{d['topk']} n{d['draft_tokens']}"
+    if d.get("ngram_tokens"):
+        shape += f" g{d['ngram_tokens']}"
+    con.print(f"{method + ' (' + shape + '):':<22}"
               f"{s['tok_per_s']:7.2f} tok/s   {s['decode_ms_per_token']:6.2f} ms/token   τ = {s['accept_length']:.2f}")
+    if res.get("accepted_by_source"):
+        from specscope.profile.cycle import source_line
+
+        con.print(source_line(res["accepted_by_source"]))
     sp = res["speedup"]
     color = "green" if sp and sp > 1 else "red"
     con.print(f"[bold]Speedup: [{color}]{sp:.2f}×[/{color}][/bold] decode "

@@ -252,8 +252,8 @@ def read_prompts(dataset: str | None, limit: int) -> list[str]:
 @_DB
 @json_option()
 def tune(run_ref, baseline_ref, curve_ref, decode_ms, do_profile, model_name, draft, steps, topk, draft_tokens,
-         prompts_file, num_prompts, max_new_tokens, max_steps, max_topk, max_draft_tokens, top, stat, n_validate, dtype,
-         device, threads, output, db, as_json):
+         ngram_tokens, prompts_file, num_prompts, max_new_tokens, max_steps, max_topk, max_draft_tokens, top, stat,
+         n_validate, dtype, device, threads, output, db, as_json):
     """Predict the best (steps, topk, draft_tokens) from one profiled run, without a sweep; --validate N measures
     the top N predictions and reports predicted vs measured speedup."""
     from specscope.economics import tune as T
@@ -282,7 +282,7 @@ def tune(run_ref, baseline_ref, curve_ref, decode_ms, do_profile, model_name, dr
     if prompts_file is not None or do_profile:
         ctx.prompts = read_prompts(prompts_file, num_prompts)
     if do_profile:
-        run, base = ctx.profile(steps, topk, draft_tokens, db, say)
+        run, base = ctx.profile(steps, topk, draft_tokens, ngram_tokens, db, say)
     else:
         with _open(db) as reg:
             run = reg.get_run(run_ref, samples=False)
@@ -305,18 +305,22 @@ def tune(run_ref, baseline_ref, curve_ref, decode_ms, do_profile, model_name, dr
         decode_ms = ctx.plain_decode_ms(say)
     cost = T.CostModel.from_runs(run, base, curve, decode_ms, stat)
     configs = T.candidate_configs(acc, max_steps, max_topk, max_draft_tokens)
-    rows = T.rank(acc, cost, configs)
+    hyb = T.HybridModel.from_run(run) if (run.get("results") or {}).get("hybrid_cycles") else None
+    if hyb is not None:      # a hybrid: the drafter ran in the tree cycles only; choose the n-gram budget too
+        cost = cost.drafted_only(1.0 - hyb.copy_share)
+        configs = T.hybrid_configs(configs, hyb)
+    rows = T.rank(acc, cost, configs, hyb)
     out = {"run": run.get("id"), "baseline_run": (base or {}).get("id"), "verify_curve": getattr(curve, "run_id", None),
            "acceptance": {"source": acc.source, "rates": acc.rates}, "cost_notes": cost.notes,
            "decode_ms": cost.decode_ms, "predictions": rows[:top]}
     validation = None
     if n_validate:
-        picks = [(r["steps"], r["topk"], r["draft_tokens"]) for r in rows[:n_validate]]
+        picks = [(r["steps"], r["topk"], r["draft_tokens"], r.get("ngram_tokens", 0)) for r in rows[:n_validate]]
         measured = ctx.validate(picks, say)
         validation = []
         for r, m in zip(rows[:n_validate], measured):
             validation.append({**m, "predicted": r["speedup"], "predicted_tau": r["tau"],
-                               "label": f"s{r['steps']} k{r['topk']} n{r['draft_tokens']}"})
+                               "label": _label(r)})
         out["validation"] = validation
         out["validation_error"] = T.error_summary(validation)
     plot_dir = output
@@ -371,17 +375,21 @@ class _TuneContext:
             self._loaded = (target, drafter, encode_prompts(tok, prompts), stop_ids_for(target, tok), path)
         return self._loaded
 
-    def profile(self, steps, topk, draft_tokens, db, say):
+    def profile(self, steps, topk, draft_tokens, ngram_tokens, db, say):
         import torch
 
         from specscope.economics.probe import profile
         from specscope.registry import prompt_set_hash
-        from specscope.speculative.decode import SpecConfig
+        from specscope.speculative.decode import HYBRID_NGRAM_TOKENS, SpecConfig, split_draft
 
-        cfg = SpecConfig.from_knobs(steps, topk, draft_tokens)
+        if ngram_tokens is None and self.draft and all(split_draft(self.draft)):
+            ngram_tokens = 2 * HYBRID_NGRAM_TOKENS    # a hybrid: longer copies profiled than used, to choose from
+        SpecConfig.for_drafter(self.draft, steps, topk, draft_tokens, ngram_tokens)   # refuses a misplaced knob
+        cfg = SpecConfig.from_knobs(steps, topk, draft_tokens, ngram_tokens)
         target, drafter, ids, stop, path = self.load()
         say(f"profiling {len(ids)} prompt(s) × {self.max_new_tokens} tokens: baseline, then "
-            f"steps {cfg.steps} topk {cfg.topk} draft tokens {cfg.draft_tokens} ...")
+            f"steps {cfg.steps} topk {cfg.topk} draft tokens {cfg.draft_tokens}"
+            + (f" n-gram tokens {cfg.ngram_tokens}" if cfg.ngram_tokens else "") + " ...")
         config = {"model": str(path), "draft": self.draft, "dtype": str(target.dtype).replace("torch.", ""),
                   "device": str(target.device), "threads": torch.get_num_threads(), "prompts": self.prompts,
                   "prompt_set_hash": prompt_set_hash(self.prompts), "max_new_tokens": self.max_new_tokens,
@@ -423,8 +431,13 @@ class _TuneContext:
 
         target, drafter, ids, stop, _ = self.load()
         return validate(target, drafter, ids, picks, self.max_new_tokens, stop,
-                        progress=lambda r: say(f"measured s{r['steps']} k{r['topk']} n{r['draft_tokens']}: "
+                        progress=lambda r: say(f"measured {_label(r)}: "
                                                f"{r['measured']:.2f}x (τ {r['measured_tau']:.2f})"))
+
+
+def _label(r: dict) -> str:
+    g = f" g{r['ngram_tokens']}" if "ngram_tokens" in r else ""
+    return f"s{r['steps']} k{r['topk']} n{r['draft_tokens']}{g}"
 
 
 def _print_tune(out, rows, acc, cost, validation):
@@ -438,11 +451,18 @@ def _print_tune(out, rows, acc, cost, validation):
                f"verify {cost.verify_ms:.2f} ms, other {cost.other_ms:.2f} ms")
     for n in cost.notes:
         click.echo(f"note: {n}")
+    hybrid = any("ngram_tokens" in r for r in rows)
+    if hybrid:
+        click.echo(f"hybrid: the drafter sat out {rows[0]['copy_share'] * 100:.0f}% of cycles (long copies); copied "
+                   f"tokens are free to draft and cost only verify width")
     t = Table(title="predicted configurations (best first)")
-    for c in ("steps", "topk", "draft tok", "τ pred", "τ needed", "draft ms", "verify ms", "cycle ms", "speedup"):
+    cols = ("steps", "topk", "draft tok") + (("ngram tok",) if hybrid else ()) + \
+        ("τ pred", "τ needed", "draft ms", "verify ms", "cycle ms", "speedup")
+    for c in cols:
         t.add_column(c, justify="right")
     for r in rows:
-        t.add_row(str(r["steps"]), str(r["topk"]), str(r["draft_tokens"]), f"{r['tau']:.2f}",
+        t.add_row(str(r["steps"]), str(r["topk"]), str(r["draft_tokens"]),
+                  *((str(r["ngram_tokens"]),) if hybrid else ()), f"{r['tau']:.2f}",
                   f"{r['tau_needed']:.2f}", f"{r['draft_ms']:.2f}", f"{r['verify_ms']:.2f}", f"{r['cycle_ms']:.2f}",
                   f"{r['speedup']:.2f}x" + ("*" if r["extrapolated"] else ""))
     con.print(t)
@@ -451,7 +471,8 @@ def _print_tune(out, rows, acc, cost, validation):
     best = rows[0]
     verdict = "beats" if best["speedup"] > 1 else "does not beat"
     click.echo(f"best: --steps {best['steps']} --topk {best['topk']} --draft-tokens {best['draft_tokens']} "
-               f"(predicted {best['speedup']:.2f}x; it {verdict} plain decoding)")
+               + (f"--ngram-tokens {best['ngram_tokens']} " if hybrid else "")
+               + f"(predicted {best['speedup']:.2f}x; it {verdict} plain decoding)")
     if validation:
         v = Table(title="predicted vs measured speedup")
         for c in ("config", "predicted", "measured", "error", "τ pred", "τ measured"):

@@ -32,7 +32,7 @@ from specscope.cli.common import (SEED, TEMPERATURE, TOP_K, TOP_P, db_option, de
 @click.option("--no-record", is_flag=True, help="Do not store this run in the registry.")
 @db_option
 def generate(model_name, prompt, chat, max_new_tokens, temperature, top_p, top_k, seed, dtype, device, threads,
-             draft, steps, topk, draft_tokens, as_json, no_record, db):
+             draft, steps, topk, draft_tokens, ngram_tokens, as_json, no_record, db):
     """Generate text from one prompt with baseline or speculative decoding."""
     from specscope.engine.session import GenerateRequest, run_generate
 
@@ -42,7 +42,7 @@ def generate(model_name, prompt, chat, max_new_tokens, temperature, top_p, top_k
     req = GenerateRequest(model=model_name, prompt=prompt, chat=chat, max_new_tokens=max_new_tokens,
                           temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, dtype=dtype,
                           device=str(dev), threads=threads, draft=draft, steps=steps, topk=topk,
-                          draft_tokens=draft_tokens, record=not no_record, db=db)
+                          draft_tokens=draft_tokens, ngram_tokens=ngram_tokens, record=not no_record, db=db)
 
     if as_json:
         res = run_generate(req)

@@ -65,9 +65,9 @@ def bind_socket(host: str, port: int):
               help="Seconds a client has to send a whole request body; a slower one gets 408 and is disconnected.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="warning",
               show_default=True)
-def serve(model_name, served_model_name, draft, steps, topk, draft_tokens, dtype, device, threads, host, port,
-          api_key, max_queue, max_prompt_tokens, max_tokens_cap, metrics_prefix, no_phase_profile, shutdown_timeout,
-          body_timeout, log_level):
+def serve(model_name, served_model_name, draft, steps, topk, draft_tokens, ngram_tokens, dtype, device, threads, host,
+          port, api_key, max_queue, max_prompt_tokens, max_tokens_cap, metrics_prefix, no_phase_profile,
+          shutdown_timeout, body_timeout, log_level):
     """Serve the model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /metrics)."""
     import ipaddress
 
@@ -83,12 +83,13 @@ def serve(model_name, served_model_name, draft, steps, topk, draft_tokens, dtype
         # an unset variable in `--api-key "$KEY"` would otherwise serve with no authentication at all
         raise SpecscopeError("--api-key (or SPECSCOPE_API_KEY) is empty, which would turn authentication off; pass "
                              "a key, or leave both unset to serve without one")
-    preflight(model_name, None, draft, steps, topk, draft_tokens)  # bad flags fail before the model loads
+    # bad flags fail before the model loads
+    preflight(model_name, None, draft, steps, topk, draft_tokens, ngram_tokens)
     dev = setup_runtime(threads, device)
     cfg = ServeConfig(model=model_name, served_name=served_model_name, draft=draft, steps=steps, topk=topk,
-                      draft_tokens=draft_tokens, dtype=dtype, device=str(dev), max_queue=max_queue,
-                      max_prompt_tokens=max_prompt_tokens, max_tokens_cap=max_tokens_cap, api_key=api_key,
-                      profile_phases=not no_phase_profile, metrics_prefix=metrics_prefix,
+                      draft_tokens=draft_tokens, ngram_tokens=ngram_tokens, dtype=dtype, device=str(dev),
+                      max_queue=max_queue, max_prompt_tokens=max_prompt_tokens, max_tokens_cap=max_tokens_cap,
+                      api_key=api_key, profile_phases=not no_phase_profile, metrics_prefix=metrics_prefix,
                       body_timeout_s=body_timeout)
     sock = bind_socket(host, port)  # a bad --host or a busy --port is one error line, before any warning
     try:

@@ -172,7 +172,13 @@ def inputs_from_runs(run: dict, baseline: dict | None, given: BreakevenInputs) -
     take("draft_ms", draft_ms_of(res), f"run {rid}")
     take("other_ms", other_ms_of(res), f"run {rid} (accept + commit + other)")
     steps = cfg.get("steps") if cfg.get("steps") is not None else (cfg.get("drafting") or {}).get("steps")
-    take("steps", int(steps) if steps is not None else None, f"run {rid}")
+    ngram = cfg.get("ngram_tokens") or 0
+    if steps is not None and ngram:
+        # a hybrid's copy cycles verify a chain of its whole budget: that, not the drafter's depth, bounds τ.
+        # Copied tokens cost no drafting; their verify cost is in the measured verify phase.
+        steps = max(int(steps), int(cfg.get("draft_tokens") or 1) - 1 + int(ngram))
+    take("steps", int(steps) if steps is not None else None,
+         f"run {rid}" + (" (deepest copy chain of the hybrid)" if ngram else ""))
     take("measured_accept_length", _num(res.get("accept_length")), f"run {rid}")
     if baseline is not None:
         bid = baseline.get("id") or baseline.get("run_id") or "?"

@@ -57,6 +57,7 @@ def run_pair(target, drafter, prompt_ids, max_new_tokens, stop_ids, cfg, base_pr
 
     bt = bs = st = ss = 0.0
     acc = cycles = 0
+    extras = []
     for ids in prompt_ids:
         if baseline:
             n, s = _decode(generate(target, ids, max_new_tokens, None, stop_ids, profiler=base_prof))
@@ -66,10 +67,11 @@ def run_pair(target, drafter, prompt_ids, max_new_tokens, stop_ids, cfg, base_pr
         st, ss = st + n, ss + s
         acc += sum(r.extra["accept_lengths"])
         cycles += r.extra["cycles"]
+        extras.append(r.extra)
     if st <= 0 or (baseline and bt <= 0):
         raise SpecscopeError("no decode tokens were produced; raise --max-new-tokens")
     return {"baseline_ms_per_token": bs * 1e3 / bt if baseline else None, "ms_per_token": ss * 1e3 / st,
-            "tokens": int(st), "accept_length": acc / cycles if cycles else 0.0}
+            "tokens": int(st), "accept_length": acc / cycles if cycles else 0.0, "extras": extras}
 
 
 def plain_decode_ms(target, prompt_ids, max_new_tokens, stop_ids) -> float:
@@ -92,28 +94,36 @@ def profile(target, drafter, prompt_ids, cfg, max_new_tokens, stop_ids, config: 
     `rounds` times over; stores both. Returns (baseline_record, speculative_record), ids filled in when recorded."""
     from specscope.profile import CycleProfiler
     from specscope.registry import make_record, store_record
+    from specscope.speculative.acceptance import SourceCounts
     from specscope.speculative.drafters import NgramDrafter
 
     if isinstance(drafter, NgramDrafter) and cfg.topk != 1:
         raise SpecscopeError("n-gram drafting proposes a chain; use --topk 1")
     dev = str(target.device)
-    rec = RankRecorder(drafter, cfg.steps, cfg.topk)
-    # one untimed pass warms caches and the allocator for both paths; then the recorder starts from zero
-    run_pair(target, rec, prompt_ids[:1], min(8, max_new_tokens), stop_ids, cfg)
-    rec = RankRecorder(drafter, cfg.steps, cfg.topk)
+    # one untimed pass warms caches and the allocator for both paths
+    run_pair(target, drafter, prompt_ids[:1], min(8, max_new_tokens), stop_ids, cfg)
     bprof, sprof = CycleProfiler(dev), CycleProfiler(dev)
     t0 = time.perf_counter()
-    pair = run_pair(target, rec, list(prompt_ids) * max(1, rounds), max_new_tokens, stop_ids, cfg, bprof, sprof)
+    pair = run_pair(target, drafter, list(prompt_ids) * max(1, rounds), max_new_tokens, stop_ids, cfg, bprof, sprof)
+    extras = pair["extras"]
+    n_cycles = sum(x["cycles"] for x in extras)
     brec = make_record("baseline", "tune baseline", config={**config, "draft": None, "steps": None, "topk": None,
                                                             "draft_tokens": None},
                        profiler=bprof, results={"decode_ms_per_token": pair["baseline_ms_per_token"]})
     gen_per_prompt = pair["tokens"] / (len(prompt_ids) * max(1, rounds))
     mean_prompt = sum(len(p) for p in prompt_ids) / len(prompt_ids)
-    srec = make_record("speculative", f"tune profile s{cfg.steps} k{cfg.topk} n{cfg.draft_tokens}",
-                       config={**config, "steps": cfg.steps, "topk": cfg.topk, "draft_tokens": cfg.draft_tokens},
+    hybrid = {"hybrid_cycles": SourceCounts.merge([x["hybrid_cycles"] for x in extras])} \
+        if cfg.ngram_tokens else {}
+    srec = make_record("speculative", f"tune profile s{cfg.steps} k{cfg.topk} n{cfg.draft_tokens}"
+                                      + (f" g{cfg.ngram_tokens}" if cfg.ngram_tokens else ""),
+                       config={**config, "steps": cfg.steps, "topk": cfg.topk, "draft_tokens": cfg.draft_tokens,
+                               "ngram_tokens": cfg.ngram_tokens},
                        profiler=sprof,
-                       results={"acceptance_by_depth_rank": rec.counts(),
-                                "verify_tokens_mean": 1 + sum(rec.tree_sizes) / max(1, len(rec.tree_sizes)),
+                       results={"acceptance_by_depth_rank": RankCounts.merge([x["acceptance_by_depth_rank"]
+                                                                             for x in extras]),
+                                "verify_tokens_mean": sum(x["verify_tokens_mean"] * x["cycles"] for x in extras
+                                                          if x["cycles"]) / max(1, n_cycles),
+                                **hybrid,
                                 "mean_context": mean_prompt + gen_per_prompt / 2,
                                 "spec_ms_per_token": pair["ms_per_token"],
                                 "baseline_decode_ms_per_token": pair["baseline_ms_per_token"],
@@ -126,16 +136,17 @@ def profile(target, drafter, prompt_ids, cfg, max_new_tokens, stop_ids, config: 
 
 
 def validate(target, drafter, prompt_ids, configs, max_new_tokens, stop_ids, progress=None):
-    """Run each (steps, topk, draft_tokens) for real, alternating with plain decoding prompt by prompt;
-    measured speedup = plain ms/token ÷ speculative ms/token."""
+    """Run each (steps, topk, draft_tokens) — or (steps, topk, draft_tokens, ngram_tokens) for a hybrid — for real,
+    alternating with plain decoding prompt by prompt; measured speedup = plain ms/token ÷ speculative ms/token."""
     from specscope.speculative.decode import SpecConfig
 
     out = []
-    for steps, topk, n in configs:
-        cfg = SpecConfig(steps, topk, n)
+    for knobs in configs:
+        cfg = SpecConfig(*knobs)
         cfg.validate()
         r = run_pair(target, drafter, prompt_ids, max_new_tokens, stop_ids, cfg)
-        row = {"steps": steps, "topk": topk, "draft_tokens": n,
+        row = {"steps": cfg.steps, "topk": cfg.topk, "draft_tokens": cfg.draft_tokens,
+               **({"ngram_tokens": cfg.ngram_tokens} if len(knobs) > 3 else {}),
                "measured": r["baseline_ms_per_token"] / r["ms_per_token"], "measured_tau": r["accept_length"],
                "ms_per_token": r["ms_per_token"], "baseline_ms_per_token": r["baseline_ms_per_token"]}
         out.append(row)

@@ -4,6 +4,9 @@ From the run it takes acceptance by (depth, sibling rank) — or, for a chain ru
 per-cycle phase costs; a verify curve scales the verify (and draft-expansion) cost to other widths. Every candidate
 configuration gets a predicted τ (the tree the engine would build, `cost.expected_tree`) and a predicted speedup
 τ·T_decode / (T_draft(steps, topk) + T_verify(n) + T_other). `validate` runs the top ones for real.
+
+A hybrid run (DRAFTER+ngram) also picks the n-gram budget: copied tokens cost nothing to draft but widen the
+verify; what they add over the drafter alone comes from the run's own cycles (`HybridModel`).
 """
 
 from __future__ import annotations
@@ -112,6 +115,8 @@ class AcceptanceModel:
             acc = cls.from_counts(rank["accepted"], rank["offered"], f"run {rid}: acceptance by depth and rank",
                                   rank.get("top_path_accepted"), rank.get("top_path_offered"))
             tau = res.get("accept_length")
+            if res.get("hybrid_cycles"):       # calibrate to the drafter's own τ, not the copy's gains
+                tau = HybridModel.from_run(run).drafted_tau
             if topk and topk > 1 and cfg.get("steps") and cfg.get("draft_tokens") and tau:
                 model = tree_tau(*expected_tree(acc.rate, cfg["steps"], topk, cfg["draft_tokens"]))
                 if model > 1.0:
@@ -130,6 +135,61 @@ class AcceptanceModel:
             cond = [u / p if p else None for u, p in zip(uncond, [1.0] + uncond[:-1])]
             return cls.from_conditional(cond, f"run {rid}: accepted per position")
         raise SpecscopeError(f"run {rid} has no per-position acceptance; it is not a profiled speculative run")
+
+
+@dataclass
+class HybridModel:
+    """A hybrid run's cycles (`SourceCounts.cycles`), each (mode, a_d, a_c, c_len, c_new, count): "tree" cycles
+    verified the drafter's tree with the copy grafted on, "copy" cycles the copy alone; a_d / a_c accepted nodes
+    drafted / copied, c_len the copy's nodes, c_new the ones it added. Copies are prefixes of one chain, so a
+    shorter n-gram budget L is exact on these cycles: the copy accepts min(a_c, L) and adds the nodes of its first L
+    past those it shares. Longer budgets than the run's are not predicted. What the copy adds is measured against
+    the run's drafter shape and carried to other shapes (an approximation: a better tree leaves the copy less)."""
+
+    cycles: list[tuple]
+    ngram_tokens: int          # the run's n-gram budget
+    copy_budget: int           # the run's copy-cycle chain: draft_tokens - 1 + ngram_tokens
+
+    @classmethod
+    def from_run(cls, run: dict) -> "HybridModel":
+        res, cfg = run.get("results") or {}, run.get("config") or {}
+        rows = []
+        for key, n in (res.get("hybrid_cycles") or {}).items():
+            mode, *nums = key.split(",")
+            rows.append((mode, *map(int, nums), int(n)))
+        if not rows:
+            raise SpecscopeError(f"run {run.get('id', '?')} has no hybrid cycles")
+        L = int(cfg.get("ngram_tokens") or 0)
+        return cls(rows, L, int(cfg.get("draft_tokens") or 1) - 1 + L)
+
+    def _mean(self, mode: str, f) -> float:
+        rows = [r for r in self.cycles if r[0] == mode]
+        n = sum(r[-1] for r in rows)
+        return sum(f(*r[1:5]) * r[-1] for r in rows) / n if n else 0.0
+
+    @property
+    def copy_share(self) -> float:
+        """The share of cycles the drafter sat out (a long copy in hand); it does not depend on the shape."""
+        return sum(r[-1] for r in self.cycles if r[0] == "copy") / sum(r[-1] for r in self.cycles)
+
+    @property
+    def drafted_tau(self) -> float:
+        """τ the drafter's own tree reached in tree cycles."""
+        return 1.0 + self._mean("tree", lambda a_d, a_c, n, new: a_d)
+
+    def tree_gain(self, L: int) -> float:
+        """Extra accepted tokens per tree cycle from a copy of L tokens over the drafter alone."""
+        return self._mean("tree", lambda a_d, a_c, n, new: max(a_d, min(a_c, L)) - a_d)
+
+    def tree_nodes(self, L: int) -> float:
+        """Verify rows a copy of L tokens adds to a tree cycle (past the nodes it shares with the tree)."""
+        return self._mean("tree", lambda a_d, a_c, n, new: max(0, min(n, L) - (n - new)))
+
+    def copy_tau(self, budget: int) -> float:
+        return 1.0 + self._mean("copy", lambda a_d, a_c, n, new: min(a_c, budget))
+
+    def copy_rows(self, budget: int) -> float:
+        return 1.0 + self._mean("copy", lambda a_d, a_c, n, new: min(n, budget))
 
 
 # ------------------------------------------------------------------------------------------------ costs
@@ -163,6 +223,14 @@ class CostModel:
 
     def _scale(self, n: float, n_ref: float) -> float:
         return self.curve.ratio(n, n_ref, self.context) if self.curve is not None else 1.0
+
+    def drafted_only(self, share: float) -> "CostModel":
+        """This model with the drafter's per-cycle costs averaged over the `share` of cycles it ran in (a hybrid
+        skips it on long copies; the copy itself costs nothing to draft)."""
+        from dataclasses import replace
+
+        k = 1.0 / max(share, 1e-9)
+        return replace(self, step0_ms=self.step0_ms * k, expand_ms=self.expand_ms * k, select_ms=self.select_ms * k)
 
     def draft_ms(self, steps: int, topk: int) -> float:
         return (self.step0_ms + (steps - 1) * self.expand_ms * self._scale(topk, self.k0)
@@ -222,7 +290,10 @@ def candidates(steps: int, topk: int) -> int:
 
 # ------------------------------------------------------------------------------------------------ prediction
 
-def predict(acc: AcceptanceModel, cost: CostModel, steps: int, topk: int, draft_tokens: int) -> dict:
+def predict(acc: AcceptanceModel, cost: CostModel, steps: int, topk: int, draft_tokens: int,
+            ngram_tokens: int = 0, hybrid: HybridModel | None = None) -> dict:
+    if hybrid is not None:
+        return predict_hybrid(acc, cost, hybrid, steps, topk, draft_tokens, ngram_tokens)
     if topk == 1:
         draft_tokens = steps + 1
     parents, p = expected_tree(acc.chain_rate if topk == 1 else acc.rate, steps, topk, draft_tokens)
@@ -236,6 +307,26 @@ def predict(acc: AcceptanceModel, cost: CostModel, steps: int, topk: int, draft_
             "tau": tau, "verify_tokens": n, "draft_ms": d, "verify_ms": v, "other_ms": o, "cycle_ms": cycle,
             "tau_needed": cycle / cost.decode_ms, "tau_max": steps + 1.0,
             "speedup": tau * cost.decode_ms / cycle, "extrapolated": steps > acc.depth}
+
+
+def predict_hybrid(acc: AcceptanceModel, cost: CostModel, hyb: HybridModel, steps: int, topk: int,
+                   draft_tokens: int, ngram_tokens: int) -> dict:
+    """A hybrid: tree cycles verify the drafter's tree plus the copy's new nodes (draft cost: the drafter's only),
+    copy cycles a chain of the whole budget at no draft cost; τ and time are averaged over the two by their share."""
+    base = predict(acc, cost, steps, topk, draft_tokens)
+    f = hyb.copy_share
+    L = ngram_tokens
+    tau_tree = base["tau"] + hyb.tree_gain(L)
+    v_tree = cost.verify(base["verify_tokens"] + hyb.tree_nodes(L))
+    budget = base["draft_tokens"] - 1 + L
+    tau_copy, v_copy = hyb.copy_tau(budget), cost.verify(hyb.copy_rows(budget))
+    tau = (1 - f) * tau_tree + f * tau_copy
+    d, v, o = (1 - f) * base["draft_ms"], (1 - f) * v_tree + f * v_copy, cost.other_ms
+    cycle = d + v + o
+    rows = (1 - f) * (base["verify_tokens"] + hyb.tree_nodes(L)) + f * hyb.copy_rows(budget)
+    return {**base, "ngram_tokens": L, "tau": tau, "verify_tokens": rows, "draft_ms": d, "verify_ms": v,
+            "cycle_ms": cycle, "tau_needed": cycle / cost.decode_ms, "tau_max": max(steps, budget) + 1.0,
+            "speedup": tau * cost.decode_ms / cycle, "copy_share": f}
 
 
 DRAFT_TOKEN_GRID = (4, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)
@@ -255,8 +346,13 @@ def candidate_configs(acc: AcceptanceModel, max_steps: int | None = None, max_to
     return out
 
 
-def rank(acc: AcceptanceModel, cost: CostModel, configs) -> list[dict]:
-    rows = [predict(acc, cost, *c) for c in configs]
+def hybrid_configs(configs, hyb: HybridModel) -> list[tuple[int, int, int, int]]:
+    """Each drafter shape with every n-gram budget from 0 to the run's (longer ones are not measured)."""
+    return [(*c, L) for c in configs for L in range(hyb.ngram_tokens + 1)]
+
+
+def rank(acc: AcceptanceModel, cost: CostModel, configs, hybrid: HybridModel | None = None) -> list[dict]:
+    rows = [predict(acc, cost, *c, hybrid=hybrid) for c in configs]
     rows.sort(key=lambda r: -r["speedup"])
     return rows
 

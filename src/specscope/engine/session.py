@@ -27,6 +27,7 @@ class GenerateRequest:
     steps: int | None = None
     topk: int | None = None
     draft_tokens: int | None = None
+    ngram_tokens: int | None = None
     record: bool = True
     db: str | None = None
     extra: dict = field(default_factory=dict)
@@ -53,7 +54,7 @@ def stop_ids_for(model, tokenizer) -> list[int]:
 
 
 def preflight(model: str, max_new_tokens: int | None = None, draft: str | None = None, steps=None, topk=None,
-              draft_tokens=None):
+              draft_tokens=None, ngram_tokens=None):
     """Everything checkable from flags and files before the model loads (8-18 s for a real one): the directory,
     config.json, weight files, tokenizer, the drafting knobs, the drafter's config, and max_new_tokens against the
     context. Returns (path, ModelConfig, SpecConfig or None)."""
@@ -70,13 +71,13 @@ def preflight(model: str, max_new_tokens: int | None = None, draft: str | None =
         raise SpecscopeError(f"--max-new-tokens {max_new_tokens} leaves no room for a prompt in the model's context "
                              f"of {ctx} tokens (max_position_embeddings in config.json); use at most {ctx - 1}")
     if draft is None:
-        if any(v is not None for v in (steps, topk, draft_tokens)):
-            raise SpecscopeError("--steps/--topk/--draft-tokens need --draft")
+        if any(v is not None for v in (steps, topk, draft_tokens, ngram_tokens)):
+            raise SpecscopeError("--steps/--topk/--draft-tokens/--ngram-tokens need --draft")
         return path, cfg, None
-    from specscope.speculative.decode import SpecConfig, drafter_path
+    from specscope.speculative.decode import SpecConfig, drafter_path, split_draft
 
-    spec = SpecConfig.for_drafter(draft, steps, topk, draft_tokens)
-    if draft == "ngram":
+    spec = SpecConfig.for_drafter(draft, steps, topk, draft_tokens, ngram_tokens)
+    if split_draft(draft)[0] is None:
         if spec.topk != 1:
             raise SpecscopeError(f"n-gram drafting proposes a chain; use --topk 1 (got --topk {spec.topk})")
         return path, cfg, spec
@@ -96,7 +97,7 @@ def preflight(model: str, max_new_tokens: int | None = None, draft: str | None =
 def run_generate(req: GenerateRequest, on_text=None) -> dict:
     from specscope.engine.tokenizer import StreamDecoder
 
-    preflight(req.model, req.max_new_tokens, req.draft, req.steps, req.topk, req.draft_tokens)
+    preflight(req.model, req.max_new_tokens, req.draft, req.steps, req.topk, req.draft_tokens, req.ngram_tokens)
     if req.record:      # a registry that cannot take the run is refused now, not warned about after the work
         from specscope.registry import check_registry
 
@@ -120,7 +121,7 @@ def run_generate(req: GenerateRequest, on_text=None) -> dict:
     else:
         from specscope.speculative.decode import build_drafter, speculative_generate, SpecConfig
 
-        cfg = SpecConfig.for_drafter(req.draft, req.steps, req.topk, req.draft_tokens)
+        cfg = SpecConfig.for_drafter(req.draft, req.steps, req.topk, req.draft_tokens, req.ngram_tokens)
         drafter = build_drafter(req.draft, model, req.dtype, req.device)
         res = speculative_generate(model, drafter, prompt_ids, req.max_new_tokens, sp, stop, cfg,
                                    on_tokens=on_tokens, profiler=prof)
@@ -170,6 +171,8 @@ def _record_run(req: GenerateRequest, path, model, spec, res, prof, out: dict, l
                "stop_reason": out["stop_reason"]}
     if spec is not None:    # so that `specscope tune --run` can predict other tree shapes from this run
         results.update({k: res.extra.get(k) for k in ("acceptance_by_depth_rank", "verify_tokens_mean")})
+        if "hybrid_cycles" in res.extra:   # ... and other n-gram budgets of a hybrid
+            results["hybrid_cycles"] = res.extra["hybrid_cycles"]
     try:
         rec = make_record("generate", name=req.extra.get("name", ""), config=config, profiler=prof,
                           results=results, tags=req.extra.get("tags", ()))

@@ -7,6 +7,9 @@ Timing: on CPU `perf_counter_ns` stamps; on CUDA a pair of CUDA events per phase
 and read back lazily (no synchronisation in the hot path unless `sync=True`, which synchronises at every phase
 boundary and times with the wall clock instead: host launch overhead included, the GPU queue drained).
 
+A hybrid drafter also says which source proposed each accepted token (`end_cycle(..., sources=[...])`, e.g.
+"eagle3", "ngram" or "both"), reported per source and per position.
+
 A cycle runs from its first phase's start to `end_cycle`; time between its phases that no phase covers is added
 to "other", so the phases of a cycle add up to its wall time and tok/s = tokens / sum of cycle times. Engines wrap
 their loop bookkeeping (stop checks, streaming callbacks) in "other" themselves. Time between `end_cycle` and the
@@ -99,6 +102,7 @@ class CycleProfiler:
         self._accept: list[int] = []
         self._accepted: list[list[bool]] = []
         self._num_draft: list[int] = []
+        self._by_source: dict[str, list[int]] = {}       # source -> accepted tokens per draft position
         self._cur: dict[str, float] = {}
         self._cycle_t0 = None                            # ns stamp or CUDA event of the current cycle's start
         self._pending: list = []                         # CUDA: (name, top, ev0, ev1) of the current cycle
@@ -131,9 +135,11 @@ class CycleProfiler:
                 self._torch.cuda.synchronize(self.device)
             self._cycle_t0 = time.perf_counter_ns()
 
-    def end_cycle(self, accept_length: int, accepted: list[bool] | None = None, num_draft: int = 0) -> None:
+    def end_cycle(self, accept_length: int, accepted: list[bool] | None = None, num_draft: int = 0,
+                  sources: list[str] | None = None) -> None:
         """Close the current cycle: `accept_length` tokens were produced (accepted drafts + the bonus token);
-        `accepted` flags per draft position along the chosen path; `num_draft` tokens were drafted."""
+        `accepted` flags per draft position along the chosen path; `num_draft` tokens were drafted; `sources`
+        names the source of each accepted draft token, in path order (hybrid drafters)."""
         if accept_length < 0:
             raise SpecscopeError(f"accept_length must be >= 0, got {accept_length}")
         if self._cycle_t0 is None:
@@ -147,6 +153,10 @@ class CycleProfiler:
             accepted = [True] * k + [False] * (num_draft - k)
         self._accept.append(int(accept_length))
         self._accepted.append(accepted or [])
+        for i, name in enumerate(sources or ()):
+            col = self._by_source.setdefault(str(name), [])
+            col += [0] * (i + 1 - len(col))
+            col[i] += 1
         self._num_draft.append(int(num_draft))
         if self._cuda and not self.sync:
             end = self._event()
@@ -286,6 +296,9 @@ class CycleProfiler:
             "accepted_tokens": sum(sum(a) for a in self._accepted),
             "per_position_acceptance": uncond,
             "per_position_acceptance_conditional": cond,
+            **({"accepted_by_source": {k: sum(v) for k, v in self._by_source.items()},
+                "accepted_by_source_per_position": {k: list(v) for k, v in self._by_source.items()}}
+               if self._by_source else {}),
             "profiler_overhead": {
                 "us_per_phase": round(per_call, 3),
                 "us_per_end_cycle": round(per_end, 3),
@@ -328,6 +341,8 @@ class CycleProfiler:
                        + ", ".join(f"{x:.3f}" for x in s["per_position_acceptance"]))
             out.append("Per-position acceptance (conditional):   "
                        + ", ".join("-" if x is None else f"{x:.3f}" for x in s["per_position_acceptance_conditional"]))
+        if s.get("accepted_by_source"):
+            out.append(source_line(s["accepted_by_source"]))
         out.append(f"Decode: {s['tok_per_s']:.2f} tok/s ({s['ms_per_token']:.2f} ms/token)")
         if baseline_tok_per_s:
             out.append(f"Speedup vs baseline ({baseline_tok_per_s:.2f} tok/s): "
@@ -335,6 +350,14 @@ class CycleProfiler:
         oh = s["profiler_overhead"]
         out.append(f"Profiler overhead: {oh['ms_per_cycle'] * 1e3:.1f} us/cyc ({oh['share'] * 100:.3f}%)")
         return out
+
+
+def source_line(by_source: dict) -> str:
+    """'Accepted tokens by source: eagle3 120 (45%), ngram 80 (30%), both 67 (25%)'."""
+    total = sum(by_source.values()) or 1
+    names = sorted(by_source, key=lambda k: (k == "both", k))
+    return "Accepted tokens by source: " + ", ".join(f"{k} {by_source[k]} ({100 * by_source[k] / total:.0f}%)"
+                                                    for k in names)
 
 
 def _quantile(sorted_vals: list[float], q: float) -> float:

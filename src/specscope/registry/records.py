@@ -77,6 +77,8 @@ def results_from_summary(summary: dict) -> dict:
         "accepted_tokens": summary.get("accepted_tokens"),
         "per_position_acceptance": summary.get("per_position_acceptance", []),
         "per_position_acceptance_conditional": summary.get("per_position_acceptance_conditional", []),
+        **({k: summary[k] for k in ("accepted_by_source", "accepted_by_source_per_position")}
+           if summary.get("accepted_by_source") else {}),
         "profiler": {"timer": summary.get("timer"), "overhead": summary.get("profiler_overhead")},
     }
 

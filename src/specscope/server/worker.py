@@ -31,6 +31,7 @@ class ServeConfig:
     steps: int | None = None
     topk: int | None = None
     draft_tokens: int | None = None
+    ngram_tokens: int | None = None
     dtype: str = "auto"
     device: str = "cpu"
     max_queue: int = 64
@@ -104,7 +105,8 @@ class Engine:
         if cfg.draft:
             from specscope.speculative.decode import SpecConfig, build_drafter
 
-            self.spec_cfg = SpecConfig.for_drafter(cfg.draft, cfg.steps, cfg.topk, cfg.draft_tokens)
+            self.spec_cfg = SpecConfig.for_drafter(cfg.draft, cfg.steps, cfg.topk, cfg.draft_tokens,
+                                                  cfg.ngram_tokens)
             self.drafter = build_drafter(cfg.draft, self.model, cfg.dtype, cfg.device)
 
     # -- called on the event loop ---------------------------------------------------------------------------------

@@ -1,17 +1,19 @@
 """Which draft tokens the target accepts.
 
 Greedy: follow the child equal to the target's argmax; the argmax after the last accepted node is the bonus token.
-Sampling (lossless): for deterministic (top-k) drafts, try each sibling x with probability p(x), on rejection zero
-p(x) and renormalise, and if all fail sample the bonus from what remains; for a chain sampled from q, accept x with
-min(1, p(x)/q(x)) and on rejection sample from norm(max(p - q, 0)) (Leviathan et al.). Both leave the output
-distribution equal to the target's.
+Sampling (lossless): one rule for every child, in sibling order — accept draft x with min(1, p(x)/q(x)), and on
+rejection replace p by norm(max(p - q, 0)) and go on to the next sibling; when all fail, sample from what remains
+(Leviathan et al.; SpecInfer's multi-draft form). A child sampled from the drafter's q (chain sampling) carries q; a
+deterministic one (top-k, or copied from the context) has q = one-hot(x), where the rule reads: accept with p(x),
+else zero p(x) and renormalise. A sampled child must come before its deterministic siblings (the residual it leaves
+is what they are tested against); `DraftTree.graft` keeps it so. Output distribution = the target's.
 """
 
 from __future__ import annotations
 
 import torch
 
-from specscope.speculative.tree import DraftTree
+from specscope.speculative.tree import COPIED, DRAFTED, DraftTree
 
 
 def accept_greedy(target_argmax: list[int], tree: DraftTree) -> tuple[list[int], int]:
@@ -43,34 +45,31 @@ def accept_sampling(target_probs: torch.Tensor, tree: DraftTree, gen) -> tuple[l
     rows, cur = [0], 0
     while True:
         p = target_probs[cur]
-        if not kids[cur]:
-            return rows, _sample(p, gen)
         accepted = None
-        if tree.q is not None:
-            c = kids[cur][0]
-            x, q = tokens[c - 1], tree.q[c - 1]
-            if _uniform(gen) < min(1.0, float(p[x]) / max(float(q[x]), 1e-30)):
+        for c in kids[cur]:
+            x, q = tokens[c - 1], _q_row(tree, c - 1)
+            qx = 1.0 if q is None else float(q[x])
+            if _uniform(gen) < min(1.0, float(p[x]) / max(qx, 1e-30)):
                 accepted = c
+                break
+            if q is None:              # one-hot q: the residual is p without x
+                resid = p.clone()
+                resid[x] = 0.0
             else:
                 resid = torch.clamp(p - q, min=0)
-                s = resid.sum()
-                return rows, _sample(resid / s if s > 0 else p, gen)
-        else:
-            p = p.clone()
-            for c in kids[cur]:
-                x = tokens[c - 1]
-                if _uniform(gen) < float(p[x]):
-                    accepted = c
-                    break
-                p[x] = 0.0
-                s = p.sum()
-                if s <= 0:
-                    break
-                p = p / s
-            if accepted is None:
-                return rows, _sample(p, gen)
+            s = resid.sum()
+            if s <= 0:                 # only by rounding (p <= q everywhere means p = q, always accepted)
+                break
+            p = resid / s
+        if accepted is None:
+            return rows, _sample(p, gen)
         rows.append(accepted)
         cur = accepted
+
+
+def _q_row(tree: DraftTree, node: int) -> torch.Tensor | None:
+    """The distribution a node was sampled from, or None for a deterministic (one-hot) proposal."""
+    return tree.q[node] if tree.q is not None and node < tree.q.shape[0] else None
 
 
 class RankCounts:
@@ -136,4 +135,44 @@ class RankCounts:
         out = counts[0]
         for c in counts[1:]:
             out = {k: add(out[k], c[k]) for k in out}
+        return out
+
+
+class SourceCounts:
+    """A hybrid's accepted tokens by source, and its cycles by what each source alone would have had accepted.
+
+    `accepted`: {drafter kind (e.g. eagle3), "ngram", "both"} -> accepted draft tokens proposed by that source
+    only, or by both (a node where the copy and the drafter agreed). `cycles`: "mode,a_d,a_c,c_len,c_new" -> count,
+    where mode is "tree" (drafter + grafted copy) or "copy" (the drafter sat out), a_d / a_c are the accepted nodes
+    drafted / copied (under greedy verification exactly what each source alone would have had accepted: the
+    accepted path's prefix within its nodes), c_len the copy's nodes and c_new those it added to the tree. What
+    `specscope tune` predicts other n-gram budgets from (`economics.tune.HybridModel`)."""
+
+    def __init__(self, kind: str):
+        self.names = {DRAFTED: kind, COPIED: "ngram", DRAFTED | COPIED: "both"}
+        self.accepted = {name: 0 for name in self.names.values()}
+        self.cycles: dict[str, int] = {}
+
+    def add(self, tree: DraftTree, rows: list[int]) -> list[str]:
+        """One cycle; returns the source of each accepted draft token, in order."""
+        src = tree.sources if tree.sources is not None else [DRAFTED] * tree.size
+        acc = [src[r - 1] for r in rows[1:]]
+        for s in acc:
+            self.accepted[self.names[s]] += 1
+        mode = "tree" if any(s & DRAFTED for s in src) else "copy"
+        key = ",".join(map(str, (mode, sum(1 for s in acc if s & DRAFTED), sum(1 for s in acc if s & COPIED),
+                                 sum(1 for s in src if s & COPIED), sum(1 for s in src if s == COPIED))))
+        self.cycles[key] = self.cycles.get(key, 0) + 1
+        return [self.names[s] for s in acc]
+
+    @staticmethod
+    def merge(dicts: list[dict]) -> dict | None:
+        """Sum `accepted` or `cycles` dicts, e.g. one per prompt."""
+        dicts = [d for d in dicts if d]
+        if not dicts:
+            return None
+        out: dict = {}
+        for d in dicts:
+            for k, v in d.items():
+                out[k] = out.get(k, 0) + v
         return out

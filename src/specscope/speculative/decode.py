@@ -11,41 +11,70 @@ import torch
 from specscope.engine.generate import GenerationResult, StopCriteria, check_context, sync
 from specscope.engine.sampling import SamplingParams, make_generator, next_token, probs_from_logits
 from specscope.errors import SpecscopeError
-from specscope.speculative.acceptance import RankCounts, accept_greedy, accept_sampling
-from specscope.speculative.drafters import Drafter, DraftModelDrafter, Eagle3TreeDrafter, NgramDrafter, _phase
+from specscope.speculative.acceptance import RankCounts, SourceCounts, accept_greedy, accept_sampling
+from specscope.speculative.drafters import (Drafter, DraftModelDrafter, Eagle3TreeDrafter, HybridDrafter,
+                                            NgramDrafter, _phase)
+from specscope.speculative.tree import DRAFTED, DraftTree
 
 from specscope.models.hub import DRAFTER_ASSETS as ASSETS  # noqa: E402  (one place for the shipped drafters)
 DEFAULT_DRAFTER = "smollm2-135m-eagle3"
+# --draft spellings of n-gram copying -> its source (speculative/ngram.py); "ngram" is the one measured best
+NGRAM_SPECS = {"ngram": "suffix", "ngram-suffix": "suffix", "ngram-lookup": "lookup"}
+HYBRID_NGRAM_TOKENS = 6     # n-gram branch length of a hybrid when --ngram-tokens is not given (measured, issue 21)
+
+
+def split_draft(spec: str) -> tuple[str | None, str | None]:
+    """A --draft value as (model drafter or None, n-gram source or None): 'ngram' (also 'ngram-lookup',
+    'ngram-suffix'), a model drafter, or the hybrid 'DRAFTER+ngram' (e.g. smollm2-135m-eagle3+ngram)."""
+    if spec in NGRAM_SPECS:
+        return None, NGRAM_SPECS[spec]
+    head, plus, tail = spec.rpartition("+")
+    if plus and head and tail in NGRAM_SPECS:
+        return head, NGRAM_SPECS[tail]
+    return spec, None
 
 
 @dataclass
 class SpecConfig:
     """SGLang's knobs: steps = tree depth (drafter forwards per cycle), topk = branching, draft_tokens = tokens
-    verified per cycle including the root (with topk 1: steps + 1)."""
+    verified per cycle including the root (with topk 1: steps + 1). A hybrid drafter (DRAFTER+ngram) verifies up
+    to ngram_tokens copied tokens on top of those (0 for every other drafter)."""
 
     steps: int = 5
     topk: int = 1
     draft_tokens: int = 6
+    ngram_tokens: int = 0
 
     @classmethod
-    def from_knobs(cls, steps=None, topk=None, draft_tokens=None) -> "SpecConfig":
+    def from_knobs(cls, steps=None, topk=None, draft_tokens=None, ngram_tokens=None) -> "SpecConfig":
         topk = topk or 1
         steps = steps or (5 if topk == 1 else 4)
         if draft_tokens is None:
             draft_tokens = steps + 1 if topk == 1 else min(8 * topk, 1 + topk + (steps - 1) * topk * topk)
-        cfg = cls(steps, topk, draft_tokens)
+        cfg = cls(steps, topk, draft_tokens, ngram_tokens or 0)
         cfg.validate()
         return cfg
 
     @classmethod
-    def for_drafter(cls, draft: str | None, steps=None, topk=None, draft_tokens=None) -> "SpecConfig":
+    def for_drafter(cls, draft: str | None, steps=None, topk=None, draft_tokens=None,
+                    ngram_tokens=None) -> "SpecConfig":
         """The knobs given, or — when none is — the best measured shape the drafter's directory declares in
-        `specscope_shape.json` (written from a benchmark; a shipped drafter carries one), else the defaults."""
-        if draft not in (None, "ngram") and (steps, topk, draft_tokens) == (None, None, None):
-            shape = declared_shape(draft)
-            if shape is not None:
-                return shape
-        return cls.from_knobs(steps, topk, draft_tokens)
+        `specscope_shape.json` (written from a benchmark; a shipped drafter carries one), else the defaults.
+        A hybrid takes its model drafter's shape, plus HYBRID_NGRAM_TOKENS unless --ngram-tokens says otherwise."""
+        model, source = split_draft(draft) if draft else (None, None)
+        hybrid = model is not None and source is not None
+        if ngram_tokens is not None and not hybrid:
+            raise SpecscopeError(f"--ngram-tokens is the n-gram branch of a hybrid drafter; use --draft DRAFTER+ngram "
+                                 f"(e.g. {DEFAULT_DRAFTER}+ngram), not --draft {draft}")
+        if hybrid and ngram_tokens is None:
+            ngram_tokens = HYBRID_NGRAM_TOKENS
+        shape = None
+        if model is not None and (steps, topk, draft_tokens) == (None, None, None):
+            shape = declared_shape(model)
+        cfg = shape or cls.from_knobs(steps, topk, draft_tokens)
+        cfg.ngram_tokens = ngram_tokens or 0
+        cfg.validate()
+        return cfg
 
     def validate(self):
         if self.steps < 1:
@@ -58,10 +87,17 @@ class SpecConfig:
         if self.draft_tokens - 1 > max_nodes:
             raise SpecscopeError(f"--draft-tokens {self.draft_tokens} is more than steps={self.steps}, "
                                  f"topk={self.topk} can propose ({max_nodes} + 1); lower it or raise --steps/--topk")
+        if self.ngram_tokens < 0:
+            raise SpecscopeError(f"--ngram-tokens must be >= 0, got {self.ngram_tokens}")
 
     @property
     def shape(self) -> str:
         return "chain" if self.topk == 1 else "tree"
+
+    @property
+    def verify_tokens(self) -> int:
+        """The most tokens one cycle verifies, root included."""
+        return self.draft_tokens + self.ngram_tokens
 
     @property
     def expansion_slots(self) -> int:
@@ -75,13 +111,19 @@ class SpecConfig:
         if depth >= self.steps:
             return self
         depth = max(depth, 1)
-        return SpecConfig(depth, self.topk, min(self.draft_tokens, 1 + self.topk + (depth - 1) * self.topk ** 2))
+        return SpecConfig(depth, self.topk, min(self.draft_tokens, 1 + self.topk + (depth - 1) * self.topk ** 2),
+                          self.ngram_tokens)
 
 
 def build_drafter(spec: str, target, dtype="auto", device=None) -> Drafter:
-    """'ngram', a shipped drafter name, an EAGLE-3 checkpoint directory, or a small HF model directory/name."""
-    if spec == "ngram":
-        return NgramDrafter(target.device)
+    """'ngram' (or 'ngram-lookup'), a shipped drafter name, an EAGLE-3 checkpoint directory, a small HF model
+    directory/name, or one of those + 'ngram' (the hybrid)."""
+    model, source = split_draft(spec)
+    if model is None:
+        return NgramDrafter(target.device, source)
+    if source is not None:
+        return HybridDrafter(build_drafter(model, target, dtype, device), target.config.max_position_embeddings,
+                             source)
     path = drafter_path(spec)
     from specscope.speculative.formats import load_drafter, read_config, validate_drafter
 
@@ -113,8 +155,13 @@ def shipped_drafter(name: str) -> Path | None:
 
 def drafter_path(spec: str) -> Path:
     """The directory behind a --draft value other than 'ngram' (a shipped drafter, a path, a known model or a
-    Hugging Face id)."""
+    Hugging Face id); for a hybrid, its model drafter's."""
     from specscope.models.hub import resolve_drafter
+
+    model, _ = split_draft(spec)
+    if model is None:
+        raise SpecscopeError(f"--draft {spec} copies n-grams from the context; it has no directory")
+    spec = model
 
     path = resolve_drafter(spec)
     if not path.is_dir():
@@ -129,6 +176,7 @@ def declared_shape(draft: str) -> SpecConfig | None:
     """SpecConfig from DRAFTER/specscope_shape.json ({"steps", "topk", "draft_tokens"}), or None without one."""
     import json
 
+    draft = split_draft(draft)[0] or draft   # a hybrid declares its model drafter's shape
     if not draft.strip():
         return None  # drafter_path refuses it
     from specscope.models.hub import KNOWN_MODELS, parse_hub_id
@@ -165,9 +213,12 @@ def speculative_generate(target, drafter: Drafter, prompt_ids: list[int], max_ne
     cfg.validate()
     if isinstance(drafter, NgramDrafter) and cfg.topk != 1:
         raise SpecscopeError("n-gram drafting proposes a chain; use --topk 1")
+    hybrid = isinstance(drafter, HybridDrafter)
+    if cfg.ngram_tokens and not hybrid:
+        raise SpecscopeError("--ngram-tokens is the n-gram branch of a hybrid drafter (--draft DRAFTER+ngram)")
     device = target.device
     T = len(prompt_ids)
-    max_len = check_context(target, T, max_new_tokens, extra=cfg.draft_tokens + 1)
+    max_len = check_context(target, T, max_new_tokens, extra=cfg.verify_tokens + 1)
     ctx = target.config.max_position_embeddings
     cache = target.new_cache(max_len)
     gen = make_generator(sampling, device)
@@ -191,15 +242,18 @@ def speculative_generate(target, drafter: Drafter, prompt_ids: list[int], max_ne
     if on_tokens:
         on_tokens(kept)
     accept_lengths, cycle_ms = [], []
-    acc_pos = [0] * cfg.steps
+    acc_pos = [0] * cfg.steps                     # grow past steps where a hybrid's copy runs deeper
     drafts_pos = [0] * cfg.steps
     ranks = RankCounts(cfg.steps, cfg.topk)       # what `specscope tune --run` predicts other shapes from
+    by_source = SourceCounts(drafter.drafter.kind) if hybrid else None
+    verified: list[int] = []                      # draft nodes verified per cycle
     while reason is None:
         tc = time.perf_counter()
         # the root sits at position cache.length; a node at depth d is verified at cache.length + d < ctx.
         # The loop runs only while tokens are owed, so the root is at most ctx - 2 and one level always fits.
         with _phase(profiler, "draft"):
             tree = drafter.propose(cfg.within(ctx - 1 - cache.length), sampling, gen, profiler)
+        verified.append(tree.size)
         with _phase(profiler, "verify"):
             v_ids, v_pos, v_slots, v_mask = tree.verify_inputs(root, cache.length, cache.length)
             vout = target(v_ids, v_pos, cache, v_slots, v_mask, aux_layers=aux)
@@ -219,16 +273,21 @@ def speculative_generate(target, drafter: Drafter, prompt_ids: list[int], max_ne
             produced += kept
             if on_tokens:
                 on_tokens(kept)
-        ranks.add(tree, rows)
+        own = drafted_part(tree, rows) if hybrid else (tree, rows)
+        if own is not None:                       # the model drafter's own tree, as if it had drafted alone
+            ranks.add(*own)
         n_acc = len(rows) - 1
         depth = int(tree.depth.max()) if tree.size else 0
-        for i in range(min(depth, cfg.steps)):
+        for pos_list in (acc_pos, drafts_pos):
+            pos_list += [0] * (depth - len(pos_list))
+        for i in range(depth):
             drafts_pos[i] += 1
             if i < n_acc:
                 acc_pos[i] += 1
         accept_lengths.append(n_acc + 1)
+        sources = by_source.add(tree, rows) if hybrid else None
         if profiler is not None:
-            profiler.end_cycle(n_acc + 1, [i < n_acc for i in range(depth)], tree.size)
+            profiler.end_cycle(n_acc + 1, [i < n_acc for i in range(depth)], tree.size, sources)
         root = bonus
         cycle_ms.append((time.perf_counter() - tc) * 1e3)
     sync(device)
@@ -238,5 +297,19 @@ def speculative_generate(target, drafter: Drafter, prompt_ids: list[int], max_ne
              "accept_lengths": accept_lengths, "accepted_per_pos": acc_pos, "drafts_per_pos": drafts_pos,
              "drafter": drafter.kind, "steps": cfg.steps, "topk": cfg.topk, "draft_tokens": cfg.draft_tokens,
              "acceptance_by_depth_rank": ranks.counts(),
-             "verify_tokens_mean": 1 + sum(ranks.tree_sizes) / cycles if cycles else None}
+             "verify_tokens_mean": 1 + sum(verified) / cycles if cycles else None}
+    if hybrid:
+        extra.update(ngram_tokens=cfg.ngram_tokens, accepted_by_source=by_source.accepted,
+                     hybrid_cycles=by_source.cycles)
     return GenerationResult(produced, T, t1 - t0, t2 - t1, reason, cycle_ms, extra)
+
+
+def drafted_part(tree: DraftTree, rows: list[int]):
+    """A hybrid tree's model-drafted nodes (its first ones: the copy is grafted after them) and the accepted rows
+    among them — what that drafter alone would have had accepted under greedy verification — or None when the
+    drafter sat the cycle out."""
+    n = sum(1 for s in tree.sources or [] if s & DRAFTED) if tree.sources is not None else tree.size
+    if n == 0:
+        return None
+    own = DraftTree(tree.tokens[:n], tree.parents[:n], tree.depth[:n], tree.q)
+    return own, [r for r in rows if r <= n]

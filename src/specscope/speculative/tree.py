@@ -2,6 +2,7 @@
 
 Rows of a verify forward are [root, node 0, node 1, ...]; nodes are ordered parents-before-children and
 `parents[i]` is the parent's node index (-1 = the root). A chain is the tree whose every parent is the previous node.
+A hybrid tree also says which source proposed each node (`sources`: DRAFTED, COPIED or both, as bits).
 """
 
 from __future__ import annotations
@@ -10,13 +11,18 @@ from dataclasses import dataclass
 
 import torch
 
+DRAFTED, COPIED = 1, 2            # source bits: the model drafter's tree, the n-gram branch
+
 
 @dataclass
 class DraftTree:
     tokens: torch.Tensor          # [n] target-vocab ids of the draft nodes (root excluded)
     parents: torch.Tensor         # [n] parent node index, -1 = root
     depth: torch.Tensor           # [n] 1 = child of the root
-    q: torch.Tensor | None = None  # [n, V] distribution each node was sampled from (chain sampling); None = top-k
+    # [m, V]: the distribution each of the first m nodes was sampled from (chain sampling); nodes past m, and all
+    # nodes when None, are deterministic proposals (top-k or copied): q = one-hot
+    q: torch.Tensor | None = None
+    sources: list[int] | None = None   # [n] DRAFTED | COPIED bits per node (hybrid trees); None = one source
 
     @property
     def size(self) -> int:
@@ -57,6 +63,26 @@ class DraftTree:
         slots = torch.arange(prefix_len, prefix_len + n + 1, device=dev)[None]
         mask = torch.cat([torch.ones(n + 1, prefix_len, dtype=torch.bool, device=dev), self.ancestor_matrix()], 1)
         return ids, pos, slots, mask[None]
+
+    def graft(self, chain: list[int]) -> "DraftTree":
+        """This tree with `chain` (the tokens after the root) merged in as a trie: the chain walks down existing
+        nodes while one carries its next token, and the rest hangs below as new nodes appended at the end. Nodes
+        keep their indices, so the first `size` nodes are still this tree (and `q` still covers the sampled ones),
+        and every node of it keeps its rank among siblings: a sampled child stays before the deterministic new
+        ones, which the acceptance rule needs."""
+        toks, pars, dep = self.tokens.tolist(), self.parents.tolist(), self.depth.tolist()
+        src = list(self.sources) if self.sources is not None else [DRAFTED] * len(toks)
+        child = {(p, t): i for i, (p, t) in enumerate(zip(pars, toks))}
+        cur = -1
+        for t in chain:
+            nxt = child.get((cur, t))
+            if nxt is None:
+                nxt = child[(cur, t)] = len(toks)
+                toks.append(t); pars.append(cur); dep.append(dep[cur] + 1 if cur >= 0 else 1); src.append(0)
+            src[nxt] |= COPIED
+            cur = nxt
+        as_t = lambda x: torch.tensor(x, dtype=torch.long, device=self.tokens.device)   # noqa: E731
+        return DraftTree(as_t(toks), as_t(pars), as_t(dep), self.q, src)
 
     def paths(self) -> list[list[int]]:
         """Every root-to-leaf path as rows (EAGLE's retrieve_indices)."""

@@ -280,8 +280,9 @@ def drafter_steps(target, dmodel, context: int, rounds: int, topk: int, steps: i
         v_ids, v_pos, v_slots, v_mask = chain.verify_inputs(root, context, context)
         vout = target(v_ids, v_pos, cache, v_slots, v_mask, aux_layers=dr.aux_layers)
         dr.commit([0, 1, 2], vout, [5, 6, 7])
-        committed = dr.committed
+        committed, pending = dr.committed, (dr.pending_tokens, dr.pending_aux)
         for r in range(rounds + 2):
+            dr.pending_tokens, dr.pending_aux = pending   # the same catch-up every round (propose consumes it)
             if r == 2:
                 prof = CycleProfiler(str(dev), sync=dev.type == "cuda")   # drop the warm-up rounds
             with prof.phase("draft"):

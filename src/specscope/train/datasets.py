@@ -51,23 +51,12 @@ def load_conversations(spec: str, split: str = "train", config: str | None = Non
 
 def read_records(rows, where: str):
     """Records (dicts) of a `datasets` dataset -> conversations, with the JSONL reader's rules and report."""
-    from specscope.train.data import ReadReport, check_read, normalise
+    from specscope.train.data import ReadReport, check_read, normalise, take_conversation
 
     rep, convs = ReadReport(unit="record"), []
     for i, row in enumerate(_rows(rows, where), 1):
         rep.lines += 1
-        try:
-            msgs = normalise(_drop_nulls(row))
-        except ValueError as e:
-            rep.malformed += 1
-            rep.note(i, str(e))
-            continue
-        if not any(m["role"] == "assistant" for m in msgs):
-            rep.no_assistant += 1
-            rep.note(i, "no assistant turn")
-            continue
-        rep.ok += 1
-        convs.append(msgs)
+        take_conversation(rep, convs, i, lambda: normalise(_drop_nulls(row)))
     check_read(rep, where)
     return convs, rep
 

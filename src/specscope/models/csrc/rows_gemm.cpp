@@ -95,6 +95,19 @@ static int gemm_dispatch(const float* x, int64_t n, const WT* p, int64_t nb, int
     return -1;
 }
 
+// pack w [out, in] (row-major) into panels of nb outputs: [ceil(out/nb)][in][nb], zero-padded; as fp32, or as
+// bf16 (the top 16 bits of each fp32 weight: callers pack only weights that are exactly bf16, so nothing is rounded)
+template <typename WT, typename Conv>
+static void pack_panels(const float* w, int64_t out, int64_t in, int64_t nb, WT* p, Conv conv) {
+    int64_t npan = (out + nb - 1) / nb;
+    for (int64_t b = 0; b < npan; ++b)
+        for (int64_t k = 0; k < in; ++k)
+            for (int64_t j = 0; j < nb; ++j) {
+                int64_t o = b * nb + j;
+                p[(b * in + k) * nb + j] = o < out ? conv(w[o * in + k]) : WT(0);
+            }
+}
+
 extern "C" {
 
 int rows_gemm_abi() { return 9; }
@@ -110,29 +123,16 @@ int rows_gemm_variants(int64_t* nb, int64_t* rb, int max) {
     return n;
 }
 
-// pack w [out, in] (row-major) into panels of nb outputs: [ceil(out/nb)][in][nb], zero-padded
 void rows_gemm_pack(const float* w, int64_t out, int64_t in, int64_t nb, float* p) {
-    int64_t npan = (out + nb - 1) / nb;
-    for (int64_t b = 0; b < npan; ++b)
-        for (int64_t k = 0; k < in; ++k)
-            for (int64_t j = 0; j < nb; ++j) {
-                int64_t o = b * nb + j;
-                p[(b * in + k) * nb + j] = o < out ? w[o * in + k] : 0.0f;
-            }
+    pack_panels(w, out, in, nb, p, [](float v) { return v; });
 }
 
-// the same panels holding bf16 (the top 16 bits of each fp32 weight; callers pack only weights that are exactly
-// bf16, so nothing is rounded)
 void rows_gemm_pack_bf16(const float* w, int64_t out, int64_t in, int64_t nb, uint16_t* p) {
-    int64_t npan = (out + nb - 1) / nb;
-    for (int64_t b = 0; b < npan; ++b)
-        for (int64_t k = 0; k < in; ++k)
-            for (int64_t j = 0; j < nb; ++j) {
-                int64_t o = b * nb + j;
-                uint32_t bits = 0;
-                if (o < out) memcpy(&bits, w + o * in + k, 4);
-                p[(b * in + k) * nb + j] = (uint16_t)(bits >> 16);
-            }
+    pack_panels(w, out, in, nb, p, [](float v) {
+        uint32_t bits;
+        memcpy(&bits, &v, 4);
+        return (uint16_t)(bits >> 16);
+    });
 }
 
 int rows_gemm_f32(const float* x, int64_t n, const float* p, int64_t nb, int64_t out, int64_t in, const float* bias,

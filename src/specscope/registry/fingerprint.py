@@ -51,11 +51,13 @@ def collect(torch_details: bool = False) -> dict:
 def _cpu() -> dict:
     out = {"model": None, "arch": platform.machine(), "cores_physical": None, "cores_logical": os.cpu_count(),
            "cores_usable": None, "freq_mhz": None, "freq_max_mhz": None}
-    try:
+    flags: set[str] = set()
+    try:   # the first processor's model name and flags (x86 "flags", aarch64 "Features")
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
+            if line.startswith("model name") and out["model"] is None:
                 out["model"] = line.split(":", 1)[1].strip()
-                break
+            elif line.startswith(("flags", "Features")) and not flags:
+                flags = set(line.split(":", 1)[1].split())
     except OSError:
         pass
     if out["model"] is None:
@@ -82,22 +84,14 @@ def _cpu() -> dict:
     quota = _cgroup_cpu_quota()
     if quota:
         out["cgroup_cpu_quota"] = quota
-    out.update(_simd())
+    out.update(_simd(flags))
     return out
 
 
-def _simd() -> dict:
+def _simd(flags: set[str]) -> dict:
     """The vector extensions the CPU exposes (a hypervisor may hide AVX-512) and the row kernels' instruction set
     in this process (None: the stock oneDNN path, or no model loaded), which decide CPU decode speed more than the
-    model name does. Read without importing torch (the registry stays light)."""
-    flags: set[str] = set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                flags = set(line.split(":", 1)[1].split())
-                break
-    except OSError:
-        pass
+    model name does. Without importing torch (the registry stays light)."""
     simd = [f for f in ("avx512f", "avx2", "fma", "asimd", "sve") if f in flags]
     rg = sys.modules.get("specscope.models.rowgemm")   # loaded with a model; its library decides the kernels
     kernels = rg._isa if rg is not None and rg._lib_state == "loaded" else None

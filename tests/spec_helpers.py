@@ -93,3 +93,18 @@ def check_grid(target, drafters: dict, cases, prompt_for) -> dict:
             overshoot = 1 + sum(acc) - len(res.token_ids)
             s["ended_inside"] += overshoot >= 2
     return stats
+
+
+def tiny_target_and_drafter(root):
+    """(model dir, drafter dir, loaded target) under `root`: a 4-layer llama with a 101-token tokenizer and a
+    random EAGLE-3 drafter for it saved in SGLang's layout -- what the bad-input suites run commands against."""
+    from specscope.speculative.formats import save_drafter
+    from tiny import make_tiny_tokenizer
+
+    model = root / "model"
+    make_hf_model(model, "llama", layers=4, vocab=101)
+    make_tiny_tokenizer(model, 101)
+    target = load_model(model, "fp32", "cpu")
+    drafter = root / "drafter"
+    save_drafter(random_eagle3(target, draft_vocab=60), drafter, "sglang", dtype=torch.float32)
+    return model, drafter, target

@@ -31,20 +31,11 @@ from tiny import make_hf_model, make_tiny_tokenizer
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     """A tiny target with tokenizer, an EAGLE-3 drafter for it, a registry holding two runs, and a few files."""
-    import torch
-
-    from spec_helpers import random_eagle3
-    from specscope.models import load_model
+    from spec_helpers import tiny_target_and_drafter
     from specscope.registry import make_record, store_record
-    from specscope.speculative.formats import save_drafter
 
     root = tmp_path_factory.mktemp("bad_input")
-    model = root / "model"
-    make_hf_model(model, "llama", layers=4, vocab=101)
-    make_tiny_tokenizer(model, 101)
-    target = load_model(model, "fp32", "cpu")
-    drafter = root / "drafter"
-    save_drafter(random_eagle3(target, draft_vocab=60), drafter, "sglang", dtype=torch.float32)
+    model, drafter, _ = tiny_target_and_drafter(root)
     db = root / "runs.db"
     for i in range(2):
         store_record(make_record("generate", name=f"run {i}", config={"model": str(model), "steps": 3},

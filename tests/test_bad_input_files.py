@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest
 
 from cli_util import cli, one_error_line
-from tiny import make_hf_model, make_tiny_tokenizer
 from train_util import make_chat_target, write_dataset
 
 SGLANG_URL = "http://127.0.0.1:9"   # nothing listens on the discard port: dataset errors come before any request
@@ -32,18 +31,11 @@ def world(tmp_path_factory):
     import torch
     from safetensors.torch import load_file, save_file
 
-    from spec_helpers import random_eagle3
-    from specscope.models import load_model
+    from spec_helpers import tiny_target_and_drafter
     from specscope.registry import make_record, store_record
-    from specscope.speculative.formats import save_drafter
 
     root = tmp_path_factory.mktemp("bad_files")
-    model = root / "model"
-    make_hf_model(model, "llama", layers=4, vocab=101)
-    make_tiny_tokenizer(model, 101)
-    target = load_model(model, "fp32", "cpu")
-    drafter = root / "drafter"
-    save_drafter(random_eagle3(target, draft_vocab=60), drafter, "sglang", dtype=torch.float32)
+    model, drafter, _ = tiny_target_and_drafter(root)
     # what a diverged training run used to ship: the same files, every floating weight NaN
     nan_drafter = root / "nan-drafter"
     nan_drafter.mkdir()

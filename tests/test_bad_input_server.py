@@ -20,7 +20,7 @@ import pytest
 
 from cli_util import cli, one_error_line
 from serve_util import Background
-from tiny import make_hf_model, make_tiny_tokenizer
+
 
 LONG = "a" * 300   # one path component past NAME_MAX (255): every OS call on it fails with ENAMETOOLONG
 
@@ -28,20 +28,11 @@ LONG = "a" * 300   # one path component past NAME_MAX (255): every OS call on it
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     """A tiny target with tokenizer, an EAGLE-3 drafter for it, and a registry with one run."""
-    import torch
-
-    from spec_helpers import random_eagle3
-    from specscope.models import load_model
+    from spec_helpers import tiny_target_and_drafter
     from specscope.registry import make_record, store_record
-    from specscope.speculative.formats import save_drafter
 
     root = tmp_path_factory.mktemp("bad_input_server")
-    model = root / "model"
-    make_hf_model(model, "llama", layers=4, vocab=101)
-    make_tiny_tokenizer(model, 101)
-    drafter = root / "drafter"
-    save_drafter(random_eagle3(load_model(model, "fp32", "cpu"), draft_vocab=60), drafter, "sglang",
-                 dtype=torch.float32)
+    model, drafter, _ = tiny_target_and_drafter(root)
     db = root / "runs.db"
     store_record(make_record("generate", name="r", config={"model": str(model)}, results={"tok_per_s": 10.0},
                              env={"host": "test"}), db)

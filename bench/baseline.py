@@ -79,7 +79,7 @@ def bytes_per_token(model) -> dict:
 
 
 def run_ours(model, ids, n, stop):
-    from specscope.engine.generate import generate
+    from specscope.generate import generate
 
     t = time.perf_counter()
     r = generate(model, ids, n, stop_ids=stop)
@@ -103,7 +103,7 @@ def bench_dtype(name, path, tok, prompts, args, log) -> dict:
     import transformers
     from transformers import AutoModelForCausalLM
 
-    from specscope.engine.session import stop_ids_for
+    from specscope.session import stop_ids_for
     from specscope.models import load_model
 
     transformers.logging.set_verbosity_error()
@@ -204,7 +204,7 @@ def main(argv=None):
 
     from rich.console import Console
 
-    from specscope.engine.tokenizer import Tokenizer
+    from specscope.runtime.tokenizer import Tokenizer
     from specscope.models.hub import resolve_model
 
     con = Console(stderr=True)

@@ -255,7 +255,7 @@ def drafter_steps(target, dmodel, context: int, rounds: int, topk: int, steps: i
     The drafter is brought to a committed state once (prompt catch-up, one verify, 3 rows committed); each round
     proposes from that state and rewinds it, so every round does identical work. A verify forward (untimed) runs
     between rounds, as in a real cycle: it evicts the drafter's weights from the caches."""
-    from specscope.engine.sampling import SamplingParams
+    from specscope.runtime.sampling import SamplingParams
     from specscope.profile.cycle import CycleProfiler
     from specscope.speculative.decode import SpecConfig
     from specscope.speculative.drafters import Eagle3TreeDrafter

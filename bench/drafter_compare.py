@@ -74,8 +74,8 @@ def main(argv=None):
     from rich.console import Console
     from rich.table import Table
 
-    from specscope.engine.generate import generate
-    from specscope.engine.session import load_target, stop_ids_for
+    from specscope.generate import generate
+    from specscope.session import load_target, stop_ids_for
     from specscope.models.hub import cache_dir
     from specscope.speculative.decode import build_drafter, speculative_generate
     from specscope.train.data import open_for_append, read_jsonl

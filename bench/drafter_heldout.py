@@ -16,8 +16,8 @@ from pathlib import Path
 def main():
     import torch
 
-    from specscope.engine.generate import generate
-    from specscope.engine.sampling import SamplingParams
+    from specscope.generate import generate
+    from specscope.runtime.sampling import SamplingParams
     from specscope.speculative.decode import SpecConfig, build_drafter, speculative_generate
     from specscope.train.data import read_conversations
     from specscope.train.pipeline import load_target

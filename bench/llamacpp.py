@@ -84,8 +84,8 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     from speculative import pick_prompts
 
-    from specscope.engine.generate import generate
-    from specscope.engine.session import load_target, stop_ids_for
+    from specscope.generate import generate
+    from specscope.session import load_target, stop_ids_for
     from specscope.models import rowgemm
     from specscope.models.hub import KNOWN_MODELS, _package_file, cache_dir
     from specscope.speculative.decode import SpecConfig, build_drafter, speculative_generate

@@ -94,9 +94,9 @@ def main(argv=None):
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "profiler_overhead.json"))
     args = ap.parse_args(argv)
 
-    from specscope.engine.generate import generate
-    from specscope.engine.sampling import SamplingParams
-    from specscope.engine.tokenizer import Tokenizer
+    from specscope.generate import generate
+    from specscope.runtime.sampling import SamplingParams
+    from specscope.runtime.tokenizer import Tokenizer
     from specscope.models import load_model
     from specscope.models.hub import resolve_model
     from specscope.registry.fingerprint import collect

@@ -119,9 +119,9 @@ def offline_greedy(model_name: str, threads: int, prompts: set[str], max_tokens:
     """What batch-1 greedy decoding gives for each prompt, in this process (after the server is gone)."""
     import torch
 
-    from specscope.engine.generate import generate
-    from specscope.engine.sampling import SamplingParams
-    from specscope.engine.session import load_target, stop_ids_for
+    from specscope.generate import generate
+    from specscope.runtime.sampling import SamplingParams
+    from specscope.session import load_target, stop_ids_for
 
     torch.set_num_threads(threads)
     model, tok, _ = load_target(model_name, "auto", "cpu")

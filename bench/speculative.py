@@ -88,8 +88,8 @@ def main(argv=None):
     from rich.progress import Progress
     from rich.table import Table
 
-    from specscope.engine.generate import generate
-    from specscope.engine.session import load_target, stop_ids_for
+    from specscope.generate import generate
+    from specscope.session import load_target, stop_ids_for
     from specscope.speculative.decode import SpecConfig, build_drafter, speculative_generate
     from specscope.speculative.drafters import HybridDrafter
     from specscope.errors import SpecscopeError

@@ -83,7 +83,7 @@ def main(argv=None) -> int:
     from specscope.economics.plots import plot_pred_vs_measured, plot_tau_needed
     from specscope.economics.probe import encode_prompts, profile, validate
     from specscope.economics.verify_curve import VerifyCurve, measure_curve
-    from specscope.engine.session import load_target, stop_ids_for
+    from specscope.session import load_target, stop_ids_for
     from specscope.registry import default_db_path, make_record, prompt_set_hash, store_record
     from specscope.registry.fingerprint import collect
     from specscope.speculative.decode import SpecConfig, build_drafter

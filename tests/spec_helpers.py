@@ -6,7 +6,7 @@ import random
 
 import torch
 
-from specscope.engine.generate import generate
+from specscope.generate import generate
 from specscope.models import load_model
 from specscope.speculative.decode import SpecConfig, speculative_generate
 from specscope.speculative.eagle3 import DrafterConfig, Eagle3Drafter

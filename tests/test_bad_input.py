@@ -454,7 +454,7 @@ for _cut in ("empty", "inside the length prefix", "after the length prefix", "in
 @pytest.fixture
 def guarded(world, tmp_path, monkeypatch, capsys):
     """Run one CLI case against the world registry; returns a runner (argv, stdin, preflight) -> error line."""
-    import specscope.engine.session as session
+    import specscope.session as session
 
     monkeypatch.setenv("SPECSCOPE_DB", str(world["db"]))
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
@@ -518,8 +518,8 @@ def test_geometric_sum_matches_the_plain_sum():
 
 
 def test_one_sampling_schema_for_cli_server_and_library():
-    from specscope.engine.params import SEED_MAX, TEMPERATURE_MAX, ParamError, check_field
-    from specscope.engine.sampling import SamplingParams
+    from specscope.runtime.params import SEED_MAX, TEMPERATURE_MAX, ParamError, check_field
+    from specscope.runtime.sampling import SamplingParams
     from specscope.server.protocol import ApiError, _common
 
     for field, bad in (("temperature", float("nan")), ("temperature", TEMPERATURE_MAX + 0.1), ("seed", SEED_MAX + 1),
@@ -538,7 +538,7 @@ def test_one_sampling_schema_for_cli_server_and_library():
 # ---------------------------------------------------------------------------------------------- the last line
 
 def test_an_unexpected_exception_is_one_line_and_exit_70(world, tmp_path, monkeypatch, capsys):
-    import specscope.engine.session as session
+    import specscope.session as session
 
     def boom(*a, **k):
         raise RuntimeError("simulated bug\nsecond line")
@@ -562,9 +562,9 @@ def server(world):
     from fastapi.testclient import TestClient
 
     from specscope.server.app import create_app
-    from specscope.server.worker import Engine, ServeConfig
+    from specscope.server.worker import ServedModel, ServeConfig
 
-    engine = Engine(ServeConfig(model=str(world["model"]), device="cpu", dtype="fp32", max_tokens_cap=64,
+    engine = ServedModel(ServeConfig(model=str(world["model"]), device="cpu", dtype="fp32", max_tokens_cap=64,
                                 max_body_bytes=1 << 20))
     with TestClient(create_app(engine), raise_server_exceptions=False) as c:
         yield c
@@ -659,7 +659,7 @@ def test_server_get_on_a_post_route_is_405(server):
 
 
 def test_server_bug_is_a_500_with_a_request_id_and_a_logged_traceback(server, caplog, monkeypatch):
-    engine = server.app.state.engine
+    engine = server.app.state.served
 
     def boom(p):
         raise RuntimeError("simulated bug")
@@ -677,7 +677,7 @@ def test_server_bug_is_a_500_with_a_request_id_and_a_logged_traceback(server, ca
 
 
 def test_server_bug_during_generation_names_the_request(server, caplog, monkeypatch):
-    engine = server.app.state.engine
+    engine = server.app.state.served
 
     def boom(job, metrics):
         raise RuntimeError("simulated decode bug")

@@ -59,7 +59,7 @@ def no_load(*a, **k):
 def guarded(world, tmp_path, monkeypatch, capsys):
     """Runs a CLI case that must be refused from flags and files alone: any model load fails the test, and no
     file under tmp_path may change. Returns the error line."""
-    import specscope.engine.session as session
+    import specscope.session as session
     import specscope.models
     import specscope.train.pipeline as pipeline
 

@@ -43,7 +43,7 @@ def world(tmp_path_factory):
 def run_cli(world, tmp_path, monkeypatch, capsys):
     """`specscope ARGS` in-process against the world registry, with no model load allowed when `no_load`;
     returns (exit code, stdout, stderr) and checks that nothing crashed (no exit 70, no crash report)."""
-    import specscope.engine.session as session
+    import specscope.session as session
 
     monkeypatch.setenv("SPECSCOPE_DB", str(world["db"]))
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
@@ -92,7 +92,7 @@ def test_a_300_character_path_component_is_one_error_line(world, tmp_path, run_c
 
 
 def test_an_os_error_on_a_path_the_user_did_not_give_is_still_a_bug(world, tmp_path, monkeypatch, capsys):
-    import specscope.engine.session as session
+    import specscope.session as session
 
     def broken(*a, **k):
         raise FileNotFoundError(2, "No such file or directory", "/nonexistent/specscope/internal.json")

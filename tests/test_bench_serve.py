@@ -50,9 +50,9 @@ def _env(**extra):
 
 
 def _offline_chat(model_dir, prompt, n):
-    from specscope.engine.generate import generate
-    from specscope.engine.sampling import SamplingParams
-    from specscope.engine.session import load_target, stop_ids_for
+    from specscope.generate import generate
+    from specscope.runtime.sampling import SamplingParams
+    from specscope.session import load_target, stop_ids_for
 
     model, tok, _ = load_target(str(model_dir), "fp32", "cpu")
     ids = tok.encode_messages([{"role": "user", "content": prompt}])
@@ -60,9 +60,9 @@ def _offline_chat(model_dir, prompt, n):
 
 
 def _offline_text(model_dir, prompt, n):
-    from specscope.engine.generate import generate
-    from specscope.engine.sampling import SamplingParams
-    from specscope.engine.session import load_target, stop_ids_for
+    from specscope.generate import generate
+    from specscope.runtime.sampling import SamplingParams
+    from specscope.session import load_target, stop_ids_for
 
     model, tok, _ = load_target(str(model_dir), "fp32", "cpu")
     return tok.decode(generate(model, tok.encode(prompt), n, SamplingParams(), stop_ids_for(model, tok)).token_ids)
@@ -83,9 +83,10 @@ def test_bench_serve_random_dataset_at_a_request_rate_writes_vllm_result(spec_se
 
     res_dir = tmp_path / "results"
     r = subprocess.run([sys.executable, "-m", "specscope", "bench-serve", "--base-url", spec_server.url,
-                        "--request-rate", "4", "--num-prompts", "32", "--dataset", "random", "--random-input-len",
-                        "64", "--random-output-len", "32", "--ignore-eos", "--save-result", "--result-dir",
-                        str(res_dir), "--metric-percentiles", "50,90,99", "--goodput", "ttft:60000", "tpot:60000"],
+                        "--backend", "openai-chat", "--request-rate", "4", "--num-prompts", "32", "--dataset-name",
+                        "random", "--random-input-len", "64", "--random-output-len", "32", "--save-result",
+                        "--result-dir", str(res_dir), "--metric-percentiles", "50,90,99", "--goodput", "ttft:60000",
+                        "tpot:60000"],
                        capture_output=True, text=True, timeout=600, env=_env())
     assert r.returncode == 0, r.stderr
     assert "\r" not in r.stderr and "\r" not in r.stdout               # no in-place progress without a terminal
@@ -109,6 +110,13 @@ def test_bench_serve_random_dataset_at_a_request_rate_writes_vllm_result(spec_se
     assert res["duration"] > 3.0
     assert res["mean_ttft_ms"] > 0 and res["p99_e2el_ms"] >= res["median_e2el_ms"] > res["median_ttft_ms"]
     assert res["spec_decode"]["accept_length"] >= 1.0 and res["spec_decode"]["num_drafts"] > 0
+    # vLLM's top-level speculative fields from specscope's own counters: acceptance rate in percent
+    sd = res["spec_decode"]
+    assert res["spec_decode_num_drafts"] == sd["num_drafts"] and res["spec_decode_draft_tokens"] == sd["num_draft_tokens"]
+    assert res["spec_decode_acceptance_rate"] == pytest.approx(100 * sd["draft_acceptance_rate"])
+    assert res["spec_decode_acceptance_length"] == pytest.approx(sd["accept_length"])
+    assert len(res["spec_decode_per_position_acceptance_rates"]) == 3            # --speculative-num-steps 3
+    assert res["backend"] == res["endpoint_type"] == "openai-chat" and res["ignore_eos"] is True  # random: as vLLM
     run = open_registry().get_run(res["specscope_run_id"])
     assert run["kind"] == "bench_serve" and run["config"]["prompt_set"] == "random"
 
@@ -123,8 +131,10 @@ def test_serve_and_bench_serve_end_to_end(model_dir, spec_server, tmp_path):
     keyed = Server(["--model", str(model_dir), "--api-key", "k3y"], _env())
     try:
         # --- bench-serve at concurrency 1 and 4 against the speculative server -----------------------------
+        # the old spellings (--url, --dataset, --concurrency, --max-tokens) still work; --endpoint chat as before
         r = subprocess.run([sys.executable, "-m", "specscope", "bench-serve", "--url", spec.url, "--dataset",
-                            str(data), "--concurrency", "1,4", "--max-tokens", "24", "--json", "--tag", "e2e"],
+                            str(data), "--endpoint", "chat", "--concurrency", "1,4", "--max-tokens", "24", "--json",
+                            "--tag", "e2e"],
                            capture_output=True, text=True, timeout=300, env=_env())
         assert r.returncode == 0, r.stderr
         out = json.loads(r.stdout)
@@ -150,9 +160,10 @@ def test_serve_and_bench_serve_end_to_end(model_dir, spec_server, tmp_path):
         assert run["results"]["accept_length"] > 1.0
 
         # --- the completions endpoint too (plain prompts, no chat template) ----------------------------------
-        r = subprocess.run([sys.executable, "-m", "specscope", "bench-serve", "--url", spec.url + "/v1", "--dataset",
-                            str(data), "--endpoint", "completions", "--concurrency", "2", "--max-tokens", "16",
-                            "--json"], capture_output=True, text=True, timeout=300, env=_env())
+        r = subprocess.run([sys.executable, "-m", "specscope", "bench-serve", "--base-url", spec.url + "/v1",
+                            "--dataset-path", str(data), "--disable-shuffle", "--no-oversample", "--backend", "vllm",
+                            "--max-concurrency", "2", "--output-len", "16", "--json"],
+                           capture_output=True, text=True, timeout=300, env=_env())
         assert r.returncode == 0, r.stderr
         per_req = open_registry().get_run(json.loads(r.stdout)["run_id"])["samples"]["per_request"]
         for x in per_req:

@@ -9,8 +9,8 @@ import sys
 import pytest
 import torch
 
-from specscope.engine.generate import generate
-from specscope.engine.tokenizer import Tokenizer
+from specscope.generate import generate
+from specscope.runtime.tokenizer import Tokenizer
 from specscope.models import load_model
 from tiny import make_hf_model, make_tiny_tokenizer
 from cli_util import cli, one_error_line

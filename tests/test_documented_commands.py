@@ -26,6 +26,7 @@ from serve_util import Background
 from tiny import make_hf_model, make_tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT / "tests" / "data" / "engine_logs"
 NEEDS_REAL_MODEL = ("smollm2-135m-eagle3",)     # the shipped drafter only fits the real SmolLM2
 
 
@@ -110,6 +111,7 @@ class Session:
         self.drafter = drafter                  # DRAFTER: the shipped one unless a stand-in is given
         self.generated: list[str] = []          # run ids of `specscope generate`
         self.ingested: list[str] = []
+        self.by_file: dict[str, str] = {}       # ingested file name -> run id (RUN_K1 ... come from vLLM's)
         self.server: Background | None = None
         self.ran: list[str] = []
 
@@ -122,6 +124,7 @@ class Session:
                 ("INGESTED_A", self.ingested[0] if self.ingested else "?"),
                 ("INGESTED_B", self.ingested[-1] if self.ingested else "?"),
                 ("DRAFTER", str(self.drafter or ASSETS / DEFAULT_DRAFTER))]
+        subs += [(f"RUN_{k.upper()}", self.by_file.get(f"vllm-{k}.jsonl", "?")) for k in ("plain", "k1", "k3")]
         spec = next((r for r in reversed(self.generated) if self._is_spec(r)), "?")
         subs.append(("--run ID", f"--run {spec}"))
         for a, b in subs:
@@ -159,6 +162,7 @@ class Session:
 
             with open_registry() as reg:
                 self.ingested = [r["id"] for r in reversed(reg.list_runs(kind="ingest"))]
+            self.by_file[Path(argv[1]).name] = self.ingested[-1]
         return out
 
     def close(self):
@@ -172,6 +176,8 @@ def _run_readme(tmp_path, monkeypatch, capsys, skip=(), drafter=None):
     (work / "sglang.log").write_text(SGLANG_LOG)
     (work / "vllm.log").write_text(VLLM_LOG)
     (work / "metrics.prom").write_text(PROM)
+    for k in ("plain", "k1", "k3"):             # recorded by the vLLM plugin in a real vLLM 0.32.0 (make test-engines)
+        (work / f"vllm-{k}.jsonl").write_bytes((DATA / f"vllm_plugin_{k}.jsonl").read_bytes())
     monkeypatch.chdir(work)
     env = dict(os.environ)
     env.pop("SPECSCOPE_API_KEY", None)
@@ -204,7 +210,7 @@ def test_every_readme_command_runs(tmp_path, monkeypatch, capsys):
     # what the commands were to write is there
     assert (work / "report.html").stat().st_size > 10_000 and (work / "runs.csv").read_text().startswith("id,")
     assert list(work.glob("verify-curve-*.png")) and (work / "out" / "config.json").exists()
-    saved = list(work.glob("openai-chat-4.0qps-*.json"))
+    saved = list(work.glob("openai-4.0qps-*.json"))     # vLLM's name: backend-rate-model-time
     assert len(saved) == 1 and "mean_ttft_ms" in json.loads(saved[0].read_text())
 
 

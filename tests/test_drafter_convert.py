@@ -16,7 +16,7 @@ from drafter_util import (SMALL, published, random_drafter, raw_tensors, ref_cfg
 from safetensors.torch import load_file, save_file
 
 from specscope.errors import SpecscopeError
-from specscope.speculative.check import check_drafter, parse_engine_args
+from specscope.check_drafter import check_drafter, parse_engine_args
 from specscope.speculative.formats import load_drafter, resolve_target, save_drafter
 
 LAYERS = 8
@@ -446,6 +446,27 @@ def test_check_names_engine_misconfigurations(tmp_path, target, tdir):
     vllm = f"vllm serve tiny --speculative-config '{spec}'"
     s = _statuses(check_drafter(good, _facts(tdir), vllm, run=False))
     assert s["engine: method"][0] == "fail" and "eagle3" in s["engine: method"][1]
+
+
+def test_check_warns_vllm_reads_sglang_layer_ids_one_early(tmp_path, tdir):
+    """vLLM 0.32 takes eagle_config's output-of-layer ids as hidden-state indices (make test-engines measures the
+    counters this gives); SGLang adds the +1 and a speculators export names the indices themselves."""
+    raw = shrink(published("specforge_llama3_8b_eagle3.json"))
+    raw["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [1, 3, 4]}
+    path = write_raw(tmp_path / "d", raw, raw_tensors(raw, "midlayer."))
+    spec = json.dumps({"method": "eagle3", "model": str(path), "num_speculative_tokens": 3})
+    s = _statuses(check_drafter(path, _facts(tdir), f"vllm serve tiny --speculative-config '{spec}'", run=False))
+    st, detail = s["engine: aux layers"]
+    assert st == "warn" and "[1, 3, 4] instead of [2, 4, 5]" in detail and "--format speculators" in detail
+    sglang = f"python -m sglang.launch_server --model-path tiny --speculative-algorithm EAGLE3 " \
+             f"--speculative-draft-model-path {path}"
+    assert "engine: aux layers" not in _statuses(check_drafter(path, _facts(tdir), sglang, run=False))
+    raw.pop("eagle_config")            # no ids in the file: vLLM and SGLang both use the target's default
+    path = write_raw(tmp_path / "e", raw, raw_tensors(raw, "midlayer."))
+    spec = json.dumps({"method": "eagle3", "model": str(path), "num_speculative_tokens": 3})
+    assert "engine: aux layers" not in _statuses(check_drafter(path, _facts(tdir),
+                                                               f"vllm serve tiny --speculative-config '{spec}'",
+                                                               run=False))
 
 
 def test_check_names_missing_token_map(tmp_path, tdir):

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from specscope.engine.generate import generate
+from specscope.generate import generate
 from specscope.models import load_model
 from tiny import ARCHS, make_hf_model
 

@@ -78,6 +78,6 @@ def test_real_pull_is_verified_and_idempotent(cache):
     mtime = (d / "model.safetensors").stat().st_mtime_ns
     assert hub.pull("smollm2-135m", progress=False) == d
     assert (d / "model.safetensors").stat().st_mtime_ns == mtime  # not converted again
-    from specscope.engine.tokenizer import Tokenizer
+    from specscope.runtime.tokenizer import Tokenizer
 
     assert Tokenizer(d).tok.chat_template

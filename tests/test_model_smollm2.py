@@ -32,9 +32,9 @@ def writing_prompts(n=3):
 def test_greedy_64_tokens_equal_transformers(smollm2):
     from transformers import AutoModelForCausalLM
 
-    from specscope.engine.generate import generate
-    from specscope.engine.session import stop_ids_for
-    from specscope.engine.tokenizer import Tokenizer
+    from specscope.generate import generate
+    from specscope.session import stop_ids_for
+    from specscope.runtime.tokenizer import Tokenizer
     from specscope.models import load_model
 
     ours = load_model(smollm2, dtype="fp32")

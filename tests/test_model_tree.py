@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from specscope.engine.kv_cache import KVCache
+from specscope.runtime.kv_cache import KVCache
 from specscope.models import load_model
 from tiny import ARCHS, make_hf_model
 

@@ -139,7 +139,7 @@ def test_overhead_is_small_against_a_2ms_cycle():
 def test_baseline_generate_records_decode_cycles(tmp_path):
     from tiny import make_hf_model
 
-    from specscope.engine.generate import generate
+    from specscope.generate import generate
     from specscope.models import load_model
 
     make_hf_model(tmp_path)
@@ -170,8 +170,8 @@ def test_cuda_events_agree_with_synchronised_wall_clock():
 
 @pytest.mark.slow
 def test_overhead_under_2_percent_on_smollm2():
-    from specscope.engine.generate import generate
-    from specscope.engine.session import load_target
+    from specscope.generate import generate
+    from specscope.session import load_target
 
     model, tok, _ = load_target("smollm2-135m", "fp32", "cpu")
     prof = CycleProfiler()

@@ -222,7 +222,7 @@ def test_write_lock_held_too_long_is_a_clear_error(tmp_path):
 
 
 def test_per_prompt_stats_from_a_generation_result():
-    from specscope.engine.generate import GenerationResult
+    from specscope.generate import GenerationResult
     from specscope.registry import per_prompt_stats
 
     res = GenerationResult([1, 2, 3, 4], prompt_len=7, prefill_s=0.5, decode_s=1.5, stop_reason="length",

@@ -22,7 +22,7 @@ def target(tmp_path_factory):
 
 
 def _profiled(target, draft: bool, steps: int = 3):
-    from specscope.engine.generate import generate
+    from specscope.generate import generate
     from specscope.profile import CycleProfiler
     from specscope.speculative.decode import SpecConfig, build_drafter, speculative_generate
 

@@ -20,9 +20,9 @@ def model_dir(tmp_path_factory):
 
 
 def _engine(model_dir, draft=None, **kw):
-    from specscope.server.worker import Engine, ServeConfig
+    from specscope.server.worker import ServedModel, ServeConfig
 
-    return Engine(ServeConfig(model=str(model_dir), device="cpu", dtype="fp32", draft=draft, **kw))
+    return ServedModel(ServeConfig(model=str(model_dir), device="cpu", dtype="fp32", draft=draft, **kw))
 
 
 @pytest.fixture(scope="module")
@@ -31,8 +31,8 @@ def engine(model_dir):
 
 
 def _offline(engine, prompt_ids, n):
-    from specscope.engine.generate import generate
-    from specscope.engine.sampling import SamplingParams
+    from specscope.generate import generate
+    from specscope.runtime.sampling import SamplingParams
 
     return generate(engine.model, prompt_ids, n, SamplingParams(), engine.stop_ids).token_ids
 
@@ -115,7 +115,7 @@ def test_invalid_requests_get_400_with_openai_error_body(engine, path, body, par
 
 def test_other_client_errors(engine):
     from specscope.server.app import create_app
-    from specscope.server.worker import Engine
+    from specscope.server.worker import ServedModel
 
     with TestClient(create_app(engine)) as c:
         assert c.post("/v1/completions", content=b"{not json").status_code == 400
@@ -130,7 +130,7 @@ def test_other_client_errors(engine):
         big = b'{"prompt": "' + b"a" * (engine.cfg.max_body_bytes + 10) + b'"}'
         assert c.post("/v1/completions", content=big).status_code == 413
     # the prompt cap is separate from the context
-    capped = Engine.__new__(Engine)
+    capped = ServedModel.__new__(ServedModel)
     capped.__dict__.update(engine.__dict__, max_prompt=3)
     with TestClient(create_app(capped)) as c:
         r = c.post("/v1/completions", json={"prompt": "the quick brown fox", "max_tokens": 2})

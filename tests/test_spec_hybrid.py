@@ -13,7 +13,7 @@ import random
 import pytest
 import torch
 
-from specscope.engine.generate import generate
+from specscope.generate import generate
 from specscope.errors import SpecscopeError
 from specscope.profile import CycleProfiler
 from specscope.speculative.decode import SpecConfig, build_drafter, speculative_generate, split_draft

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from specscope.engine.generate import generate
-from specscope.engine.sampling import SamplingParams
+from specscope.generate import generate
+from specscope.runtime.sampling import SamplingParams
 from specscope.speculative.decode import SpecConfig, speculative_generate
 from specscope.speculative.drafters import DraftModelDrafter, Eagle3TreeDrafter, NgramDrafter
 from spec_helpers import random_eagle3, tiny_target

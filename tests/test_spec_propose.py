@@ -9,7 +9,7 @@ and tie-breaking all have to agree. (Lossless-output tests cannot see a wrong pa
 import pytest
 import torch
 
-from specscope.engine.sampling import SamplingParams
+from specscope.runtime.sampling import SamplingParams
 from specscope.models import rowgemm
 from specscope.models.linear import PackedLinear, pack_linears
 from specscope.speculative.decode import SpecConfig, build_drafter

@@ -12,8 +12,8 @@ import torch
 from scipy.stats import chisquare
 
 import specscope.speculative.decode as decode_mod
-from specscope.engine.generate import generate
-from specscope.engine.sampling import SamplingParams, probs_from_logits
+from specscope.generate import generate
+from specscope.runtime.sampling import SamplingParams, probs_from_logits
 from specscope.speculative.acceptance import accept_sampling
 from specscope.speculative.decode import SpecConfig, speculative_generate
 from specscope.speculative.drafters import Eagle3TreeDrafter, HybridDrafter

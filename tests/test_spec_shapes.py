@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specscope.engine.generate import generate
+from specscope.generate import generate
 from specscope.speculative.decode import SpecConfig, speculative_generate
 from specscope.speculative.drafters import DraftModelDrafter, Eagle3TreeDrafter
 from spec_helpers import check_grid, random_eagle3, sample_cases, tiny_target

@@ -33,7 +33,7 @@ def spread_prompts(n=20):
 
 @pytest.fixture(scope="module")
 def setup():
-    from specscope.engine.session import load_target, stop_ids_for
+    from specscope.session import load_target, stop_ids_for
 
     try:
         target, tok, _ = load_target("smollm2-135m", "fp32", "cpu")
@@ -55,7 +55,7 @@ def _drafters(target):
 
 
 def test_speculative_equals_baseline_on_spec_bench(setup):
-    from specscope.engine.generate import generate
+    from specscope.generate import generate
     from specscope.speculative.decode import speculative_generate
 
     target, tok, stop = setup
@@ -82,7 +82,7 @@ def test_every_shape_near_the_context_end_on_the_real_model():
     own RoPE table shorter than the prompt. Greedy output equals plain decoding; drafts really get accepted."""
     from spec_helpers import check_grid, sample_cases
 
-    from specscope.engine.tokenizer import Tokenizer
+    from specscope.runtime.tokenizer import Tokenizer
     from specscope.models.hub import resolve_model
     from specscope.models.loader import load_model
     from specscope.speculative.decode import DEFAULT_DRAFTER, SpecConfig, build_drafter

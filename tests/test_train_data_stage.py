@@ -8,7 +8,8 @@ import pytest
 from train_util import make_chat_target, write_dataset
 
 from specscope.train.data import capture, read_conversations
-from specscope.train.pipeline import Rate, regenerated
+from specscope.train.pipeline import regenerated
+from specscope.train.tracking import Rate
 
 
 def _rate(line: str) -> float:
@@ -32,7 +33,7 @@ def test_rate_counts_only_this_runs_work():
 
 @pytest.fixture(scope="module")
 def chat(tmp_path_factory):
-    from specscope.engine.tokenizer import Tokenizer
+    from specscope.runtime.tokenizer import Tokenizer
     from specscope.models import load_model
 
     root = tmp_path_factory.mktemp("data-stage")

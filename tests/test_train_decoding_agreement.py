@@ -10,7 +10,7 @@ selection: cycles start right after a rejection, where drafting is harder than a
 import torch
 from spec_helpers import random_eagle3, tiny_target
 
-from specscope.engine.generate import generate
+from specscope.generate import generate
 from specscope.speculative.decode import SpecConfig, speculative_generate
 from specscope.speculative.drafters import Eagle3TreeDrafter
 from specscope.train.ttt import ttt_unroll

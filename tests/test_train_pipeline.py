@@ -78,7 +78,7 @@ def test_data_stage_outputs(prepared):
 
 
 def test_loss_mask_is_assistant_only(prepared):
-    from specscope.engine.tokenizer import Tokenizer
+    from specscope.runtime.tokenizer import Tokenizer
 
     tok = Tokenizer(prepared[0])
     msgs = [{"role": "user", "content": "w1 w2"}, {"role": "assistant", "content": "w3 w4"},
@@ -236,7 +236,7 @@ def test_regenerate_replaces_assistant_turns(prepared, tmp_path):
 
 
 def test_capture_extends_partial_last_shard(prepared, tmp_path):
-    from specscope.engine.tokenizer import Tokenizer
+    from specscope.runtime.tokenizer import Tokenizer
     from specscope.models import load_model
     from specscope.train.data import capture
 

@@ -36,8 +36,8 @@ def test_synthesis_dedup_and_resume(smollm2, tmp_path):
 @pytest.mark.slow
 @pytest.mark.skipif(not SHIPPED.exists(), reason="shipped drafter not trained yet")
 def test_shipped_drafter_fits_smollm2(smollm2):
-    from specscope.engine.generate import generate
-    from specscope.engine.sampling import SamplingParams
+    from specscope.generate import generate
+    from specscope.runtime.sampling import SamplingParams
     from specscope.speculative.decode import SpecConfig, build_drafter, speculative_generate
     from specscope.speculative.formats import load_drafter
 

@@ -15,7 +15,26 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import torch
+
+from specscope import session   # session.load_target, decode.ASSETS looked up per call: tests stub them
+from specscope.economics.breakeven import BreakevenInputs, breakeven, describe, inputs_from_runs
+from specscope.economics.verify_curve import measure_curve
 from specscope.errors import SpecscopeError
+from specscope.fileio import check_output_file, check_writable, write_atomic
+from specscope.generate import generate
+from specscope.models.hub import KNOWN_MODELS, is_pulled, resolve_model
+from specscope.models.loader import parse_dtype
+from specscope.profile import CycleProfiler
+from specscope.prompts import PACKAGED, SPEC_BENCH_FILE, mt_bench_prompts, spec_bench_path, warn
+from specscope.registry import check_registry, make_record, open_registry, prompt_set_hash
+from specscope.registry.fingerprint import load_warning
+from specscope.report import write_report
+from specscope.runtime.tokenizer import StreamDecoder
+from specscope.speculative import decode
+from specscope.speculative.acceptance import RankCounts, SourceCounts
+from specscope.speculative.decode import (DEFAULT_DRAFTER, NGRAM_SPECS, SpecConfig, build_drafter, drafter_path,
+                                          speculative_generate, split_draft)
 
 # Used only when the packaged Spec-Bench question file is missing (a broken install); said loudly.
 FALLBACK_NAME = "built-in demo prompts (the packaged Spec-Bench file is missing)"
@@ -32,8 +51,6 @@ def demo_drafter() -> str:
     """The drafter the demo uses without --draft: the shipped EAGLE-3 drafter and n-gram copying in one tree, the
     fastest lossless method on MT-bench (the demo's prompts) in bench/results/speculative.json (2026-12-01, AVX2
     host, all 80 first turns: 1.49x at τ 2.42, against n-gram 1.44x and EAGLE-3 alone 1.25x)."""
-    from specscope.speculative.decode import DEFAULT_DRAFTER
-
     return f"{DEFAULT_DRAFTER}+ngram"
 
 
@@ -75,8 +92,6 @@ def pick_prompts(n: int) -> tuple[list[dict], str]:
     install) the built-in prompts stand in, with a warning on stderr and in the summary."""
     if n < 1:
         raise SpecscopeError(f"--num-prompts must be >= 1, got {n}")
-    from specscope.prompts import PACKAGED, SPEC_BENCH_FILE, mt_bench_prompts, spec_bench_path, warn
-
     try:
         spec_bench_path()
     except SpecscopeError as e:
@@ -89,15 +104,6 @@ def pick_prompts(n: int) -> tuple[list[dict], str]:
 
 def run_demo(opts: DemoOptions, ui: DemoUI | None = None) -> dict:
     """Run the whole demo; returns a JSON-ready summary (runs, numbers, break-even, report path)."""
-    import torch
-
-    from specscope.engine.generate import generate
-    from specscope.engine.session import load_target, stop_ids_for
-    from specscope.engine.tokenizer import StreamDecoder
-    from specscope.models.loader import parse_dtype
-    from specscope.profile import CycleProfiler
-    from specscope.speculative.decode import SpecConfig, speculative_generate, split_draft
-
     ui = ui or DemoUI()
     if opts.max_new_tokens < 2:
         raise SpecscopeError(f"--max-new-tokens must be >= 2, got {opts.max_new_tokens}")
@@ -109,35 +115,26 @@ def run_demo(opts: DemoOptions, ui: DemoUI | None = None) -> dict:
         raise SpecscopeError("n-gram drafting proposes a chain; use --topk 1")
     # now rather than after minutes of decoding: the output files, the registry, the drafter's files
     out_dir = Path(opts.out).expanduser()
-    from specscope.fileio import check_output_file, check_writable
-
     check_writable(out_dir, "--output", is_dir=True)
     for name in ("report.html", "summary.json"):
         check_output_file(out_dir / name, "--output")
-    from specscope.registry import check_registry
-
     check_registry(opts.db)
     _check_shipped(draft)
     if draft != "ngram":
-        from specscope.speculative.decode import drafter_path
-
         drafter_path(draft)          # a missing --draft fails here, not after the target loads
     dev = str(opts.device)
     t_start = time.perf_counter()
-    from specscope.engine.session import preflight
-    from specscope.models.hub import KNOWN_MODELS, is_pulled, resolve_model
-
     if opts.model in KNOWN_MODELS and not is_pulled(opts.model):
         # first run on this machine: the pull draws its own progress bar, so no spinner meanwhile
         ui.note(f"pulling {opts.model} into the model cache (first run only)")
         resolve_model(opts.model)
-    preflight(opts.model, opts.max_new_tokens, draft, cfg.steps, cfg.topk, cfg.draft_tokens)
+    session.preflight(opts.model, opts.max_new_tokens, draft, cfg.steps, cfg.topk, cfg.draft_tokens)
     ui.stage(f"loading {opts.model}")
     dtype = str(parse_dtype(opts.dtype, dev)).replace("torch.", "")
-    target, tok, path = load_target(opts.model, opts.dtype, dev)
+    target, tok, path = session.load_target(opts.model, opts.dtype, dev)
     ui.stage(f"loading drafter {draft}")
     drafter = _load_drafter(draft, target, opts)
-    stop = stop_ids_for(target, tok)
+    stop = session.stop_ids_for(target, tok)
     ids = [tok.encode(p["prompt"], chat=True) for p in prompts]
     if any(not x for x in ids):
         raise SpecscopeError("a demo prompt is empty after tokenisation")
@@ -188,8 +185,6 @@ def run_demo(opts: DemoOptions, ui: DemoUI | None = None) -> dict:
         curve_rec = _verify_curve(target, per_prompt, cfg, config)
     ui.stage("storing runs")
     brec, srec = _records(config, draft, drafter, cfg, bprof, sprof, per_prompt, opts)
-    from specscope.registry import open_registry
-
     with open_registry(opts.db) as reg:
         db_path = str(reg.path)
         brec["id"] = reg.add_run(brec)
@@ -221,15 +216,11 @@ def run_demo(opts: DemoOptions, ui: DemoUI | None = None) -> dict:
     }
     if opts.report:
         ui.stage("writing the HTML report")
-        from specscope.report import write_report
-
         linked = {brec["id"]: brec, **({curve_rec["id"]: curve_rec} if curve_rec else {})}
         report = write_report([brec, srec], out_dir / "report.html", linked=linked,
                               title=f"specscope demo: {Path(str(path)).name} + {draft}")
         result["report"] = str(report)
     result["seconds"] = round(time.perf_counter() - t_start, 2)
-    from specscope.fileio import write_atomic
-
     summary_path = write_atomic(out_dir / "summary.json", json.dumps(result, indent=1, default=str), "--output",
                                 make_parents=True)
     result["summary_json"] = str(summary_path)
@@ -238,8 +229,6 @@ def run_demo(opts: DemoOptions, ui: DemoUI | None = None) -> dict:
 
 def _warnings(prompt_set: str, brec: dict) -> list[str]:
     """What makes these numbers less than they seem: said in the summary, the JSON and the report."""
-    from specscope.registry.fingerprint import load_warning
-
     out = []
     if prompt_set == FALLBACK_NAME:
         out.append("the packaged Spec-Bench file is missing: these are built-in prompts, not MT-bench "
@@ -251,24 +240,18 @@ def _warnings(prompt_set: str, brec: dict) -> list[str]:
 
 
 def _check_shipped(draft: str) -> None:
-    from specscope.speculative.decode import ASSETS, DEFAULT_DRAFTER, split_draft
-
     draft = split_draft(draft)[0]
-    if draft == DEFAULT_DRAFTER and not (ASSETS / draft / "config.json").exists():
+    if draft == DEFAULT_DRAFTER and not (decode.ASSETS / draft / "config.json").exists():
         raise SpecscopeError(f"the shipped EAGLE-3 drafter {draft!r} is missing from this install "
-                             f"({ASSETS / draft}); reinstall specscope, train one with `specscope train`, "
+                             f"({decode.ASSETS / draft}); reinstall specscope, train one with `specscope train`, "
                              f"or run the demo with n-gram drafting: specscope demo --draft ngram")
 
 
 def _load_drafter(draft: str, target, opts: DemoOptions):
-    from specscope.speculative.decode import build_drafter
-
     return build_drafter(draft, target, opts.dtype, target.device)
 
 
 def _method_name(draft: str, drafter) -> str:
-    from specscope.speculative.decode import split_draft
-
     model, source = split_draft(draft)
     kind = str(getattr(drafter, "kind", "") or "")
     if model is None:
@@ -300,9 +283,6 @@ def _weighted(pairs):
 
 
 def _records(config, draft, drafter, cfg, bprof, sprof, per_prompt, opts) -> tuple[dict, dict]:
-    from specscope.registry import make_record
-    from specscope.speculative.acceptance import RankCounts, SourceCounts
-
     def totals(side):
         toks = sum(r[side]["tokens"] for r in per_prompt)
         secs = sum(r[side]["prefill_s"] + r[side]["decode_s"] for r in per_prompt)
@@ -350,18 +330,13 @@ def _records(config, draft, drafter, cfg, bprof, sprof, per_prompt, opts) -> tup
 
 def _draft_ref(draft: str) -> str:
     """A shipped drafter's directory (so the registry hashes its weights), else what the user gave."""
-    from specscope.speculative.decode import ASSETS, NGRAM_SPECS
-
-    p = ASSETS / draft
+    p = decode.ASSETS / draft
     return str(p) if draft not in NGRAM_SPECS and p.exists() else draft
 
 
 def _verify_curve(target, per_prompt, cfg, config) -> dict:
     """T(n) at about the demo's mean context for n = 1 .. 2·draft_tokens: enough to see whether verifying the
     drafted tokens costs about one decode step here."""
-    from specscope.economics.verify_curve import measure_curve
-    from specscope.registry import make_record
-
     ctx = int(sum(r["prompt_tokens"] + r["speculative"]["tokens"] / 2 for r in per_prompt) / len(per_prompt))
     ctx = max(16, min(ctx, target.config.max_position_embeddings - 64))
     top = max(8, 2 * cfg.verify_tokens)
@@ -378,8 +353,6 @@ def _verify_curve(target, per_prompt, cfg, config) -> dict:
 
 def _breakeven(srec: dict, brec: dict) -> dict:
     """`specscope breakeven --run S --baseline-run B` for the measured costs."""
-    from specscope.economics.breakeven import BreakevenInputs, breakeven, describe, inputs_from_runs
-
     try:
         inp = inputs_from_runs(srec, brec, BreakevenInputs())
         res = breakeven(inp)
@@ -401,6 +374,4 @@ def _ratio(a, b):
 
 
 def _hash(prompts) -> str:
-    from specscope.registry import prompt_set_hash
-
     return prompt_set_hash(prompts)

@@ -3,6 +3,10 @@
 The CLI prints `error: <message>` on one line and exits non-zero; messages name the problem and the fix.
 """
 
+import os
+import stat
+from pathlib import Path
+
 
 class SpecscopeError(Exception):
     """A user-facing error: bad input, missing files, mismatched checkpoints."""
@@ -12,10 +16,6 @@ class SpecscopeError(Exception):
 
 def require_file(path, what: str = "file") -> None:
     """A readable regular file, or one line saying which of missing / directory / device it is instead."""
-    import os
-    import stat
-    from pathlib import Path
-
     p = Path(path)
     try:
         st = os.stat(p)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -60,8 +61,6 @@ def check_writable(path, what: str = "--output", is_dir: bool = False) -> None:
     """Fail before the work, not after it: the file (or directory, if is_dir) `path` could be written where it is
     asked for. Nothing is left behind; a probe file in the nearest existing directory proves it (permission bits
     alone say yes for root in /proc, or on a read-only mount)."""
-    import tempfile
-
     p = Path(path).expanduser()
     if not is_dir:
         check_output_file(p, what)
@@ -97,8 +96,6 @@ def atomic_output(path, what: str = "--output", make_parents: bool = False):
     """Yields a temp path beside `path` to write; on success it is renamed over `path`, on any failure removed.
     For writers that want a file name (torch.save, safetensors, savefig); `write_atomic` takes bytes or text.
     `make_parents`: create missing parent directories (else a missing one is the error)."""
-    import tempfile
-
     p = check_output_file(path, what)
     tmp = None
     try:

@@ -21,10 +21,3 @@ def loads(text: str | bytes, where: str):
         raise SpecscopeError(f"{where} is not UTF-8 text (byte at offset {e.start})") from None
     except RecursionError:
         raise SpecscopeError(f"{where} holds JSON nested too deeply to be a record") from None
-
-
-def loads_object(text: str | bytes, where: str) -> dict:
-    d = loads(text, where)
-    if not isinstance(d, dict):
-        raise SpecscopeError(f"{where}: expected a JSON object, got {type(d).__name__}")
-    return d

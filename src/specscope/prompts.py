@@ -10,6 +10,7 @@ import hashlib
 import json
 import math
 import os
+import random
 import sys
 from pathlib import Path
 
@@ -59,11 +60,11 @@ def _read_jsonl(path: Path) -> list:
     return items
 
 
-def mt_bench_prompts(n: int | None = None) -> tuple[list[dict], str]:
-    """MT-bench first turns from the Spec-Bench file, one category after another (writing, roleplay, reasoning,
-    math, coding, ...) rather than the first few writing ones. Returns (rows, prompt set name); rows are
-    {"question_id", "category", "prompt"}."""
-    path = spec_bench_path()
+def mt_bench_prompts(n: int | None = None, path: str | Path | None = None) -> tuple[list[dict], str]:
+    """MT-bench first turns from the Spec-Bench file (or `path`, a file in its format), one category after another
+    (writing, roleplay, reasoning, math, coding, ...) rather than the first few writing ones. Returns (rows, prompt
+    set name); rows are {"question_id", "category", "prompt"}."""
+    path = spec_bench_path() if path is None else _given_file(path)
     by: dict[str, list[dict]] = {}
     for obj in _read_jsonl(path):
         turns = obj.get("turns") if isinstance(obj, dict) else None
@@ -102,15 +103,27 @@ def _prompt_of(obj, where: str) -> tuple[str, str | None]:
     raise SpecscopeError(f"{where}: no prompt found (expected 'turns', 'prompt', 'messages' or 'conversations')")
 
 
-def load_prompts(dataset: str, categories: tuple[str, ...] = (), num_prompts: int | None = None) -> dict:
+def _given_file(path: str | Path) -> Path:
+    p = Path(path).expanduser()
+    require_file(p, "dataset file")
+    return p
+
+
+def load_prompts(dataset: str, categories: tuple[str, ...] = (), num_prompts: int | None = None,
+                 path: str | Path | None = None) -> dict:
     """{"name", "path", "hash", "prompts": [{"prompt", "category"}]}; categories filter before num_prompts.
 
     `dataset` is a packaged set ('spec_bench': all 480 Spec-Bench questions, first turns; 'mt_bench': its 80
-    MT-bench first turns, one category after another) or a file."""
+    MT-bench first turns, one category after another) or a file. `path`: the named set read from this file (in
+    Spec-Bench's format) instead of the packaged copy."""
     if dataset == "mt_bench":
-        rows, _ = mt_bench_prompts()
-        return _finish("mt_bench", spec_bench_path(), rows, categories, num_prompts)
-    path = spec_bench_path() if dataset == "spec_bench" else Path(dataset)
+        rows, _ = mt_bench_prompts(path=path)
+        return _finish("mt_bench", spec_bench_path() if path is None else Path(path).expanduser(), rows, categories,
+                       num_prompts)
+    if dataset == "spec_bench":
+        path = spec_bench_path() if path is None else _given_file(path)
+    else:
+        path = Path(dataset)
     if not path.suffix and not path.exists():
         raise SpecscopeError(f"dataset file {str(path)!r} does not exist (packaged sets: {', '.join(NAMED)})")
     require_file(path, "dataset file")
@@ -187,8 +200,6 @@ def random_prompts(n: int, input_len: int, output_len: int, range_ratio: float =
     """vLLM's `--dataset-name random`, tokenizer-free: n prompts of about input_len tokens (random words) and
     output lengths of output_len, each drawn uniformly from [len·(1 - r), len·(1 + r)]. Rows are
     {"prompt", "category": None, "max_tokens", "input_len"}; send them with ignore_eos for exact outputs."""
-    import random
-
     if input_len < 1 or output_len < 1:
         raise SpecscopeError(f"--random-input-len and --random-output-len must be >= 1, got {input_len}, "
                              f"{output_len}")

@@ -1,4 +1,5 @@
-"""One streaming request, timed: TTFT (first content chunk), inter-chunk gaps, end-to-end latency, tokens."""
+"""One streaming request, timed like `vllm bench serve`: TTFT (first content chunk), inter-chunk gaps, latency up
+to the last content chunk, tokens (the server's usage, else a tokenizer's count of the text, else the chunks)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ class RequestResult:
     ok: bool = False
     error: str | None = None
     ttft_s: float | None = None
-    e2e_s: float | None = None
+    e2e_s: float | None = None                          # send to the last content chunk (vLLM's latency)
+    start_s: float | None = None                        # time.perf_counter() at send (vLLM's start_times)
+    queue_s: float = 0.0                                # arrival to send: waiting for --max-concurrency
     itl_s: list[float] = field(default_factory=list)   # gaps between content chunks
     completion_tokens: int = 0
     prompt_tokens: int | None = None
@@ -37,16 +40,20 @@ class RequestResult:
         return d
 
 
-def request_body(endpoint: str, model: str, prompt: str, max_tokens: int, temperature: float,
-                 ignore_eos: bool = False) -> dict:
-    body = {"model": model, "max_tokens": max_tokens, "temperature": temperature, "stream": True,
-            "stream_options": {"include_usage": True}}
+def request_body(endpoint: str, model: str, prompt: str, max_tokens: int, temperature: float | None,
+                 ignore_eos: bool = False, extra: dict | None = None) -> dict:
+    """extra: sampling parameters and --extra-body, merged last (vLLM's order)."""
+    body = {"model": model, "max_tokens": max_tokens, "stream": True, "stream_options": {"include_usage": True}}
+    if temperature is not None:
+        body["temperature"] = temperature
     if ignore_eos:
         body["ignore_eos"] = True       # vLLM / SGLang / specscope extension: decode exactly max_tokens
     if endpoint == "chat":
         body["messages"] = [{"role": "user", "content": prompt}]
     else:
         body["prompt"] = prompt
+    if extra:
+        body.update(extra)
     return body
 
 
@@ -72,10 +79,10 @@ def _count(v) -> int | None:
 
 
 async def stream_one(client: httpx.AsyncClient, url: str, body: dict, endpoint: str, index: int,
-                     headers: dict) -> RequestResult:
+                     headers: dict, tokenizer=None) -> RequestResult:
     r = RequestResult(index)
     parts: list[str] = []
-    t0 = time.perf_counter()
+    t0 = r.start_s = time.perf_counter()
     last = None
     try:
         async with client.stream("POST", url, json=body, headers=headers) as resp:
@@ -127,8 +134,11 @@ async def stream_one(client: httpx.AsyncClient, url: str, body: dict, endpoint: 
                 r.error = r.error or "the stream ended without [DONE]"
     except httpx.HTTPError as e:
         r.error = f"{type(e).__name__}: {_clip(e)}"
-    r.e2e_s = time.perf_counter() - t0
+    # vLLM's latency ends at the last token chunk, not at the usage chunk or [DONE] after it
+    r.e2e_s = (last if last is not None else time.perf_counter()) - t0
     r.text = "".join(parts)
     if not r.completion_tokens:
-        r.completion_tokens = r.chunks  # server sent no usage: one token per chunk is the best guess
+        # server sent no usage: the tokenizer's count of the text (vLLM), else one token per chunk
+        r.completion_tokens = (len(tokenizer.tok.encode(r.text, add_special_tokens=False))
+                               if tokenizer is not None and r.text else r.chunks)
     return r

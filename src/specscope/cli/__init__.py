@@ -1,6 +1,8 @@
 """The `specscope` command line: a thin layer over the library.
 
-Subcommands are imported lazily so `specscope --help` does not pay for torch.
+Subcommands are imported lazily so `specscope --help` does not pay for torch, and each command module imports the
+library inside its command function for the same reason: building a command's options and `--help` loads nothing
+heavy. Those function-level imports are on purpose.
 """
 
 from __future__ import annotations

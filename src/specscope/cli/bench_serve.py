@@ -1,5 +1,7 @@
-"""`specscope bench-serve`: benchmark a live OpenAI-compatible endpoint (see specscope.benchserve), with
-`vllm bench serve`'s options, field names and units."""
+"""`specscope bench-serve`: benchmark a live OpenAI-compatible endpoint (see specscope.benchserve), a drop-in for
+`vllm bench serve` (vLLM 0.32): its options, defaults where they decide the workload's shape (backend, number of
+prompts, output lengths), its result JSON's field names and units. Where specscope's defaults differ (Spec-Bench
+prompts, temperature 0) --help says so."""
 
 from __future__ import annotations
 
@@ -9,12 +11,115 @@ import sys
 import click
 
 from specscope.cli.checks import FiniteRange
-from specscope.cli.common import SEED, TEMPERATURE, alias_option, check_writable, db_option, emit_json, json_option
+from specscope.cli.common import (SEED, TEMPERATURE, FiniteFloat, alias_option, check_writable, db_option, emit_json,
+                                  json_option)
 from specscope.errors import SpecscopeError
 
 MAX_COUNT = 1 << 20      # prompts, tokens per request: beyond this the prompt list alone would not fit in memory
-ENDPOINTS = {"chat": "chat", "completions": "completions", "/v1/chat/completions": "chat",
-             "/v1/completions": "completions"}
+# --backend: vLLM's spellings, and SGLang bench_serving's for the same two APIs
+CHAT_BACKENDS = ("openai-chat", "vllm-chat", "sglang-oai-chat")
+COMPLETION_BACKENDS = ("openai", "vllm", "sglang-oai")
+BACKENDS = COMPLETION_BACKENDS + CHAT_BACKENDS
+UNSUPPORTED_BACKENDS = {  # what they would need instead of one line "not one of"
+    "sglang": "SGLang's native /generate", "sglang-native": "SGLang's native /generate",
+    "openai-responses": "the Responses API", "openai-audio": "audio transcription",
+    "openai-embeddings": "embeddings", "openai-embeddings-chat": "embeddings",
+    "openai-embeddings-clip": "embeddings", "openai-embeddings-vlm2vec": "embeddings",
+    "infinity-embeddings": "embeddings", "infinity-embeddings-clip": "embeddings", "vllm-pooling": "pooling",
+    "vllm-rerank": "reranking", "lmdeploy": "", "lmdeploy-chat": "", "trt": "", "truss": ""}
+NARGS = ("--goodput", "--header", "--metadata")   # argparse nargs options in vLLM: KEY:VALUE / KEY=VALUE ...
+
+
+class VllmArgs(click.Command):
+    """vLLM spells several values after one flag (--goodput ttft:500 tpot:50, --metadata a=1 b=2): each value
+    after the first gets the flag again, so click sees repeated options and any other stray word is an error."""
+
+    def parse_args(self, ctx, args):
+        out, cur, have = [], None, False
+        for a in args:
+            if a == "--":
+                cur = None
+            elif a.startswith("-") and len(a) > 1:
+                name = a.split("=", 1)[0]
+                cur, have = (name, "=" in a) if name in NARGS else (None, False)
+            elif cur is not None:
+                if have:
+                    out.append(cur)
+                have = True
+            out.append(a)
+        return super().parse_args(ctx, out)
+
+
+def resolve_api(backend: str | None, endpoint: str | None) -> tuple[str, str, str]:
+    """(backend, "chat" | "completions", URL path) from --backend and --endpoint, either or both; vLLM's default
+    is openai on /v1/completions. Both given and disagreeing is one error, not a guess."""
+    from specscope.benchserve.run import PATHS
+
+    if backend is not None and backend not in BACKENDS:
+        if backend not in UNSUPPORTED_BACKENDS:
+            raise SpecscopeError(f"--backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+        what = UNSUPPORTED_BACKENDS[backend]
+        raise SpecscopeError(f"--backend {backend}{f' ({what})' if what else ''} is not supported by specscope "
+                             f"bench-serve; use one of {', '.join(BACKENDS)}")
+    b_kind = None if backend is None else "chat" if backend in CHAT_BACKENDS else "completions"
+    e_kind = path = None
+    if endpoint is not None:
+        e = endpoint.strip()
+        if e in PATHS:
+            e_kind, path = e, PATHS[e]
+        elif e.startswith("/") and e.rstrip("/").endswith("/chat/completions"):
+            e_kind, path = "chat", e.rstrip("/")
+        elif e.startswith("/") and e.rstrip("/").endswith("/completions"):
+            e_kind, path = "completions", e.rstrip("/")
+        else:
+            raise SpecscopeError(f"--endpoint must be an API path ending in /chat/completions or /completions (e.g. "
+                                 f"/v1/chat/completions), or chat / completions; got {endpoint!r}")
+    if b_kind and e_kind and b_kind != e_kind:
+        raise SpecscopeError(f"--backend {backend} sends {b_kind} requests but --endpoint {endpoint} is the {e_kind} "
+                             f"API; make them agree or give only one")
+    kind = b_kind or e_kind or "completions"
+    return backend or ("openai-chat" if kind == "chat" else "openai"), kind, path or PATHS[kind]
+
+
+def base_url_of(ctx, base_url: str | None, host: str, port: int) -> str:
+    """--base-url, else http://HOST:PORT (vLLM's defaults 127.0.0.1:8000); both kinds at once is refused."""
+    from click.core import ParameterSource
+
+    given = [f"--{n}" for n in ("host", "port") if ctx.get_parameter_source(n) != ParameterSource.DEFAULT]
+    if base_url is not None:
+        if given:
+            raise SpecscopeError(f"give --base-url or {' / '.join(given)}, not both")
+        return parse_base_url(base_url)
+    h = f"[{host}]" if ":" in host and not host.startswith("[") else host
+    try:
+        return parse_base_url(f"http://{h}:{port}")
+    except SpecscopeError:
+        raise SpecscopeError(f"--host {host!r} is not a host name or address") from None
+
+
+def parse_pairs(items, flag: str) -> dict:
+    """--header / --metadata KEY=VALUE ..."""
+    out = {}
+    for item in items:
+        k, eq, v = item.partition("=")
+        if not eq or not k.strip():
+            raise SpecscopeError(f"{flag} takes KEY=VALUE pairs, got {item!r}")
+        out[k.strip()] = v.strip()
+    return out
+
+
+def parse_extra_body(text: str | None) -> dict:
+    if text is None:
+        return {}
+    import json
+
+    try:
+        body = json.loads(text)
+    except (ValueError, RecursionError):
+        body = None
+    if not isinstance(body, dict):
+        raise SpecscopeError(f"--extra-body must be a JSON object, e.g. '{{\"top_k\": 20}}'; got {text!r}")
+    return body
 
 
 def parse_levels(text: str | None) -> list[int | None]:
@@ -100,27 +205,68 @@ def parse_goodput(items) -> dict | None:
     return slos or None
 
 
-@click.command("bench-serve", context_settings={"allow_extra_args": True})
-@alias_option("--base-url", "url", hidden=("--url",), default="http://127.0.0.1:8000", show_default=True,
-              help="Server base URL (a trailing /v1 is dropped).")
+def _dataset_defaults_help() -> str:
+    return ("spec_bench (default; specscope's: vLLM defaults to random): the packaged Spec-Bench questions' first "
+            "turns, or --dataset-path in its format; mt_bench: their 80 MT-bench first turns; random: --random-* "
+            "lengths (no file); custom: a .jsonl/.json/.txt file of prompts; sharegpt: a ShareGPT JSON file.")
+
+
+@click.command("bench-serve", cls=VllmArgs)
+# ---- server: vLLM's --backend/--endpoint/--base-url/--host/--port/--model/--tokenizer
+@click.option("--backend", default=None,
+              help="openai / vllm = /v1/completions (the default, as vLLM); openai-chat = /v1/chat/completions. "
+                   "SGLang bench_serving's sglang-oai, sglang-oai-chat, vllm-chat also work.")
+@click.option("--endpoint", default=None,
+              help="API path as vLLM takes it (e.g. /v1/chat/completions), or chat / completions; it must agree "
+                   "with --backend (default: the backend's).")
+@alias_option("--base-url", "url", hidden=("--url",), default=None,
+              help="Server base URL (a trailing /v1 is dropped). Default http://HOST:PORT.")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Server host, when no --base-url.")
+@click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True,
+              help="Server port, when no --base-url.")
 @click.option("--model", default=None, help="Model id to request (default: the first of /v1/models).")
-@click.option("--endpoint", type=click.Choice(list(ENDPOINTS)), default="chat", show_default=True,
-              help="chat = /v1/chat/completions (vLLM backend openai-chat); completions = /v1/completions.")
-@alias_option("--dataset", "dataset", hidden=("--dataset-name", "--dataset-path"), default="spec_bench",
-              show_default=True,
-              help="'spec_bench' / 'mt_bench' (packaged Spec-Bench questions, first turns), 'random' (see "
-                   "--random-input-len), or a .jsonl/.json/.txt file of prompts.")
-@click.option("--category", multiple=True, help="Only prompts of this category (repeatable).")
-@click.option("--num-prompts", type=click.IntRange(1, MAX_COUNT), default=16, show_default=True,
-              help="Requests per concurrency level.")
-@alias_option("--max-new-tokens", "max_tokens", hidden=("--max-tokens",), type=click.IntRange(1, MAX_COUNT),
-              default=128, show_default=True, help="max_tokens of each request (the random dataset uses --random-output-len).")
+@click.option("--tokenizer", default=None,
+              help="Tokenizer (directory, known name or Hugging Face id) to count tokens as vLLM does: prompt lengths "
+                   "(random prompts cut to exactly --random-input-len), outputs of servers that send no usage, and "
+                   "the client-side chat template of custom / spec_bench prompts on a completions backend. Without "
+                   "it the server's usage counts.")
+@click.option("--tokenizer-mode", type=click.Choice(["auto", "hf"]), default="auto", show_default=True,
+              help="vLLM's; both load the Hugging Face fast tokenizer.")
+@click.option("--header", "headers", multiple=True, help="HTTP headers as KEY=VALUE ... for every request.")
+# ---- dataset: vLLM's --dataset-name / --dataset-path (separate options) and lengths
+@click.option("--dataset-name", default=None, help=_dataset_defaults_help())
+@click.option("--dataset-path", default=None,
+              help="The dataset's file (custom and sharegpt need one; spec_bench / mt_bench default to the "
+                   "packaged copy). Alone it means --dataset-name custom.")
+@click.option("--dataset", "legacy_dataset", default=None, hidden=True,
+              help="Old spelling: a dataset name or file; no shuffling or oversampling.")
+@alias_option("--category", "category", hidden=("--spec-bench-category",), multiple=True,
+              help="Only prompts of this category (repeatable). vLLM --spec-bench-category.")
+@click.option("--num-prompts", type=click.IntRange(1, MAX_COUNT), default=1000, show_default=True,
+              help="Requests per concurrency level (file datasets are oversampled up to it, as in vLLM).")
+@click.option("--no-oversample", is_flag=True, help="Send each prompt of a smaller dataset once.")
+@click.option("--disable-shuffle", is_flag=True, help="Keep the file's order (vLLM shuffles with --seed).")
+@click.option("--skip-chat-template", is_flag=True,
+              help="With --tokenizer on a completions backend: send custom / spec_bench prompts without the chat "
+                   "template.")
+@click.option("--input-len", type=click.IntRange(1, MAX_COUNT), default=None,
+              help="vLLM's general input length (= --random-input-len).")
+@alias_option("--output-len", "--max-new-tokens", "max_tokens", hidden=("--max-tokens",),
+              type=click.IntRange(1, MAX_COUNT), default=None,
+              help="max_tokens of every request, over each dataset's default (vLLM's general --output-len).")
 @click.option("--random-input-len", type=click.IntRange(1, MAX_COUNT), default=1024, show_default=True,
-              help="Random dataset: prompt length in tokens (about: random common words).")
+              help="Random dataset: prompt length in tokens (exact with --tokenizer, else about: common words).")
 @click.option("--random-output-len", type=click.IntRange(1, MAX_COUNT), default=128, show_default=True,
-              help="Random dataset: output tokens per request (exact with --ignore-eos).")
+              help="Random dataset: output tokens per request (exact: random sets ignore_eos, as vLLM).")
 @click.option("--random-range-ratio", type=FiniteRange(0, 1, max_open=True), default=0.0, show_default=True,
               help="Random dataset: lengths drawn uniformly from [len·(1-r), len·(1+r)].")
+@click.option("--spec-bench-output-len", type=click.IntRange(1, MAX_COUNT), default=256, show_default=True,
+              help="spec_bench / mt_bench: output tokens per request.")
+@click.option("--custom-output-len", type=click.IntRange(1, MAX_COUNT), default=256, show_default=True,
+              help="custom: output tokens per request.")
+@click.option("--sharegpt-output-len", type=click.IntRange(1, MAX_COUNT), default=None,
+              help="sharegpt: output tokens per request (default: the reply's length, which needs --tokenizer).")
+# ---- traffic
 @click.option("--request-rate", type=FiniteRange(min=0.001, allow_inf=True), default=math.inf, show_default=True,
               help="Requests per second, at least 0.001 (arrivals paced by a Poisson/gamma process); inf = all at "
                    "once.")
@@ -129,23 +275,44 @@ def parse_goodput(items) -> dict | None:
 @alias_option("--max-concurrency", "concurrency", hidden=("--concurrency",), default=None,
               help="Most requests in flight; a comma list (e.g. 1,4,16) runs one level each. Default: unbounded.")
 @click.option("--ignore-eos", is_flag=True, help="Ask the server to decode exactly max_tokens (vLLM/SGLang field).")
-@click.option("--seed", type=SEED, default=0, show_default=True, help="Seed of the random dataset and arrivals.")
+@click.option("--seed", type=SEED, default=0, show_default=True,
+              help="Seed of the random dataset, shuffling, oversampling and arrivals.")
+# ---- sampling (vLLM sends only those given; specscope sends temperature 0 unless told otherwise)
+@click.option("--temperature", type=TEMPERATURE, default=0.0, show_default=True,
+              help="Sampling temperature of every request (0 = greedy; specscope's default: vLLM sends none).")
+@click.option("--top-p", type=FiniteFloat(0, 1, min_open=True), default=None, help="top_p of every request.")
+@click.option("--top-k", type=int, default=None, help="top_k of every request.")
+@click.option("--min-p", type=FiniteFloat(0, 1), default=None, help="min_p of every request.")
+@click.option("--frequency-penalty", type=FiniteFloat(-2, 2), default=None,
+              help="frequency_penalty of every request.")
+@click.option("--presence-penalty", type=FiniteFloat(-2, 2), default=None, help="presence_penalty of every request.")
+@click.option("--repetition-penalty", type=FiniteFloat(0, min_open=True), default=None,
+              help="repetition_penalty of every request.")
+@click.option("--extra-body", default=None, help="JSON object merged into every request body.")
+# ---- metrics
 @click.option("--percentile-metrics", default="ttft,tpot,itl,e2el", show_default=True,
-              help="Metrics to report percentiles of (ttft, tpot, itl, e2el).")
+              help="Metrics to report percentiles of: ttft, tpot, itl, e2el, client_queue_time, "
+                   "e2el_including_client_queue.")
 @click.option("--metric-percentiles", default="99", show_default=True,
               help="Percentiles to report, comma-separated (e.g. 25,50,75,99); mean/median/std always.")
 @click.option("--goodput", multiple=True,
-              help="SLOs as KEY:MS (ttft, tpot, e2el), e.g. --goodput ttft:500 tpot:50; adds "
+              help="SLOs as KEY:MS ... (ttft, tpot, e2el), e.g. --goodput ttft:500 tpot:50; adds "
                    "request_goodput (requests/s meeting all of them).")
+# ---- results: vLLM's names
 @click.option("--save-result", is_flag=True, help="Write each level's result JSON (vLLM's layout) to --result-dir.")
+@click.option("--append-result", is_flag=True,
+              help="Append each level's result as one JSON line to the result file instead (vLLM's).")
 @click.option("--save-detailed", is_flag=True,
-              help="Also save per-request lists (input_lens, output_lens, ttfts, itls, generated_texts, errors).")
-@click.option("--result-dir", type=click.Path(file_okay=False), default=".", show_default=True,
-              help="Directory for --save-result files.")
+              help="Also save per-request lists (input_lens, output_lens, ttfts, itls, start_times, "
+                   "generated_texts, errors).")
+@click.option("--result-dir", type=click.Path(file_okay=False), default=None,
+              help="Directory for the result files (default: the current one).")
 @click.option("--result-filename", default=None,
-              help="File name (default: {backend}-{rate}qps[-concurrency{c}]-{model}-{date}.json).")
-@click.option("--temperature", type=TEMPERATURE, default=0.0, show_default=True,
-              help="Sampling temperature of every request (0 = greedy).")
+              help="File name (default: {label}-{rate}qps[-concurrency{c}]-{model}-{date}.json).")
+@click.option("--label", default=None, help="Result label and file-name prefix (default: the backend).")
+@click.option("--metadata", multiple=True, help="KEY=VALUE ... written into each result JSON.")
+# ---- specscope
+@click.option("--disable-tqdm", is_flag=True, help="No progress lines.")
 @click.option("--api-key", envvar="SPECSCOPE_API_KEY", default=None, help="Bearer key (env SPECSCOPE_API_KEY).")
 @click.option("--timeout", "timeout_s", type=FiniteRange(1, 86400), default=600.0, show_default=True,
               help="Per-request timeout in seconds.")
@@ -155,64 +322,82 @@ def parse_goodput(items) -> dict | None:
 @db_option
 @json_option("Print {run_id, config, results, result_files} as JSON instead of the table.")
 @click.pass_context
-def bench_serve(ctx, url, model, endpoint, dataset, category, num_prompts, max_tokens, random_input_len, random_output_len,
-                random_range_ratio, request_rate, burstiness, concurrency, ignore_eos, seed, percentile_metrics,
-                metric_percentiles, goodput, save_result, save_detailed, result_dir, result_filename, temperature,
-                api_key, timeout_s, name, tags, no_record, db, as_json):
-    """Benchmark a live OpenAI-compatible endpoint (specscope, vLLM, SGLang) like `vllm bench serve`: TTFT, TPOT,
-    ITL and end-to-end latency (ms), throughput and goodput, per concurrency level, plus τ and acceptance from the
-    server's /metrics deltas."""
+def bench_serve(ctx, backend, endpoint, url, host, port, model, tokenizer, tokenizer_mode, headers, dataset_name,
+                dataset_path, legacy_dataset, category, num_prompts, no_oversample, disable_shuffle,
+                skip_chat_template, input_len, max_tokens, random_input_len, random_output_len, random_range_ratio,
+                spec_bench_output_len, custom_output_len, sharegpt_output_len, request_rate, burstiness, concurrency,
+                ignore_eos, seed, temperature, top_p, top_k, min_p, frequency_penalty, presence_penalty,
+                repetition_penalty, extra_body, percentile_metrics, metric_percentiles, goodput, save_result,
+                append_result, save_detailed, result_dir, result_filename, label, metadata, disable_tqdm, api_key,
+                timeout_s, name, tags, no_record, db, as_json):
+    """Benchmark a live OpenAI-compatible endpoint (specscope, vLLM, SGLang) like `vllm bench serve`, with its
+    options and result JSON: TTFT, TPOT, ITL and end-to-end latency (ms), throughput and goodput, per concurrency
+    level, plus τ and acceptance from the server's /metrics deltas (SGLang: /get_server_info when /metrics has
+    none)."""
     import asyncio
 
+    from specscope.benchserve.datasets import build_requests, check_dataset, load_tokenizer
     from specscope.benchserve.run import run_levels
-    from specscope.prompts import load_prompts, random_prompts
 
-    endpoint = ENDPOINTS[endpoint]
+    backend, kind, path = resolve_api(backend, endpoint)
+    base = base_url_of(ctx, url, host, port)
     levels = parse_levels(concurrency)
     metric_names, percentiles = parse_metrics(percentile_metrics), parse_percentiles(metric_percentiles)
-    # vLLM spells several SLOs after one flag (--goodput ttft:500 tpot:50): take the pairs click left over
-    extra = list(ctx.args)
-    if extra and (not goodput or not all(a.split(":")[0] in ("ttft", "tpot", "e2el") for a in extra)):
-        raise SpecscopeError(f"unexpected extra argument(s): {' '.join(extra)}")
-    slos = parse_goodput([*goodput, *extra])
-    base = parse_base_url(url)
+    slos = parse_goodput(goodput)
+    extra_headers = parse_pairs(headers, "--header")
+    meta = parse_pairs(metadata, "--metadata")
+    sampling = {k: v for k, v in {"top_p": top_p, "top_k": top_k, "min_p": min_p,
+                                  "frequency_penalty": frequency_penalty, "presence_penalty": presence_penalty,
+                                  "repetition_penalty": repetition_penalty}.items() if v is not None}
+    extra = {**sampling, **parse_extra_body(extra_body)}
+    legacy = legacy_dataset is not None
+    if legacy:
+        if dataset_name is not None or dataset_path is not None:
+            raise SpecscopeError("--dataset is the old spelling of --dataset-name / --dataset-path; give only the "
+                                 "new ones")
+        named = legacy_dataset in ("spec_bench", "mt_bench", "random")
+        dataset_name, dataset_path = (legacy_dataset, None) if named else ("custom", legacy_dataset)
+    dataset_name = dataset_name or ("custom" if dataset_path is not None else "spec_bench")
+    check_dataset(dataset_name, dataset_path)
     if result_filename is not None:
         check_result_filename(result_filename)
-    if save_result:  # refused before the benchmark, not after it
-        check_writable(result_dir, "--result-dir", is_dir=True)
-    if dataset == "random":
-        if category:
-            raise SpecscopeError("--category does not apply to --dataset random")
-        rows = random_prompts(num_prompts, random_input_len, random_output_len, random_range_ratio, seed)
-        from specscope.registry import prompt_set_hash
-
-        ds = {"name": "random", "hash": prompt_set_hash([r["prompt"] for r in rows])[7:23], "prompts": rows}
-        prompts = [(r["prompt"], r["max_tokens"]) for r in rows]
-    else:
-        ds = load_prompts(dataset, tuple(category), num_prompts)
-        prompts = [r["prompt"] for r in ds["prompts"]]
+    if save_result or append_result:  # refused before the benchmark, not after it
+        check_writable(result_dir or ".", "--result-dir", is_dir=True)
+    tok = load_tokenizer(tokenizer) if tokenizer is not None else None
+    if dataset_name == "random":
+        ignore_eos = True     # vLLM: random prompts decode to exactly their output length
+    ds = build_requests(dataset_name, dataset_path, num_prompts, chat=kind == "chat", tokenizer=tok, seed=seed,
+                        categories=tuple(category), output_len=max_tokens, input_len=input_len,
+                        random_input_len=random_input_len, random_output_len=random_output_len,
+                        random_range_ratio=random_range_ratio, spec_bench_output_len=spec_bench_output_len,
+                        custom_output_len=custom_output_len, sharegpt_output_len=sharegpt_output_len,
+                        shuffle=not (disable_shuffle or legacy), oversample=not (no_oversample or legacy),
+                        skip_chat_template=skip_chat_template)
+    requests = ds["requests"]
     if not no_record:       # before minutes of requests: a registry that cannot take the run is refused now
         from specscope.registry import check_registry
 
         check_registry(db)
-    total = len(prompts) * len(levels)
+    total = len(requests) * len(levels)
     done = {"n": 0}
     tty = sys.stderr.isatty()
+    quiet = as_json or disable_tqdm
 
     def progress(c, res):
         done["n"] += 1
-        if as_json:
+        if quiet:
             return
         if tty:     # one line redrawn in place on a terminal; nothing per request in a log
             click.echo(f"\r[{done['n']}/{total}] max concurrency {c or 'unbounded'}", nl=False, err=True)
-        elif done["n"] % len(prompts) == 0:
+        elif done["n"] % len(requests) == 0:
             click.echo(f"[{done['n']}/{total}] level max concurrency {c or 'unbounded'} done", err=True)
 
-    out = asyncio.run(run_levels(base, prompts, levels, endpoint, model, max_tokens, temperature, api_key,
-                                 timeout_s, progress, request_rate=request_rate, burstiness=burstiness, seed=seed,
+    out = asyncio.run(run_levels(base, requests, levels, kind, model, 0, temperature, api_key, timeout_s,
+                                 progress, request_rate=request_rate, burstiness=burstiness, seed=seed,
                                  ignore_eos=ignore_eos, metric_names=metric_names, percentiles=percentiles,
-                                 goodput=slos))
-    if tty and not as_json:
+                                 goodput=slos, path=path, extra_body=extra, extra_headers=extra_headers,
+                                 tokenizer=tok))
+    if tty and not quiet:
         click.echo("", err=True)
     first = out["levels"][0]
     results = {"levels": out["levels"], "tok_per_s": first["output_throughput"],
@@ -221,14 +406,18 @@ def bench_serve(ctx, url, model, endpoint, dataset, category, num_prompts, max_t
     for key in ("accept_length", "per_position_acceptance", "draft_acceptance_rate"):
         if key in sm:
             results[key] = sm[key]
-    config = {"url": base, "model": out["model"], "endpoint": endpoint, "engine": sm.get("engine"),
-              "prompt_set": ds["name"], "prompt_set_hash": ds["hash"], "categories": list(category),
-              "num_prompts": len(prompts), "max_tokens": None if dataset == "random" else max_tokens,
-              "max_concurrency": levels, "request_rate": "inf" if math.isinf(request_rate) else request_rate,
-              "burstiness": burstiness, "ignore_eos": ignore_eos, "seed": seed, "goodput": slos,
-              "sampling": {"temperature": temperature}}
-    if dataset == "random":
-        config.update(random_input_len=random_input_len, random_output_len=random_output_len,
+    if "accept_length" not in results and (first.get("spec_decode") or {}).get("accept_length") is not None:
+        results["accept_length"] = first["spec_decode"]["accept_length"]      # SGLang's /get_server_info
+    config = {"url": base, "backend": backend, "endpoint": kind, "endpoint_path": path, "model": out["model"],
+              "engine": sm.get("engine") or (first.get("spec_decode") or {}).get("engine"),
+              "tokenizer": tokenizer, "prompt_set": ds["name"], "dataset_path": ds["path"],
+              "prompt_set_hash": ds["hash"], "categories": list(category), "num_prompts": len(requests),
+              "max_tokens": max_tokens, "max_concurrency": levels,
+              "request_rate": "inf" if math.isinf(request_rate) else request_rate, "burstiness": burstiness,
+              "ignore_eos": ignore_eos, "seed": seed, "goodput": slos, "label": label, "metadata": meta,
+              "sampling": {"temperature": temperature, **extra}}
+    if dataset_name == "random":
+        config.update(random_input_len=input_len or random_input_len, random_output_len=random_output_len,
                       random_range_ratio=random_range_ratio)
     if not any(lv["completed"] for lv in out["levels"]):
         # nothing to measure: no table of zeros, no stored run, no result files, and a failing exit status
@@ -236,7 +425,7 @@ def bench_serve(ctx, url, model, endpoint, dataset, category, num_prompts, max_t
             emit_json({"run_id": None, "config": config, "results": results, "result_files": []})
         examples = sorted({e for lv in out["levels"] for e in lv.get("error_examples", [])})
         raise NoRequestSucceeded(f"no request succeeded ({results['failed']} of {results['failed']} failed; first "
-                                 f"error: {examples[0] if examples else 'none reported'}); check that --base-url "
+                                 f"error: {examples[0] if examples else 'none reported'}); check that the base URL "
                                  f"is an OpenAI-compatible server and --model a model it serves")
     run_id = None
     if not no_record:
@@ -248,60 +437,85 @@ def bench_serve(ctx, url, model, endpoint, dataset, category, num_prompts, max_t
         rec["config"].pop("model_hash", None)
         run_id = store_record(rec, db)
     files = []
-    if save_result:
-        files = save_results(out, config, run_id, result_dir, result_filename, save_detailed)
+    if save_result or append_result:
+        files = save_results(out, config, run_id, result_dir or ".", result_filename, save_detailed,
+                             num_prompts=num_prompts, append=append_result)
     if as_json:
         emit_json({"run_id": run_id, "config": config, "results": results, "result_files": files})
         return
-    _print_table(base, out, len(prompts), metric_names, percentiles, slos)
+    _print_table(base, out, len(requests), metric_names, percentiles, slos)
     for lv in out["levels"]:
         for e in lv.get("error_examples", []):
             click.echo(f"max concurrency {lv['max_concurrency'] or 'unbounded'}: {e}", err=True)
+        if lv.get("spec_decode_unavailable"):
+            click.echo(f"max concurrency {lv['max_concurrency'] or 'unbounded'}: {lv['spec_decode_unavailable']}",
+                       err=True)
     for f in files:
         click.echo(f"result: {f}", err=True)
     if run_id:
         click.echo(f"stored run {run_id}", err=True)
 
 
-def save_results(out: dict, config: dict, run_id, result_dir, result_filename, detailed: bool) -> list[str]:
-    """One JSON per level in `vllm bench serve --save-result`'s layout (+ spec_decode and specscope's run id)."""
+def vllm_result(lv: dict, lists: dict, config: dict, run_id, date: str, num_prompts: int, detailed: bool) -> dict:
+    """One level as `vllm bench serve --save-result` writes it: its setup fields, its benchmark fields (same names,
+    same units: seconds for duration and the per-request lists, ms for the statistics, acceptance rate in
+    percent), then specscope's own (base_url, dataset, spec_decode block, run id)."""
+    from specscope.benchserve.run import DETAILED, LISTS
+
+    res = {"date": date, "endpoint_type": config["backend"], "backend": config["backend"], "label": config["label"],
+           "model_id": config["model"], "tokenizer_id": config["tokenizer"], "num_prompts": num_prompts,
+           **config["metadata"], "request_rate": config["request_rate"], "burstiness": config["burstiness"],
+           "max_concurrency": lv["max_concurrency"]}
+    skip = ("max_concurrency", "request_rate", "burstiness", "num_prompts", "server_metrics")
+    for k, v in lv.items():
+        if k == "max_output_tokens_per_s":      # vLLM's order: the per-request lists come before the peaks
+            res.update({n: lists[n] for n in LISTS if detailed or n not in DETAILED})
+        if k not in skip:
+            res[k] = v
+    res.update(base_url=config["url"], endpoint=config["endpoint_path"], dataset_name=config["prompt_set"],
+               dataset_path=config["dataset_path"], ignore_eos=config["ignore_eos"], seed=config["seed"],
+               temperature=config["sampling"]["temperature"], specscope_run_id=run_id)
+    return res
+
+
+def save_results(out: dict, config: dict, run_id, result_dir, result_filename, detailed: bool, *,
+                 num_prompts: int, append: bool = False) -> list[str]:
+    """One JSON per level in `vllm bench serve --save-result`'s layout and file names; with append (vLLM's
+    --append-result) each level is one JSON line added to the file."""
     import datetime
     import json
     from pathlib import Path
 
-    from specscope.fileio import write_atomic
+    from specscope.fileio import read_text, write_atomic
 
     d = Path(result_dir)
     try:
         d.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise SpecscopeError(f"cannot use --result-dir {str(d)!r}: {e.strerror or e}") from None
-    now = datetime.datetime.now()
-    backend = "openai-chat" if config["endpoint"] == "chat" else "openai"
+    date = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    prefix = config["label"] or config["backend"]
     model_base = str(out["model"]).rstrip("/").rsplit("/", 1)[-1]
     files = []
-    for lv in out["levels"]:
+    for lv, lists in zip(out["levels"], out["lists"]):
         c = lv["max_concurrency"]
-        rows = [r for r in out["per_request"] if r["concurrency"] == c]
-        result = {"date": now.strftime("%Y%m%d-%H%M%S"), "backend": backend, "model_id": out["model"],
-                  "tokenizer_id": None, "base_url": config["url"], "dataset_name": config["prompt_set"],
-                  "ignore_eos": config["ignore_eos"], "seed": config["seed"], "specscope_run_id": run_id,
-                  **{k: v for k, v in lv.items() if k != "server_metrics"}}
-        if detailed:
-            result.update(input_lens=[r["prompt_tokens"] for r in rows],
-                          output_lens=[r["completion_tokens"] for r in rows],
-                          ttfts=[r["ttft_s"] for r in rows], itls=[r["itl_s"] for r in rows],
-                          generated_texts=[r["text"] for r in rows], errors=[r["error"] or "" for r in rows])
+        result = vllm_result(lv, lists, config, run_id, date, num_prompts, detailed)
         if result_filename:
-            name = result_filename if len(out["levels"]) == 1 else \
+            name = result_filename if len(out["levels"]) == 1 or append else \
                 result_filename.removesuffix(".json") + f"-concurrency{c}.json"
         else:
-            rate = config["request_rate"]
-            name = (f"{backend}-{rate}qps" + (f"-concurrency{c}" if c else "")
-                    + f"-{model_base}-{now.strftime('%Y%m%d-%H%M%S')}.json")
-        path = write_atomic(d / name, json.dumps(result, indent=2, default=str, allow_nan=False) + "\n",
-                            "--save-result file")
-        files.append(str(path))
+            name = (f"{prefix}-{config['request_rate']}qps" + (f"-concurrency{c}" if c else "")
+                    + f"-{model_base}-{date}.json")
+        target = d / name
+        if append:
+            old = read_text(target, "--append-result file") if target.is_file() else ""
+            text = old + ("\n" if old.strip() and not old.endswith("\n") else "") \
+                + json.dumps(result, default=str, allow_nan=False) + "\n"
+        else:
+            text = json.dumps(result, indent=2, default=str, allow_nan=False) + "\n"
+        path = write_atomic(target, text, "--save-result file")
+        if str(path) not in files:
+            files.append(str(path))
     return files
 
 

@@ -38,7 +38,7 @@ def check_drafter(drafter, target_name, engine_args, num_prompts, max_new_tokens
     from specscope.cli.common import setup_runtime
     from specscope.errors import SpecscopeError
     from specscope.models.hub import parse_hub_id, resolve_drafter
-    from specscope.speculative.check import check_drafter as run_check, default_prompts, size_problem
+    from specscope.check_drafter import check_drafter as run_check, default_prompts, size_problem
     from specscope.speculative.formats import resolve_target
 
     if not drafter.strip():

@@ -45,10 +45,6 @@ def stderr_console():
     return Console(stderr=True)
 
 
-def is_tty() -> bool:
-    return sys.stdout.isatty()
-
-
 # ------------------------------------------------------------------------------------------------ flag conventions
 # One meaning per flag across commands, spelled as Hugging Face / vLLM / SGLang spell it. Old spellings stay as
 # hidden aliases for one release (AliasOption), so scripts keep working while --help shows one name.
@@ -150,7 +146,7 @@ def draft_option(help="Drafter: an EAGLE-3 directory, shipped name or Hugging Fa
                       "DRAFTER+ngram (both in one tree). SGLang --speculative-draft-model-path."):
     return click.option("--draft", "--speculative-draft-model-path", "draft", default=None, help=help)
 class SamplingParam(click.ParamType):
-    """A click type checked by the sampling schema (engine/params.py), so the CLI refuses exactly what the server
+    """A click type checked by the sampling schema (runtime/params.py), so the CLI refuses exactly what the server
     and SamplingParams refuse: `--temperature nan`, `--seed 99999999999999999999`, ..."""
 
     def __init__(self, field: str):
@@ -158,7 +154,7 @@ class SamplingParam(click.ParamType):
         self.name = "integer" if field in ("seed", "top_k") else "float"
 
     def convert(self, value, param, ctx):
-        from specscope.engine.params import check_field
+        from specscope.runtime.params import check_field
 
         if isinstance(value, str):
             try:

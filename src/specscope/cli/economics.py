@@ -289,9 +289,25 @@ def tune(run_ref, baseline_ref, curve_ref, decode_ms, do_profile, model_name, dr
             bref = baseline_ref or (run.get("config") or {}).get("baseline_run")
             base = reg.get_run(bref, samples=False) if bref else None
             curve_run = reg.get_run(curve_ref, samples=False) if curve_ref else None
-        if run.get("kind") not in ("speculative", "bench", "generate"):
-            raise SpecscopeError(f"run {run['id']} is a {run.get('kind')!r} run; tune needs a profiled speculative run")
-        ctx.adopt_run(run)
+        engine = (run.get("config") or {}).get("engine")
+        phases = (run.get("results") or {}).get("phases") or {}
+        if run.get("kind") == "ingest" and {"draft", "verify"} <= set(phases):
+            # a serving engine's run with per-step phases (the vLLM plugin's JSONL, a profiler trace): its costs,
+            # its acceptance; the engine's own plain decoding, not ours, is the baseline
+            if n_validate:
+                raise SpecscopeError(f"run {run['id']} was measured inside {engine}; --validate runs specscope's own "
+                                     f"engine. Measure the picks in {engine} (bench-serve) instead")
+            if base is None and decode_ms is None:
+                raise SpecscopeError(f"run {run['id']} was measured inside {engine}: pass --baseline-run (a plain "
+                                     f"run of the same engine, e.g. the plugin's JSONL without speculation) or "
+                                     f"--decode-ms")
+            if engine == "vllm" and max_topk is None:
+                max_topk = 1           # vLLM's EAGLE-3 proposes chains (num_speculative_tokens)
+        elif run.get("kind") not in ("speculative", "bench", "generate"):
+            raise SpecscopeError(f"run {run['id']} is a {run.get('kind')!r} run without draft and verify timings; "
+                                 f"tune needs a profiled speculative run")
+        else:
+            ctx.adopt_run(run)
     acc = T.AcceptanceModel.from_run(run)
     from specscope.economics.verify_curve import VerifyCurve
 
@@ -361,7 +377,7 @@ class _TuneContext:
     def load(self):
         if self._loaded is None:
             from specscope.economics.probe import encode_prompts
-            from specscope.engine.session import load_target, preflight, stop_ids_for
+            from specscope.session import load_target, preflight, stop_ids_for
             from specscope.speculative.decode import build_drafter
 
             if not self.draft:

@@ -34,7 +34,7 @@ from specscope.cli.common import (SEED, TEMPERATURE, TOP_K, TOP_P, db_option, de
 def generate(model_name, prompt, chat, max_new_tokens, temperature, top_p, top_k, seed, dtype, device, threads,
              draft, steps, topk, draft_tokens, ngram_tokens, as_json, no_record, db):
     """Generate text from one prompt with baseline or speculative decoding."""
-    from specscope.engine.session import GenerateRequest, run_generate
+    from specscope.session import GenerateRequest, run_generate
 
     if prompt == "-":
         prompt = read_stdin_text("--prompt -")

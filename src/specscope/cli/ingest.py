@@ -68,8 +68,9 @@ def _print_report(kinds: dict) -> None:
 @click.command()
 @click.argument("files", nargs=-1, required=True, type=click.Path(dir_okay=False, allow_dash=True))
 @alias_option("--format", "engine", hidden=("--engine",),
-              type=click.Choice(["auto", "sglang", "vllm", "specscope", "prometheus"]), default="auto",
-              show_default=True, help="Format of the files; auto detects it line by line.")
+              type=click.Choice(["auto", "sglang", "vllm", "specscope", "prometheus", "torch-trace"]), default="auto",
+              show_default=True, help="Format of the files; auto detects it line by line (a torch-profiler trace, "
+              "*.pt.trace.json[.gz], by its name or first bytes).")
 @click.option("--tag", "tags", multiple=True, help="Tag the stored runs (repeatable).")
 @click.option("--name", default=None, help="Run name (default: '<format> <file name>').")
 @click.option("--no-record", is_flag=True, help="Parse and report only; do not store runs.")
@@ -80,7 +81,9 @@ def _print_report(kinds: dict) -> None:
 def ingest(files, engine, tags, name, no_record, progress, db, as_json):
     """Read engine logs / metric scrapes (streamed; bad lines are counted, not fatal); one run per file ('-' reads
     standard input, .gz files are decompressed on the fly). Each figure follows the engine's own definition, as
-    tabled in docs/engine-metrics.md; a per-file report says which lines were used, skipped, and why."""
+    tabled in docs/engine-metrics.md; a per-file report says which lines were used, skipped, and why. A vLLM
+    torch-profiler trace (*.pt.trace.json[.gz], recorded with VLLM_CUSTOM_SCOPES_FOR_PROFILING=1) becomes per-phase
+    cycle timing, one cycle per decode step."""
     from specscope.ingest.core import ingest_file
 
     if not no_record:       # before streaming what may be gigabytes of logs, not after each file
@@ -110,8 +113,18 @@ def ingest(files, engine, tags, name, no_record, progress, db, as_json):
             model = s["config"].get("model")
             click.echo(f"{s['file']}: {s['format']}" + (f" ({s['engine']})" if s["engine"] != s["format"] else "")
                        + (f", model {model}" if model else "")
-                       + f" — {i['lines']} lines ({rec}; {i['malformed']} malformed, {i['other']} other)"
+                       + f" — {i['lines']} {i.get('unit', 'lines')} ({rec}; {i['malformed']} malformed, "
+                         f"{i['other']} other)"
                        + (f" -> run {s['run_id']}" if s["run_id"] else ""))
+            if s["format"] == "torch-trace":      # per-phase timing: the profile report's own lines
+                from specscope.ingest.torch_trace import phase_lines
+
+                for line in phase_lines(r):
+                    click.echo("  " + line)
+                _print_report(i.get("kinds") or {})
+                for w in i["warnings"]:
+                    click.echo(f"  note: {w}", err=True)
+                continue
             parts = [_tau(r), f"tok/s {_fmt(r.get('tok_per_s'), '.1f')}"]
             if r.get("draft_acceptance_rate") is not None:
                 parts.append(f"acceptance per draft token {r['draft_acceptance_rate']:.3f}")

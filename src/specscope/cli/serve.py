@@ -75,9 +75,9 @@ def serve(model_name, served_model_name, draft, steps, topk, draft_tokens, ngram
 
     from specscope.cli.common import setup_runtime
     from specscope.server.app import create_app
-    from specscope.server.worker import Engine, ServeConfig
+    from specscope.server.worker import ServeConfig, ServedModel
 
-    from specscope.engine.session import preflight
+    from specscope.session import preflight
 
     if api_key is not None and not api_key.strip():
         # an unset variable in `--api-key "$KEY"` would otherwise serve with no authentication at all
@@ -98,11 +98,11 @@ def serve(model_name, served_model_name, draft, steps, topk, draft_tokens, ngram
         loopback = host == "localhost"
     if not loopback and not cfg.api_key:
         click.echo(f"warning: serving on {host} without --api-key; anyone who can reach it can use it", err=True)
-    engine = Engine(cfg)  # load before listening so /health means ready
-    app = create_app(engine)
+    served = ServedModel(cfg)  # load before listening so /health means ready
+    app = create_app(served)
     real_port = sock.getsockname()[1]
     shown = f"[{host}]" if ":" in host else host
-    click.echo(f"specscope serve: {engine.name} ({'draft ' + draft if draft else 'baseline'}) on "
+    click.echo(f"specscope serve: {served.name} ({'draft ' + draft if draft else 'baseline'}) on "
                f"http://{shown}:{real_port}", err=True)
     click.echo(f"listening on http://{shown}:{real_port}")
     import sys

@@ -45,7 +45,22 @@ def _stages(value: str) -> list[str]:
 @click.option("--synth", type=click.IntRange(0, MAX_COUNT), default=0, show_default=True,
               help="Without --dataset: synthesise this many conversations from the target (Magpie).")
 @click.option("--regenerate", type=click.Choice(["none", "greedy", "sample"]), default="none", show_default=True,
-              help="Replace the dataset's assistant turns with the target's own answers.")
+              help="Replace the dataset's assistant turns with the target's own answers (sample: temperature 0.8, "
+                   "top_p 0.95; --prompt-file answers are greedy unless sample).")
+@alias_option("--answers-from", "answers_from", hidden=("--server-address",), default=None, metavar="URL",
+              help="Take the answers (to --prompt-file prompts, or the --dataset's new assistant turns) from a running "
+                   "OpenAI-compatible server at URL (vLLM, SGLang, specscope serve: /v1/chat/completions, its chat "
+                   "template), greedy unless --regenerate sample; cached in WORKDIR/endpoint_answers.jsonl, a rerun "
+                   "asks only for what is missing. See below.")
+@click.option("--served-model-name", default=None,
+              help="--answers-from: the model id to ask for (default: the first of the server's /v1/models).")
+@click.option("--api-key", envvar=["SPECSCOPE_API_KEY", "OPENAI_API_KEY"], default=None,
+              help="--answers-from: Bearer key (env SPECSCOPE_API_KEY, else OPENAI_API_KEY).")
+@alias_option("--max-concurrency", "concurrency", hidden=("--concurrency",), type=click.IntRange(1, 4096), default=8,
+              show_default=True, help="--answers-from: requests in flight.")
+@click.option("--timeout", "timeout_s", type=FiniteFloat(1, 86400), default=600.0, show_default=True,
+              help="--answers-from: per-request timeout in seconds (a timeout, dropped connection, 429 or 5xx is "
+                   "retried 3 times).")
 @click.option("--synth-batch", type=click.IntRange(1, MAX_BATCH), default=16, show_default=True,
               help="Conversations synthesised per batched generation.")
 @click.option("--user-temperature", type=FiniteFloat(0.0, 2.0), default=0.8, show_default=True,
@@ -55,7 +70,8 @@ def _stages(value: str) -> list[str]:
 @click.option("--capture-batch", type=click.IntRange(1, MAX_BATCH), default=4, show_default=True,
               help="Sequences per capture forward.")
 @click.option("--user-tokens", type=click.IntRange(8, MAX_TOKENS), default=64, show_default=True)
-@click.option("--response-tokens", type=click.IntRange(8, MAX_TOKENS), default=192, show_default=True)
+@alias_option("--response-tokens", "response_tokens", hidden=("--max-tokens",), type=click.IntRange(8, MAX_TOKENS),
+              default=192, show_default=True, help="Most tokens per answer (max_tokens of --answers-from requests).")
 @dtype_option("--gen-dtype", short=("fp32", "bf16", "fp16"), default="fp32",
               help="Target dtype for synthesis/regeneration (features are always captured in fp32).")
 @click.option("--max-len", "--max-length", "max_len", type=click.IntRange(8, MAX_TOKENS), default=1024,
@@ -102,7 +118,8 @@ def _stages(value: str) -> list[str]:
 @click.option("--no-progress", is_flag=True, help="No progress bars (logs only).")
 @json_option("Print one JSON summary at the end.")
 def train(workdir, target_name, stages, dataset, dataset_split, dataset_config, dataset_streaming, prompt_files,
-          synth, regenerate, synth_batch, user_temperature, answer_batch, capture_batch, user_tokens, response_tokens,
+          synth, regenerate, answers_from, served_model_name, api_key, concurrency, timeout_s, synth_batch,
+          user_temperature, answer_batch, capture_batch, user_tokens, response_tokens,
           gen_dtype, max_len, draft_vocab, ttt_steps, total_steps, num_epochs, batch_size, lr, warmup, grad_clip,
           weight_decay, dtype, eval_every, ckpt_every, eval_fraction, max_minutes, select_prompts, select_steps, seed,
           resume, init_from, export_format, export_dtype, output, report_to, device, threads, no_progress, as_json):
@@ -111,12 +128,22 @@ def train(workdir, target_name, stages, dataset, dataset_split, dataset_config, 
     Multi-process: torchrun --nproc-per-node N -m specscope train ... --stages train (gloo on CPU, NCCL on GPU;
     process i of a node trains on cuda:i).
 
+    Answers from your own deployment (--answers-from URL): the data stage asks a running vLLM / SGLang / specscope
+    serve for the answers instead of decoding them here, as SpecForge's regenerate_train_data.py does. This is how to
+    make data for a target too large or too slow to decode on this machine: the decoding (most of the data stage's
+    time) runs on your deployment, with its parallelism. The hidden states are still computed here, by specscope,
+    from the --model checkpoint (one fp32 forward pass per conversation), so --model must be the model the server
+    serves and must fit this machine (4 bytes per parameter). A --dataset conversation is answered turn by turn, as
+    SpecForge does: every user turn in order, with the server's own earlier answers as context. --synth
+    conversations are still written by the local target. --prompt-file prompts overlapping evaluation sets are dropped
+    before any request, as they are for the local target.
+
     SpecForge's spellings work too: --target-model-path, --train-data-path, --num-epochs, --learning-rate,
-    --max-length, --ttt-length, --output-dir, --report-to.
+    --max-length, --ttt-length, --output-dir, --report-to, --server-address, --max-tokens, --concurrency.
     """
     import torch
 
-    from specscope.engine.session import preflight as model_preflight
+    from specscope.session import preflight as model_preflight
     from specscope.models.loader import DTYPES
     from specscope.speculative.eagle3 import DrafterConfig
     from specscope.speculative.formats import resolve_target
@@ -147,6 +174,8 @@ def train(workdir, target_name, stages, dataset, dataset_split, dataset_config, 
     sources = (pipeline.read_data_sources(dataset, list(prompt_files), synth, log=say, dataset_split=dataset_split,
                                           dataset_config=dataset_config, dataset_streaming=dataset_streaming)
                if "data" in todo else None)
+    endpoint = _endpoint(answers_from, served_model_name, api_key, concurrency, timeout_s, response_tokens, seed,
+                         regenerate, dataset, prompt_files, say) if answers_from and "data" in todo else None
     if "vocab" in todo and init is None and draft_vocab > tcfg.vocab_size:
         raise SpecscopeError(f"--draft-vocab {draft_vocab} is larger than the target's vocabulary of "
                              f"{tcfg.vocab_size} tokens; use at most {tcfg.vocab_size}")
@@ -166,15 +195,17 @@ def train(workdir, target_name, stages, dataset, dataset_split, dataset_config, 
     summary = {"workdir": str(work), "target": tinfo, "stages": todo}
 
     if "data" in todo:
-        gen = pipeline.load_target(target_name, dev, gen_dtype)[0] if gen_dtype != "fp32" else target
+        # the local target generates unless an endpoint answers everything (it still synthesises --synth)
+        local_gen = endpoint is None or synth > 0
+        gen = pipeline.load_target(target_name, dev, gen_dtype)[0] if gen_dtype != "fp32" and local_gen else target
         man = pipeline.data_stage(work, target, tok, tinfo, dataset=dataset, synth=synth,
                                   regenerate=regenerate,
                                   aux_layers=aux, synth_batch=synth_batch, user_tokens=user_tokens,
                                   response_tokens=response_tokens, max_len=max_len, seed=seed, gen_model=gen, log=say,
                                   prompt_files=list(prompt_files), answer_batch=answer_batch,
                                   capture_batch=capture_batch, user_temperature=user_temperature,
-                                  sources=sources)
-        summary["data"] = {k: man.get(k) for k in ("sequences", "tokens", "loss_tokens", "skipped")}
+                                  sources=sources, endpoint=endpoint)
+        summary["data"] = {k: man.get(k) for k in ("sequences", "tokens", "loss_tokens", "skipped", "answers")}
         del gen
         if "vocab" in todo or "train" in todo or "select" in todo:
             data = _captured(work, aux, dev)
@@ -196,7 +227,7 @@ def train(workdir, target_name, stages, dataset, dataset_split, dataset_config, 
                           max_minutes=max_minutes)
         last = run_train(drafter, target.embed_tokens.weight.detach(), target.lm_head.weight.detach(), data,
                          work / "train", cfg, dev, resume=resume, progress=not no_progress, log=say,
-                         meta={"target": tinfo}, report_to=report_to)
+                         meta=_train_meta(tinfo, data), report_to=report_to)
         summary["train"] = last
         if rank == 0 and "select" not in todo:
             dest = Path(output) if output else work / "drafter"
@@ -218,6 +249,31 @@ def train(workdir, target_name, stages, dataset, dataset_split, dataset_config, 
             dist.destroy_process_group()
     if as_json and rank == 0:
         emit_json(summary)
+
+
+def _endpoint(url, model, api_key, concurrency, timeout_s, max_tokens, seed, regenerate, dataset, prompt_files, say):
+    """--answers-from: the server checked (and its model id found) before the target loads."""
+    from specscope.train.endpoint import Endpoint
+
+    if not prompt_files and not dataset:
+        raise SpecscopeError("--answers-from answers --prompt-file prompts or regenerates a --dataset's assistant "
+                             "turns; --synth conversations are written by the local target, so drop --answers-from "
+                             "or add one of those")
+    sampled = regenerate == "sample"
+    ep = Endpoint(url, model=model, api_key=api_key, max_tokens=max_tokens, temperature=0.8 if sampled else 0.0,
+                  top_p=0.95 if sampled else 1.0, seed=seed, concurrency=concurrency, timeout_s=timeout_s)
+    ep.connect(say)
+    say(f"answers from {ep.url}, which serves {ep.model!r}")
+    return ep
+
+
+def _train_meta(tinfo: dict, data) -> dict:
+    """What checkpoints record: the target, and where the training answers came from (the data manifest says)."""
+    meta = {"target": tinfo}
+    answers = getattr(data, "manifest", {}).get("answers")
+    if answers:
+        meta["answers"] = answers
+    return meta
 
 
 def _captured(work: Path, aux: list[int], dev):

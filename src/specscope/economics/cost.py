@@ -164,8 +164,8 @@ def expected_tree(rate, steps: int, topk: int, draft_tokens: int) -> tuple[list[
     """The tree a dynamic-tree drafter (EAGLE-2/3, SGLang's knobs) builds when its confidence equals acceptance.
 
     `rate(depth, rank)` = P(the rank-th child (1-based, by draft score) is accepted | its parent was accepted).
-    Mirrors the engine: level 1 is the root's top-k children; each further level expands the best `topk` frontier
-    nodes into `topk` children each, scored by the product along the path (the engine's cumulative draft
+    Mirrors that drafter: level 1 is the root's top-k children; each further level expands the best `topk` frontier
+    nodes into `topk` children each, scored by the product along the path (the drafter's cumulative draft
     probability, under calibration); then the best `draft_tokens - 1` nodes overall are kept, parents first.
     Returns (parents, p) for `tree_tau`."""
     if steps < 1 or topk < 1 or draft_tokens < 2:

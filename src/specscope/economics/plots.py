@@ -4,9 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from specscope.economics.verify_curve import PiecewiseFit
+from specscope.errors import SpecscopeError
+from specscope.fileio import atomic_output
+
 
 def _plt():
-    import matplotlib
+    import matplotlib      # slow to import: only once a plot is asked for
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -19,8 +23,6 @@ FORMATS = ("png", "svg", "svgz", "pdf", "eps", "ps", "jpg", "jpeg", "tif", "tiff
 
 def plot_format(path, flag: str = "--output") -> str:
     """The image format a plot path asks for by its suffix (PNG without one); checked before any work."""
-    from specscope.errors import SpecscopeError
-
     fmt = Path(path).suffix.lstrip(".").lower() or "png"
     if fmt not in FORMATS:
         raise SpecscopeError(f"{flag} {str(path)!r}: cannot write a .{fmt} image; end it in one of "
@@ -30,8 +32,6 @@ def plot_format(path, flag: str = "--output") -> str:
 
 def _save(fig, path) -> str:
     """The figure to the regular file `path`, atomically; the format follows its suffix (PNG without one)."""
-    from specscope.fileio import atomic_output
-
     path = Path(path)
     try:
         fig.tight_layout()
@@ -44,8 +44,6 @@ def _save(fig, path) -> str:
 
 def plot_verify_curve(result: dict, path, title: str = "") -> str:
     """Median forward time (p10–p90 bars) vs query tokens, one line per context, with the piecewise fit."""
-    from specscope.economics.verify_curve import PiecewiseFit
-
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     contexts = sorted({p["context"] for p in result["points"]})

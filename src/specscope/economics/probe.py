@@ -1,4 +1,4 @@
-"""Measurements the tuner needs from the real engine: a profiled baseline, one profiled speculative run that also
+"""Measurements the tuner needs from real decoding: a profiled baseline, one profiled speculative run that also
 records acceptance by (depth, sibling rank), and the validation runs of predicted configurations."""
 
 from __future__ import annotations
@@ -6,13 +6,18 @@ from __future__ import annotations
 import time
 
 from specscope.errors import SpecscopeError
-from specscope.speculative.acceptance import RankCounts
+from specscope.generate import generate
+from specscope.profile import CycleProfiler
+from specscope.registry import make_record, store_record
+from specscope.speculative.acceptance import RankCounts, SourceCounts
+from specscope.speculative.decode import SpecConfig, speculative_generate
+from specscope.speculative.drafters import NgramDrafter
 
 
 class RankRecorder(RankCounts):
-    """Wraps a drafter and counts acceptance by (depth, sibling rank) after each verify (see RankCounts). The
-    engine records the same counts itself (`GenerationResult.extra["acceptance_by_depth_rank"]`); this wrapper
-    serves callers that drive a drafter directly."""
+    """Wraps a drafter and counts acceptance by (depth, sibling rank) after each verify (see RankCounts).
+    speculative_generate records the same counts itself (`GenerationResult.extra["acceptance_by_depth_rank"]`);
+    this wrapper serves callers that drive a drafter directly."""
 
     def __init__(self, drafter, steps: int, topk: int):
         super().__init__(steps, topk)
@@ -52,9 +57,6 @@ def run_pair(target, drafter, prompt_ids, max_new_tokens, stop_ids, cfg, base_pr
              baseline=True) -> dict:
     """Plain and speculative decoding alternated prompt by prompt, so that a machine whose load drifts (shared
     CPUs) slows both sides alike and their ratio stays meaningful. Returns ms/token of each side and τ."""
-    from specscope.engine.generate import generate
-    from specscope.speculative.decode import speculative_generate
-
     bt = bs = st = ss = 0.0
     acc = cycles = 0
     extras = []
@@ -76,8 +78,6 @@ def run_pair(target, drafter, prompt_ids, max_new_tokens, stop_ids, cfg, base_pr
 
 def plain_decode_ms(target, prompt_ids, max_new_tokens, stop_ids) -> float:
     """Plain decoding ms/token over the prompts (decode only; one short untimed pass first)."""
-    from specscope.engine.generate import generate
-
     generate(target, prompt_ids[0], min(8, max_new_tokens), None, stop_ids)
     toks = secs = 0.0
     for ids in prompt_ids:
@@ -92,11 +92,6 @@ def profile(target, drafter, prompt_ids, cfg, max_new_tokens, stop_ids, config: 
             rounds: int = 1):
     """One profiled baseline and one profiled speculative run (with rank-wise acceptance) over the prompts,
     `rounds` times over; stores both. Returns (baseline_record, speculative_record), ids filled in when recorded."""
-    from specscope.profile import CycleProfiler
-    from specscope.registry import make_record, store_record
-    from specscope.speculative.acceptance import SourceCounts
-    from specscope.speculative.drafters import NgramDrafter
-
     if isinstance(drafter, NgramDrafter) and cfg.topk != 1:
         raise SpecscopeError("n-gram drafting proposes a chain; use --topk 1")
     dev = str(target.device)
@@ -138,8 +133,6 @@ def profile(target, drafter, prompt_ids, cfg, max_new_tokens, stop_ids, config: 
 def validate(target, drafter, prompt_ids, configs, max_new_tokens, stop_ids, progress=None):
     """Run each (steps, topk, draft_tokens) — or (steps, topk, draft_tokens, ngram_tokens) for a hybrid — for real,
     alternating with plain decoding prompt by prompt; measured speedup = plain ms/token ÷ speculative ms/token."""
-    from specscope.speculative.decode import SpecConfig
-
     out = []
     for knobs in configs:
         cfg = SpecConfig(*knobs)

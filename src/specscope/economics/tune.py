@@ -2,7 +2,7 @@
 
 From the run it takes acceptance by (depth, sibling rank) — or, for a chain run, per-position acceptance — and the
 per-cycle phase costs; a verify curve scales the verify (and draft-expansion) cost to other widths. Every candidate
-configuration gets a predicted τ (the tree the engine would build, `cost.expected_tree`) and a predicted speedup
+configuration gets a predicted τ (the tree the drafter would build, `cost.expected_tree`) and a predicted speedup
 τ·T_decode / (T_draft(steps, topk) + T_verify(n) + T_other). `validate` runs the top ones for real.
 
 A hybrid run (DRAFTER+ngram) also picks the n-gram budget: copied tokens cost nothing to draft but widen the
@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import math
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+from specscope.economics.breakeven import decode_ms_of
 from specscope.economics.cost import expected_tree, tree_tau
 from specscope.errors import SpecscopeError
 
@@ -227,8 +228,6 @@ class CostModel:
     def drafted_only(self, share: float) -> "CostModel":
         """This model with the drafter's per-cycle costs averaged over the `share` of cycles it ran in (a hybrid
         skips it on long copies; the copy itself costs nothing to draft)."""
-        from dataclasses import replace
-
         k = 1.0 / max(share, 1e-9)
         return replace(self, step0_ms=self.step0_ms * k, expand_ms=self.expand_ms * k, select_ms=self.select_ms * k)
 
@@ -268,8 +267,6 @@ class CostModel:
         select = max(0.0, draft - step0 - sum(later)) / candidates(steps, topk)
         other = sum(v for v in (_phase(res, k, stat) for k in ("accept", "commit", "other")) if v is not None)
         if decode_ms is None and baseline is not None:
-            from specscope.economics.breakeven import decode_ms_of
-
             bres = baseline.get("results") or {}
             med = _phase(bres, "decode", stat) if stat == "median" else None
             # the baseline's own loop bookkeeping is part of its per-token cost, as "other" is of a cycle's

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 from specscope.errors import SpecscopeError
 
+# torch is imported inside the measuring code only: the report and `breakeven` read fits from here without it
+
 DEFAULT_CONTEXTS = (256, 1024)
 DEFAULT_TOKENS = (1, 2, 4, 8, 16, 32, 64)
 
@@ -61,16 +63,9 @@ class _Point:
             _sync(self.dev)
             t0 = time.perf_counter()
             o = self.model(self.ids, self.pos, self.cache, slots=self.pos, mask=self.mask)
-            o.logits.argmax(-1).tolist()  # the engine reads the argmax back, which also syncs
+            o.logits.argmax(-1).tolist()  # decoding reads the argmax back, which also syncs
             _sync(self.dev)
             return (time.perf_counter() - t0) * 1e3
-
-
-def time_forward(model, context: int, n: int, warmup: int, repeats: int) -> list[float]:
-    """Milliseconds of `repeats` forwards of n query tokens at positions context..context+n-1."""
-    pt = _Point(model, context, n)
-    out = [pt.time_ms() for _ in range(warmup + repeats)]
-    return out[warmup:]
 
 
 def summarize(samples: list[float]) -> dict:

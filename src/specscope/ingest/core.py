@@ -11,12 +11,16 @@ from pathlib import Path
 from specscope.errors import SpecscopeError, require_file
 from specscope.ingest.base import MAX_EXAMPLES, Malformed
 from specscope.ingest.lines import split_records
+from specscope.ingest.plugin_steps import StepsParser
 from specscope.ingest.profile_lines import ProfileParser
 from specscope.ingest.prometheus import PrometheusParser
 from specscope.ingest.sglang import SGLangParser
+from specscope.ingest.torch_trace import FORMAT as TORCH_TRACE, is_trace, scan_trace
 from specscope.ingest.vllm import VLLMParser
 
-FORMATS = {"sglang": SGLangParser, "vllm": VLLMParser, "specscope": ProfileParser, "prometheus": PrometheusParser}
+# tried in this order on each line; the step records go first (JSON lines a log parser could take for config)
+FORMATS = {"specscope-steps": StepsParser, "sglang": SGLangParser, "vllm": VLLMParser, "specscope": ProfileParser,
+           "prometheus": PrometheusParser}
 MAX_LINE = 1 << 20  # longer physical lines are skipped (counted as malformed) rather than held in memory
 
 
@@ -59,7 +63,7 @@ def iter_lines(path: Path, digest, nbytes: list, progress=None):
 def scan(path: Path, engine: str = "auto", progress=None) -> dict:
     """Parse a file; returns the parsers and the line accounting (no registry involved)."""
     if engine != "auto" and engine not in FORMATS:
-        raise SpecscopeError(f"unknown engine {engine!r}; use one of auto, {', '.join(FORMATS)}")
+        raise SpecscopeError(f"unknown engine {engine!r}; use one of auto, {', '.join(FORMATS)}, {TORCH_TRACE}")
     if str(path) != "-":
         require_file(path, "log file")
     parsers = [cls() for cls in FORMATS.values()] if engine == "auto" else [FORMATS[engine]()]
@@ -118,8 +122,9 @@ def line_report(acc: dict, parsers, main) -> dict:
                     r["skipped"][why] = r["skipped"].get(why, 0) + used
             out[f"{p.name} {kind}"] = r
     if acc["other"]:
-        out["other"] = {"read": acc["other"], "used": 0, "skipped": {"no format recognised it": acc["other"]},
-                        "partial": {}}
+        why = ("other trace events (cpu_op, ...): not used" if acc.get("unit") == "events"
+               else "no format recognised it")
+        out["other"] = {"read": acc["other"], "used": 0, "skipped": {why: acc["other"]}, "partial": {}}
     overlong = acc["overlong"]
     if overlong:
         out["overlong"] = {"read": overlong, "used": 0,
@@ -133,7 +138,12 @@ def ingest_file(path, engine: str = "auto", tags=(), name: str | None = None, re
 
     progress: called with the bytes read so far (for a progress bar on large files)."""
     path = Path(path)
-    acc = scan(path, engine, progress)
+    if str(path) != "-" and engine in ("auto", TORCH_TRACE):
+        require_file(path, "trace file" if engine == TORCH_TRACE else "log file")
+    if engine == TORCH_TRACE or (engine == "auto" and is_trace(path)):
+        acc = scan_trace(path, progress)     # one JSON document, not lines: same accounting, units are events
+    else:
+        acc = scan(path, engine, progress)
     parsers = acc.pop("parsers")
     with_data = sorted((p for p in parsers if p.has_data()), key=lambda p: -p.data_lines)
     if not with_data:
@@ -150,8 +160,10 @@ def ingest_file(path, engine: str = "auto", tags=(), name: str | None = None, re
     for p in with_data[1:]:
         warnings.append(f"also found {p.data_lines} {p.name} line(s); this run holds the {main.name} data only")
     if acc["malformed"]:
-        warnings.append(f"{acc['malformed']} malformed line(s) skipped (corrupt, truncated or interleaved)")
-    ingest_info = {"format": main.name, "lines": acc["lines"], "recognised": acc["recognised"],
+        warnings.append(f"{acc['malformed']} malformed {'event' if acc.get('unit') == 'events' else 'line'}(s) "
+                        "skipped (corrupt, truncated or interleaved)")
+    ingest_info = {"format": main.name, "lines": acc["lines"], **({"unit": acc["unit"]} if "unit" in acc else {}),
+                   "recognised": acc["recognised"],
                    "malformed": acc["malformed"], "malformed_by_format": acc["malformed_by_format"],
                    "other": acc["other"], "malformed_examples": acc["malformed_examples"],
                    "unterminated_last_line": acc["unterminated_last_line"],

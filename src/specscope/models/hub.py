@@ -5,7 +5,9 @@ resolved through huggingface_hub's own cache (HF_HOME / HF_HUB_CACHE, HF_HUB_OFF
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
+import logging
 import os
 import re
 import shutil
@@ -13,6 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specscope.errors import SpecscopeError
+
+# rich, transformers and huggingface_hub are imported where a pull or a download needs them: naming and listing
+# models (`specscope models`, every command's preflight) does not pay for them
 
 
 @dataclass(frozen=True)
@@ -53,8 +58,6 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
 
 
 def _package_file(km: KnownModel) -> Path:
-    import importlib.util
-
     spec = importlib.util.find_spec(km.module)
     if spec is None or spec.origin is None:
         raise SpecscopeError(f"model {km.name!r} needs the {km.package!r} package, which is not installed; "
@@ -119,8 +122,6 @@ def pull(name: str, force: bool = False, progress: bool = True) -> Path:
 
 
 def _convert_gguf(gguf_path: Path, out: Path, step):
-    import logging
-
     import torch
     from safetensors.torch import save_file
     import transformers
@@ -190,6 +191,8 @@ HUB_FILES = {
     "model": ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.tiktoken", "*.txt", "*.jinja"],
     # EAGLE-3 drafters (some ship pytorch_model.bin only) or a small draft model (weights + config)
     "drafter": ["*.json", "*.safetensors", "pytorch_model.bin"],
+    # a tokenizer alone (bench-serve --tokenizer): its files and the small JSONs beside them, no weights
+    "tokenizer": ["*.json", "tokenizer*", "*.model", "*.tiktoken", "*.txt", "*.jinja"],
 }
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
 
@@ -250,7 +253,10 @@ def hub_snapshot(spec: str, files: str = "model") -> Path:
     except (HfHubHTTPError, OSError) as e:
         raise SpecscopeError(f"cannot fetch {repo!r}{at} from the Hugging Face Hub ({_short(e)}); check the network "
                              f"or pass a local directory") from None
-    if not (path / "config.json").exists():
+    if files == "tokenizer":
+        if not (path / "tokenizer.json").exists() and not (path / "tokenizer.model").exists():
+            raise SpecscopeError(f"{repo!r}{at} has no tokenizer.json or tokenizer.model (in {path})")
+    elif not (path / "config.json").exists():
         raise SpecscopeError(f"{repo!r}{at} has no config.json (in {path}); is it a model repository?")
     return path
 

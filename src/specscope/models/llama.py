@@ -15,10 +15,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specscope.engine.kv_cache import KVCache
+from specscope.errors import SpecscopeError
 from specscope.models import rowgemm
 from specscope.models.config import ModelConfig
 from specscope.models.rope import apply_rope, rope_table, rotate
+from specscope.runtime.kv_cache import KVCache
 
 
 class RMSNorm(nn.Module):
@@ -177,7 +178,6 @@ class Transformer(nn.Module):
         logits_idx: indices along T whose logits to compute (None = all)."""
         B, T = input_ids.shape
         if int(position_ids.max()) >= self.rope.shape[1]:
-            from specscope.errors import SpecscopeError
             raise SpecscopeError(
                 f"position {int(position_ids.max())} exceeds the model's context of {self.rope.shape[1]} tokens; "
                 f"shorten the prompt or lower --max-new-tokens")

@@ -6,9 +6,14 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 
 from specscope.errors import SpecscopeError
+from specscope.jsonio import loads
 from specscope.models.config import ModelConfig
+from specscope.models.linear import pack_linears
+from specscope.models.llama import Transformer
+from specscope.models.rope import rope_table
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
           "fp16": torch.float16, "float16": torch.float16}
@@ -48,8 +53,6 @@ def load_config(path: str | Path) -> tuple[ModelConfig, dict]:
 
 def read_json_object(f: Path) -> dict:
     """A JSON file that must hold an object (config.json and the like), with one-line errors."""
-    from specscope.jsonio import loads
-
     if not f.is_file():
         raise SpecscopeError(f"{f} is not a regular file")
     try:
@@ -82,8 +85,6 @@ def weight_files(path: Path) -> list[Path]:
 
 
 def read_safetensors(files: list[Path]) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
     state = {}
     for f in files:
         try:
@@ -203,8 +204,6 @@ def load_model(path: str | Path, dtype: torch.dtype | str | None = None, device:
     """Load a HF checkpoint directory. Returns our Transformer in eval mode on `device` in `dtype`.
 
     pack (default: on for CPU): linear weights pre-packed for oneDNN (models/linear.py), inference only."""
-    from specscope.models.llama import Transformer
-
     path = Path(path)
     device = resolve_device(str(device)) if not isinstance(device, torch.device) else device
     if not isinstance(dtype, torch.dtype):
@@ -220,15 +219,12 @@ def load_model(path: str | Path, dtype: torch.dtype | str | None = None, device:
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     # rope buffer was on meta: rebuild it
-    from specscope.models.rope import rope_table
     model.rope = rope_table(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
     model = model.to(device=device, dtype=dtype)
     model.rope = model.rope.float()
     model.eval().requires_grad_(False)
     model.source_path = str(path)
     if pack if pack is not None else device.type == "cpu":
-        from specscope.models.linear import pack_linears
-
         pack_linears(model)
     return model
 

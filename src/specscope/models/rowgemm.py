@@ -38,6 +38,8 @@ from pathlib import Path
 
 import torch
 
+from specscope.models.hub import cache_dir
+
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCE = CSRC / "rows_gemm.cpp"
 SOURCES = (SOURCE, CSRC / "simd.h")
@@ -63,8 +65,6 @@ _warned = False
 
 
 def kernels_dir() -> Path:
-    from specscope.models.hub import cache_dir
-
     return cache_dir() / "kernels"
 
 
@@ -363,8 +363,9 @@ class _Layer(ctypes.Structure):
 class LayerStack:
     """A packed Llama-family model's decoder layers run by one `rows_layers` call per forward (one sequence, fp32):
     the same kernels in the same order as the per-layer path, so the same bits, without ~8 Python-level kernel
-    calls per layer. Built by `for_model` when every layer qualifies (our kernel on all four linears, no q/k norm);
-    the packed weights never move, so their addresses are taken once (per register-tile choice, i.e. row count)."""
+    calls per layer. Built by models/linear.py `layer_stack` when every layer qualifies (our kernel on all four
+    linears, no q/k norm); the packed weights never move, so their addresses are taken once (per register-tile
+    choice, i.e. row count)."""
 
     def __init__(self, model):
         cfg = model.config
@@ -373,25 +374,6 @@ class LayerStack:
         self.inter = cfg.intermediate_size
         self.layers = list(model.layers)   # keeps the packed weights alive
         self._arrays: dict[int, ctypes.Array] = {}
-
-    @staticmethod
-    def for_model(model) -> "LayerStack | None":
-        from specscope.models.linear import PackedLinear
-
-        def ok(lin):
-            return isinstance(lin, PackedLinear) and lin.rg is not None
-
-        layers = getattr(model, "layers", None)
-        if not layers or not available():
-            return None
-        for layer in layers:
-            a, m = layer.self_attn, layer.mlp
-            if a.q_norm is not None or not all(map(ok, (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj))):
-                return None
-            if any(n.weight.dtype != torch.float32 or not n.weight.is_contiguous()
-                   for n in (layer.input_layernorm, layer.post_attention_layernorm)):
-                return None
-        return LayerStack(model)
 
     def _array(self, T: int):
         key = min(T, TUNE_ROWS[-1])

@@ -38,9 +38,11 @@ TOP_PHASES = tuple(PHASE_LABELS)
 
 
 def _valid_name(name: str) -> bool:
+    """A top phase, or a sub-phase `<top>.<part>` (draft.step0, commit.preprocess: an engine's own scope names)."""
     if name in PHASE_LABELS:
         return True
-    return name.startswith("draft.step") and name[len("draft.step"):].isdigit()
+    top, dot, part = name.partition(".")
+    return bool(dot) and top in PHASE_LABELS and part.replace("_", "").isalnum()
 
 
 class _Phase:
@@ -91,7 +93,7 @@ class CycleProfiler:
         self._cuda = self.device.startswith("cuda")
         self._torch = None
         if self._cuda:
-            import torch
+            import torch   # CUDA timing only: the registry imports this module and must not pull torch
 
             if not torch.cuda.is_available():
                 raise SpecscopeError(f"profiler device {self.device!r} needs CUDA, which this torch build cannot use")
@@ -112,13 +114,46 @@ class CycleProfiler:
         self._cycles = 0
         self._overhead_us = None
 
+    @classmethod
+    def from_samples(cls, samples: dict, accepted: list[list[bool]] | None = None, device: str = "cpu",
+                     timer: str | None = None, overhead_us: tuple[float, float] | None = None,
+                     phases_per_cycle: float = 0.0) -> "CycleProfiler":
+        """A profiler rebuilt from recorded cycles (`samples()` of another process: an engine plugin's JSONL, a
+        stored run), so `summary()` / `lines()` report them exactly as if they were timed here.
+        `accepted`: per-cycle flags per draft position; by default a chain (the first accept_length-1 accepted)."""
+        prof = cls("cpu")
+        prof.device, prof.sync = str(device), timer == "sync"
+        prof._cuda = timer == "cuda_events"          # only what summary() reports as the timer; nothing is timed
+        total = [float(x) for x in samples.get("cycle_total_ms") or []]
+        n = len(total)
+        cols = samples.get("cycle_ms") or {}
+        for name, col in cols.items():
+            if len(col) != n:
+                raise SpecscopeError(f"recorded cycles disagree: phase {name!r} has {len(col)} values, "
+                                     f"cycle_total_ms {n}")
+        acc = [int(a) for a in samples.get("accept_lengths") or [1] * n]
+        nd = [int(d) for d in samples.get("num_draft") or [0] * n]
+        if len(acc) != n or len(nd) != n:
+            raise SpecscopeError(f"recorded cycles disagree: {len(acc)} accept lengths, {len(nd)} draft counts, "
+                                 f"{n} cycles")
+        prof._cycle_ms = {k: [float(v) for v in col] for k, col in cols.items()}
+        prof._total_ms = total
+        prof._accept, prof._num_draft = acc, nd
+        if accepted is None:
+            accepted = [[i < a - 1 for i in range(d)] for a, d in zip(acc, nd)]
+        prof._accepted = [[bool(x) for x in a] for a in accepted]
+        prof._cycles = n
+        prof._calls = phases_per_cycle * n
+        prof._overhead_us = overhead_us or (0.0, 0.0)   # what the recording process measured, if it said
+        return prof
+
     # ---- hot path -------------------------------------------------------------------------------------------
     def phase(self, name: str) -> _Phase:
         ph = self._phases.get(name)
         if ph is None:
             if not _valid_name(name):
                 raise SpecscopeError(f"unknown profiler phase {name!r}; use one of {', '.join(TOP_PHASES)} "
-                                     f"or draft.step<i>")
+                                     f"or <phase>.<part> (e.g. draft.step0)")
             ph = self._phases[name] = _Phase(self, name)
         return ph
 
@@ -225,6 +260,13 @@ class CycleProfiler:
         return self._overhead_us
 
     # ---- reports --------------------------------------------------------------------------------------------
+    def cycle(self, i: int, block: bool = True) -> tuple[dict[str, float], float] | None:
+        """({phase: ms} without zeros, total ms) of cycle i; None while its CUDA events are pending (block=False)."""
+        self._resolve(block)
+        if i >= len(self._total_ms):
+            return None
+        return {k: col[i] for k, col in self._cycle_ms.items() if col[i]}, self._total_ms[i]
+
     @property
     def cycles(self) -> int:
         return self._cycles

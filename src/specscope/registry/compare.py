@@ -14,6 +14,8 @@ The first run is the reference; every other run is compared against it:
 
 from __future__ import annotations
 
+import math
+
 import json
 import statistics
 
@@ -198,7 +200,9 @@ def compare_runs(runs: list[dict], alpha: float = 0.05, min_effect: float = 0.02
                 change = (vb / va - 1) if isinstance(va, (int, float)) and isinstance(vb, (int, float)) and va \
                     else None
                 ch = {"change": change, "lo": None, "hi": None, "reason": "no per-cycle samples"}
-            row["changes"].append({k: _round(v, 5) if isinstance(v, float) else v for k, v in ch.items()})
+            # a zero reference makes the ratio NaN/inf: no number (JSON has none for it), the verdict says why
+            row["changes"].append({k: (None if not math.isfinite(v) else _round(v, 5)) if isinstance(v, float) else v
+                                   for k, v in ch.items()})
             row["verdicts"].append(stats.verdict(ch, d["higher"], min_effect) if ch["change"] is not None
                                    else "n/a (missing)")
         rows.append(row)

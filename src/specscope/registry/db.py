@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import sqlite3
+import stat
 import time
 import uuid
 import zlib
@@ -21,6 +22,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from specscope.errors import SpecscopeError
+from specscope.fileio import check_writable
 
 CORE_KEYS = ("kind", "name", "tags", "config", "env", "results", "samples")
 
@@ -340,8 +342,6 @@ def _s(v):
 def _check_registry_path(path: Path, create: bool) -> None:
     """What SQLite would only say late or vaguely: a directory, a device or a FIFO is not a registry, and a reader
     must not create an empty one where it was pointed at nothing."""
-    import stat
-
     try:
         st = os.stat(path)
     except FileNotFoundError:
@@ -376,7 +376,5 @@ def check_registry(db_path=None) -> Path:
     if path.exists() or path.is_symlink():
         open_registry(path, create=False).close()
     else:
-        from specscope.fileio import check_writable
-
         check_writable(path, "--db")
     return path

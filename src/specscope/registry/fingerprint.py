@@ -17,6 +17,8 @@ from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
 
+from specscope import __version__
+
 ENV_PREFIXES = ("NCCL_", "CUDA_", "OMP_", "MKL_", "TORCH_", "PYTORCH_", "SPECSCOPE_KERNELS")
 PACKAGES = ("torch", "transformers", "specscope", "numpy", "safetensors", "tokenizers", "triton")
 
@@ -142,8 +144,6 @@ def _packages() -> dict:
         except metadata.PackageNotFoundError:
             out[p] = None
     if out["specscope"] is None:
-        from specscope import __version__
-
         out["specscope"] = __version__
     return out
 

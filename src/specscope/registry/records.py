@@ -18,6 +18,8 @@ import struct
 from pathlib import Path
 
 from specscope.errors import SpecscopeError
+from specscope.registry.db import open_registry
+from specscope.registry.fingerprint import collect
 
 _MIB = 1 << 20
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth")
@@ -101,8 +103,6 @@ def make_record(kind: str, name: str = "", config: dict | None = None, profiler=
     """A registry record. Results/samples from `profiler` (a CycleProfiler) come first; explicit `results` and
     `samples` override them key by key. `env` defaults to a fresh fingerprint. Extra keyword arguments become
     extra top-level keys (preserved by the registry)."""
-    from specscope.registry.fingerprint import collect
-
     if not kind:
         raise SpecscopeError("make_record needs a kind, e.g. 'bench'")
     config = dict(config or {})
@@ -121,7 +121,5 @@ def make_record(kind: str, name: str = "", config: dict | None = None, profiler=
 
 def store_record(record: dict, db=None) -> str:
     """Add a record to the registry at `db` (default location otherwise); returns the run id."""
-    from specscope.registry.db import open_registry
-
     with open_registry(db) as reg:
         return reg.add_run(record)

@@ -15,9 +15,17 @@ import base64
 import datetime as _dt
 import html
 import json
+import re
 from pathlib import Path
 
+from specscope import __version__
+from specscope.economics.breakeven import BreakevenInputs, breakeven, describe, inputs_from_runs
+from specscope.economics.verify_curve import knee_words
 from specscope.errors import SpecscopeError
+from specscope.fileio import write_atomic
+from specscope.profile.cycle import PHASE_LABELS
+from specscope.registry.compare import compare_runs
+from specscope.registry.fingerprint import VOLATILE, flatten, load_warning
 from specscope.report import charts
 
 LINK_KEYS = ("baseline_run", "verify_curve_run")
@@ -47,8 +55,6 @@ def load_runs(reg, refs) -> tuple[list[dict], dict[str, dict]]:
 
 def write_report(runs: list[dict], path, linked: dict | None = None, title: str | None = None) -> Path:
     """Write the report to the regular file `path` (atomically, parents created); returns the path."""
-    from specscope.fileio import write_atomic
-
     return write_atomic(path, build_report(runs, linked, title), "report", make_parents=True)
 
 
@@ -128,8 +134,6 @@ def _drafter_cell(r) -> str:
 
 
 def _load_section(runs):
-    from specscope.registry.fingerprint import load_warning
-
     warned = [(r, w) for r in runs if (w := load_warning(r.get("env")))]
     if not warned:
         return []
@@ -195,8 +199,6 @@ def _is_plain(r: dict) -> bool:
 def breakeven_analysis(run: dict, by_id: dict, plain: list[dict] = ()) -> dict | None:
     """`specscope breakeven --run` for one stored speculative run, against its linked baseline, else a plain run
     of the same model among `plain` (e.g. `specscope report BASE SPEC` of two generate runs)."""
-    from specscope.economics.breakeven import BreakevenInputs, breakeven, describe, inputs_from_runs
-
     if not (run.get("results") or {}).get("drafted_tokens") and run.get("kind") not in ("speculative",):
         return None
     base = by_id.get((run.get("config") or {}).get("baseline_run"))
@@ -208,8 +210,6 @@ def breakeven_analysis(run: dict, by_id: dict, plain: list[dict] = ()) -> dict |
         res = breakeven(inp)
     except SpecscopeError as e:
         # the library names `specscope breakeven`'s flags; the report has none of them
-        import re
-
         msg = re.sub(r" \(pass [^)]*\)", "", str(e))
         return {"error": msg + ". For the report: pass a plain-decoding run of the same model along with it "
                                "(specscope report BASELINE_RUN RUN), or see `specscope breakeven --run ID --help`"}
@@ -239,8 +239,6 @@ def _curve_section(curve):
     img = charts.verify_curve(curve)
     if img is None:
         return []
-    from specscope.economics.verify_curve import knee_words
-
     res = curve.get("results") or {}
     toks = [p["tokens"] for p in res.get("points") or []]
     pts = res.get("points") or []
@@ -253,8 +251,6 @@ def _curve_section(curve):
 
 
 def _compare_section(perf):
-    from specscope.registry.compare import compare_runs
-
     try:
         res = compare_runs(perf)
     except SpecscopeError as e:
@@ -315,8 +311,6 @@ def _per_prompt_section(perf):
 
 
 def _env_section(runs):
-    from specscope.registry.fingerprint import VOLATILE, flatten
-
     flats = []
     for r in runs:
         f = {k: v for k, v in flatten(r.get("env") or {}).items()
@@ -348,8 +342,6 @@ def _env_section(runs):
 # ---------------------------------------------------------------------------------------------- helpers
 
 def _phase_label(name):
-    from specscope.profile.cycle import PHASE_LABELS
-
     return PHASE_LABELS.get(name, name)
 
 
@@ -405,8 +397,6 @@ def _short(p) -> str:
 
 
 def _version() -> str:
-    from specscope import __version__
-
     return __version__
 
 

@@ -6,9 +6,11 @@ needs. Widths are fixed in pixels (figsize × DPI) so that the page never scroll
 
 from __future__ import annotations
 
+import functools
 import io
 import math
 
+from specscope.economics.verify_curve import PiecewiseFit, noise_words
 from specscope.profile.cycle import PHASE_LABELS, TOP_PHASES
 
 DPI = 100
@@ -18,7 +20,7 @@ PHASE_COLORS = {"draft": "#4c78a8", "verify": "#e45756", "accept": "#72b7b2", "c
 
 
 def _plt():
-    import matplotlib
+    import matplotlib      # slow to import: only once a chart is drawn (the report imports this module)
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -28,8 +30,6 @@ def _plt():
 
 def _plain_text(fn):
     """Run labels are user text (names, paths): a '$' in one must not switch matplotlib into mathtext."""
-    import functools
-
     @functools.wraps(fn)
     def wrapper(*a, **kw):
         import matplotlib
@@ -227,8 +227,6 @@ def _single_position(spec: list[dict]) -> bytes:
 @_plain_text
 def verify_curve(curve: dict) -> bytes | None:
     """A verify_curve run: median forward time vs query tokens per context, with the piecewise fit."""
-    from specscope.economics.verify_curve import PiecewiseFit, noise_words
-
     res = curve.get("results") or {}
     points, fits = res.get("points") or [], res.get("fits") or {}
     if not points or not fits:

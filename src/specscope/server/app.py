@@ -17,7 +17,7 @@ from starlette.requests import ClientDisconnect
 from specscope.server import protocol as P
 from specscope.server.metrics import ServerMetrics
 from specscope.server.protocol import ApiError
-from specscope.server.worker import Engine, EngineWorker, Job
+from specscope.server.worker import Job, ServedModel, Worker
 
 log = logging.getLogger("specscope.server")
 
@@ -66,20 +66,20 @@ class ApiKeyMiddleware:
         return await self.app(scope, receive, send)
 
 
-def create_app(engine: Engine, metrics: ServerMetrics | None = None) -> FastAPI:
-    cfg = engine.cfg
+def create_app(served: ServedModel, metrics: ServerMetrics | None = None) -> FastAPI:
+    cfg = served.cfg
     metrics = metrics or ServerMetrics(cfg.metrics_prefix)
-    worker = EngineWorker(engine, metrics, cfg.max_queue)
+    worker = Worker(served, metrics, cfg.max_queue)
 
     @asynccontextmanager
     async def lifespan(app):
         worker.start()
         yield
-        # uvicorn has already drained in-flight requests (SIGTERM); now stop the engine thread
+        # uvicorn has already drained in-flight requests (SIGTERM); now stop the decoding thread
         await asyncio.to_thread(worker.stop)
 
     app = FastAPI(title="specscope", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.engine, app.state.worker, app.state.metrics = engine, worker, metrics
+    app.state.served, app.state.worker, app.state.metrics = served, worker, metrics
 
     @app.exception_handler(ApiError)
     async def _api_error(request, e: ApiError):
@@ -120,9 +120,9 @@ def create_app(engine: Engine, metrics: ServerMetrics | None = None) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": engine.name, "object": "model", "created": int(time.time()),
-                                            "owned_by": "specscope", "root": str(engine.path),
-                                            "max_model_len": engine.context}]}
+        return {"object": "list", "data": [{"id": served.name, "object": "model", "created": int(time.time()),
+                                            "owned_by": "specscope", "root": str(served.path),
+                                            "max_model_len": served.context}]}
 
     async def read_body(request: Request) -> dict:
         cl = request.headers.get("content-length")
@@ -153,10 +153,10 @@ def create_app(engine: Engine, metrics: ServerMetrics | None = None) -> FastAPI:
         body = await read_body(request)
         parse = P.parse_chat if kind == "chat" else P.parse_completion
         p = parse(body, cfg.max_tokens_cap)
-        if p.model is not None and p.model not in (engine.name, cfg.model, str(engine.path)):
-            raise ApiError(404, f"the model {p.model!r} does not exist; this server serves {engine.name!r}",
+        if p.model is not None and p.model not in (served.name, cfg.model, str(served.path)):
+            raise ApiError(404, f"the model {p.model!r} does not exist; this server serves {served.name!r}",
                            "model")
-        ids = engine.encode(p)
+        ids = served.encode(p)
         rid = P.new_id(kind)
         job = Job(p, ids, asyncio.get_running_loop(), rid)
         worker.submit(job)
@@ -179,7 +179,7 @@ def create_app(engine: Engine, metrics: ServerMetrics | None = None) -> FastAPI:
                     continue
                 if ev[0] == "done":
                     d = ev[1]
-                    return P.full_response(p, rid, engine.name, d["text"], d["finish"], d["prompt_tokens"],
+                    return P.full_response(p, rid, served.name, d["text"], d["finish"], d["prompt_tokens"],
                                            d["token_ids"], d["spec"])
                 if ev[0] == "error":
                     raise ev[1]
@@ -191,20 +191,20 @@ def create_app(engine: Engine, metrics: ServerMetrics | None = None) -> FastAPI:
     async def stream_events(job: Job, p: P.GenParams, rid: str):
         created = int(time.time())
         if p.kind == "chat":
-            yield P.sse(P.chunk(p, rid, engine.name, created, role=True))
+            yield P.sse(P.chunk(p, rid, served.name, created, role=True))
         while True:
             ev = await job.events.get()
             if ev[0] == "tokens":
                 text, tids = ev[1], ev[2]
                 if text or (p.return_token_ids and tids):
-                    yield P.sse(P.chunk(p, rid, engine.name, created, text=text, token_ids=tids))
+                    yield P.sse(P.chunk(p, rid, served.name, created, text=text, token_ids=tids))
             elif ev[0] == "done":
                 d = ev[1]
-                yield P.sse(P.chunk(p, rid, engine.name, created, text="" if p.kind == "completion" else None,
+                yield P.sse(P.chunk(p, rid, served.name, created, text="" if p.kind == "completion" else None,
                                     finish=d["finish"]))
                 if p.include_usage:
                     last = {"id": rid, "object": "chat.completion.chunk" if p.kind == "chat" else "text_completion",
-                            "created": created, "model": engine.name, "choices": [],
+                            "created": created, "model": served.name, "choices": [],
                             "usage": P.usage(d["prompt_tokens"], len(d["token_ids"]))}
                     if d["spec"] is not None:
                         last["spec"] = d["spec"]

@@ -43,7 +43,7 @@ class ServerMetrics:
                               buckets=LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram(P + "e2e_request_latency_seconds", "Time from enqueue to the last token.",
                              buckets=LATENCY_BUCKETS, registry=r)
-        # vLLM's split of e2e: waiting for the (batch-1) engine vs being decoded; under load the first dominates
+        # vLLM's split of e2e: waiting for the (batch-1) decoding thread vs being decoded; under load the first dominates
         self.queue_time = Histogram(P + "request_queue_time_seconds", "Time a request waited in the queue.",
                                     buckets=LATENCY_BUCKETS, registry=r)
         self.inference_time = Histogram(P + "request_inference_time_seconds",

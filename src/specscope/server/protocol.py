@@ -12,7 +12,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from specscope.engine.params import ParamError, check_sampling
+from specscope.runtime.params import ParamError, check_sampling
 
 
 class ApiError(Exception):
@@ -34,7 +34,7 @@ class ApiError(Exception):
 
 @dataclass
 class GenParams:
-    """What the engine needs from one request, validated."""
+    """What decoding needs from one request, validated."""
     kind: str                      # "completion" | "chat"
     prompt: str | None = None      # completions
     prompt_ids: list[int] | None = None
@@ -145,7 +145,7 @@ def _common(body: dict, kind: str, max_tokens_cap: int) -> GenParams:
     key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     # OpenAI: completions default to 16 tokens; chat runs to the end of the context (None, set after tokenizing)
     p.max_tokens = _num({key: mt}, key, int, 1, max_tokens_cap, default=16 if kind == "completion" else None)
-    # the CLI's schema (engine/params.py); null means the default, as in OpenAI's API
+    # the CLI's schema (runtime/params.py); null means the default, as in OpenAI's API
     get = lambda k, d: d if body.get(k) is None else body[k]  # noqa: E731
     top_k = get("top_k", 0)
     if top_k == -1 and not isinstance(top_k, bool):

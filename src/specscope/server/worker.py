@@ -1,8 +1,8 @@
-"""The serving engine: one model, one worker thread, a bounded queue of jobs.
+"""What serves: one model, one worker thread, a bounded queue of jobs.
 
-Requests are decoded one at a time (the engine is batch-1); the HTTP side only tokenizes, enqueues and relays
+Requests are decoded one at a time (decoding is batch-1); the HTTP side only tokenizes, enqueues and relays
 events. The worker talks back through each job's asyncio queue via `loop.call_soon_threadsafe`. Cancellation
-works through the engine's `on_tokens` callback: raising from it aborts decoding at the next token.
+works through the decoding loop's `on_tokens` callback: raising from it aborts decoding at the next token.
 """
 
 from __future__ import annotations
@@ -16,9 +16,16 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from specscope import session   # session.load_target looked up per call: tests stub it
 from specscope.errors import SpecscopeError
+from specscope.generate import generate
+from specscope.models.hub import parse_hub_id
+from specscope.profile import CycleProfiler
+from specscope.runtime.sampling import SamplingParams
+from specscope.runtime.tokenizer import StreamDecoder
 from specscope.server.metrics import ServerMetrics
 from specscope.server.protocol import ApiError, GenParams
+from specscope.speculative.decode import SpecConfig, build_drafter, speculative_generate
 
 log = logging.getLogger("specscope.server")
 
@@ -84,27 +91,21 @@ def _holdback(text: str, stops: list[str]) -> int:
     return best
 
 
-class Engine:
+class ServedModel:
     """Model + tokenizer (+ drafter) and a `run(job)` that decodes one request."""
 
     def __init__(self, cfg: ServeConfig):
-        from specscope.engine.session import load_target, stop_ids_for
-
         self.cfg = cfg
-        self.model, self.tokenizer, self.path = load_target(cfg.model, cfg.dtype, cfg.device)
-        from specscope.models.hub import parse_hub_id
-
+        self.model, self.tokenizer, self.path = session.load_target(cfg.model, cfg.dtype, cfg.device)
         hub = None if Path(cfg.model).expanduser().exists() else parse_hub_id(cfg.model)
         self.name = cfg.served_name or (hub[0] if hub else self.path.name)   # a hub id, as vLLM serves it
-        self.stop_ids = stop_ids_for(self.model, self.tokenizer)
+        self.stop_ids = session.stop_ids_for(self.model, self.tokenizer)
         self.context = int(self.model.config.max_position_embeddings)
         self.vocab = int(self.model.config.vocab_size)
         self.max_prompt = min(cfg.max_prompt_tokens or self.context - 1, self.context - 1)
         self.tok_lock = threading.Lock()  # HF fast tokenizers are not safe to share across threads unguarded
         self.drafter = self.spec_cfg = None
         if cfg.draft:
-            from specscope.speculative.decode import SpecConfig, build_drafter
-
             self.spec_cfg = SpecConfig.for_drafter(cfg.draft, cfg.steps, cfg.topk, cfg.draft_tokens,
                                                   cfg.ngram_tokens)
             self.drafter = build_drafter(cfg.draft, self.model, cfg.dtype, cfg.device)
@@ -140,9 +141,6 @@ class Engine:
 
     # -- called on the worker thread ------------------------------------------------------------------------------
     def run(self, job: Job, metrics: ServerMetrics) -> None:
-        from specscope.engine.sampling import SamplingParams
-        from specscope.engine.tokenizer import StreamDecoder
-
         p = job.params
         dec = StreamDecoder(self.tokenizer)
         ids: list[int] = []
@@ -166,13 +164,9 @@ class Engine:
         finish = "stop"
         try:
             if self.drafter is None:
-                from specscope.engine.generate import generate
-
                 res = generate(self.model, job.prompt_ids, p.max_tokens, sp, stop_ids, on_tokens=on_tokens,
                                profiler=prof)
             else:
-                from specscope.speculative.decode import speculative_generate
-
                 res = speculative_generate(self.model, self.drafter, job.prompt_ids, p.max_tokens, sp,
                                            stop_ids, self.spec_cfg, on_tokens=on_tokens, profiler=prof)
             finish = "length" if res.stop_reason == "length" else "stop"
@@ -223,10 +217,6 @@ class Engine:
     def _profiler(self):
         if not self.cfg.profile_phases:
             return None
-        try:
-            from specscope.profile import CycleProfiler
-        except ImportError:
-            return None
         return CycleProfiler(device=str(self.model.device), sync=False)
 
     @staticmethod
@@ -238,17 +228,17 @@ class Engine:
         return {k: v for k, v in cyc.items() if isinstance(v, list) and all(isinstance(x, (int, float)) for x in v)}
 
 
-class EngineWorker:
-    """One thread that pulls jobs off a bounded queue and runs them on the engine."""
+class Worker:
+    """One thread that pulls jobs off a bounded queue and runs them on the served model."""
 
-    def __init__(self, engine: Engine, metrics: ServerMetrics, max_queue: int):
-        self.engine = engine
+    def __init__(self, served: ServedModel, metrics: ServerMetrics, max_queue: int):
+        self.served = served
         self.metrics = metrics
         self.q: queue.Queue = queue.Queue(maxsize=max_queue)
         self.stopping = False
         self.current: Job | None = None
         self.service_s = 1.0  # running mean of one request's decode time, for Retry-After
-        self.thread = threading.Thread(target=self._loop, name="specscope-engine", daemon=True)
+        self.thread = threading.Thread(target=self._loop, name="specscope-worker", daemon=True)
 
     def start(self) -> None:
         self.thread.start()
@@ -280,7 +270,7 @@ class EngineWorker:
             t_start = time.perf_counter()
             self.metrics.queue_time.observe(t_start - job.t_enqueue)
             try:
-                self.engine.run(job, self.metrics)
+                self.served.run(job, self.metrics)
             except Cancelled:
                 self.metrics.request_failed.labels(reason="cancelled").inc()
                 job.post("cancelled", None)

@@ -2,21 +2,26 @@
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from specscope.engine.generate import GenerationResult, StopCriteria, check_context, sync
-from specscope.engine.sampling import SamplingParams, make_generator, next_token, probs_from_logits
 from specscope.errors import SpecscopeError
+from specscope.generate import GenerationResult, StopCriteria, check_context, sync
+from specscope.models import loader   # loader.load_model looked up per call: tests stub it
+from specscope.models.hub import DRAFTER_ASSETS as ASSETS  # one place for the shipped drafters
+from specscope.models.hub import KNOWN_MODELS, parse_hub_id, resolve_drafter
+from specscope.models.linear import pack_linears
+from specscope.runtime.sampling import SamplingParams, make_generator, next_token, probs_from_logits
 from specscope.speculative.acceptance import RankCounts, SourceCounts, accept_greedy, accept_sampling
-from specscope.speculative.drafters import (Drafter, DraftModelDrafter, Eagle3TreeDrafter, HybridDrafter,
-                                            NgramDrafter, _phase)
+from specscope.speculative.drafters import (DraftModelDrafter, Drafter, Eagle3TreeDrafter, HybridDrafter, NgramDrafter,
+                                            _phase)
+from specscope.speculative.formats import load_drafter, read_config, validate_drafter
 from specscope.speculative.tree import DRAFTED, DraftTree
 
-from specscope.models.hub import DRAFTER_ASSETS as ASSETS  # noqa: E402  (one place for the shipped drafters)
 DEFAULT_DRAFTER = "smollm2-135m-eagle3"
 # --draft spellings of n-gram copying -> its source (speculative/ngram.py); "ngram" is the one measured best
 NGRAM_SPECS = {"ngram": "suffix", "ngram-suffix": "suffix", "ngram-lookup": "lookup"}
@@ -125,22 +130,15 @@ def build_drafter(spec: str, target, dtype="auto", device=None) -> Drafter:
         return HybridDrafter(build_drafter(model, target, dtype, device), target.config.max_position_embeddings,
                              source)
     path = drafter_path(spec)
-    from specscope.speculative.formats import load_drafter, read_config, validate_drafter
-
     raw = read_config(path)
     if _is_eagle3_config(raw):
-
         d = load_drafter(path, target=target)
         d = d.to(device=target.device, dtype=target.dtype)
         validate_drafter(d, target)
         if target.device.type == "cpu":   # inference only: the drafter's linears take the target's fast kernels
-            from specscope.models.linear import pack_linears
-
             pack_linears(d, keep_dense=())
         return Eagle3TreeDrafter(d, target)
-    from specscope.models.loader import load_model
-
-    dm = load_model(path, dtype=target.dtype, device=target.device)
+    dm = loader.load_model(path, dtype=target.dtype, device=target.device)
     return DraftModelDrafter(dm, target)
 
 
@@ -156,8 +154,6 @@ def shipped_drafter(name: str) -> Path | None:
 def drafter_path(spec: str) -> Path:
     """The directory behind a --draft value other than 'ngram' (a shipped drafter, a path, a known model or a
     Hugging Face id); for a hybrid, its model drafter's."""
-    from specscope.models.hub import resolve_drafter
-
     model, _ = split_draft(spec)
     if model is None:
         raise SpecscopeError(f"--draft {spec} copies n-grams from the context; it has no directory")
@@ -174,13 +170,9 @@ SHAPE_FILE = "specscope_shape.json"
 
 def declared_shape(draft: str) -> SpecConfig | None:
     """SpecConfig from DRAFTER/specscope_shape.json ({"steps", "topk", "draft_tokens"}), or None without one."""
-    import json
-
     draft = split_draft(draft)[0] or draft   # a hybrid declares its model drafter's shape
     if not draft.strip():
         return None  # drafter_path refuses it
-    from specscope.models.hub import KNOWN_MODELS, parse_hub_id
-
     path = shipped_drafter(draft) or Path(draft).expanduser()
     if not path.exists() and draft not in KNOWN_MODELS and parse_hub_id(draft):
         path = drafter_path(draft)       # a hub drafter may declare its shape too

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from specscope.engine.sampling import SamplingParams, probs_from_logits
 from specscope.errors import SpecscopeError
+from specscope.models.rope import rope_table
+from specscope.runtime.sampling import SamplingParams, probs_from_logits
 from specscope.speculative.ngram import SOURCES
 from specscope.speculative.tree import DraftTree, select_nodes
 
@@ -227,8 +228,6 @@ class DraftModelDrafter(TreeDrafter):
         # with a shorter context of its own drafts past it with a longer RoPE table: worse guesses, never a crash.
         need = min(max_len, self.target_context)
         if need > self.model.rope.shape[1]:
-            from specscope.models.rope import rope_table
-
             c = self.model.config
             self.model.rope = rope_table(c.head_dim, need, c.rope_theta, c.rope_scaling).to(self.model.rope.device)
         self.cache = self.model.new_cache(max_len)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, asdict
 import torch
 from torch import nn
 
-from specscope.engine.kv_cache import KVCache
+from specscope.runtime.kv_cache import KVCache
 from specscope.errors import SpecscopeError
 from specscope.models.config import ModelConfig
 from specscope.models.llama import MLP, Attention, RMSNorm

@@ -23,15 +23,19 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from importlib.metadata import version
 from pathlib import Path
 
+import numpy as np
 import torch
+from safetensors.torch import save_file
 
 from specscope.errors import SpecscopeError
 from specscope.fileio import atomic_output, write_atomic
 from specscope.models.config import (MAX_HEAD_DIM, MAX_HEADS, MAX_HIDDEN, MAX_LAYERS, MAX_POSITIONS, MAX_VOCAB,
                                      cfg_bool, cfg_float, cfg_int, cfg_str, rope_scaling_of, rope_theta_of)
-from specscope.models.loader import read_json_object
+from specscope.models.hub import KNOWN_MODELS, parse_hub_id, resolve_model
+from specscope.models.loader import SafetensorsReader, read_json_object, weight_files
 from specscope.speculative.eagle3 import DrafterConfig, Eagle3Drafter
 
 SGLANG_ARCHS = ("LlamaForCausalLMEagle3", "LlamaForCausalLM", "Eagle3LlamaForCausalLM")
@@ -252,8 +256,6 @@ class _DictReader:
 
 def weight_reader(path: Path):
     """Single file, HF-style shards (model.safetensors.index.json) or pytorch_model.bin."""
-    from specscope.models.loader import SafetensorsReader, weight_files
-
     if (path / "model.safetensors.index.json").exists() or (path / "model.safetensors").exists():
         return SafetensorsReader(weight_files(path))
     pt = path / "pytorch_model.bin"
@@ -428,8 +430,6 @@ class TargetFacts:
 def resolve_target(spec: str, record_as: str | None = None, files: str = "config") -> TargetFacts:
     """--model (the target): a known name (pulled on first use), a local HF directory, just its config.json, or a
     Hugging Face id (only its config.json is fetched unless `files="model"`: no weights needed)."""
-    from specscope.models.hub import KNOWN_MODELS, parse_hub_id, resolve_model
-
     f = Path(spec).expanduser()
     if f.is_file():
         raw = read_json_object(f)
@@ -560,8 +560,6 @@ def engine_ignores(cfg: DrafterConfig, fmt: str) -> list[str]:
 
 def _decimal(x: float) -> float:
     """A float32-rounded config value (GGUF stores float32: 1e-5 -> 9.999999747378752e-06) back to its decimal."""
-    import numpy as np
-
     f32 = np.float32(x)
     return float(str(f32)) if float(f32) == x else x
 
@@ -570,7 +568,6 @@ def _speculators_version(cfg: DrafterConfig) -> str:
     if cfg.extra.get("speculators_version"):
         return cfg.extra["speculators_version"]
     try:
-        from importlib.metadata import version
         return version("speculators")
     except Exception:
         return SPECULATORS_VERSION
@@ -649,8 +646,6 @@ def save_drafter(drafter: Eagle3Drafter, path: str | Path, format: str = "sglang
                  dtype: torch.dtype | None = None, extra_files: dict[str, str] | None = None,
                  speculative_tokens: int | None = None) -> Path:
     """Write config.json + model.safetensors in the given layout (the target embedding is never written)."""
-    from safetensors.torch import save_file
-
     if format not in FORMATS:
         raise SpecscopeError(f"unknown drafter format {format!r}; use one of {', '.join(FORMATS)}")
     wdtype = str(dtype or drafter.dtype).replace("torch.", "")

@@ -84,18 +84,6 @@ class DraftTree:
         as_t = lambda x: torch.tensor(x, dtype=torch.long, device=self.tokens.device)   # noqa: E731
         return DraftTree(as_t(toks), as_t(pars), as_t(dep), self.q, src)
 
-    def paths(self) -> list[list[int]]:
-        """Every root-to-leaf path as rows (EAGLE's retrieve_indices)."""
-        kids = self.children()
-        out, stack = [], [[0]]
-        while stack:
-            p = stack.pop()
-            if kids[p[-1]]:
-                stack.extend(p + [c] for c in reversed(kids[p[-1]]))
-            else:
-                out.append(p)
-        return out
-
 
 def select_nodes(cand_tokens, cand_parents, cand_scores, cand_depth, budget: int):
     """Keep the `budget` best candidates by cumulative log-prob such that every kept node's parent is kept.

@@ -19,13 +19,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 
-from specscope.engine.sampling import SamplingParams, next_token
 from specscope.errors import SpecscopeError, require_file
-from specscope.fileio import atomic_output, write_atomic
+from specscope.fileio import atomic_output, iter_lines, write_atomic
+from specscope.models.loader import SafetensorsReader
+from specscope.runtime.sampling import SamplingParams, next_token
+from specscope.train.sources import normalise, user_turn_problem
 
-ROLE_ALIASES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
-                "bing": "assistant", "bard": "assistant", "model": "assistant", "system": "system"}
 MANIFEST = "manifest.json"
 
 
@@ -51,34 +52,8 @@ class ReadReport:
         return s
 
 
-def normalise(obj) -> list[dict]:
-    """One JSONL record (ShareGPT or OpenAI form) -> [{"role", "content"}]; ValueError when malformed."""
-    if not isinstance(obj, dict):
-        raise ValueError("not a JSON object")
-    if "conversations" in obj:
-        turns, rk, ck = obj["conversations"], "from", "value"
-    elif "messages" in obj:
-        turns, rk, ck = obj["messages"], "role", "content"
-    else:
-        raise ValueError("has neither 'conversations' (ShareGPT) nor 'messages' (OpenAI)")
-    if not isinstance(turns, list) or not turns:
-        raise ValueError("conversation is empty or not a list")
-    out = []
-    for t in turns:
-        if not isinstance(t, dict):
-            raise ValueError("a turn is not an object")
-        role = ROLE_ALIASES.get(str(t.get(rk, t.get("role", t.get("from", "")))).lower())
-        content = t.get(ck, t.get("content", t.get("value")))
-        if role is None or not isinstance(content, str):
-            raise ValueError(f"turn has unknown role {t.get(rk)!r} or non-text content")
-        out.append({"role": role, "content": content})
-    return out
-
-
 def read_conversations(path: str | Path) -> tuple[list[list[dict]], ReadReport]:
     """Read a JSONL file; malformed lines are counted and skipped, an all-bad file is an error."""
-    from specscope.fileio import iter_lines
-
     path = Path(path)
     require_file(path, "dataset")
     rep, convs = ReadReport(), []
@@ -240,8 +215,6 @@ def synthesise(model, tok, out_path: Path, n: int, *, batch: int = 16, user_toke
     callers take the first n). Resumable: existing lines count and the batch index continues where it stopped.
     User turns pass `user_turn_problem` (length, language, repetition) and, when given, the evaluation-overlap
     check; what each rule dropped is counted in the state file (`filtered`)."""
-    from specscope.train.sources import user_turn_problem
-
     out_path = Path(out_path)
     seen, have = set(), 0
     for rec in read_jsonl(out_path):
@@ -394,10 +367,10 @@ def capture_batch(model, seqs: list[list[int]], aux_layers: list[int]):
 
 
 def capture(model, tok, convs: list[list[dict]], out_dir: Path, aux_layers: list[int], *, max_len: int = 1024,
-            shard_size: int = 64, batch: int = 4, target_info: dict | None = None, progress=None) -> dict:
-    """Write shards under out_dir and a manifest; shards already listed in the manifest are kept (resume)."""
-    from safetensors.torch import save_file
-
+            shard_size: int = 64, batch: int = 4, target_info: dict | None = None, progress=None,
+            answers: dict | None = None) -> dict:
+    """Write shards under out_dir and a manifest; shards already listed in the manifest are kept (resume).
+    `answers`: where the conversations' answers came from, recorded in the manifest."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     mpath = out_dir / MANIFEST
@@ -409,6 +382,8 @@ def capture(model, tok, convs: list[list[dict]], out_dir: Path, aux_layers: list
         manifest = {"version": 1, "aux_layers": list(aux_layers), "aux_convention": "input",
                     "hidden_size": model.config.hidden_size, "vocab_size": model.config.vocab_size,
                     "target": target_info or {}, "shard_size": shard_size, "shards": [], "skipped": 0}
+    if answers is not None:
+        manifest["answers"] = answers
     shard_size = manifest["shard_size"]
     n_shards = (len(convs) + shard_size - 1) // shard_size
     # a shard is done when it holds the very conversations it should now: a last, partial shard is redone when
@@ -485,8 +460,6 @@ class CapturedData:
     `device` once and batches are assembled there, with no host-to-device copy per step."""
 
     def __init__(self, data_dir: str | Path, device="cpu", stream: bool | None = None):
-        from specscope.models.loader import SafetensorsReader
-
         data_dir = Path(data_dir)
         mpath = data_dir / MANIFEST
         if not mpath.exists():
@@ -505,8 +478,6 @@ class CapturedData:
                 off = r.read("offsets").tolist()
                 self.index += [(r, a, b) for a, b in zip(off[:-1], off[1:])]
             else:
-                from safetensors.torch import load_file
-
                 t = load_file(str(data_dir / s["file"]), device=str(device))
                 off = t["offsets"].tolist()
                 loaded += [{k: t[k][a:b] for k in FEATURES} for a, b in zip(off[:-1], off[1:])]

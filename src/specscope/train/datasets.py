@@ -9,6 +9,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from specscope.errors import SpecscopeError, require_file
+from specscope.models.hub import parse_hub_id
+from specscope.train.data import ReadReport, check_read, read_conversations, take_conversation
+from specscope.train.sources import normalise
 
 BUILDERS = {".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
 
@@ -16,8 +19,6 @@ BUILDERS = {".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
 def check_dataset(spec: str) -> None:
     """What can be refused before any model loads: a path that is neither a readable file nor a directory, or a
     name that is neither a path nor a hub id."""
-    from specscope.models.hub import parse_hub_id
-
     p = Path(spec).expanduser()
     if p.is_dir():
         return
@@ -29,8 +30,6 @@ def load_conversations(spec: str, split: str = "train", config: str | None = Non
     """-> (conversations [[{"role", "content"}]], ReadReport). Malformed records are counted and skipped, as in a
     JSONL file; a dataset with none usable is an error. Local files and directories are always read as a stream
     (no Arrow copy in the datasets cache); a hub dataset is downloaded into the cache unless `streaming`."""
-    from specscope.train.data import read_conversations
-
     check_dataset(spec)
     p = Path(spec).expanduser()
     if p.is_file() and p.suffix not in BUILDERS:
@@ -42,8 +41,6 @@ def load_conversations(spec: str, split: str = "train", config: str | None = Non
     elif p.is_dir():
         ds = _load(spec, str(p), name=config, split=split, streaming=True)
     else:
-        from specscope.models.hub import parse_hub_id
-
         repo, rev = parse_hub_id(spec)
         ds = _load(spec, repo, name=config, split=split, revision=rev, streaming=streaming)
     return read_records(ds, f"{spec} ({split})" if not p.is_file() else spec)
@@ -51,8 +48,6 @@ def load_conversations(spec: str, split: str = "train", config: str | None = Non
 
 def read_records(rows, where: str):
     """Records (dicts) of a `datasets` dataset -> conversations, with the JSONL reader's rules and report."""
-    from specscope.train.data import ReadReport, check_read, normalise, take_conversation
-
     rep, convs = ReadReport(unit="record"), []
     for i, row in enumerate(_rows(rows, where), 1):
         rep.lines += 1
@@ -72,7 +67,7 @@ def _drop_nulls(row):
 
 
 def _quiet():
-    import datasets
+    import datasets     # Hugging Face datasets: slow to import, needed only for non-JSONL data
 
     datasets.disable_progress_bars()
     datasets.logging.set_verbosity_error()

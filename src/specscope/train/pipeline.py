@@ -1,6 +1,8 @@
 """The `specscope train` stages over one work directory, each resumable:
 
     WORKDIR/answers.jsonl         the target's answers to --prompt-file prompts (appended, resumable)
+    WORKDIR/endpoint_answers.jsonl  answers from --answers-from (an OpenAI-compatible server), each keyed by what
+                                  produced it (appended, resumable)
     WORKDIR/synth.jsonl           Magpie conversations synthesised from the target (appended, resumable)
     WORKDIR/conversations.jsonl   the training conversations assembled from answers + synth
     WORKDIR/regenerated.jsonl     a --dataset with the target's own answers (--regenerate), keyed by its inputs
@@ -15,20 +17,34 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
 from specscope.errors import SpecscopeError
 from specscope.fileio import atomic_output, write_atomic
+from specscope.models import loader   # loader.load_model looked up per call: tests stub it
+from specscope.models.hub import resolve_drafter, resolve_model
+from specscope.models.loader import SafetensorsReader, load_config, weight_files
+from specscope.runtime.sampling import SamplingParams
+from specscope.runtime.tokenizer import Tokenizer
+from specscope.speculative.decode import SpecConfig, speculative_generate
+from specscope.speculative.drafters import Eagle3TreeDrafter
+from specscope.speculative.eagle3 import DrafterConfig, Eagle3Drafter
+from specscope.speculative.formats import load_drafter, map_problems, pair_problems, save_drafter
+from specscope.train.data import (_dedup_key, answer_prompts, capture, conv_hash, read_conversations, read_jsonl,
+                                  regenerate as regen, synthesise)
+from specscope.train.datasets import load_conversations
+from specscope.train.endpoint import answer_via_endpoint
+from specscope.train.sources import EvalOverlap, read_user_turns
+from specscope.train.tracking import Rate
+from specscope.train.trainer import drafter_from_checkpoint, latest_checkpoint, load_checkpoint, split_indices
+from specscope.train.vocab import build_vocab, coverage, token_counts
 
 
 def load_target(name: str, device, dtype="fp32"):
-    from specscope.engine.tokenizer import Tokenizer
-    from specscope.models import load_model
-    from specscope.models.hub import resolve_model
-
     path = resolve_model(name)
-    model = load_model(path, dtype, device)
+    model = loader.load_model(path, dtype, device)
     return model, Tokenizer(path), path
 
 
@@ -38,10 +54,6 @@ class TargetHead:
     8B target holds ~2 GB of it instead of 32."""
 
     def __init__(self, path: Path, device="cpu"):
-        from types import SimpleNamespace
-
-        from specscope.models.loader import SafetensorsReader, load_config, weight_files
-
         self.config, _ = load_config(path)
         reader = SafetensorsReader(weight_files(path))
 
@@ -58,8 +70,6 @@ class TargetHead:
 
 
 def load_target_head(name: str, device) -> tuple[TargetHead, Path]:
-    from specscope.models.hub import resolve_model
-
     path = resolve_model(name)
     return TargetHead(path, device), path
 
@@ -70,44 +80,9 @@ def target_info(name: str, path: Path, model) -> dict:
             "vocab_size": model.config.vocab_size}
 
 
-class Rate:
-    """Progress lines with the measured rate and the time left ("answered 512/7900 (41.2/s, 3m00s left)").
-
-    The rate counts only work done in this run: `start` is what was already done when it began (a resumed run),
-    or, left None, the first call's count, which callers report before doing any work."""
-
-    def __init__(self, what: str, total: int, log, start: int | None = None, every_s: float = 10.0):
-        import time
-
-        self.what, self.total, self.log, self.every = what, total, log, every_s
-        self.t0 = self.last = time.monotonic()
-        self.start = start
-
-    def __call__(self, n: int, force: bool = False, info: str = ""):
-        import time
-
-        now = time.monotonic()
-        if self.start is None:
-            self.start, self.t0, self.last = n, now, now
-            if n:
-                self.log(f"{self.what} {n}/{self.total} already done (resumed)")
-            return
-        if not force and now - self.last < self.every and n < self.total:
-            return
-        self.last = now
-        rate = (n - self.start) / max(now - self.t0, 1e-9)
-        left = (self.total - n) / rate if rate > 0 else float("inf")
-        eta = f"{int(left // 60)}m{int(left % 60):02d}s left" if left != float("inf") else "rate unknown yet"
-        per_s = f"{rate:.2f}/s" if rate < 1 else f"{rate:.1f}/s"
-        self.log(f"{self.what} {n}/{self.total} ({per_s}, {eta}){' ' + info if info else ''}")
-
-
 def gather_prompts(files: list[str], overlap, log=print) -> tuple[list[dict], dict]:
     """Real prompt files -> de-duplicated items {"id", "prompt", "source"}, with those overlapping evaluation
     prompts dropped (and counted)."""
-    from specscope.train.data import _dedup_key
-    from specscope.train.sources import read_user_turns
-
     items, seen, report = [], set(), {"files": [], "dropped_overlap": 0, "dropped_duplicate": 0, "examples": []}
     stems = {}
     for f in files:
@@ -146,8 +121,6 @@ def _adopt_synth_only_layout(out: Path, synth_path: Path, log) -> None:
     state = out.with_name(out.name + ".state.json")
     if not (state.exists() and out.exists()) or synth_path.exists():
         return
-    from specscope.train.data import read_jsonl
-
     recs = read_jsonl(out)
     # only Magpie records: one an older --prompt-file run already reassembled (answers carry an "id") stays put
     if recs and all(r.get("source") == "magpie" and "id" not in r for r in recs):
@@ -173,9 +146,6 @@ def read_data_sources(dataset: str | None, prompt_files: list[str] | None, synth
     """Every file the data stage reads, read and checked now: `train` calls this before the target loads, so a
     missing source, bad bytes or a file with no usable record costs no model load. A --dataset is read through
     train.datasets.load_conversations (JSONL, JSON, Parquet, directories, hub ids)."""
-    from specscope.train.datasets import load_conversations
-    from specscope.train.sources import EvalOverlap
-
     if prompt_files or (synth > 0 and not dataset):
         # real prompts answered by the target, then (optionally) Magpie conversations for breadth
         overlap = EvalOverlap()
@@ -200,12 +170,10 @@ def data_stage(workdir: Path, model, tok, tinfo: dict, *, dataset: str | None = 
                regenerate: str = "none", aux_layers: list[int], synth_batch: int = 16, user_tokens: int = 64,
                response_tokens: int = 192, max_len: int = 1024, seed: int = 0, gen_model=None, log=print,
                prompt_files: list[str] | None = None, answer_batch: int = 32, capture_batch: int = 4,
-               user_temperature: float = 0.8, sources: DataSources | None = None) -> dict:
-    """`sources`: what read_data_sources returned for these flags (read here when not given)."""
-    from specscope.engine.sampling import SamplingParams
-    from specscope.train.data import (answer_prompts, capture, read_conversations, read_jsonl,
-                                      regenerate as regen, synthesise)
-
+               user_temperature: float = 0.8, sources: DataSources | None = None, endpoint=None) -> dict:
+    """`sources`: what read_data_sources returned for these flags (read here when not given). `endpoint`: a
+    train.endpoint.Endpoint that answers the --prompt-file prompts, or regenerates the --dataset's assistant turns,
+    instead of the local target (which still writes --synth conversations and captures every feature)."""
     if sources is None:
         sources = read_data_sources(dataset, prompt_files, synth, log)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -220,11 +188,20 @@ def data_stage(workdir: Path, model, tok, tinfo: dict, *, dataset: str | None = 
         # round) keeps everything generated so far
         overlap, items, report = sources.overlap, sources.items, sources.report
         answers = workdir / "answers.jsonl"
-        if items:
+        ep_recs = None
+        if items and endpoint is not None:
+            ep_recs, answers_info = answer_via_endpoint(endpoint, items, workdir / ENDPOINT_ANSWERS, log=log,
+                                                        progress=Rate("answered", len(items), log))
+        elif items:
             sp = SamplingParams(temperature=0.0 if regenerate in ("none", "greedy") else 0.8, top_p=0.95, seed=seed)
             answer_prompts(gen_model, tok, items, answers, response_tokens, sp, batch=answer_batch, seed=seed,
                            progress=Rate("answered", len(items), log))
-        if synth > 0:
+            answers_info = local_info(regenerate, response_tokens, seed)
+        else:
+            answers_info = {}
+        if synth > 0:       # Magpie conversations: always the local target's, user turns and answers
+            answers_info = dict(answers_info, synth={"source": "target (Magpie synthesis)", "conversations": synth,
+                                                     "max_tokens": response_tokens})
             r = Rate("synthesised", synth, log)
             synthesise(gen_model, tok, synth_path, synth, batch=synth_batch, user_tokens=user_tokens,
                        response_tokens=response_tokens, seed=seed, user_temperature=user_temperature,
@@ -235,8 +212,11 @@ def data_stage(workdir: Path, model, tok, tinfo: dict, *, dataset: str | None = 
             except json.JSONDecodeError:
                 report["synth_filter"] = {}
         order = {it["id"]: k for k, it in enumerate(items)}
-        recs = read_jsonl(answers) if items else []
-        recs = sorted({r["id"]: r for r in recs if r["id"] in order}.values(), key=lambda r: order[r["id"]])
+        if ep_recs is not None:
+            recs = ep_recs              # in item order, each under the key of this run's settings
+        else:
+            recs = read_jsonl(answers) if items else []
+            recs = sorted({r["id"]: r for r in recs if r["id"] in order}.values(), key=lambda r: order[r["id"]])
         if synth > 0:
             recs += read_jsonl(synth_path)[:synth]
         elif synth_path.exists():
@@ -248,19 +228,58 @@ def data_stage(workdir: Path, model, tok, tinfo: dict, *, dataset: str | None = 
         write_atomic(out, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in recs), "conversations file")
         convs, _ = read_conversations(out)
         report["conversations"] = len(convs)
+        report["answers"] = answers_info
         report["by_source"] = {}
         for r in recs:
             report["by_source"][r.get("source", "?")] = report["by_source"].get(r.get("source", "?"), 0) + 1
         write_atomic(workdir / "data_report.json", json.dumps(report, indent=1), "data report")
     else:
         convs = sources.convs
-        if regenerate != "none":
+        if endpoint is not None:
+            convs, answers_info = regenerated_via_endpoint(workdir, convs, endpoint, log)
+        elif regenerate != "none":
             convs = regenerated(workdir, convs, gen_model, tok, regenerate, response_tokens, seed, answer_batch, log)
+            answers_info = local_info(regenerate, response_tokens, seed)
+        else:
+            answers_info = {"source": "dataset"}
     manifest = capture(model, tok, convs, workdir / "data", aux_layers, max_len=max_len, target_info=tinfo,
-                       batch=capture_batch, progress=Rate("captured", len(convs), log))
+                       batch=capture_batch, progress=Rate("captured", len(convs), log), answers=answers_info)
     log(f"data: {manifest['sequences']} sequences, {manifest['tokens']} tokens "
         f"({manifest['loss_tokens']} assistant tokens) in {workdir / 'data'}")
     return manifest
+
+
+ENDPOINT_ANSWERS = "endpoint_answers.jsonl"
+
+
+def local_info(mode: str, response_tokens: int, seed: int) -> dict:
+    """What the run records about answers the local target wrote (sampling as answer_prompts / regenerate use)."""
+    sampled = mode == "sample"
+    return {"source": "target", "max_tokens": response_tokens, "temperature": 0.8 if sampled else 0.0,
+            "top_p": 0.95 if sampled else 1.0, "seed": seed if sampled else None}
+
+
+def regenerated_via_endpoint(workdir: Path, convs: list[list[dict]], endpoint, log=print) -> tuple[list, dict]:
+    """--dataset --answers-from: `convs` with the server's answers (every user turn, as SpecForge; see
+    train.endpoint). Requests are cached per conversation in WORKDIR/endpoint_answers.jsonl (resumable); the result
+    is also written as WORKDIR/regenerated.jsonl + regenerated.key, as the local --regenerate writes it, under a key
+    of the conversations and the endpoint's settings. Conversations the server refused are left out (counted)."""
+    items = [{"id": f"dataset:{i}", "messages": c, "source": "dataset"} for i, c in enumerate(convs)]
+    recs, info = answer_via_endpoint(endpoint, items, workdir / ENDPOINT_ANSWERS, log=log,
+                                     progress=Rate("answered", len(items), log))
+    out = [r["messages"] for r in recs]
+    key = conv_hash({"conversations": convs, "mode": "endpoint", "endpoint": endpoint.info()})
+    _write_regenerated(workdir, out, key)
+    return out, info
+
+
+def _write_regenerated(workdir: Path, convs: list[list[dict]], key: str) -> None:
+    path, key_file = workdir / "regenerated.jsonl", workdir / "regenerated.key"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(json.dumps({"messages": c}, ensure_ascii=False) + "\n" for c in convs), encoding="utf-8")
+    key_file.unlink(missing_ok=True)        # never a key beside answers it does not describe, even after a kill
+    tmp.replace(path)
+    key_file.write_text(key)
 
 
 def regenerated(workdir: Path, convs: list[list[dict]], model, tok, mode: str, response_tokens: int, seed: int,
@@ -268,9 +287,6 @@ def regenerated(workdir: Path, convs: list[list[dict]], model, tok, mode: str, r
     """--dataset --regenerate: `convs` with the target's own answers, cached in WORKDIR/regenerated.jsonl under a
     key of everything that produced them (the conversations, mode, answer length, seed, target): another dataset
     or setting regenerates instead of reusing answers to other questions."""
-    from specscope.engine.sampling import SamplingParams
-    from specscope.train.data import conv_hash, read_conversations, regenerate as regen
-
     path, key_file = workdir / "regenerated.jsonl", workdir / "regenerated.key"
     key = conv_hash({"conversations": convs, "mode": mode, "response_tokens": response_tokens, "seed": seed,
                      "target": str(getattr(model, "source_path", ""))})
@@ -280,17 +296,11 @@ def regenerated(workdir: Path, convs: list[list[dict]], model, tok, mode: str, r
         return cached
     sp = SamplingParams(temperature=0.0 if mode == "greedy" else 0.8, top_p=0.95, seed=seed)
     out = regen(model, tok, convs, response_tokens, sp, seed=seed, batch=batch)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(json.dumps({"messages": c}, ensure_ascii=False) + "\n" for c in out), encoding="utf-8")
-    key_file.unlink(missing_ok=True)        # never a key beside answers it does not describe, even after a kill
-    tmp.replace(path)
-    key_file.write_text(key)
+    _write_regenerated(workdir, out, key)
     return out
 
 
 def vocab_stage(workdir: Path, data, vocab_size: int, draft_vocab: int, log=print) -> dict:
-    from specscope.train.vocab import build_vocab, coverage, token_counts
-
     counts = token_counts(data, vocab_size)
     d2t, t2d = build_vocab(counts, draft_vocab)
     cov = coverage(counts, t2d)
@@ -304,8 +314,6 @@ def fresh_drafter(target, d2t: torch.Tensor, t2d: torch.Tensor, aux_layers: list
                   norm_before_residual: bool = False):
     """A new drafter shaped like one layer of the target (the EAGLE-3 recipe); lm_head and the final norm start as
     the target's (its rows for the draft vocabulary): a warm start for a head that predicts the same tokens."""
-    from specscope.speculative.eagle3 import DrafterConfig, Eagle3Drafter
-
     tc = target.config
     cfg = DrafterConfig(hidden_size=tc.hidden_size, intermediate_size=tc.intermediate_size,
                         num_attention_heads=tc.num_attention_heads, num_key_value_heads=tc.num_key_value_heads,
@@ -326,10 +334,6 @@ def fresh_drafter(target, d2t: torch.Tensor, t2d: torch.Tensor, aux_layers: list
 
 def init_drafter(path: str, target):
     """--init: an existing drafter (either layout) to fine-tune; it must fit the target."""
-    from specscope.models.hub import resolve_drafter
-    from specscope.speculative.formats import load_drafter
-    from specscope.speculative.eagle3 import Eagle3Drafter
-
     try:
         d = load_drafter(resolve_drafter(path), target, dtype=torch.float32, device="cpu")
     except SpecscopeError as e:
@@ -345,9 +349,6 @@ def export(source: str | Path, out: str | Path, fmt: str, dtype: torch.dtype | N
     """A work directory (its latest checkpoint), a checkpoint file, or a drafter directory -> `out` in `fmt`.
     `target` (formats.TargetFacts) checks the pair and names the verifier; without it the name a checkpoint
     recorded is kept."""
-    from specscope.speculative.formats import load_drafter, map_problems, pair_problems, save_drafter
-    from specscope.train.trainer import drafter_from_checkpoint, latest_checkpoint, load_checkpoint
-
     source = Path(source)
     meta = {}
     if source.is_file():
@@ -382,8 +383,6 @@ def export(source: str | Path, out: str | Path, fmt: str, dtype: torch.dtype | N
 def heldout_prompts(data, eval_fraction: float, seed: int, n: int) -> list[list[int]]:
     """Prompt ids (chat template included, up to the first assistant token) of held-out captured sequences: the
     training split never saw them, and they are training prompts, never evaluation ones."""
-    from specscope.train.trainer import split_indices
-
     _, held = split_indices(len(data), eval_fraction, seed)
     out = []
     for i in held:
@@ -402,9 +401,6 @@ def heldout_prompts(data, eval_fraction: float, seed: int, n: int) -> list[list[
 def decoding_tau(target, drafter, prompts: list[list[int]], shape, max_new_tokens: int, stop_ids) -> dict:
     """Real greedy speculative decoding of `prompts`: mean τ (accept_length) and whether every output equals plain
     greedy decoding."""
-    from specscope.speculative.decode import speculative_generate
-    from specscope.speculative.drafters import Eagle3TreeDrafter
-
     taus, acc0 = [], []
     for ids in prompts:
         r = speculative_generate(target, Eagle3TreeDrafter(drafter, target), ids, max_new_tokens, stop_ids=stop_ids,
@@ -419,9 +415,6 @@ def select_stage(workdir: Path, target, tok, data, eval_fraction: float, seed: i
                  max_new_tokens: int = 64, steps: int = 3, log=print) -> dict:
     """Pick the training snapshot with the best *real decoding* τ (a chain of `steps`) on held-out training
     prompts; write it as WORKDIR/train/selected.pt (the export source) and the table as select.json."""
-    from specscope.speculative.decode import SpecConfig
-    from specscope.train.trainer import drafter_from_checkpoint, load_checkpoint
-
     snaps = sorted((workdir / "train" / "snapshots").glob("step-*.pt"))
     if not snaps:
         raise SpecscopeError(f"no snapshots in {workdir / 'train' / 'snapshots'}; run the train stage first")

@@ -1,10 +1,12 @@
-"""Optional experiment trackers for `specscope train --report-to`: TensorBoard or Weights & Biases, each imported
+"""What a training run reports as it goes: `Rate` progress lines (done/total, rate, time left) for every stage, and
+the optional experiment trackers of `specscope train --report-to`: TensorBoard or Weights & Biases, each imported
 only when asked for. Every metrics.jsonl record is also logged there, as `train/loss`, `eval/acc_0`, ..."""
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import time
 from pathlib import Path
 
 from specscope.errors import SpecscopeError
@@ -70,3 +72,31 @@ class Tracker:
         if self.run is not None:
             (self.run.close if self.kind == "tensorboard" else self.run.finish)()
             self.run = None
+
+
+class Rate:
+    """Progress lines with the measured rate and the time left ("answered 512/7900 (41.2/s, 3m00s left)").
+
+    The rate counts only work done in this run: `start` is what was already done when it began (a resumed run),
+    or, left None, the first call's count, which callers report before doing any work."""
+
+    def __init__(self, what: str, total: int, log, start: int | None = None, every_s: float = 10.0):
+        self.what, self.total, self.log, self.every = what, total, log, every_s
+        self.t0 = self.last = time.monotonic()
+        self.start = start
+
+    def __call__(self, n: int, force: bool = False, info: str = ""):
+        now = time.monotonic()
+        if self.start is None:
+            self.start, self.t0, self.last = n, now, now
+            if n:
+                self.log(f"{self.what} {n}/{self.total} already done (resumed)")
+            return
+        if not force and now - self.last < self.every and n < self.total:
+            return
+        self.last = now
+        rate = (n - self.start) / max(now - self.t0, 1e-9)
+        left = (self.total - n) / rate if rate > 0 else float("inf")
+        eta = f"{int(left // 60)}m{int(left % 60):02d}s left" if left != float("inf") else "rate unknown yet"
+        per_s = f"{rate:.2f}/s" if rate < 1 else f"{rate:.1f}/s"
+        self.log(f"{self.what} {n}/{self.total} ({per_s}, {eta}){' ' + info if info else ''}")

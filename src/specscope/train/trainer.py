@@ -19,6 +19,8 @@ import torch
 
 from specscope.errors import SpecscopeError
 from specscope.fileio import atomic_output, write_atomic
+from specscope.speculative.eagle3 import DrafterConfig, Eagle3Drafter
+from specscope.train.tracking import Rate, Tracker
 from specscope.train.ttt import TTTLoss, count_positions, summarise
 
 
@@ -231,8 +233,6 @@ def load_checkpoint(path: Path) -> dict:
 
 
 def drafter_from_checkpoint(state: dict):
-    from specscope.speculative.eagle3 import DrafterConfig, Eagle3Drafter
-
     d = Eagle3Drafter(DrafterConfig(**state["drafter_config"]))
     d.load_state_dict(state["model"])
     return d
@@ -310,8 +310,6 @@ def train(drafter, embed: torch.Tensor, lm_head_w: torch.Tensor, data, out_dir: 
                     and _metric_step(l) <= step]
             write_atomic(metrics_path, "".join(l + "\n" for l in keep), "metrics file")
     model = DDP(loss_mod) if world > 1 else loss_mod
-    from specscope.train.tracking import Tracker
-
     tracker = Tracker(report_to, out_dir, {**cfg.to_dict(), "world_size": world}, run_name=out_dir.parent.name) \
         if rank == 0 and report_to != "none" else None
 
@@ -326,8 +324,6 @@ def train(drafter, embed: torch.Tensor, lm_head_w: torch.Tensor, data, out_dir: 
     bar = _progress(progress and rank == 0, cfg.total_steps, step)
     # no live bar (--no-progress, or stderr is not a terminal: nohup, CI): a log line a minute with the rate and
     # the time left instead, so an hours-long run says how it is doing
-    from specscope.train.pipeline import Rate
-
     lines = Rate("train step", cfg.total_steps, log, start=step, every_s=60.0) if bar is None and rank == 0 else None
     t0, done_here, last = time.time(), 0, None
     best = _best_so_far(ckpt_dir)

@@ -44,9 +44,9 @@ def _ttt_attention(attn, x, cos, sin, Ks, Vs, causal):
     return attn.o_proj(y.transpose(1, 2).reshape(B, T, attn.q_size))
 
 
-def ttt_unroll(drafter, embed: torch.Tensor, aux: torch.Tensor, input_ids: torch.Tensor, K: int):
-    """aux [B, T, 3, Ht], input_ids [B, T] -> list of K draft-vocab logits [B, T, Vd] (row t, step k as above).
-    `embed` is the target's (frozen) embedding matrix."""
+def ttt_hidden(drafter, embed: torch.Tensor, aux: torch.Tensor, input_ids: torch.Tensor, K: int):
+    """aux [B, T, 3, Ht], input_ids [B, T] -> list of K normed hidden states [B, T, H], the drafter's lm_head
+    input (row t, step k as above). `embed` is the target's (frozen) embedding matrix."""
     B, T = input_ids.shape
     dev = input_ids.device
     layer = drafter.midlayer
@@ -66,9 +66,86 @@ def ttt_unroll(drafter, embed: torch.Tensor, aux: torch.Tensor, input_ids: torch
         h = residual + _ttt_attention(layer.self_attn, x, cos, sin, Ks, Vs, causal)
         h = h + layer.mlp(layer.post_attention_layernorm(h))
         hn = drafter.norm(h)
-        out.append(drafter.lm_head(hn))
+        out.append(hn)
         hidden = hn if drafter.config.norm_output else h
     return out
+
+
+def ttt_unroll(drafter, embed: torch.Tensor, aux: torch.Tensor, input_ids: torch.Tensor, K: int):
+    """aux [B, T, 3, Ht], input_ids [B, T] -> list of K draft-vocab logits [B, T, Vd] (row t, step k as above).
+    `embed` is the target's (frozen) embedding matrix. Training never forms these (see ttt_soft_ce)."""
+    return [drafter.lm_head(hn) for hn in ttt_hidden(drafter, embed, aux, input_ids, K)]
+
+
+CHUNK_ELEMENTS = 1 << 22      # rows per chunk x draft vocabulary: 16 MB per float32 [rows, Vd] tensor
+
+
+class _TTTSoftCE(torch.autograd.Function):
+    """Σ_k coef_k Σ_t mask_k[t]·CE(p[t+1+k], q_k[t]) with p = softmax(th·Wtᵀ) the target's distribution at each
+    position and q_k = softmax(h_k·Wᵀ) the draft's at step k, a chunk of positions at a time; also each step's
+    Σ mask·CE and each row's argmax (not differentiable). A chunk's target distribution serves all K steps (row t
+    of step k reads position t+1+k), and the gradients for h_k and W are formed chunk by chunk in the forward
+    (d CE/d logits = q - p needs nothing but the chunk), so no [B, T, Vd] tensor is ever formed and backward only
+    scales them: peak memory is one chunk's logits instead of every step's logits and log-probabilities, the
+    whole target distribution and their gradients. Rows whose position t+1+k lies past the end get CE 0 and
+    argmax 0 (never counted: valid is padded there)."""
+
+    @staticmethod
+    def forward(ctx, th, Wt, masks, coefs, chunk, want_grad, W, *hs):
+        K, (B, T, _) = len(hs), hs[0].shape
+        ce = torch.zeros(K, B, T, dtype=torch.float32, device=W.device)
+        am = torch.zeros(K, B, T, dtype=torch.long, device=W.device)
+        gh = [torch.zeros_like(h) for h in hs] if want_grad else []
+        gW = torch.zeros_like(W) if want_grad else None
+        for a in range(1, T, chunk):                       # target positions a..b-1 (position 0 is no target)
+            b = min(T, a + chunk)
+            tp = (th[:, a:b].float() @ Wt.float().T).softmax(-1)          # [B, b-a, Vd]
+            for k, h in enumerate(hs):
+                t0, t1 = max(0, a - 1 - k), b - 1 - k                      # the rows reading positions a..b-1
+                if t1 <= t0:
+                    continue
+                p = tp[:, t0 + 1 + k - a:t1 + 1 + k - a]
+                z = F.linear(h[:, t0:t1], W)         # as lm_head computes it (bf16 under bf16 autocast)
+                lg = z.float()
+                logq = lg.log_softmax(-1)
+                ce[k, :, t0:t1] = -(p * logq).sum(-1)
+                am[k, :, t0:t1] = lg.argmax(-1)
+                if want_grad:
+                    g = logq.exp_().sub_(p).mul_((masks[k, :, t0:t1] * coefs[k])[..., None])
+                    g = g.to(z.dtype)                # lm_head's backward runs in its forward's dtype
+                    gh[k][:, t0:t1] = g @ W.to(z.dtype)
+                    gW += g.flatten(0, 1).T @ h[:, t0:t1].flatten(0, 1).to(z.dtype)
+                del z, lg, logq, p
+            del tp
+        sums = (ce * masks).sum((1, 2))
+        loss = (sums * coefs).sum()
+        ctx.save_for_backward(gW, *gh)
+        ctx.mark_non_differentiable(sums, am)
+        return loss, sums, am
+
+    @staticmethod
+    def backward(ctx, g, _g_sums, _g_am):
+        gW, *gh = ctx.saved_tensors
+        if gW is None:
+            return (None,) * len(ctx.needs_input_grad)
+        return (None,) * 6 + (gW * g, *(x * g for x in gh))
+
+
+def default_chunk(batch: int, draft_vocab: int) -> int:
+    """Target positions per loss chunk: each [batch, chunk, Vd] float32 tensor within CHUNK_ELEMENTS (one position
+    when a single one is larger)."""
+    return max(1, CHUNK_ELEMENTS // (batch * draft_vocab))
+
+
+def ttt_soft_ce(hs: list[torch.Tensor], W: torch.Tensor, th: torch.Tensor, Wt: torch.Tensor, masks: torch.Tensor,
+                coefs: torch.Tensor, chunk: int | None = None):
+    """The TTT loss of the K steps' normed hidden states hs (each [B, T, H]) through lm_head W [Vd, H] against the
+    target's distribution softmax(th [B, T, Ht] @ Wtᵀ): returns (Σ_k coefs[k]·Σ masks[k]·CE, per-step Σ masks·CE
+    [K], per-row argmax [K, B, T]), the loss differentiable in hs and W. `chunk` target positions (all rows) at a
+    time (default: CHUNK_ELEMENTS / (B·Vd))."""
+    chunk = chunk or default_chunk(hs[0].shape[0], W.shape[0])
+    want = torch.is_grad_enabled() and (W.requires_grad or any(h.requires_grad for h in hs))
+    return _TTTSoftCE.apply(th.detach(), Wt.detach(), masks.float(), coefs.float(), chunk, want, W, *hs)
 
 
 class TTTLoss(nn.Module):
@@ -83,51 +160,45 @@ class TTTLoss(nn.Module):
         self.embed = embed
         self.w_t2d = lm_head_w[drafter.t2d.to(lm_head_w.device)]            # [Vd, H] in draft-id order
         self.K, self.decay = K, decay
+        self.chunk: int | None = None      # target positions per loss chunk (None: CHUNK_ELEMENTS / (B·Vd))
 
     def targets(self, batch):
-        """Target distribution over the draft vocabulary at each position, and the loss-eligible positions."""
+        """Target distribution over the draft vocabulary at each position [B, T, Vd] (whole; training forms it a
+        chunk at a time inside ttt_soft_ce)."""
         with torch.no_grad():
-            tp = (batch["hidden"].float() @ self.w_t2d.float().T).softmax(-1)
-        return tp
+            return (batch["hidden"].float() @ self.w_t2d.float().T).softmax(-1)
 
     def forward(self, batch, denom: torch.Tensor | None = None):
         """Returns (loss, stats). stats has per-step sums (loss, correct, counted) to aggregate across batches and
         ranks. `denom` [K]: global number of counted positions per step, so that the sum over ranks of the
         per-rank losses equals the single-process loss (DDP averages gradients, hence the world-size factor
-        the caller applies)."""
+        the caller applies).
+
+        Step k's loss is the soft cross-entropy between the target's distribution at position t+1+k and the
+        draft's at row t, computed by ttt_soft_ce a chunk of positions at a time: no [B, T, Vd] tensor is formed."""
         K = self.K
-        logits = ttt_unroll(self.drafter, self.embed, batch["aux"], batch["input_ids"], K)
-        tp = F.pad(self.targets(batch), (0, 0, 0, K + 1))
+        hs = ttt_hidden(self.drafter, self.embed, batch["aux"], batch["input_ids"], K)
+        B, T = batch["input_ids"].shape
         am = F.pad(batch["argmax"], (0, K + 1), value=-1)
         valid = F.pad(batch["valid"], (0, K + 1))
         in_draft = self.drafter.t2d[am.clamp(min=0)] & (am >= 0)
-        T = batch["input_ids"].shape[1]
-        loss = 0.0
-        stats = {"loss_sum": [], "correct": [], "counted": [], "ce_counted": [], "chain": None}
-        chain = None
-        for k, lg in enumerate(logits):
-            sl = slice(1 + k, 1 + k + T)
-            v, ce_mask = valid[:, sl], valid[:, sl] & in_draft[:, sl]
-            logq = lg.float().log_softmax(-1)
-            ce = -(tp[:, sl] * logq).sum(-1)
-            ce_sum = (ce * ce_mask).sum()
-            n = ce_mask.sum()
-            d = denom[k] if denom is not None else n.clamp(min=1)
-            loss = loss + (self.decay ** k) * ce_sum / d.clamp(min=1)
-            pred = self.drafter.draft_to_target(lg.argmax(-1))
-            ok = (pred == am[:, sl]) & v
-            chain = ok if chain is None else chain & ok
-            stats["loss_sum"].append(float(ce_sum.detach()))
-            stats["ce_counted"].append(int(n))
-            stats["correct"].append(int(ok.sum()))
-            stats["counted"].append(int(v.sum()))
+        vs = [valid[:, 1 + k:1 + k + T] for k in range(K)]
+        masks = torch.stack([v & in_draft[:, 1 + k:1 + k + T] for k, v in enumerate(vs)])    # [K, B, T]
+        ns = masks.sum((1, 2))
+        d = (denom if denom is not None else ns).clamp(min=1)
+        coefs = torch.tensor([self.decay ** k for k in range(K)], device=d.device) / d
+        loss, sums, top = ttt_soft_ce(hs, self.drafter.lm_head.weight, batch["hidden"], self.w_t2d, masks, coefs,
+                                      self.chunk)
+        stats = {"loss_sum": sums.tolist(), "ce_counted": ns.tolist(), "correct": [], "counted": [], "chain": None}
         # per-row accepted run over the chain (a row counts only when all K targets exist)
-        full = valid[:, 1 + K - 1:K + T]
+        full = valid[:, K:K + T]
         run = torch.zeros_like(full, dtype=torch.long)
         alive = torch.ones_like(full)
-        for k, lg in enumerate(logits):
-            sl = slice(1 + k, 1 + k + T)
-            alive = alive & (self.drafter.draft_to_target(lg.argmax(-1)) == am[:, sl])
+        for k, v in enumerate(vs):
+            hit = self.drafter.draft_to_target(top[k]) == am[:, 1 + k:1 + k + T]
+            stats["correct"].append(int((hit & v).sum()))
+            stats["counted"].append(int(v.sum()))
+            alive = alive & hit
             run = run + alive.long()
         stats["chain_sum"] = int((run * full).sum())
         stats["chain_rows"] = int(full.sum())

@@ -1,8 +1,8 @@
 """A preallocated key/value cache.
 
 Storage is [layers, batch, kv_heads, max_len, head_dim]; tokens are written at explicit slots, so a whole draft
-tree can occupy slots past the committed length, and `compact` moves the accepted ones into place. Keeping the
-storage static (never reallocated) is what later lets a fixed-size step be captured in a CUDA graph.
+tree can occupy slots past the committed length, and `compact` moves the accepted ones into place. The storage is
+allocated once for the request's length and never reallocated.
 """
 
 from __future__ import annotations
@@ -73,6 +73,3 @@ class KVCache:
     def truncate(self, length: int):
         self.length = length
         self.pos[:, length:] = -1
-
-    def nbytes(self) -> int:
-        return self.k.numel() * self.k.element_size() * 2

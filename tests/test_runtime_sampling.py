@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from specscope.engine.generate import StopCriteria, generate
-from specscope.engine.sampling import SamplingParams, make_generator, next_token, probs_from_logits, sample
+from specscope.generate import StopCriteria, generate
+from specscope.runtime.sampling import SamplingParams, make_generator, next_token, probs_from_logits, sample
 from specscope.errors import SpecscopeError
 from specscope.models import load_model
 from tiny import make_hf_model

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from specscope.errors import SpecscopeError
@@ -15,9 +16,7 @@ def check_tokenizer_files(path: Path) -> None:
 
 class Tokenizer:
     def __init__(self, path: str | Path):
-        import logging
-
-        import transformers
+        import transformers   # slow to import: check_tokenizer_files (preflight) runs without it
         from transformers import AutoTokenizer
 
         transformers.logging.set_verbosity_error()

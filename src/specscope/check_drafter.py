@@ -10,6 +10,7 @@ server-args log line is checked against the drafter for the misconfigurations th
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 import shlex
@@ -19,9 +20,16 @@ from pathlib import Path
 import torch
 
 from specscope.errors import SpecscopeError
+from specscope.models import loader   # loader.load_model looked up per call: tests stub it
+from specscope.models.config import ModelConfig
+from specscope.prompts import load_prompts, warn
+from specscope.runtime.tokenizer import Tokenizer
+from specscope.speculative.decode import SpecConfig, speculative_generate
+from specscope.speculative.drafters import Eagle3TreeDrafter
 from specscope.speculative.eagle3 import DrafterConfig
 from specscope.speculative.formats import (TargetFacts, aux_conventions, detect_format, load_drafter, map_problems,
                                            nonfinite_tensors, parse_config, read_config, weight_reader)
+from specscope.train.ttt import ttt_unroll
 
 OK, WARN, FAIL, SKIP = "ok", "warn", "fail", "skip"
 # running the target here is "quick" only up to this many parameters (CPU float32 forward of a few prompts)
@@ -137,7 +145,6 @@ def _vllm_spec_from_log(text: str) -> dict:
         return {k: v.strip("'\"") for k, v in _PY_ARG.findall(m.group(1))}
     m = re.search(r"['\"]speculative_config['\"]\s*:\s*(\{.*?\})", text)
     if m:
-        import ast
         try:
             return dict(ast.literal_eval(m.group(1)))
         except (ValueError, SyntaxError):
@@ -259,6 +266,16 @@ def engine_checks(report: Report, eng: dict, cfg: DrafterConfig | None, has_toke
             report.add("engine: token map", FAIL,
                        f"the drafter predicts over a {cfg.draft_vocab_size}-token draft vocabulary but its "
                        f"checkpoint has no d2t map to target ids")
+        if cfg is not None and report.drafter.get("format") == "sglang" and cfg.aux_convention_in_file == "output":
+            # vLLM (0.32, measured in make test-engines) reads eagle_config's ids as hidden-state indices, without
+            # the +1 SGLang adds: the drafter gets the states one layer earlier than it was trained on, no error
+            wrong = [i - 1 for i in cfg.aux_layer_ids]
+            report.add("engine: aux layers", WARN,
+                       f"vLLM reads this SGLang-layout drafter's eagle_config layer ids "
+                       f"{cfg.extra.get('aux_ids_in_file') or wrong} as hidden-state indices without SGLang's +1, so it "
+                       f"feeds the drafter the states entering layers {wrong} instead of {list(cfg.aux_layer_ids)} "
+                       f"(no error; acceptance is no longer what the drafter was trained for); give vLLM "
+                       f"`specscope export DRAFTER --format speculators` instead")
 
 
 # ---------------------------------------------------------------- static checks
@@ -376,8 +393,6 @@ def tokenizer_checks(report: Report, drafter_path: Path, facts: TargetFacts):
     if tdir is None or not ((tdir / "tokenizer.json").exists() or (tdir / "tokenizer.model").exists()):
         report.add("tokenizer", SKIP, "the target has no tokenizer files here")
         return None
-    from specscope.engine.tokenizer import Tokenizer
-
     tok = Tokenizer(tdir)
     n = len(tok.tok)
     notes, status = [f"target tokenizer has {n} tokens (config vocab {facts.vocab_size})"], OK
@@ -409,8 +424,6 @@ def tokenizer_checks(report: Report, drafter_path: Path, facts: TargetFacts):
 
 def can_run(facts: TargetFacts) -> str | None:
     """None when the target can run here, else why not."""
-    from specscope.models.config import ModelConfig
-
     if facts.path is None or not (any(facts.path.glob("*.safetensors"))):
         return "the target's weights are not here (config.json only)"
     return size_problem(facts)
@@ -418,8 +431,6 @@ def can_run(facts: TargetFacts) -> str | None:
 
 def size_problem(facts: TargetFacts) -> str | None:
     """None when the target (by its config.json) is small enough to run for a quick check, else why not."""
-    from specscope.models.config import ModelConfig
-
     try:
         mc = ModelConfig.from_hf(json.loads((facts.path / "config.json").read_text()))
     except SpecscopeError as e:
@@ -435,12 +446,7 @@ def measure(report: Report, drafter_path: Path, facts: TargetFacts, tok, prompts
             steps: int, device: str = "cpu"):
     """Coverage of the target's greedy output, teacher-forced per-position acceptance (predicted τ) and the τ of a
     real chain speculative run with `steps` draft tokens, on the same prompts."""
-    from specscope.models.loader import load_model
-    from specscope.speculative.decode import SpecConfig, speculative_generate
-    from specscope.speculative.drafters import Eagle3TreeDrafter
-    from specscope.train.ttt import ttt_unroll
-
-    target = load_model(facts.path, "fp32", device)
+    target = loader.load_model(facts.path, "fp32", device)
     drafter = load_drafter(drafter_path, target)
     K = steps
     cfgk = SpecConfig(steps=K, topk=1, draft_tokens=K + 1)
@@ -526,8 +532,6 @@ def check_drafter(drafter_path: str | Path, facts: TargetFacts, engine_args: str
 
 
 def default_prompts(n: int = 3) -> list[str]:
-    from specscope.prompts import load_prompts, warn
-
     try:
         return [r["prompt"] for r in load_prompts("spec_bench", num_prompts=n)["prompts"]]
     except SpecscopeError as e:

@@ -6,8 +6,20 @@ from __future__ import annotations
 from dataclasses import dataclass, asdict, field
 from functools import lru_cache
 
-from specscope.engine.sampling import SamplingParams
+import torch
+
 from specscope.errors import SpecscopeError
+from specscope.generate import generate
+from specscope.models import loader   # loader.load_model looked up per call: tests stub it
+from specscope.models.hub import resolve_model
+from specscope.models.loader import load_config, weight_files
+from specscope.profile import CycleProfiler
+from specscope.registry import check_registry, make_record, open_registry, prompt_set_hash
+from specscope.runtime.sampling import SamplingParams
+from specscope.runtime.tokenizer import StreamDecoder, Tokenizer, check_tokenizer_files
+from specscope.speculative.decode import (SpecConfig, _is_eagle3_config, build_drafter, drafter_path,
+                                          speculative_generate, split_draft)
+from specscope.speculative.formats import parse_config, read_config
 
 
 @dataclass
@@ -39,12 +51,8 @@ class GenerateRequest:
 @lru_cache(maxsize=4)
 def load_target(model: str, dtype: str, device: str):
     """(model, tokenizer, path) for a name or directory; cached per process."""
-    from specscope.engine.tokenizer import Tokenizer
-    from specscope.models.hub import resolve_model
-    from specscope.models.loader import load_model
-
     path = resolve_model(model)
-    m = load_model(path, dtype=dtype, device=device)
+    m = loader.load_model(path, dtype=dtype, device=device)
     return m, Tokenizer(path), path
 
 
@@ -58,10 +66,6 @@ def preflight(model: str, max_new_tokens: int | None = None, draft: str | None =
     """Everything checkable from flags and files before the model loads (8-18 s for a real one): the directory,
     config.json, weight files, tokenizer, the drafting knobs, the drafter's config, and max_new_tokens against the
     context. Returns (path, ModelConfig, SpecConfig or None)."""
-    from specscope.engine.tokenizer import check_tokenizer_files
-    from specscope.models.hub import resolve_model
-    from specscope.models.loader import load_config, weight_files
-
     path = resolve_model(model)
     cfg, _ = load_config(path)
     weight_files(path)
@@ -74,17 +78,12 @@ def preflight(model: str, max_new_tokens: int | None = None, draft: str | None =
         if any(v is not None for v in (steps, topk, draft_tokens, ngram_tokens)):
             raise SpecscopeError("--steps/--topk/--draft-tokens/--ngram-tokens need --draft")
         return path, cfg, None
-    from specscope.speculative.decode import SpecConfig, drafter_path, split_draft
-
     spec = SpecConfig.for_drafter(draft, steps, topk, draft_tokens, ngram_tokens)
     if split_draft(draft)[0] is None:
         if spec.topk != 1:
             raise SpecscopeError(f"n-gram drafting proposes a chain; use --topk 1 (got --topk {spec.topk})")
         return path, cfg, spec
     dpath = drafter_path(draft)
-    from specscope.speculative.decode import _is_eagle3_config
-    from specscope.speculative.formats import parse_config, read_config
-
     raw = read_config(dpath)
     if _is_eagle3_config(raw):
         parse_config(raw, cfg.num_hidden_layers)
@@ -95,12 +94,8 @@ def preflight(model: str, max_new_tokens: int | None = None, draft: str | None =
 
 
 def run_generate(req: GenerateRequest, on_text=None) -> dict:
-    from specscope.engine.tokenizer import StreamDecoder
-
     preflight(req.model, req.max_new_tokens, req.draft, req.steps, req.topk, req.draft_tokens, req.ngram_tokens)
     if req.record:      # a registry that cannot take the run is refused now, not warned about after the work
-        from specscope.registry import check_registry
-
         check_registry(req.db)
     sp = req.sampling()
     model, tok, path = load_target(req.model, req.dtype, req.device)
@@ -110,17 +105,11 @@ def run_generate(req: GenerateRequest, on_text=None) -> dict:
     dec = StreamDecoder(tok)
     on_tokens = (lambda ids: on_text(dec.push(ids))) if on_text else None
     stop = stop_ids_for(model, tok)
-    from specscope.profile import CycleProfiler
-
     prof = CycleProfiler(device=model.device)      # where the model really is ("auto" resolved)
     if req.draft is None:
-        from specscope.engine.generate import generate
-
         res = generate(model, prompt_ids, req.max_new_tokens, sp, stop, on_tokens=on_tokens, profiler=prof)
         spec = None
     else:
-        from specscope.speculative.decode import build_drafter, speculative_generate, SpecConfig
-
         cfg = SpecConfig.for_drafter(req.draft, req.steps, req.topk, req.draft_tokens, req.ngram_tokens)
         drafter = build_drafter(req.draft, model, req.dtype, req.device)
         res = speculative_generate(model, drafter, prompt_ids, req.max_new_tokens, sp, stop, cfg,
@@ -156,10 +145,6 @@ def run_generate(req: GenerateRequest, on_text=None) -> dict:
 
 def _record_run(req: GenerateRequest, path, model, spec, res, prof, out: dict, lines: list[str]) -> None:
     """Store this run in the registry; a failure to store warns instead of losing the generation."""
-    import torch
-
-    from specscope.registry import make_record, open_registry, prompt_set_hash
-
     config = {"model": str(path), "draft": req.draft, "dtype": str(model.dtype).replace("torch.", ""),
               "device": str(model.device), "threads": torch.get_num_threads(),
               **(asdict(spec) if spec is not None else {"steps": None, "topk": None, "draft_tokens": None}),

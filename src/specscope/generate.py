@@ -9,8 +9,8 @@ from typing import Callable
 
 import torch
 
-from specscope.engine.kv_cache import KVCache
-from specscope.engine.sampling import SamplingParams, make_generator, next_token
+from specscope.runtime.kv_cache import KVCache
+from specscope.runtime.sampling import SamplingParams, make_generator, next_token
 from specscope.errors import SpecscopeError
 
 

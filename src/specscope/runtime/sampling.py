@@ -6,7 +6,7 @@ from dataclasses import dataclass, asdict
 
 import torch
 
-from specscope.engine.params import check_sampling
+from specscope.runtime.params import check_sampling
 
 
 @dataclass
@@ -17,7 +17,7 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self):
-        # the one schema the CLI and the server use too (engine/params.py)
+        # the one schema the CLI and the server use too (runtime/params.py)
         self.temperature, self.top_p, self.top_k, self.seed = check_sampling(
             self.temperature, self.top_p, self.top_k, self.seed)
 

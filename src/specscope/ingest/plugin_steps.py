@@ -1,0 +1,158 @@
+"""The JSONL of specscope's in-engine step recorder (`plugins/steps.py`, e.g. the vLLM plugin's SPECSCOPE_PHASES
+file): one line per decode/verify step with its phase times and per-request draft/accepted counts.
+
+The run it makes has per-cycle samples like specscope's own runs (so `compare` tests changes, `breakeven --run`
+and `tune --run` read its costs) and acceptance counted the way vLLM counts it (drafts = request-steps that verified
+draft tokens; per-position = accepted at position i / drafts), exactly, batched steps included.
+"""
+
+from __future__ import annotations
+
+import json
+
+from specscope.ingest.base import OK, FormatParser, Malformed
+
+KIND = "step records"
+
+
+class StepsParser(FormatParser):
+    name = "specscope-steps"
+    description = "specscope in-engine step records (JSONL from the vLLM plugin, SPECSCOPE_PHASES)"
+
+    def __init__(self):
+        super().__init__()
+        self.headers: list[dict] = []
+        self.rows: list[list[dict]] = []      # steps per header
+        self.env: dict | None = None
+        self.end: dict | None = None
+
+    def feed(self, piece: str, lineno: int) -> str | None:
+        s = piece.strip()
+        if not s.startswith("{") or not ('"specscope_steps"' in s or '"kind":' in s or '"env":' in s
+                                         or '"end":' in s):
+            return None
+        try:
+            obj = json.loads(s)
+        except json.JSONDecodeError as e:
+            if '"specscope_steps"' in s or '"total_ms"' in s or '"drafted"' in s:
+                self.malformed(KIND)
+                raise Malformed(f"step record is not JSON ({e.msg}; truncated?)") from None
+            return None
+        if not isinstance(obj, dict):
+            return None
+        if "specscope_steps" in obj:
+            self.headers.append(obj)
+            self.rows.append([])
+            self.info_lines += 1
+            self.saw("header")
+            return OK
+        if not self.headers:
+            return None        # step-like JSON before any header: not ours
+        if "env" in obj and len(obj) == 1:
+            self.env = obj["env"] if isinstance(obj["env"], dict) else None
+            self.info_lines += 1
+            self.saw("header")
+            return OK
+        if obj.get("end") is True:
+            self.end = obj
+            self.info_lines += 1
+            self.saw("header")
+            return OK
+        try:
+            row = _step(obj)
+        except (KeyError, TypeError, ValueError) as e:
+            self.malformed(KIND)
+            raise Malformed(f"step record: {e}") from None
+        self.rows[-1].append(row)
+        self.data_lines += 1
+        self.saw(KIND)
+        return OK
+
+    def has_data(self) -> bool:
+        return self.data_lines > 0
+
+    def result(self) -> dict:
+        from specscope.profile.cycle import CycleProfiler
+        from specscope.registry.records import results_from_summary
+
+        warnings = []
+        segs = [(h, r) for h, r in zip(self.headers, self.rows) if r]
+        head, rows = segs[-1]
+        same = [r for h, r in segs if h.get("config") == head.get("config")]
+        if len(same) < len(segs):
+            warnings.append(f"{len(segs) - len(same)} earlier engine run(s) in this file had another configuration; "
+                            f"this run holds the steps of the last configuration only")
+        rows = [x for r in same for x in r]
+        phases = []
+        for r in rows:
+            phases += [k for k in r["ms"] if k not in phases]
+        samples = {"cycle_ms": {k: [r["ms"].get(k, 0.0) for r in rows] for k in phases},
+                   "cycle_total_ms": [r["total_ms"] for r in rows],
+                   "accept_lengths": [_tokens(r) for r in rows],
+                   "num_draft": [max(r["drafted"], default=0) for r in rows]}
+        single = all(r["reqs"] == 1 for r in rows)
+        flags = [[i < (r["accepted"] or [0])[0] for i in range(r["drafted"][0] if r["drafted"] else 0)]
+                 for r in rows] if single else None
+        prof = CycleProfiler.from_samples(samples, accepted=flags, device=head.get("device", "cpu"),
+                                          timer=head.get("timer"))
+        res = results_from_summary(prof.summary())
+        res.pop("profiler", None)
+        res["profiler"] = {"timer": head.get("timer"), "where": f"inside {head.get('engine')} (specscope plugin)"}
+        res.update(_vllm_counters(rows, warnings))
+        res["steps_untimed"] = (self.end or {}).get("untimed_steps")
+        if (self.end or {}).get("overhead"):
+            res["plugin_overhead"] = self.end["overhead"]     # the plugin's own host time per step, and its share
+        res["batch"] = {"mean_requests_per_step": round(sum(r["reqs"] for r in rows) / len(rows), 3),
+                        "max_requests_per_step": max(r["reqs"] for r in rows)}
+        if not single:
+            warnings.append("batched steps: τ and per-position acceptance are vLLM's per-request counts; the "
+                            "per-cycle accept lengths are per-step means")
+        config = dict(head.get("config") or {})
+        config.update(engine=head.get("engine"), engine_version=head.get("engine_version"),
+                      timer=head.get("timer"), source="plugin")
+        env = dict(self.env or {})
+        env["engine"] = head.get("engine")
+        return {"config": config, "results": res, "samples": samples, "warnings": warnings, "env": env}
+
+
+def _step(obj: dict) -> dict:
+    ms = obj["ms"]
+    if not isinstance(ms, dict) or not all(isinstance(v, (int, float)) and v >= 0 for v in ms.values()):
+        raise ValueError("ms must map phases to non-negative numbers")
+    total = float(obj["total_ms"])
+    drafted = [int(x) for x in obj["drafted"]]
+    acc = obj.get("accepted")
+    acc = None if acc is None else [int(x) for x in acc]
+    if total < 0 or any(d < 0 for d in drafted) or (acc is not None and any(a < 0 for a in acc)):
+        raise ValueError("negative time or count")
+    if acc is not None and (len(acc) != len(drafted) or any(a > d for a, d in zip(acc, drafted))):
+        raise ValueError("accepted does not fit drafted")
+    return {"ms": {str(k): float(v) for k, v in ms.items()}, "total_ms": total, "drafted": drafted,
+            "accepted": acc, "reqs": int(obj.get("reqs") or max(len(drafted), 1)), "kind": obj.get("kind")}
+
+
+def _tokens(r: dict) -> int:
+    """Tokens the step produced per request (the profiler's per-cycle accept length; a mean when batched)."""
+    acc = r["accepted"]
+    if acc is None or not acc:
+        return 1
+    return round(sum(a + 1 for a in acc) / len(acc))
+
+
+def _vllm_counters(rows: list[dict], warnings: list) -> dict:
+    """vLLM's spec-decode counters from the steps: num_drafts, draft and accepted tokens, per position."""
+    known = [r for r in rows if r["accepted"] is not None]
+    if len(known) < len(rows):
+        warnings.append(f"{len(rows) - len(known)} step(s) without acceptance (async scheduling keeps sampled "
+                        f"tokens on the device); τ counts the others")
+    drafts = [(d, a) for r in known for d, a in zip(r["drafted"], r["accepted"]) if d > 0]
+    if not drafts:
+        return {}
+    depth = max(d for d, _ in drafts)
+    per_pos = [sum(1 for _, a in drafts if a > i) for i in range(depth)]
+    accepted = sum(a for _, a in drafts)
+    return {"accept_length": round(1 + accepted / len(drafts), 4),
+            "drafted_tokens": sum(d for d, _ in drafts), "accepted_tokens": accepted,
+            "per_position_acceptance": [round(x / len(drafts), 4) for x in per_pos],
+            "spec_decode": {"num_drafts": len(drafts), "num_draft_tokens": sum(d for d, _ in drafts),
+                            "num_accepted_tokens": accepted, "num_accepted_tokens_per_pos": per_pos}}

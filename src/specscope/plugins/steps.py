@@ -1,0 +1,200 @@
+"""Per-step phase timing inside a serving engine's worker process, engine-neutral.
+
+An engine adapter (`plugins/vllm.py`; an SGLang one would be another small file) calls, per engine step:
+
+    rec.begin_step(kind)                 # "verify" (draft tokens verified), "decode"; others are only counted
+    with rec.scope("forward"): ...       # the engine's own scopes mapped onto specscope's phases
+    rec.end_step(drafted, accepted)      # per request: draft tokens verified and accepted this step
+
+and the recorder keeps a `CycleProfiler` (CUDA events read after the step on GPUs, perf_counter on CPU), writes
+one JSONL line per decode/verify step (read back by `specscope ingest`), and every `every_s` seconds prints the
+seed's report for the steps since the last one (`Target verify: X ms/cyc ( Y%)`, τ, per-position acceptance).
+Prefill and mixed prefill+decode steps are counted, not timed: a cycle is one decode or verify step.
+
+File format (`specscope ingest` recognises it by the header's "specscope_steps" key):
+    {"specscope_steps": 1, "engine": ..., "engine_version": ..., "config": {...}, "timer": ..., "started": ...}
+    {"i": 0, "kind": "verify", "ms": {"verify": 58.1, "draft": 13.0, ...}, "total_ms": 83.9,
+     "reqs": 1, "drafted": [3], "accepted": [2]}
+    {"env": {...}}                                   # the fingerprint, once, after the first report
+    {"end": true, "steps": ..., "untimed_steps": {"prefill": ..., "mixed": ...}}
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import sys
+import threading
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+from specscope.profile.cycle import CycleProfiler
+
+FORMAT_VERSION = 1
+TIMERS = ("auto", "cuda_events", "sync", "perf_counter")
+
+
+class StepRecorder:
+    def __init__(self, path: str | os.PathLike, engine: str, engine_version: str, config: dict,
+                 device: str = "cpu", timer: str = "auto", every_s: float = 10.0, out=None):
+        if timer not in TIMERS:
+            raise ValueError(f"timer {timer!r}: use one of {', '.join(TIMERS)}")
+        self.path = Path(path)
+        self.engine, self.engine_version, self.config = engine, engine_version, dict(config)
+        self.device = str(device)
+        cuda = self.device.startswith("cuda")
+        if timer == "auto":
+            timer = "cuda_events" if cuda else "perf_counter"
+        if timer in ("cuda_events", "sync") and not cuda:
+            timer = "perf_counter"
+        self.timer = timer
+        self.every_s = float(every_s)
+        self.out = out or sys.stdout
+        self._lock = threading.Lock()
+        self._prof = self._new_profiler()
+        self._null = contextlib.nullcontext()
+        self._step = None              # kind of the step being timed, or None
+        self._rows: list[dict] = []    # this interval's steps
+        self._written = 0              # of which are in the file
+        self._n = 0
+        self._skipped: dict[str, int] = {}   # kind -> steps counted, not timed (prefill, mixed, idle)
+        self._last = time.monotonic()
+        self._file = None
+        self._env_written = False
+        self._closed = False
+        self.overhead_ns = 0           # the adapter's own host time (its wrappers, this recorder), all steps
+        self._steps_ns = 0.0           # wall time of the timed steps, ns
+        atexit.register(self.close)
+
+    def _new_profiler(self) -> CycleProfiler:
+        dev = self.device if self.timer in ("cuda_events", "sync") else "cpu"
+        return CycleProfiler(dev, sync=self.timer == "sync")
+
+    # ---- hot path (the engine's step) ------------------------------------------------------------------------
+    def begin_step(self, kind: str) -> None:
+        if kind not in ("verify", "decode"):
+            self._skipped[kind] = self._skipped.get(kind, 0) + 1
+            self._step = None
+            return
+        self._step = kind
+        self._prof._start_cycle()
+
+    @property
+    def kind(self) -> str | None:
+        """"verify" or "decode" while such a step is timed, else None."""
+        return self._step
+
+    def scope(self, phase: str):
+        """The profiler's context manager for `phase` while a decode/verify step is timed, else a no-op.
+        "forward" names the target forward: the verify of a speculative step, else decode."""
+        if self._step is None:
+            return self._null
+        if phase == "forward":
+            phase = self._step
+        return self._prof.phase(phase)
+
+    def end_step(self, drafted: list[int], accepted: list[int] | None) -> None:
+        """Per request of the step: `drafted[i]` draft tokens verified, `accepted[i]` of them accepted (None:
+        unknown, e.g. the sampled tokens are not on the host yet)."""
+        if self._step is None:
+            return
+        kind, drafted = self._step, list(drafted)
+        self._step = None
+        acc = list(accepted) if accepted is not None else None
+        reqs = max(len(drafted), len(acc or []), 1)
+        if acc is not None and drafted and len(acc) == len(drafted):
+            # the profiler's per-cycle view is per sequence: a batched step adds its mean tokens per request
+            tokens = round(sum(a + 1 for a in acc) / reqs)
+            first = [i < acc[0] for i in range(drafted[0])] if reqs == 1 else None
+            self._prof.end_cycle(tokens, accepted=first, num_draft=max(drafted) if reqs > 1 else drafted[0])
+        else:
+            self._prof.end_cycle(1)
+        self._rows.append({"i": self._n, "kind": kind, "reqs": reqs, "drafted": drafted, "accepted": acc})
+        self._n += 1
+        if self.timer != "cuda_events":
+            self._write(block=True)        # times are known now: a killed engine loses nothing already stepped
+        if time.monotonic() - self._last >= self.every_s:
+            self.flush()
+
+    # ---- file and reports ----------------------------------------------------------------------------------
+    def _write(self, block: bool) -> None:
+        """Append the steps whose times are known (CUDA events: finished ones; all of them when block)."""
+        f = self._open()
+        while self._written < len(self._rows):
+            got = self._prof.cycle(self._written, block)
+            if got is None:
+                break
+            row = self._rows[self._written]
+            row["ms"], row["total_ms"] = {k: round(v, 5) for k, v in got[0].items()}, round(got[1], 5)
+            self._steps_ns += got[1] * 1e6
+            f.write(json.dumps(row, separators=(",", ":")) + "\n")
+            self._written += 1
+        f.flush()
+
+    def flush(self, final: bool = False) -> None:
+        """Write this interval's steps, print their report, start the next interval (bounded memory: a server
+        runs for weeks)."""
+        with self._lock:
+            self._last = time.monotonic()
+            if self._rows:
+                self._write(block=True)
+                f = self._open()
+                if not self._env_written:
+                    self._env_written = True
+                    f.write(json.dumps({"env": _fingerprint()}, separators=(",", ":")) + "\n")
+                self._print(self._prof)
+                self._prof, self._rows, self._written = self._new_profiler(), [], 0
+            if final and self._file is not None:
+                self._file.write(json.dumps({"end": True, "steps": self._n, "untimed_steps": self._skipped,
+                                             "overhead": self.overhead()}) + "\n")
+            if self._file is not None:
+                self._file.flush()
+
+    def overhead(self) -> dict:
+        """The adapter's own host time per step and as a share of the timed steps' wall time (all steps so far;
+        the phase scopes' own cost is the profiler's, reported in its lines)."""
+        n = self._n + sum(self._skipped.values())
+        return {"us_per_step": round(self.overhead_ns / 1e3 / n, 2) if n else 0.0,
+                "share": round(self.overhead_ns / self._steps_ns, 6) if self._steps_ns else None}
+
+    def _print(self, prof: CycleProfiler) -> None:
+        head = (f"specscope phases ({self.engine} {self.engine_version}, {self.config.get('method') or 'no spec'}"
+                + (f" k={self.config['num_speculative_tokens']}" if self.config.get("num_speculative_tokens") else "")
+                + f", {prof.cycles} steps, timer {self.timer}):")
+        oh = self.overhead()
+        tail = (f"Plugin overhead: {oh['us_per_step']:.1f} us/step"
+                + (f" ({oh['share'] * 100:.3f}% of step time)" if oh["share"] is not None else ""))
+        print("\n".join([head] + prof.lines() + [tail]), file=self.out, flush=True)
+
+    def _open(self):
+        if self._file is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(self.path, "a", encoding="utf-8")
+            header = {"specscope_steps": FORMAT_VERSION, "engine": self.engine, "engine_version": self.engine_version,
+                      "config": self.config, "timer": self.timer, "device": self.device, "pid": os.getpid(),
+                      "started": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+            self._file.write(json.dumps(header) + "\n")
+        return self._file
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.flush(final=True)
+        finally:
+            if self._file is not None:
+                self._file.close()
+
+
+def _fingerprint() -> dict:
+    """The engine machine's fingerprint (GPU, clocks, PCIe, driver, NCCL_*, libraries); never fails the engine."""
+    try:
+        from specscope.registry.fingerprint import collect
+
+        return collect()
+    except Exception as e:  # noqa: BLE001 - a fingerprint is worth less than the engine it runs in
+        return {"error": f"{type(e).__name__}: {e}"}

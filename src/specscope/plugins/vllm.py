@@ -1,0 +1,224 @@
+"""specscope's vLLM general plugin: per-step phase timing inside vLLM, always on, no vLLM file changed.
+
+Enable it in the server's environment:
+
+    SPECSCOPE_PHASES=/tmp/vllm-phases.jsonl python -m vllm.entrypoints.openai.api_server ...
+
+vLLM loads every `vllm.general_plugins` entry point in each of its processes (`VLLM_PLUGINS` selects them); without
+SPECSCOPE_PHASES this one does nothing. Enabled, in the worker it
+- installs a timer behind vLLM's own phase scopes (`record_function_or_nullcontext` in `vllm/v1/utils.py`, the
+  hook VLLM_CUSTOM_SCOPES_FOR_PROFILING uses; torch-profiler / NVTX annotations still happen when those are on):
+  `forward` and `postprocess` (the logits) -> verify (decode when the step verifies no drafts), `draft` -> draft,
+  `sample` -> accept, `preprocess` / `bookkeep` / ... -> commit, each kept as a sub-phase (verify.forward,
+  commit.preprocess, ...), the rest -> other — the table `specscope ingest` uses for vLLM's own traces;
+- wraps the model runner's `execute_model` / `sample_tokens` to know each step's kind and, from the scheduled draft
+  tokens and the sampled tokens, the per-request acceptance (vLLM's own counting: accepted = sampled - 1);
+- writes `plugins/steps.py`'s JSONL (`specscope ingest FILE`) and prints the `Target verify: X ms/cyc ( Y%)`
+  report every SPECSCOPE_PHASES_EVERY seconds (default 10) and at exit.
+Settings: SPECSCOPE_PHASES_TIMER = auto | cuda_events | sync | perf_counter (auto: CUDA events read after the step
+on GPUs, never a host sync; perf_counter on CPU). Tested on the vLLM versions in TESTED; on others it stays off and
+says so in one line (SPECSCOPE_PHASES_ANY_VERSION=1 tries anyway).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from time import perf_counter_ns
+
+TESTED = ("0.32.0",)
+ENV_PATH, ENV_EVERY, ENV_TIMER, ENV_ANY = ("SPECSCOPE_PHASES", "SPECSCOPE_PHASES_EVERY", "SPECSCOPE_PHASES_TIMER",
+                                           "SPECSCOPE_PHASES_ANY_VERSION")
+SCOPE_PREFIX = "gpu_model_runner: "     # the CPU runner reuses the GPU runner's scopes
+
+log = logging.getLogger("specscope.plugins.vllm")
+_state: dict = {"installed": False, "recorder": None}
+
+
+def register() -> None:
+    """vLLM's entry point (`vllm.general_plugins`); called once per vLLM process."""
+    path = os.environ.get(ENV_PATH)
+    if not path or _state["installed"]:
+        return
+    import vllm
+
+    version = getattr(vllm, "__version__", "?")
+    if version not in TESTED and os.environ.get(ENV_ANY) != "1":
+        log.warning("specscope phases plugin: tested on vLLM %s, this is %s; not enabled (set %s=1 to try)",
+                    ", ".join(TESTED), version, ENV_ANY)
+        return
+    _install(path, version)
+
+
+def _install(path: str, version: str) -> None:
+    import vllm.v1.utils as vutils
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    inner = vutils._PROFILER_FUNC or _inner_scope()   # keep torch-profiler / NVTX annotations when they are on
+
+    from specscope.ingest.torch_trace import FORWARD, SCOPE_PHASE, SINGLE   # one table for the trace and the plugin
+
+    def scope(name: str):
+        rec = _state["recorder"]
+        if rec is None or rec.kind is None or not name.startswith(SCOPE_PREFIX):
+            return inner(name)
+        part = name[len(SCOPE_PREFIX):]
+        top = SCOPE_PHASE.get(part)
+        if top is None:
+            return inner(name)          # a scope this table does not know: its time stays in "other"
+        top = rec.kind if top == FORWARD else top
+        return _Both(inner(name), rec.scope(top), None if top in SINGLE else rec.scope(f"{top}.{part}"))
+
+    vutils._PROFILER_FUNC = scope
+    execute_model, sample_tokens = GPUModelRunner.execute_model, GPUModelRunner.sample_tokens
+
+    # the wrappers time their own work too (perf_counter_ns around it): the plugin's overhead, reported per step
+    def execute_model_timed(self, scheduler_output, *args, **kwargs):
+        t0 = perf_counter_ns()
+        rec = _state["recorder"] or _start(self, path, version)
+        kind, drafts = step_kind(scheduler_output)
+        rec.begin_step(kind)
+        _state["drafts"] = drafts
+        rec.overhead_ns += perf_counter_ns() - t0
+        out = execute_model(self, scheduler_output, *args, **kwargs)
+        if out is not None:      # the step ended here (pooling, pipeline stage, empty step): no sample_tokens
+            t1 = perf_counter_ns()
+            rec.end_step(*per_request(out, drafts))
+            rec.overhead_ns += perf_counter_ns() - t1
+        return out
+
+    def sample_tokens_timed(self, *args, **kwargs):
+        out = sample_tokens(self, *args, **kwargs)
+        rec = _state["recorder"]
+        if rec is not None:
+            t1 = perf_counter_ns()
+            rec.end_step(*per_request(out, _state.get("drafts") or {}))
+            rec.overhead_ns += perf_counter_ns() - t1
+        return out
+
+    from vllm.v1.worker.gpu_worker import Worker
+
+    shutdown = Worker.shutdown
+
+    def shutdown_reported(self, *args, **kwargs):
+        # worker processes end with os._exit (multiprocessing): atexit never runs there, so report here
+        if _state["recorder"] is not None:
+            _state["recorder"].close()
+        return shutdown(self, *args, **kwargs)
+
+    shutdown_reported.__wrapped__ = shutdown
+    Worker.shutdown = shutdown_reported
+    execute_model_timed.__wrapped__ = execute_model
+    sample_tokens_timed.__wrapped__ = sample_tokens
+    GPUModelRunner.execute_model = execute_model_timed
+    GPUModelRunner.sample_tokens = sample_tokens_timed
+    _state["installed"] = True
+
+
+def _inner_scope():
+    import contextlib
+
+    import vllm.envs as envs
+
+    if envs.VLLM_CUSTOM_SCOPES_FOR_PROFILING:
+        from torch.profiler import record_function
+
+        return record_function
+    if envs.VLLM_NVTX_SCOPES_FOR_PROFILING:
+        import nvtx
+
+        return nvtx.annotate
+    return lambda name: contextlib.nullcontext()
+
+
+class _Both:
+    """Enter vLLM's own annotation and specscope's phase (and sub-phase) together."""
+
+    __slots__ = ("a", "b", "c")
+
+    def __init__(self, a, b, c):
+        self.a, self.b, self.c = a, b, c
+
+    def __enter__(self):
+        self.a.__enter__()
+        self.b.__enter__()
+        if self.c is not None:
+            self.c.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self.c is not None:
+            self.c.__exit__(*exc)
+        self.b.__exit__(*exc)
+        return self.a.__exit__(*exc)
+
+
+def _start(runner, path: str, version: str):
+    """The recorder, made at the worker's first step (only the worker process gets here)."""
+    from specscope.plugins.steps import StepRecorder
+
+    rank = int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) or 0)
+    if rank:
+        root, ext = os.path.splitext(path)
+        path = f"{root}.rank{rank}{ext}"
+    rec = StepRecorder(path, "vllm", version, run_config(runner), device=str(getattr(runner, "device", "cpu")),
+                       timer=os.environ.get(ENV_TIMER, "auto"), every_s=float(os.environ.get(ENV_EVERY, "10")))
+    _state["recorder"] = rec
+    return rec
+
+
+def run_config(runner) -> dict:
+    """What the record's config holds: the model, dtype, parallelism and the speculative settings."""
+    cfg = {"engine": "vllm"}
+    mc = getattr(runner, "model_config", None)
+    if mc is not None:
+        cfg["model"] = getattr(mc, "model", None)
+        cfg["dtype"] = str(getattr(mc, "dtype", "")).replace("torch.", "") or None
+    pc = getattr(getattr(runner, "vllm_config", None), "parallel_config", None)
+    if pc is not None:
+        cfg["tensor_parallel_size"] = getattr(pc, "tensor_parallel_size", None)
+    sc = getattr(runner, "speculative_config", None)
+    if sc is not None:
+        cfg["method"] = getattr(sc, "method", None)
+        cfg["num_speculative_tokens"] = getattr(sc, "num_speculative_tokens", None)
+        cfg["steps"] = cfg["num_speculative_tokens"]
+        draft = getattr(getattr(sc, "draft_model_config", None), "model", None)
+        if draft:
+            cfg["draft"] = draft
+    sched = getattr(getattr(runner, "vllm_config", None), "scheduler_config", None)
+    if sched is not None:
+        cfg["max_num_seqs"] = getattr(sched, "max_num_seqs", None)
+        cfg["async_scheduling"] = getattr(sched, "async_scheduling", None)
+    return {k: v for k, v in cfg.items() if v is not None}
+
+
+def step_kind(so) -> tuple[str, dict[str, int]]:
+    """("verify" | "decode" | "prefill" | "mixed" | "idle", {request: draft tokens}) of one SchedulerOutput: a
+    decode step schedules 1 token per request, a verify step 1 + its draft tokens; anything more is a prefill."""
+    spec = so.scheduled_spec_decode_tokens or {}
+    counts = so.num_scheduled_tokens or {}
+    drafts, prefill = {}, 0
+    for req_id, n in counts.items():
+        slots = spec.get(req_id, ())
+        if n == 1 + len(slots):
+            drafts[req_id] = sum(1 for t in slots if t >= 0)     # -1: a draft slot vLLM could not fill
+        else:
+            prefill += 1
+    if prefill:
+        return ("mixed" if drafts else "prefill"), {}
+    if not drafts:
+        return "idle", {}
+    return ("verify" if any(drafts.values()) else "decode"), drafts
+
+
+def per_request(out, drafts: dict[str, int]) -> tuple[list[int], list[int] | None]:
+    """(draft tokens, accepted draft tokens) per request of the step's output, in its order; accepted by vLLM's
+    count (tokens sampled - 1), None when the sampled tokens are not on the host yet (async scheduling)."""
+    ids = getattr(out, "sampled_token_ids", None)
+    req_ids = getattr(out, "req_ids", None)
+    if req_ids is None:
+        return list(drafts.values()), None
+    drafted = [drafts.get(r, 0) for r in req_ids]
+    if not isinstance(ids, list) or len(ids) != len(req_ids):
+        return drafted, None
+    return drafted, [min(max(len(t) - 1, 0), d) for t, d in zip(ids, drafted)]

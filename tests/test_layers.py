@@ -1,0 +1,161 @@
+"""The layers of src/specscope, as the README's Layout section describes them: no module imports a higher layer,
+and no import cycle exists between modules. Read from the source with `ast` (imports at module top and inside
+functions alike), so an import hidden in a function counts as much as one at the top."""
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent / "src" / "specscope"
+
+# lowest first; a module may import its own layer and the layers below it. Names are top-level packages or
+# modules of specscope ("specscope" itself: the package's __init__, i.e. __version__).
+LAYERS = [
+    ("base", {"specscope", "errors", "jsonio", "fileio", "prompts"}),
+    ("runtime", {"runtime"}),                                # KV cache, sampling (+ params), tokenizer
+    ("models", {"models"}),                                  # configs, the forward, loaders, CPU kernels
+    ("decoding", {"generate", "speculative", "profile"}),    # our decoding loops and their profiler
+    ("records", {"registry"}),
+    ("tools", {"economics", "train", "ingest"}),
+    ("outputs", {"report", "plugins", "benchserve"}),
+    ("runs", {"session", "check_drafter"}),                  # what one command's run does, end to end
+    ("front ends", {"demo", "server"}),
+    ("cli", {"cli", "__main__"}),
+]
+LEVEL = {name: i for i, (_, names) in enumerate(LAYERS) for name in names}
+
+
+def modules(root: Path = ROOT) -> dict[str, Path]:
+    """Dotted module name -> file, for every module under root (a package is its __init__)."""
+    out = {}
+    for p in sorted(root.rglob("*.py")):
+        parts = list(p.relative_to(root.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = p
+    return out
+
+
+def imports(mods: dict[str, Path]) -> list[tuple[str, str, int]]:
+    """(importer, imported module, line) for every import of a specscope module, at any depth in the file.
+    `from pkg import name` is an import of pkg.name when that is a module, else of pkg."""
+    def resolve(name):
+        while name and name not in mods:
+            name = name.rpartition(".")[0]
+        return name
+
+    edges = []
+    for mod, path in mods.items():
+        pkg = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:       # relative: from the importer's package, up level - 1
+                    up = pkg.split(".")[:len(pkg.split(".")) - (node.level - 1)]
+                    base = ".".join(up + ([base] if base else []))
+                names = [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in node.names]
+            else:
+                continue
+            for name in names:
+                if name == "specscope" or name.startswith("specscope."):
+                    target = resolve(name)
+                    if target and target != mod:
+                        edges.append((mod, target, node.lineno))
+    return edges
+
+
+def layer_of(mod: str) -> str:
+    parts = mod.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def upward(mods, edges, root: Path = ROOT) -> list[str]:
+    bad = []
+    for src, dst, line in edges:
+        a, b = layer_of(src), layer_of(dst)
+        if LEVEL[b] > LEVEL[a]:
+            bad.append(f"{mods[src].relative_to(root.parent)}:{line} imports {dst} "
+                       f"({LAYERS[LEVEL[b]][0]}) from the lower layer {LAYERS[LEVEL[a]][0]}")
+    return bad
+
+
+def cycles(mods, edges) -> list[list[str]]:
+    """One cycle (a -> ... -> a) per strongly connected group of modules."""
+    graph = {m: sorted({d for s, d, _ in edges if s == m}) for m in mods}
+    index, low, stack, on, groups = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = set()
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                group.add(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                groups.append(group)
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    out = []
+    for group in groups:             # a shortest way back to the start, within the group
+        start = min(group)
+        paths, seen = [[start]], {start}
+        while paths:
+            path = paths.pop(0)
+            nxt = [w for w in graph[path[-1]] if w in group]
+            if start in nxt:
+                out.append(path + [start])
+                break
+            for w in nxt:
+                if w not in seen:
+                    seen.add(w)
+                    paths.append(path + [w])
+    return out
+
+
+def test_every_module_has_a_layer():
+    mods = modules()
+    missing = sorted({layer_of(m) for m in mods} - set(LEVEL))
+    assert not missing, f"declare the layer of {missing} in tests/test_layers.py (and the README's Layout)"
+
+
+def test_no_module_imports_a_higher_layer():
+    mods = modules()
+    bad = upward(mods, imports(mods))
+    assert not bad, "imports that climb a layer:\n" + "\n".join(bad)
+
+
+def test_no_import_cycles():
+    mods = modules()
+    found = cycles(mods, imports(mods))
+    assert not found, "import cycles:\n" + "\n".join(" -> ".join(c) for c in found)
+
+
+def test_the_checks_can_fail(tmp_path):
+    """The checks see an import inside a function, name a climb, and find a cycle."""
+    pkg = tmp_path / "specscope"
+    (pkg / "models").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "errors.py").write_text("")
+    (pkg / "session.py").write_text("from specscope.models import llama\n")
+    (pkg / "models" / "__init__.py").write_text("")
+    (pkg / "models" / "llama.py").write_text("def f():\n    from specscope import session\n")
+    mods = modules(pkg)
+    edges = imports(mods)
+    assert ("specscope.models.llama", "specscope.session", 2) in edges
+    bad = upward(mods, edges, pkg)
+    assert len(bad) == 1 and "imports specscope.session (runs) from the lower layer models" in bad[0]
+    assert cycles(mods, edges) == [["specscope.models.llama", "specscope.session", "specscope.models.llama"]]

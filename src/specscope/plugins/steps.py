@@ -147,8 +147,10 @@ class StepRecorder:
                     f.write(json.dumps({"env": _fingerprint()}, separators=(",", ":")) + "\n")
                 self._print(self._prof)
                 self._prof, self._rows, self._written = self._new_profiler(), [], 0
-            if final and self._file is not None:
-                self._file.write(json.dumps({"end": True, "steps": self._n, "untimed_steps": self._skipped,
+            if self._file is not None and (final or self._n):
+                # the totals so far after every interval ("end": false), not only at exit: a server stopped by a
+                # signal often ends its worker before the final report
+                self._file.write(json.dumps({"end": bool(final), "steps": self._n, "untimed_steps": self._skipped,
                                              "overhead": self.overhead()}) + "\n")
             if self._file is not None:
                 self._file.flush()

@@ -23,6 +23,7 @@ from specscope.economics.verify_curve import measure_curve
 from specscope.errors import SpecscopeError
 from specscope.fileio import check_output_file, check_writable, write_atomic
 from specscope.generate import generate
+from specscope.jsonio import dtype_name
 from specscope.models.hub import KNOWN_MODELS, is_pulled, resolve_model
 from specscope.models.loader import parse_dtype
 from specscope.profile import CycleProfiler
@@ -130,7 +131,7 @@ def run_demo(opts: DemoOptions, ui: DemoUI | None = None) -> dict:
         resolve_model(opts.model)
     session.preflight(opts.model, opts.max_new_tokens, draft, cfg.steps, cfg.topk, cfg.draft_tokens)
     ui.stage(f"loading {opts.model}")
-    dtype = str(parse_dtype(opts.dtype, dev)).replace("torch.", "")
+    dtype = dtype_name(parse_dtype(opts.dtype, dev))
     target, tok, path = session.load_target(opts.model, opts.dtype, dev)
     ui.stage(f"loading drafter {draft}")
     drafter = _load_drafter(draft, target, opts)

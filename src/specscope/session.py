@@ -10,6 +10,7 @@ import torch
 
 from specscope.errors import SpecscopeError
 from specscope.generate import generate
+from specscope.jsonio import dtype_name
 from specscope.models import loader   # loader.load_model looked up per call: tests stub it
 from specscope.models.hub import resolve_model
 from specscope.models.loader import load_config, weight_files
@@ -145,7 +146,7 @@ def run_generate(req: GenerateRequest, on_text=None) -> dict:
 
 def _record_run(req: GenerateRequest, path, model, spec, res, prof, out: dict, lines: list[str]) -> None:
     """Store this run in the registry; a failure to store warns instead of losing the generation."""
-    config = {"model": str(path), "draft": req.draft, "dtype": str(model.dtype).replace("torch.", ""),
+    config = {"model": str(path), "draft": req.draft, "dtype": dtype_name(model.dtype),
               "device": str(model.device), "threads": torch.get_num_threads(),
               **(asdict(spec) if spec is not None else {"steps": None, "topk": None, "draft_tokens": None}),
               "sampling": out["sampling"], "max_new_tokens": req.max_new_tokens, "chat": req.chat,

@@ -11,6 +11,7 @@ from specscope.cli.common import (FiniteFloat, alias_option, check_writable, db_
                                   stderr_console, stdout_console)
 from specscope.economics.verify_curve import MAX_REPEATS
 from specscope.errors import SpecscopeError
+from specscope.jsonio import dtype_name
 
 _DB = db_option
 
@@ -86,7 +87,7 @@ def verify_curve(model_name, contexts, tokens, warmup, repeats, dtype, device, t
     res = measure_curve(model, ctxs, toks, warmup, repeats, progress)
     import torch
 
-    config = {"model": str(path), "model_name": model_name, "dtype": str(dt).replace("torch.", ""),
+    config = {"model": str(path), "model_name": model_name, "dtype": dtype_name(dt),
               "device": str(dev), "threads": torch.get_num_threads(), "contexts": ctxs, "tokens": toks,
               "warmup": warmup, "repeats": repeats}
     results = {"points": res["points"], "fits": res["fits"],
@@ -406,7 +407,7 @@ class _TuneContext:
         say(f"profiling {len(ids)} prompt(s) × {self.max_new_tokens} tokens: baseline, then "
             f"steps {cfg.steps} topk {cfg.topk} draft tokens {cfg.draft_tokens}"
             + (f" n-gram tokens {cfg.ngram_tokens}" if cfg.ngram_tokens else "") + " ...")
-        config = {"model": str(path), "draft": self.draft, "dtype": str(target.dtype).replace("torch.", ""),
+        config = {"model": str(path), "draft": self.draft, "dtype": dtype_name(target.dtype),
                   "device": str(target.device), "threads": torch.get_num_threads(), "prompts": self.prompts,
                   "prompt_set_hash": prompt_set_hash(self.prompts), "max_new_tokens": self.max_new_tokens,
                   "sampling": {"temperature": 0.0}}
@@ -434,7 +435,7 @@ class _TuneContext:
         say(f"measuring the verify curve at context {L} for n = {', '.join(map(str, toks))} ...")
         res = measure_curve(target, [L], toks, warmup=1, repeats=5)
         rec = make_record("verify_curve", f"tune verify curve L{L}",
-                          config={"model": str(self.load()[4]), "dtype": str(target.dtype).replace("torch.", ""),
+                          config={"model": str(self.load()[4]), "dtype": dtype_name(target.dtype),
                                   "device": str(target.device), "contexts": [L], "tokens": toks,
                                   "warmup": 1, "repeats": 5},
                           results={"points": res["points"], "fits": res["fits"]},

@@ -32,6 +32,7 @@ from safetensors.torch import save_file
 
 from specscope.errors import SpecscopeError
 from specscope.fileio import atomic_output, write_atomic
+from specscope.jsonio import dtype_name
 from specscope.models.config import (MAX_HEAD_DIM, MAX_HEADS, MAX_HIDDEN, MAX_LAYERS, MAX_POSITIONS, MAX_VOCAB,
                                      cfg_bool, cfg_float, cfg_int, cfg_str, rope_scaling_of, rope_theta_of)
 from specscope.models.hub import KNOWN_MODELS, parse_hub_id, resolve_model
@@ -588,7 +589,7 @@ def _proposal_methods(cfg: DrafterConfig, speculative_tokens: int | None) -> tup
 def config_dict(drafter: Eagle3Drafter, fmt: str, target_info: dict | None = None, dtype: str | None = None,
                 speculative_tokens: int | None = None) -> dict:
     cfg = drafter.config
-    dtype = dtype or str(drafter.dtype).replace("torch.", "")
+    dtype = dtype or dtype_name(drafter.dtype)
     layer = {
         "attention_bias": cfg.attention_bias, "head_dim": cfg.head_dim, "hidden_act": "silu",
         "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
@@ -648,7 +649,7 @@ def save_drafter(drafter: Eagle3Drafter, path: str | Path, format: str = "sglang
     """Write config.json + model.safetensors in the given layout (the target embedding is never written)."""
     if format not in FORMATS:
         raise SpecscopeError(f"unknown drafter format {format!r}; use one of {', '.join(FORMATS)}")
-    wdtype = str(dtype or drafter.dtype).replace("torch.", "")
+    wdtype = dtype_name(dtype or drafter.dtype)
     cfg = config_dict(drafter, format, target_info, wdtype, speculative_tokens)   # refusals before any write
     bad = nonfinite_tensors(drafter.state_dict())
     if bad:

@@ -134,7 +134,7 @@ def run_demo(opts: DemoOptions, ui: DemoUI | None = None) -> dict:
     dtype = dtype_name(parse_dtype(opts.dtype, dev))
     target, tok, path = session.load_target(opts.model, opts.dtype, dev)
     ui.stage(f"loading drafter {draft}")
-    drafter = _load_drafter(draft, target, opts)
+    drafter = build_drafter(draft, target)
     stop = session.stop_ids_for(target, tok)
     ids = [tok.encode(p["prompt"], chat=True) for p in prompts]
     if any(not x for x in ids):
@@ -246,10 +246,6 @@ def _check_shipped(draft: str) -> None:
         raise SpecscopeError(f"the shipped EAGLE-3 drafter {draft!r} is missing from this install "
                              f"({decode.ASSETS / draft}); reinstall specscope, train one with `specscope train`, "
                              f"or run the demo with n-gram drafting: specscope demo --draft ngram")
-
-
-def _load_drafter(draft: str, target, opts: DemoOptions):
-    return build_drafter(draft, target, opts.dtype, target.device)
 
 
 def _method_name(draft: str, drafter) -> str:

@@ -388,7 +388,7 @@ class _TuneContext:
             prompts = self.prompts = self.prompts or read_prompts(self.prompts_file, self.num_prompts)
             dev = setup_runtime(self.threads, self.device)
             target, tok, path = load_target(self.model_name, self.dtype, str(dev))
-            drafter = build_drafter(self.draft, target, self.dtype, str(dev))
+            drafter = build_drafter(self.draft, target)
             self._loaded = (target, drafter, encode_prompts(tok, prompts), stop_ids_for(target, tok), path)
         return self._loaded
 

@@ -108,7 +108,7 @@ class ServedModel:
         if cfg.draft:
             self.spec_cfg = SpecConfig.for_drafter(cfg.draft, cfg.steps, cfg.topk, cfg.draft_tokens,
                                                   cfg.ngram_tokens)
-            self.drafter = build_drafter(cfg.draft, self.model, cfg.dtype, cfg.device)
+            self.drafter = build_drafter(cfg.draft, self.model)
 
     # -- called on the event loop ---------------------------------------------------------------------------------
     def encode(self, p: GenParams) -> list[int]:

@@ -64,6 +64,14 @@ def read_config(path: Path) -> dict:
     return read_json_object(f)
 
 
+def is_eagle3_config(raw: dict) -> bool:
+    """Whether a checkpoint's config.json describes an EAGLE-3 drafter (either layout) rather than a plain model
+    (which drafts as a small draft model)."""
+    archs = raw.get("architectures") or []
+    return ("draft_vocab_size" in raw or raw.get("speculators_model_type") == "eagle3"
+            or any("Eagle3" in a for a in archs))
+
+
 def detect_format(raw: dict) -> str:
     if "speculators_model_type" in raw:
         if raw["speculators_model_type"] != "eagle3":
@@ -486,14 +494,15 @@ def aux_conventions(cfg: DrafterConfig) -> dict:
 # ---------------------------------------------------------------- public API
 
 def load_drafter(path: str | Path, target=None, dtype: torch.dtype | None = None, device=None,
-                 validate: bool = True) -> Eagle3Drafter:
+                 validate: bool = True, raw: dict | None = None) -> Eagle3Drafter:
     """Load an EAGLE-3 drafter directory in either layout, in its stored dtype unless `dtype` (or a target) says
     otherwise. With `target` (a loaded model), validate against it and place the drafter on the target's device
-    and dtype; with a `TargetFacts` (a target's config.json alone), validate only."""
+    and dtype; with a `TargetFacts` (a target's config.json alone), validate only. `raw`: the directory's
+    config.json when the caller has already read it."""
     path = Path(path)
     if not path.is_dir():
         raise SpecscopeError(f"drafter {str(path)!r} is not a directory")
-    raw = read_config(path)
+    raw = read_config(path) if raw is None else raw
     facts = target if isinstance(target, TargetFacts) else None
     if facts is not None:
         target = None           # a config-only target: checked against, nothing to place the drafter on

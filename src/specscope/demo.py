@@ -265,11 +265,11 @@ def _prompt_stats(p: dict, ids: list[int], b, s) -> dict:
                 "tok_per_s": round(r.tok_per_s, 4), "stop_reason": r.stop_reason}
 
     sp = side(s)
-    sp.update(accept_length=round(s.extra["accept_length"], 4), cycles=s.extra["cycles"],
-              verify_tokens_mean=s.extra.get("verify_tokens_mean"),
-              acceptance_by_depth_rank=s.extra.get("acceptance_by_depth_rank"))
-    if "hybrid_cycles" in s.extra:
-        sp.update(accepted_by_source=s.extra["accepted_by_source"], hybrid_cycles=s.extra["hybrid_cycles"])
+    st = s.stats
+    sp.update(accept_length=round(st.accept_length, 4), cycles=st.cycles, verify_tokens_mean=st.verify_tokens_mean,
+              acceptance_by_depth_rank=st.acceptance_by_depth_rank)
+    if st.hybrid:
+        sp.update(accepted_by_source=st.accepted_by_source, hybrid_cycles=st.hybrid_cycles)
     return {"question_id": p.get("question_id"), "category": p.get("category"), "prompt_tokens": len(ids),
             "baseline": side(b), "speculative": sp, "identical": b.token_ids == s.token_ids}
 

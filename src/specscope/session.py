@@ -131,8 +131,8 @@ def run_generate(req: GenerateRequest, on_text=None) -> dict:
     lines = [f"{res.num_tokens} tokens in {res.seconds:.2f} s: {res.tok_per_s:.2f} tok/s "
              f"(prefill {res.prefill_s * 1e3:.0f} ms)"]
     if spec_cfg is not None:
-        out.update({"draft": req.draft, "accept_length": round(res.extra["accept_length"], 4),
-                    "cycles": res.extra["cycles"], "drafting": asdict(spec_cfg)})
+        out.update({"draft": req.draft, "accept_length": round(res.stats.accept_length, 4),
+                    "cycles": res.stats.cycles, "drafting": asdict(spec_cfg)})
     lines += prof.lines()           # per-phase ms/cycle, τ histogram, per-position acceptance
     out["profile"] = prof.summary()
     if req.record:
@@ -154,9 +154,10 @@ def _record_run(req: GenerateRequest, path, model, spec_cfg, res, prof, out: dic
                "num_tokens": out["num_tokens"], "prompt_tokens": out["prompt_tokens"],
                "stop_reason": out["stop_reason"]}
     if spec_cfg is not None:    # so that `specscope tune --run` can predict other tree shapes from this run
-        results.update({k: res.extra.get(k) for k in ("acceptance_by_depth_rank", "verify_tokens_mean")})
-        if "hybrid_cycles" in res.extra:   # ... and other n-gram budgets of a hybrid
-            results["hybrid_cycles"] = res.extra["hybrid_cycles"]
+        results.update(acceptance_by_depth_rank=res.stats.acceptance_by_depth_rank,
+                       verify_tokens_mean=res.stats.verify_tokens_mean)
+        if res.stats.hybrid:   # ... and other n-gram budgets of a hybrid
+            results["hybrid_cycles"] = res.stats.hybrid_cycles
     try:
         rec = make_record("generate", name=req.extra.get("name", ""), config=config, profiler=prof,
                           results=results, tags=req.extra.get("tags", ()))

@@ -91,9 +91,9 @@ def per_prompt_stats(res, index: int | None = None, **extra) -> dict:
     out = {"index": index, "prompt_tokens": res.prompt_len, "new_tokens": res.num_tokens,
            "seconds": round(res.seconds, 6), "prefill_s": round(res.prefill_s, 6),
            "tok_per_s": round(res.tok_per_s, 4), "stop_reason": res.stop_reason}
-    if res.extra.get("cycles") is not None:
-        out["cycles"] = res.extra["cycles"]
-        out["accept_length"] = round(res.extra.get("accept_length", 0.0), 4)
+    if res.stats is not None:
+        out["cycles"] = res.stats.cycles
+        out["accept_length"] = round(res.stats.accept_length, 4)
     out.update(extra)
     return out
 

@@ -20,6 +20,7 @@ from specscope.speculative.acceptance import RankCounts, SourceCounts, accept_gr
 from specscope.speculative.drafters import (DraftModelDrafter, Drafter, Eagle3TreeDrafter, HybridDrafter, NgramDrafter,
                                             _phase)
 from specscope.speculative.formats import is_eagle3_config, load_drafter, read_config
+from specscope.speculative.stats import SpecStats
 from specscope.speculative.tree import DRAFTED, DraftTree
 
 DEFAULT_DRAFTER = "smollm2-135m-eagle3"
@@ -274,15 +275,11 @@ def speculative_generate(target, drafter: Drafter, prompt_ids: list[int], max_ne
     sync(device)
     t2 = time.perf_counter()
     cycles = len(accept_lengths)
-    extra = {"accept_length": (sum(accept_lengths) / cycles) if cycles else 0.0, "cycles": cycles,
-             "accept_lengths": accept_lengths, "accepted_per_pos": acc_pos, "drafts_per_pos": drafts_pos,
-             "drafter": drafter.kind, "steps": cfg.steps, "topk": cfg.topk, "draft_tokens": cfg.draft_tokens,
-             "acceptance_by_depth_rank": ranks.counts(),
-             "verify_tokens_mean": 1 + sum(verified) / cycles if cycles else None}
-    if hybrid:
-        extra.update(ngram_tokens=cfg.ngram_tokens, accepted_by_source=by_source.accepted,
-                     hybrid_cycles=by_source.cycles)
-    return GenerationResult(produced, T, t1 - t0, t2 - t1, reason, cycle_ms, extra)
+    split = dict(ngram_tokens=cfg.ngram_tokens, accepted_by_source=by_source.accepted,
+                 hybrid_cycles=by_source.cycles) if hybrid else {}
+    stats = SpecStats(drafter.kind, cfg.steps, cfg.topk, cfg.draft_tokens, accept_lengths, acc_pos, drafts_pos,
+                      ranks.counts(), 1 + sum(verified) / cycles if cycles else None, **split)
+    return GenerationResult(produced, T, t1 - t0, t2 - t1, reason, cycle_ms, stats)
 
 
 def drafted_part(tree: DraftTree, rows: list[int]):

@@ -28,7 +28,8 @@ from specscope.models.hub import KNOWN_MODELS, is_pulled, resolve_model
 from specscope.models.loader import parse_dtype
 from specscope.profile import CycleProfiler
 from specscope.prompts import PACKAGED, SPEC_BENCH_FILE, mt_bench_prompts, spec_bench_path, warn
-from specscope.registry import check_registry, make_record, open_registry, prompt_set_hash
+from specscope.registry import (check_registry, drafting_config, machine_config, make_record, open_registry,
+                                prompt_set_hash)
 from specscope.registry.fingerprint import load_warning
 from specscope.report import write_report
 from specscope.runtime.tokenizer import StreamDecoder
@@ -174,8 +175,7 @@ def run_demo(opts: DemoOptions, ui: DemoUI | None = None) -> dict:
     if len(prompts) > 1:
         ui.progress_end()
 
-    config = {"model": str(path), "model_name": opts.model, "dtype": dtype, "device": dev,
-              "threads": torch.get_num_threads(), "sampling": {"temperature": 0.0, "greedy": True},
+    config = {**machine_config(path, dtype, dev), "model_name": opts.model, "sampling": {"temperature": 0.0, "greedy": True},
               "max_new_tokens": opts.max_new_tokens, "chat": True, "prompt_set": prompt_set,
               "prompt_set_hash": _hash([p["prompt"] for p in prompts]), "num_prompts": len(prompts),
               # the texts, so that `specscope tune --run` re-runs the same prompts
@@ -293,8 +293,7 @@ def _records(config, draft, drafter, cfg, bprof, sprof, per_prompt, opts) -> tup
 
     n_prompts = f"{len(per_prompt)} prompt{'s' if len(per_prompt) != 1 else ''}"
     brec = make_record("baseline", f"demo baseline ({n_prompts})",
-                       config={**config, "draft": None, "steps": None, "topk": None, "draft_tokens": None,
-                               "engine": "baseline"},
+                       config={**config, "draft": None, **drafting_config(), "engine": "baseline"},
                        profiler=bprof, results=totals("baseline"), samples={"per_prompt": flat("baseline")},
                        tags=opts.tags)
     env = brec["env"]
@@ -317,8 +316,7 @@ def _records(config, draft, drafter, cfg, bprof, sprof, per_prompt, opts) -> tup
     srec = make_record("speculative", f"demo {draft} s{cfg.steps} k{cfg.topk} n{cfg.draft_tokens}{ngram} "
                                       f"({n_prompts})",
                        config={**config, "draft": _draft_ref(draft), "drafter_kind": getattr(drafter, "kind", None),
-                               "steps": cfg.steps, "topk": cfg.topk, "draft_tokens": cfg.draft_tokens,
-                               "ngram_tokens": cfg.ngram_tokens, "engine": "speculative"},
+                               **drafting_config(cfg), "engine": "speculative"},
                        profiler=sprof, results=sres, samples={"per_prompt": flat("speculative")},
                        tags=opts.tags, env=env)
     srec["results"]["speedup"] = _ratio(srec["results"]["tok_per_s"], bres["tok_per_s"])

@@ -6,16 +6,14 @@ from __future__ import annotations
 from dataclasses import dataclass, asdict, field
 from functools import lru_cache
 
-import torch
-
 from specscope.errors import SpecscopeError
 from specscope.generate import generate
-from specscope.jsonio import dtype_name
 from specscope.models import loader   # loader.load_model looked up per call: tests stub it
 from specscope.models.hub import resolve_model
 from specscope.models.loader import load_config, weight_files
 from specscope.profile import CycleProfiler
-from specscope.registry import check_registry, make_record, open_registry, prompt_set_hash
+from specscope.registry import (check_registry, drafting_config, machine_config, make_record, open_registry,
+                                prompt_set_hash)
 from specscope.runtime.sampling import SamplingParams
 from specscope.runtime.tokenizer import StreamDecoder, Tokenizer, check_tokenizer_files
 from specscope.speculative.decode import SpecConfig, build_drafter, drafter_path, speculative_generate, split_draft
@@ -144,9 +142,7 @@ def run_generate(req: GenerateRequest, on_text=None) -> dict:
 
 def _record_run(req: GenerateRequest, path, model, spec_cfg, res, prof, out: dict, lines: list[str]) -> None:
     """Store this run in the registry; a failure to store warns instead of losing the generation."""
-    config = {"model": str(path), "draft": req.draft, "dtype": dtype_name(model.dtype),
-              "device": str(model.device), "threads": torch.get_num_threads(),
-              **(asdict(spec_cfg) if spec_cfg is not None else {"steps": None, "topk": None, "draft_tokens": None}),
+    config = {**machine_config(path, model.dtype, model.device), "draft": req.draft, **drafting_config(spec_cfg),
               "sampling": out["sampling"], "max_new_tokens": req.max_new_tokens, "chat": req.chat,
               "prompt_set": "single prompt", "prompt_set_hash": prompt_set_hash([req.prompt]),
               "engine": "baseline" if spec_cfg is None else "speculative"}

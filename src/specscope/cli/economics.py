@@ -85,10 +85,9 @@ def verify_curve(model_name, contexts, tokens, warmup, repeats, dtype, device, t
                       f"{row['median_ms']:8.2f} ms (p10 {row['p10_ms']:.2f}, p90 {row['p90_ms']:.2f})")
 
     res = measure_curve(model, ctxs, toks, warmup, repeats, progress)
-    import torch
+    from specscope.registry import machine_config
 
-    config = {"model": str(path), "model_name": model_name, "dtype": dtype_name(dt),
-              "device": str(dev), "threads": torch.get_num_threads(), "contexts": ctxs, "tokens": toks,
+    config = {**machine_config(path, dt, dev), "model_name": model_name, "contexts": ctxs, "tokens": toks,
               "warmup": warmup, "repeats": repeats}
     results = {"points": res["points"], "fits": res["fits"],
                "decode_ms": {str(L): next(p["median_ms"] for p in res["points"] if p["context"] == L
@@ -393,10 +392,8 @@ class _TuneContext:
         return self._loaded
 
     def profile(self, steps, topk, draft_tokens, ngram_tokens, db, say):
-        import torch
-
         from specscope.economics.probe import profile
-        from specscope.registry import prompt_set_hash
+        from specscope.registry import machine_config, prompt_set_hash
         from specscope.speculative.decode import HYBRID_NGRAM_TOKENS, SpecConfig, split_draft
 
         if ngram_tokens is None and self.draft and all(split_draft(self.draft)):
@@ -407,8 +404,7 @@ class _TuneContext:
         say(f"profiling {len(ids)} prompt(s) × {self.max_new_tokens} tokens: baseline, then "
             f"steps {cfg.steps} topk {cfg.topk} draft tokens {cfg.draft_tokens}"
             + (f" n-gram tokens {cfg.ngram_tokens}" if cfg.ngram_tokens else "") + " ...")
-        config = {"model": str(path), "draft": self.draft, "dtype": dtype_name(target.dtype),
-                  "device": str(target.device), "threads": torch.get_num_threads(), "prompts": self.prompts,
+        config = {**machine_config(path, target.dtype, target.device), "draft": self.draft, "prompts": self.prompts,
                   "prompt_set_hash": prompt_set_hash(self.prompts), "max_new_tokens": self.max_new_tokens,
                   "sampling": {"temperature": 0.0}}
         brec, srec = profile(target, drafter, ids, cfg, self.max_new_tokens, stop, config, db)

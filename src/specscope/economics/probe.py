@@ -8,7 +8,7 @@ import time
 from specscope.errors import SpecscopeError
 from specscope.generate import generate
 from specscope.profile import CycleProfiler
-from specscope.registry import make_record, store_record
+from specscope.registry import drafting_config, make_record, store_record
 from specscope.speculative.acceptance import RankCounts, SourceCounts
 from specscope.speculative.decode import SpecConfig, speculative_generate
 from specscope.speculative.drafters import NgramDrafter
@@ -102,8 +102,7 @@ def profile(target, drafter, prompt_ids, cfg, max_new_tokens, stop_ids, config: 
     pair = run_pair(target, drafter, list(prompt_ids) * max(1, rounds), max_new_tokens, stop_ids, cfg, bprof, sprof)
     stats = pair["stats"]
     n_cycles = sum(x.cycles for x in stats)
-    brec = make_record("baseline", "tune baseline", config={**config, "draft": None, "steps": None, "topk": None,
-                                                            "draft_tokens": None},
+    brec = make_record("baseline", "tune baseline", config={**config, "draft": None, **drafting_config()},
                        profiler=bprof, results={"decode_ms_per_token": pair["baseline_ms_per_token"]})
     gen_per_prompt = pair["tokens"] / (len(prompt_ids) * max(1, rounds))
     mean_prompt = sum(len(p) for p in prompt_ids) / len(prompt_ids)
@@ -111,8 +110,7 @@ def profile(target, drafter, prompt_ids, cfg, max_new_tokens, stop_ids, config: 
         if cfg.ngram_tokens else {}
     srec = make_record("speculative", f"tune profile s{cfg.steps} k{cfg.topk} n{cfg.draft_tokens}"
                                       + (f" g{cfg.ngram_tokens}" if cfg.ngram_tokens else ""),
-                       config={**config, "steps": cfg.steps, "topk": cfg.topk, "draft_tokens": cfg.draft_tokens,
-                               "ngram_tokens": cfg.ngram_tokens},
+                       config={**config, **drafting_config(cfg)},
                        profiler=sprof,
                        results={"acceptance_by_depth_rank": RankCounts.merge([x.acceptance_by_depth_rank for x in stats]),
                                 "verify_tokens_mean": sum(x.verify_tokens_mean * x.cycles for x in stats

@@ -18,6 +18,7 @@ import struct
 from pathlib import Path
 
 from specscope.errors import SpecscopeError
+from specscope.jsonio import dtype_name
 from specscope.registry.db import open_registry
 from specscope.registry.fingerprint import collect
 
@@ -96,6 +97,23 @@ def per_prompt_stats(res, index: int | None = None, **extra) -> dict:
         out["accept_length"] = round(res.stats.accept_length, 4)
     out.update(extra)
     return out
+
+
+def machine_config(model_path, dtype, device) -> dict:
+    """A run config's keys for what ran where: the target's directory, its dtype and device, torch's threads."""
+    import torch    # the registry's readers (report, compare, runs) never need it
+
+    return {"model": str(model_path), "dtype": dtype_name(dtype), "device": str(device),
+            "threads": torch.get_num_threads()}
+
+
+def drafting_config(spec_cfg=None) -> dict:
+    """A run config's drafting knobs from a SpecConfig; a baseline run (None) has None for each, so that `compare`
+    and `tune` line the two up."""
+    if spec_cfg is None:
+        return {"steps": None, "topk": None, "draft_tokens": None}
+    return {"steps": spec_cfg.steps, "topk": spec_cfg.topk, "draft_tokens": spec_cfg.draft_tokens,
+            "ngram_tokens": spec_cfg.ngram_tokens}
 
 
 def make_record(kind: str, name: str = "", config: dict | None = None, profiler=None, results: dict | None = None,

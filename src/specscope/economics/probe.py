@@ -112,7 +112,8 @@ def profile(target, drafter, prompt_ids, cfg, max_new_tokens, stop_ids, config: 
                                       + (f" g{cfg.ngram_tokens}" if cfg.ngram_tokens else ""),
                        config={**config, **drafting_config(cfg)},
                        profiler=sprof,
-                       results={"acceptance_by_depth_rank": RankCounts.merge([x.acceptance_by_depth_rank for x in stats]),
+                       results={"acceptance_by_depth_rank": RankCounts.merge([x.acceptance_by_depth_rank
+                                                                             for x in stats]),
                                 "verify_tokens_mean": sum(x.verify_tokens_mean * x.cycles for x in stats
                                                           if x.cycles) / max(1, n_cycles),
                                 **hybrid,

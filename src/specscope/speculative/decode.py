@@ -157,7 +157,8 @@ def drafter_path(draft: str) -> Path:
         raise SpecscopeError(f"--draft {draft} copies n-grams from the context; it has no directory")
     path = resolve_drafter(model)
     if not path.is_dir():
-        raise SpecscopeError(f"drafter {model!r} is not a directory; pass an EAGLE-3 or Hugging Face checkpoint directory")
+        raise SpecscopeError(f"drafter {model!r} is not a directory; pass an EAGLE-3 or Hugging Face checkpoint "
+                             f"directory")
     return path
 
 

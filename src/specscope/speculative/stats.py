@@ -1,11 +1,10 @@
 """What one speculative generation measured: `GenerationResult.stats` (None for plain decoding).
 
-Typed so that a reader names a field instead of a string key (a misspelt key read None silently); `to_dict()`
-gives the JSON shape benchmarks and records write."""
+Typed so that a reader names a field instead of a string key (a misspelt key read None silently)."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 
 @dataclass
@@ -36,10 +35,3 @@ class SpecStats:
     @property
     def hybrid(self) -> bool:
         return self.hybrid_cycles is not None
-
-    def to_dict(self) -> dict:
-        out = {"accept_length": self.accept_length, "cycles": self.cycles, **asdict(self)}
-        if not self.hybrid:
-            for k in ("ngram_tokens", "accepted_by_source", "hybrid_cycles"):
-                del out[k]
-        return out

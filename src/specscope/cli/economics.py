@@ -9,7 +9,7 @@ import click
 from specscope.cli.common import (FiniteFloat, alias_option, check_writable, db_option, device_option, draft_option,
                                   dtype_option, emit_json, json_option, output_option, setup_runtime, spec_options,
                                   stderr_console, stdout_console)
-from specscope.economics.verify_curve import MAX_REPEATS
+from specscope.economics.verify_curve import DEFAULT_CONTEXTS, DEFAULT_TOKENS, MAX_REPEATS
 from specscope.errors import SpecscopeError
 from specscope.jsonio import dtype_name
 
@@ -29,9 +29,9 @@ def _open(db):
 @click.option("--model", "model_name", default="smollm2-135m", show_default=True,
               help="Target: a Hugging Face checkpoint directory, a Hugging Face id (org/name[@revision]) or a "
                    "known name.")
-@click.option("--context", "contexts", default="256,1024", show_default=True,
+@click.option("--context", "contexts", default=",".join(map(str, DEFAULT_CONTEXTS)), show_default=True,
               help="Context lengths (cached tokens), comma-separated.")
-@click.option("--tokens", default="1,2,4,8,16,32,64", show_default=True,
+@click.option("--tokens", default=",".join(map(str, DEFAULT_TOKENS)), show_default=True,
               help="Query tokens per forward (what a cycle verifies), comma-separated.")
 @click.option("--warmup", type=int, default=1, show_default=True,
               help=f"Untimed forwards per point (0..{MAX_REPEATS}).")

@@ -381,7 +381,9 @@ def main(argv=None):
     print(f"3-chain cycle ≈ catch-up + 3 steps + T(4) = {cyc:.1f} ms = {cyc / times[c0]['decode']:.2f} decode steps "
           f"(break-even τ; speed-up at τ 3.0 ≈ {3.0 * times[c0]['decode'] / cyc:.2f}x)")
 
-    res = {"what": what, "device": str(device), "dtype": str(dtype).replace("torch.", ""), "threads": args.threads,
+    from specscope.jsonio import dtype_name
+
+    res = {"what": what, "device": str(device), "dtype": dtype_name(dtype), "threads": args.threads,
            "context": context, "rounds": rounds, "torch": torch.__version__,
            "linear_kernel": {"rowgemm_available": rowgemm.available() if device.type == "cpu" else None,
                              "isa": rowgemm.isa() if device.type == "cpu" else None,

@@ -121,7 +121,7 @@ def main(argv=None):
                 r = speculative_generate(target, drafters[c[0]], ids, args.max_new_tokens, stop_ids=stop,
                                          cfg=shapes[c[1]])
                 rec[name[c]] = {"question_id": p["question_id"], "task": p["task"], "category": p["category"],
-                                "accept_lengths": r.extra["accept_lengths"], "identical": r.token_ids == base}
+                                "accept_lengths": r.stats.accept_lengths, "identical": r.token_ids == base}
             with open_for_append(state) as f:        # a line torn by a kill is cut first
                 f.write(json.dumps({"question_id": p["question_id"], "per": rec}) + "\n")
             done[p["question_id"]] = rec

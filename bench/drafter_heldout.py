@@ -50,7 +50,7 @@ def main():
         row = {"index": i, "prompt": convs[i][0]["content"][:80], "baseline_tok_s": base.tok_per_s}
         for name, sc in shapes.items():
             r = speculative_generate(model, drafter, ids, args.max_new_tokens, sp, tok.eos_ids, sc)
-            row[name] = {"tau": r.extra["accept_length"], "tok_s": r.tok_per_s, "identical": r.token_ids == base.token_ids,
+            row[name] = {"tau": r.stats.accept_length, "tok_s": r.tok_per_s, "identical": r.token_ids == base.token_ids,
                          "knobs": [sc.steps, sc.topk, sc.draft_tokens]}
         rows.append(row)
         print(json.dumps(row))

@@ -24,13 +24,14 @@ SCRIPT = r"""
 import sys, torch
 torch.set_num_threads(1)
 from specscope.speculative.formats import load_drafter
+from specscope.jsonio import dtype_name
 def status(key):
     with open("/proc/self/status") as f:
         return next(int(l.split()[1]) for l in f if l.startswith(key)) * 1024
 load_drafter(sys.argv[2])
 base = status("VmRSS")
 d = load_drafter(sys.argv[1])
-print(base, status("VmHWM"), str(d.dtype).replace("torch.", ""))
+print(base, status("VmHWM"), dtype_name(d.dtype))
 """
 
 

@@ -131,7 +131,7 @@ def main(argv=None):
                     cfg = shape if m == "eagle3" else SpecConfig(4, 1, 5)
                 r = speculative_generate(target, d, ids, args.max_new_tokens, stop_ids=stop, cfg=cfg)
                 out, secs = r.token_ids, r.seconds
-                tau = statistics.fmean(r.extra["accept_lengths"]) if r.extra.get("accept_lengths") else 1.0
+                tau = statistics.fmean(r.stats.accept_lengths) if r.stats.accept_lengths else 1.0
             out = [t for t in out if t not in stop]
             outs[m] = out
             per[m].append({"question_id": p["question_id"], "tokens": len(out), "seconds": secs,

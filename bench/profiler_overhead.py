@@ -125,7 +125,7 @@ def main(argv=None):
         cfg = SpecConfig.from_knobs(steps=4, topk=1)
 
         def spec(prof):
-            drafter = build_drafter("ngram", model, args.dtype, "cpu")
+            drafter = build_drafter("ngram", model)
             return speculative_generate(model, drafter, ids, args.tokens, sp, stop, cfg, profiler=prof)
 
         out["speculative"] = {"drafter": "ngram", "steps": 4, **measure(spec, args.pairs, None)}

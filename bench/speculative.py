@@ -169,9 +169,8 @@ def main(argv=None):
                         d = build_drafter(spec[0], target)
                     r = speculative_generate(target, d, ids, args.max_new_tokens, stop_ids=stop, cfg=spec[1])
                     out, secs = r.token_ids, r.seconds
-                    extra = {"accept_lengths": r.extra["accept_lengths"],
-                             **({"accepted_by_source": r.extra["accepted_by_source"]}
-                                if "accepted_by_source" in r.extra else {})}
+                    extra = {"accept_lengths": r.stats.accept_lengths,
+                             **({"accepted_by_source": r.stats.accepted_by_source} if r.stats.hybrid else {})}
                 else:
                     kw = {"prompt_lookup_num_tokens": 10} if spec == "hf_pld" else {}
                     with torch.inference_mode():

@@ -98,7 +98,7 @@ def main(argv=None) -> int:
         from specscope.models.hub import cache_dir
 
         draft = str(layerskip_drafter(Path(path), int(draft.split(":")[1]), cache_dir() / "standin"))
-    drafter = build_drafter(draft, target, args.dtype, args.device)
+    drafter = build_drafter(draft, target)
     prompts = read_prompts(args.prompts, args.num_prompts)
     ids = encode_prompts(tok, prompts)
     stop = stop_ids_for(target, tok)

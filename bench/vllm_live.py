@@ -74,7 +74,7 @@ def run_specscope(prompts, max_tokens, k):
                 r = generate(model, ids, max_tokens, stop_ids=stop)
             else:
                 r = speculative_generate(model, drafter, ids, max_tokens, stop_ids=stop, cfg=SpecConfig(k, 1, k + 1))
-                cyc += r.extra.get("cycles") or 0
+                cyc += r.stats.cycles
             secs += time.perf_counter() - t0
             tokens += r.num_tokens
             texts.append(tok.decode(r.token_ids).strip())

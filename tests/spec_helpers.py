@@ -84,7 +84,7 @@ def check_grid(target, drafters: dict, cases, prompt_for) -> dict:
                     f"max_new={max_new} context={target.config.max_position_embeddings}"
             assert res.token_ids == want, label
             assert res.stop_reason == "length", label
-            acc = res.extra["accept_lengths"]
+            acc = res.stats.accept_lengths
             s = stats[name]
             s["cases"] += 1
             s["cycled"] += bool(acc)                  # max_new = 1 is the prefill's token alone

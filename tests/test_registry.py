@@ -224,9 +224,11 @@ def test_write_lock_held_too_long_is_a_clear_error(tmp_path):
 def test_per_prompt_stats_from_a_generation_result():
     from specscope.generate import GenerationResult
     from specscope.registry import per_prompt_stats
+    from specscope.speculative.stats import SpecStats
 
+    stats = SpecStats("ngram", 4, 1, 5, [2, 2], [2, 0, 0, 0], [2, 2, 0, 0], {}, 5.0)
     res = GenerationResult([1, 2, 3, 4], prompt_len=7, prefill_s=0.5, decode_s=1.5, stop_reason="length",
-                           extra={"cycles": 2, "accept_length": 2.0})
+                           stats=stats)
     p = per_prompt_stats(res, 3, category="coding")
     assert p == {"index": 3, "prompt_tokens": 7, "new_tokens": 4, "seconds": 2.0, "prefill_s": 0.5,
                  "tok_per_s": 2.0, "stop_reason": "length", "cycles": 2, "accept_length": 2.0, "category": "coding"}

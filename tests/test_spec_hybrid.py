@@ -135,10 +135,10 @@ def _hybrid(inner, target, source, seed=0):
 
 
 def _stats(res, stats):
-    cyc = res.extra["hybrid_cycles"]
+    cyc = res.stats.hybrid_cycles
     stats["copy"] += sum(v for k, v in cyc.items() if k.startswith("copy"))
     stats["grafted"] += sum(v for k, v in cyc.items() if k.startswith("tree") and int(k.split(",")[3]) > 0)
-    for name, n in res.extra["accepted_by_source"].items():
+    for name, n in res.stats.accepted_by_source.items():
         stats[name] = stats.get(name, 0) + n
 
 
@@ -201,7 +201,7 @@ def test_skipped_drafter_catches_up_on_everything(target, eagle):
     p = _prompt(24, seed=2)
     hyb = _hybrid(Spy(eagle, target), target, "fuzz", seed=1)
     res = speculative_generate(target, hyb, p, 20, stop_ids=[], cfg=SpecConfig(2, 2, 5, 4))
-    copies = sum(v for k, v in res.extra["hybrid_cycles"].items() if k.startswith("copy"))
+    copies = sum(v for k, v in res.stats.hybrid_cycles.items() if k.startswith("copy"))
     assert copies >= 2 and len(seen) >= 3          # the drafter did sit out cycles, and drafted after them
     out, T = res.token_ids, len(p)
     with torch.inference_mode():
@@ -224,9 +224,9 @@ def test_per_source_acceptance_is_reported_and_recorded(target, eagle, tmp_path)
     res = speculative_generate(target, _hybrid(Eagle3TreeDrafter(eagle, target), target, "fuzz"), p, 20,
                                stop_ids=[], cfg=SpecConfig(2, 2, 5, 4), profiler=prof)
     s = prof.summary()
-    by = res.extra["accepted_by_source"]
+    by = res.stats.accepted_by_source
     assert s["accepted_by_source"] == {k: v for k, v in by.items() if v}
-    assert sum(by.values()) == sum(res.extra["accept_lengths"]) - res.extra["cycles"]
+    assert sum(by.values()) == sum(res.stats.accept_lengths) - res.stats.cycles
     line = next(x for x in prof.lines() if x.startswith("Accepted tokens by source: "))
     assert all(f"{k} {v} (" in line for k, v in s["accepted_by_source"].items()) and "ngram" in line
     from specscope.registry.records import make_record

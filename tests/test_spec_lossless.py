@@ -34,7 +34,7 @@ def test_eagle3_greedy_identical(target, cfg):
         ref = generate(target, p, 24, stop_ids=[])
         res = speculative_generate(target, Eagle3TreeDrafter(d, target), p, 24, cfg=cfg)
         assert res.token_ids == ref.token_ids
-        assert res.extra["cycles"] >= 1
+        assert res.stats.cycles >= 1
 
 
 def test_self_draft_accepts_everything(tmp_path, target):
@@ -44,7 +44,7 @@ def test_self_draft_accepts_everything(tmp_path, target):
     ref = generate(target, p, 21, stop_ids=[])
     res = speculative_generate(target, DraftModelDrafter(target, target), p, 21, cfg=cfg)
     assert res.token_ids == ref.token_ids
-    assert res.extra["accept_lengths"][:4] == [5, 5, 5, 5]
+    assert res.stats.accept_lengths[:4] == [5, 5, 5, 5]
 
 
 @pytest.mark.parametrize("cfg", [SpecConfig(3, 2, 6), SpecConfig(3, 1, 4)])

@@ -79,7 +79,7 @@ def test_short_drafter_context_drafts_as_if_declared_long(target):
     a = speculative_generate(target, Eagle3TreeDrafter(short, target), prompt, 12, stop_ids=(), cfg=cfg)
     b = speculative_generate(target, Eagle3TreeDrafter(full, target), prompt, 12, stop_ids=(), cfg=cfg)
     assert a.token_ids == b.token_ids
-    assert a.extra["accept_lengths"] == b.extra["accept_lengths"]
+    assert a.stats.accept_lengths == b.stats.accept_lengths
     n = min(short.rope.shape[1], full.rope.shape[1])   # tables grow in chunks: compare what both hold
     assert short.rope.shape[1] >= 30 + 12 and torch.equal(short.rope[:, :n], full.rope[:, :n])
 

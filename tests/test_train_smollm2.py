@@ -51,4 +51,4 @@ def test_shipped_drafter_fits_smollm2(smollm2):
     spec = speculative_generate(model, build_drafter("smollm2-135m-eagle3", model), ids, 48, SamplingParams(),
                                 tok.eos_ids, SpecConfig.from_knobs(steps=4, topk=1, draft_tokens=5))
     assert spec.token_ids == base.token_ids
-    assert spec.extra["accept_length"] > 1.2
+    assert spec.stats.accept_length > 1.2

@@ -460,8 +460,8 @@ def measure(report: Report, drafter_path: Path, facts: TargetFacts, tok, prompts
         res = speculative_generate(target, Eagle3TreeDrafter(drafter, target), ids, max_new_tokens,
                                    stop_ids=tok.eos_ids, cfg=cfgk)
         out_ids = res.token_ids
-        tokens += sum(res.extra["accept_lengths"])         # accepted + bonus per cycle (not the prefill's token)
-        cycles += res.extra["cycles"]
+        tokens += sum(res.stats.accept_lengths)            # accepted + bonus per cycle (not the prefill's token)
+        cycles += res.stats.cycles
         t2d = drafter.t2d.cpu()
         covered += int(t2d[torch.tensor(out_ids, dtype=torch.long)].sum()) if out_ids else 0
         total += len(out_ids)

@@ -23,11 +23,13 @@ from specscope.economics.verify_curve import measure_curve
 from specscope.errors import SpecscopeError
 from specscope.fileio import check_output_file, check_writable, write_atomic
 from specscope.generate import generate
+from specscope.jsonio import dtype_name
 from specscope.models.hub import KNOWN_MODELS, is_pulled, resolve_model
 from specscope.models.loader import parse_dtype
 from specscope.profile import CycleProfiler
 from specscope.prompts import PACKAGED, SPEC_BENCH_FILE, mt_bench_prompts, spec_bench_path, warn
-from specscope.registry import check_registry, make_record, open_registry, prompt_set_hash
+from specscope.registry import (check_registry, drafting_config, machine_config, make_record, open_registry,
+                                prompt_set_hash)
 from specscope.registry.fingerprint import load_warning
 from specscope.report import write_report
 from specscope.runtime.tokenizer import StreamDecoder
@@ -110,8 +112,8 @@ def run_demo(opts: DemoOptions, ui: DemoUI | None = None) -> dict:
     prompts, prompt_set = pick_prompts(opts.prompts)
     draft = opts.draft or demo_drafter()
     # no knobs: the drafter's own best measured shape (a shipped drafter declares it), else the defaults
-    cfg = SpecConfig.for_drafter(draft, opts.steps, opts.topk, opts.draft_tokens, opts.ngram_tokens)
-    if split_draft(draft)[0] is None and cfg.topk != 1:
+    spec_cfg = SpecConfig.for_drafter(draft, opts.steps, opts.topk, opts.draft_tokens, opts.ngram_tokens)
+    if split_draft(draft)[0] is None and spec_cfg.topk != 1:
         raise SpecscopeError("n-gram drafting proposes a chain; use --topk 1")
     # now rather than after minutes of decoding: the output files, the registry, the drafter's files
     out_dir = Path(opts.out).expanduser()
@@ -128,12 +130,12 @@ def run_demo(opts: DemoOptions, ui: DemoUI | None = None) -> dict:
         # first run on this machine: the pull draws its own progress bar, so no spinner meanwhile
         ui.note(f"pulling {opts.model} into the model cache (first run only)")
         resolve_model(opts.model)
-    session.preflight(opts.model, opts.max_new_tokens, draft, cfg.steps, cfg.topk, cfg.draft_tokens)
+    session.preflight(opts.model, opts.max_new_tokens, draft, spec_cfg.steps, spec_cfg.topk, spec_cfg.draft_tokens)
     ui.stage(f"loading {opts.model}")
-    dtype = str(parse_dtype(opts.dtype, dev)).replace("torch.", "")
+    dtype = dtype_name(parse_dtype(opts.dtype, dev))
     target, tok, path = session.load_target(opts.model, opts.dtype, dev)
     ui.stage(f"loading drafter {draft}")
-    drafter = _load_drafter(draft, target, opts)
+    drafter = build_drafter(draft, target)
     stop = session.stop_ids_for(target, tok)
     ids = [tok.encode(p["prompt"], chat=True) for p in prompts]
     if any(not x for x in ids):
@@ -142,7 +144,7 @@ def run_demo(opts: DemoOptions, ui: DemoUI | None = None) -> dict:
     # one short untimed pass of each path: first calls pay for allocator and kernel warm-up
     ui.stage("warming up")
     generate(target, ids[0], min(8, opts.max_new_tokens), None, stop)
-    speculative_generate(target, drafter, ids[0], min(8, opts.max_new_tokens), None, stop, cfg)
+    speculative_generate(target, drafter, ids[0], min(8, opts.max_new_tokens), None, stop, spec_cfg)
 
     method = _method_name(draft, drafter)
     bprof, sprof = CycleProfiler(dev), CycleProfiler(dev)
@@ -159,7 +161,7 @@ def run_demo(opts: DemoOptions, ui: DemoUI | None = None) -> dict:
                 ui.progress_start(len(prompts) - 1, method)
             on_tokens = None
         # speculative first, then plain, prompt by prompt: load that drifts (shared CPUs) hits both alike
-        s = speculative_generate(target, drafter, pid, opts.max_new_tokens, None, stop, cfg, on_tokens=on_tokens,
+        s = speculative_generate(target, drafter, pid, opts.max_new_tokens, None, stop, spec_cfg, on_tokens=on_tokens,
                                  profiler=sprof)
         if streaming:
             ui.stream_end()
@@ -173,18 +175,18 @@ def run_demo(opts: DemoOptions, ui: DemoUI | None = None) -> dict:
     if len(prompts) > 1:
         ui.progress_end()
 
-    config = {"model": str(path), "model_name": opts.model, "dtype": dtype, "device": dev,
-              "threads": torch.get_num_threads(), "sampling": {"temperature": 0.0, "greedy": True},
-              "max_new_tokens": opts.max_new_tokens, "chat": True, "prompt_set": prompt_set,
+    config = {**machine_config(path, dtype, dev), "model_name": opts.model,
+              "sampling": {"temperature": 0.0, "greedy": True}, "max_new_tokens": opts.max_new_tokens, "chat": True,
+              "prompt_set": prompt_set,
               "prompt_set_hash": _hash([p["prompt"] for p in prompts]), "num_prompts": len(prompts),
               # the texts, so that `specscope tune --run` re-runs the same prompts
               "prompts": [p["prompt"] for p in prompts], "source": "demo"}
     curve_rec = None
     if opts.verify_curve:
         ui.stage("measuring the verify-cost curve")
-        curve_rec = _verify_curve(target, per_prompt, cfg, config)
+        curve_rec = _verify_curve(target, per_prompt, spec_cfg, config)
     ui.stage("storing runs")
-    brec, srec = _records(config, draft, drafter, cfg, bprof, sprof, per_prompt, opts)
+    brec, srec = _records(config, draft, drafter, spec_cfg, bprof, sprof, per_prompt, opts)
     with open_registry(opts.db) as reg:
         db_path = str(reg.path)
         brec["id"] = reg.add_run(brec)
@@ -199,8 +201,8 @@ def run_demo(opts: DemoOptions, ui: DemoUI | None = None) -> dict:
 
     be = _breakeven(srec, brec)
     result = {
-        "model": str(path), "draft": draft, "method": method, "drafting": asdict(cfg), "dtype": dtype, "device": dev,
-        "threads": torch.get_num_threads(), "prompt_set": prompt_set, "prompts": len(prompts),
+        "model": str(path), "draft": draft, "method": method, "drafting": asdict(spec_cfg), "dtype": dtype,
+        "device": dev, "threads": torch.get_num_threads(), "prompt_set": prompt_set, "prompts": len(prompts),
         "max_new_tokens": opts.max_new_tokens,
         "baseline": _side(brec), "speculative": _side(srec),
         "speedup": _ratio(srec["results"]["tok_per_s"], brec["results"]["tok_per_s"]),
@@ -247,10 +249,6 @@ def _check_shipped(draft: str) -> None:
                              f"or run the demo with n-gram drafting: specscope demo --draft ngram")
 
 
-def _load_drafter(draft: str, target, opts: DemoOptions):
-    return build_drafter(draft, target, opts.dtype, target.device)
-
-
 def _method_name(draft: str, drafter) -> str:
     model, source = split_draft(draft)
     kind = str(getattr(drafter, "kind", "") or "")
@@ -268,11 +266,11 @@ def _prompt_stats(p: dict, ids: list[int], b, s) -> dict:
                 "tok_per_s": round(r.tok_per_s, 4), "stop_reason": r.stop_reason}
 
     sp = side(s)
-    sp.update(accept_length=round(s.extra["accept_length"], 4), cycles=s.extra["cycles"],
-              verify_tokens_mean=s.extra.get("verify_tokens_mean"),
-              acceptance_by_depth_rank=s.extra.get("acceptance_by_depth_rank"))
-    if "hybrid_cycles" in s.extra:
-        sp.update(accepted_by_source=s.extra["accepted_by_source"], hybrid_cycles=s.extra["hybrid_cycles"])
+    st = s.stats
+    sp.update(accept_length=round(st.accept_length, 4), cycles=st.cycles, verify_tokens_mean=st.verify_tokens_mean,
+              acceptance_by_depth_rank=st.acceptance_by_depth_rank)
+    if st.hybrid:
+        sp.update(accepted_by_source=st.accepted_by_source, hybrid_cycles=st.hybrid_cycles)
     return {"question_id": p.get("question_id"), "category": p.get("category"), "prompt_tokens": len(ids),
             "baseline": side(b), "speculative": sp, "identical": b.token_ids == s.token_ids}
 
@@ -282,7 +280,7 @@ def _weighted(pairs):
     return sum(v * w for v, w in pairs) / sum(w for _, w in pairs) if pairs else None
 
 
-def _records(config, draft, drafter, cfg, bprof, sprof, per_prompt, opts) -> tuple[dict, dict]:
+def _records(config, draft, drafter, spec_cfg, bprof, sprof, per_prompt, opts) -> tuple[dict, dict]:
     def totals(side):
         toks = sum(r[side]["tokens"] for r in per_prompt)
         secs = sum(r[side]["prefill_s"] + r[side]["decode_s"] for r in per_prompt)
@@ -296,8 +294,7 @@ def _records(config, draft, drafter, cfg, bprof, sprof, per_prompt, opts) -> tup
 
     n_prompts = f"{len(per_prompt)} prompt{'s' if len(per_prompt) != 1 else ''}"
     brec = make_record("baseline", f"demo baseline ({n_prompts})",
-                       config={**config, "draft": None, "steps": None, "topk": None, "draft_tokens": None,
-                               "engine": "baseline"},
+                       config={**config, "draft": None, **drafting_config(), "engine": "baseline"},
                        profiler=bprof, results=totals("baseline"), samples={"per_prompt": flat("baseline")},
                        tags=opts.tags)
     env = brec["env"]
@@ -316,12 +313,11 @@ def _records(config, draft, drafter, cfg, bprof, sprof, per_prompt, opts) -> tup
     hybrid = SourceCounts.merge([r["speculative"].get("hybrid_cycles") for r in per_prompt])
     if hybrid:   # a hybrid: `specscope tune --run` predicts other n-gram budgets from these
         sres["hybrid_cycles"] = hybrid
-    ngram = f" g{cfg.ngram_tokens}" if cfg.ngram_tokens else ""
-    srec = make_record("speculative", f"demo {draft} s{cfg.steps} k{cfg.topk} n{cfg.draft_tokens}{ngram} "
-                                      f"({n_prompts})",
+    name = (f"demo {draft} s{spec_cfg.steps} k{spec_cfg.topk} n{spec_cfg.draft_tokens}"
+            + (f" g{spec_cfg.ngram_tokens}" if spec_cfg.ngram_tokens else "") + f" ({n_prompts})")
+    srec = make_record("speculative", name,
                        config={**config, "draft": _draft_ref(draft), "drafter_kind": getattr(drafter, "kind", None),
-                               "steps": cfg.steps, "topk": cfg.topk, "draft_tokens": cfg.draft_tokens,
-                               "ngram_tokens": cfg.ngram_tokens, "engine": "speculative"},
+                               **drafting_config(spec_cfg), "engine": "speculative"},
                        profiler=sprof, results=sres, samples={"per_prompt": flat("speculative")},
                        tags=opts.tags, env=env)
     srec["results"]["speedup"] = _ratio(srec["results"]["tok_per_s"], bres["tok_per_s"])
@@ -334,13 +330,14 @@ def _draft_ref(draft: str) -> str:
     return str(p) if draft not in NGRAM_SPECS and p.exists() else draft
 
 
-def _verify_curve(target, per_prompt, cfg, config) -> dict:
+def _verify_curve(target, per_prompt, spec_cfg, config) -> dict:
     """T(n) at about the demo's mean context for n = 1 .. 2·draft_tokens: enough to see whether verifying the
     drafted tokens costs about one decode step here."""
     ctx = int(sum(r["prompt_tokens"] + r["speculative"]["tokens"] / 2 for r in per_prompt) / len(per_prompt))
     ctx = max(16, min(ctx, target.config.max_position_embeddings - 64))
-    top = max(8, 2 * cfg.verify_tokens)
-    tokens = sorted({n for n in (1, 2, 4, 8, 16, 32, 64) if n <= top} | {cfg.draft_tokens, cfg.verify_tokens})
+    top = max(8, 2 * spec_cfg.verify_tokens)
+    tokens = sorted({n for n in (1, 2, 4, 8, 16, 32, 64) if n <= top}
+                    | {spec_cfg.draft_tokens, spec_cfg.verify_tokens})
     tokens = [n for n in tokens if ctx + n <= target.config.max_position_embeddings]
     res = measure_curve(target, [ctx], tokens, warmup=1, repeats=5)
     results = {"points": res["points"], "fits": res["fits"],

@@ -5,13 +5,16 @@ from __future__ import annotations
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from specscope.runtime.kv_cache import KVCache
 from specscope.runtime.sampling import SamplingParams, make_generator, next_token
 from specscope.errors import SpecscopeError
+
+if TYPE_CHECKING:
+    from specscope.speculative.stats import SpecStats
 
 
 @dataclass
@@ -22,7 +25,7 @@ class GenerationResult:
     decode_s: float
     stop_reason: str                       # "eos" | "stop" | "length"
     step_ms: list[float] = field(default_factory=list)   # per decode step (baseline) or per cycle (speculative)
-    extra: dict = field(default_factory=dict)
+    stats: SpecStats | None = None         # what drafting measured; None for plain decoding
 
     @property
     def num_tokens(self) -> int:

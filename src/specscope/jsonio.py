@@ -21,3 +21,9 @@ def loads(text: str | bytes, where: str):
         raise SpecscopeError(f"{where} is not UTF-8 text (byte at offset {e.start})") from None
     except RecursionError:
         raise SpecscopeError(f"{where} holds JSON nested too deeply to be a record") from None
+
+
+def dtype_name(dtype) -> str:
+    """"bfloat16" for torch.bfloat16 (or the string "torch.bfloat16", or "bfloat16"): how records and configs
+    spell a dtype."""
+    return str(dtype).replace("torch.", "")

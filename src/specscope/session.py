@@ -6,20 +6,18 @@ from __future__ import annotations
 from dataclasses import dataclass, asdict, field
 from functools import lru_cache
 
-import torch
-
 from specscope.errors import SpecscopeError
 from specscope.generate import generate
 from specscope.models import loader   # loader.load_model looked up per call: tests stub it
 from specscope.models.hub import resolve_model
 from specscope.models.loader import load_config, weight_files
 from specscope.profile import CycleProfiler
-from specscope.registry import check_registry, make_record, open_registry, prompt_set_hash
+from specscope.registry import (check_registry, drafting_config, machine_config, make_record, open_registry,
+                                prompt_set_hash)
 from specscope.runtime.sampling import SamplingParams
 from specscope.runtime.tokenizer import StreamDecoder, Tokenizer, check_tokenizer_files
-from specscope.speculative.decode import (SpecConfig, _is_eagle3_config, build_drafter, drafter_path,
-                                          speculative_generate, split_draft)
-from specscope.speculative.formats import parse_config, read_config
+from specscope.speculative.decode import SpecConfig, build_drafter, drafter_path, speculative_generate, split_draft
+from specscope.speculative.formats import is_eagle3_config, parse_config, read_config
 
 
 @dataclass
@@ -78,19 +76,19 @@ def preflight(model: str, max_new_tokens: int | None = None, draft: str | None =
         if any(v is not None for v in (steps, topk, draft_tokens, ngram_tokens)):
             raise SpecscopeError("--steps/--topk/--draft-tokens/--ngram-tokens need --draft")
         return path, cfg, None
-    spec = SpecConfig.for_drafter(draft, steps, topk, draft_tokens, ngram_tokens)
+    spec_cfg = SpecConfig.for_drafter(draft, steps, topk, draft_tokens, ngram_tokens)
     if split_draft(draft)[0] is None:
-        if spec.topk != 1:
-            raise SpecscopeError(f"n-gram drafting proposes a chain; use --topk 1 (got --topk {spec.topk})")
-        return path, cfg, spec
+        if spec_cfg.topk != 1:
+            raise SpecscopeError(f"n-gram drafting proposes a chain; use --topk 1 (got --topk {spec_cfg.topk})")
+        return path, cfg, spec_cfg
     dpath = drafter_path(draft)
     raw = read_config(dpath)
-    if _is_eagle3_config(raw):
+    if is_eagle3_config(raw):
         parse_config(raw, cfg.num_hidden_layers)
     else:  # a small HF model as the drafter
         load_config(dpath)
         weight_files(dpath)
-    return path, cfg, spec
+    return path, cfg, spec_cfg
 
 
 def run_generate(req: GenerateRequest, on_text=None) -> dict:
@@ -108,13 +106,12 @@ def run_generate(req: GenerateRequest, on_text=None) -> dict:
     prof = CycleProfiler(device=model.device)      # where the model really is ("auto" resolved)
     if req.draft is None:
         res = generate(model, prompt_ids, req.max_new_tokens, sp, stop, on_tokens=on_tokens, profiler=prof)
-        spec = None
+        spec_cfg = None
     else:
-        cfg = SpecConfig.for_drafter(req.draft, req.steps, req.topk, req.draft_tokens, req.ngram_tokens)
-        drafter = build_drafter(req.draft, model, req.dtype, req.device)
-        res = speculative_generate(model, drafter, prompt_ids, req.max_new_tokens, sp, stop, cfg,
+        spec_cfg = SpecConfig.for_drafter(req.draft, req.steps, req.topk, req.draft_tokens, req.ngram_tokens)
+        drafter = build_drafter(req.draft, model)
+        res = speculative_generate(model, drafter, prompt_ids, req.max_new_tokens, sp, stop, spec_cfg,
                                    on_tokens=on_tokens, profiler=prof)
-        spec = cfg
     out = {
         "text": tok.decode(res.token_ids),
         "token_ids": res.token_ids,
@@ -131,33 +128,32 @@ def run_generate(req: GenerateRequest, on_text=None) -> dict:
     }
     lines = [f"{res.num_tokens} tokens in {res.seconds:.2f} s: {res.tok_per_s:.2f} tok/s "
              f"(prefill {res.prefill_s * 1e3:.0f} ms)"]
-    if spec is not None:
-        out.update({"draft": req.draft, "accept_length": round(res.extra["accept_length"], 4),
-                    "cycles": res.extra["cycles"], "drafting": asdict(spec)})
+    if spec_cfg is not None:
+        out.update({"draft": req.draft, "accept_length": round(res.stats.accept_length, 4),
+                    "cycles": res.stats.cycles, "drafting": asdict(spec_cfg)})
     lines += prof.lines()           # per-phase ms/cycle, τ histogram, per-position acceptance
     out["profile"] = prof.summary()
     if req.record:
-        _record_run(req, path, model, spec, res, prof, out, lines)
+        _record_run(req, path, model, spec_cfg, res, prof, out, lines)
     out["summary_lines"] = lines
     out["_result"] = res
     return _public(out)
 
 
-def _record_run(req: GenerateRequest, path, model, spec, res, prof, out: dict, lines: list[str]) -> None:
+def _record_run(req: GenerateRequest, path, model, spec_cfg, res, prof, out: dict, lines: list[str]) -> None:
     """Store this run in the registry; a failure to store warns instead of losing the generation."""
-    config = {"model": str(path), "draft": req.draft, "dtype": str(model.dtype).replace("torch.", ""),
-              "device": str(model.device), "threads": torch.get_num_threads(),
-              **(asdict(spec) if spec is not None else {"steps": None, "topk": None, "draft_tokens": None}),
+    config = {**machine_config(path, model.dtype, model.device), "draft": req.draft, **drafting_config(spec_cfg),
               "sampling": out["sampling"], "max_new_tokens": req.max_new_tokens, "chat": req.chat,
               "prompt_set": "single prompt", "prompt_set_hash": prompt_set_hash([req.prompt]),
-              "engine": "baseline" if spec is None else "speculative"}
+              "engine": "baseline" if spec_cfg is None else "speculative"}
     results = {"tok_per_s": out["tok_per_s"], "seconds": out["seconds"], "prefill_seconds": out["prefill_seconds"],
                "num_tokens": out["num_tokens"], "prompt_tokens": out["prompt_tokens"],
                "stop_reason": out["stop_reason"]}
-    if spec is not None:    # so that `specscope tune --run` can predict other tree shapes from this run
-        results.update({k: res.extra.get(k) for k in ("acceptance_by_depth_rank", "verify_tokens_mean")})
-        if "hybrid_cycles" in res.extra:   # ... and other n-gram budgets of a hybrid
-            results["hybrid_cycles"] = res.extra["hybrid_cycles"]
+    if spec_cfg is not None:    # so that `specscope tune --run` can predict other tree shapes from this run
+        results.update(acceptance_by_depth_rank=res.stats.acceptance_by_depth_rank,
+                       verify_tokens_mean=res.stats.verify_tokens_mean)
+        if res.stats.hybrid:   # ... and other n-gram budgets of a hybrid
+            results["hybrid_cycles"] = res.stats.hybrid_cycles
     try:
         rec = make_record("generate", name=req.extra.get("name", ""), config=config, profiler=prof,
                           results=results, tags=req.extra.get("tags", ()))

@@ -9,8 +9,9 @@ import click
 from specscope.cli.common import (FiniteFloat, alias_option, check_writable, db_option, device_option, draft_option,
                                   dtype_option, emit_json, json_option, output_option, setup_runtime, spec_options,
                                   stderr_console, stdout_console)
-from specscope.economics.verify_curve import MAX_REPEATS
+from specscope.economics.verify_curve import DEFAULT_CONTEXTS, DEFAULT_TOKENS, MAX_REPEATS
 from specscope.errors import SpecscopeError
+from specscope.jsonio import dtype_name
 
 _DB = db_option
 
@@ -28,9 +29,9 @@ def _open(db):
 @click.option("--model", "model_name", default="smollm2-135m", show_default=True,
               help="Target: a Hugging Face checkpoint directory, a Hugging Face id (org/name[@revision]) or a "
                    "known name.")
-@click.option("--context", "contexts", default="256,1024", show_default=True,
+@click.option("--context", "contexts", default=",".join(map(str, DEFAULT_CONTEXTS)), show_default=True,
               help="Context lengths (cached tokens), comma-separated.")
-@click.option("--tokens", default="1,2,4,8,16,32,64", show_default=True,
+@click.option("--tokens", default=",".join(map(str, DEFAULT_TOKENS)), show_default=True,
               help="Query tokens per forward (what a cycle verifies), comma-separated.")
 @click.option("--warmup", type=int, default=1, show_default=True,
               help=f"Untimed forwards per point (0..{MAX_REPEATS}).")
@@ -84,10 +85,9 @@ def verify_curve(model_name, contexts, tokens, warmup, repeats, dtype, device, t
                       f"{row['median_ms']:8.2f} ms (p10 {row['p10_ms']:.2f}, p90 {row['p90_ms']:.2f})")
 
     res = measure_curve(model, ctxs, toks, warmup, repeats, progress)
-    import torch
+    from specscope.registry import machine_config
 
-    config = {"model": str(path), "model_name": model_name, "dtype": str(dt).replace("torch.", ""),
-              "device": str(dev), "threads": torch.get_num_threads(), "contexts": ctxs, "tokens": toks,
+    config = {**machine_config(path, dt, dev), "model_name": model_name, "contexts": ctxs, "tokens": toks,
               "warmup": warmup, "repeats": repeats}
     results = {"points": res["points"], "fits": res["fits"],
                "decode_ms": {str(L): next(p["median_ms"] for p in res["points"] if p["context"] == L
@@ -387,15 +387,13 @@ class _TuneContext:
             prompts = self.prompts = self.prompts or read_prompts(self.prompts_file, self.num_prompts)
             dev = setup_runtime(self.threads, self.device)
             target, tok, path = load_target(self.model_name, self.dtype, str(dev))
-            drafter = build_drafter(self.draft, target, self.dtype, str(dev))
+            drafter = build_drafter(self.draft, target)
             self._loaded = (target, drafter, encode_prompts(tok, prompts), stop_ids_for(target, tok), path)
         return self._loaded
 
     def profile(self, steps, topk, draft_tokens, ngram_tokens, db, say):
-        import torch
-
         from specscope.economics.probe import profile
-        from specscope.registry import prompt_set_hash
+        from specscope.registry import machine_config, prompt_set_hash
         from specscope.speculative.decode import HYBRID_NGRAM_TOKENS, SpecConfig, split_draft
 
         if ngram_tokens is None and self.draft and all(split_draft(self.draft)):
@@ -406,8 +404,7 @@ class _TuneContext:
         say(f"profiling {len(ids)} prompt(s) × {self.max_new_tokens} tokens: baseline, then "
             f"steps {cfg.steps} topk {cfg.topk} draft tokens {cfg.draft_tokens}"
             + (f" n-gram tokens {cfg.ngram_tokens}" if cfg.ngram_tokens else "") + " ...")
-        config = {"model": str(path), "draft": self.draft, "dtype": str(target.dtype).replace("torch.", ""),
-                  "device": str(target.device), "threads": torch.get_num_threads(), "prompts": self.prompts,
+        config = {**machine_config(path, target.dtype, target.device), "draft": self.draft, "prompts": self.prompts,
                   "prompt_set_hash": prompt_set_hash(self.prompts), "max_new_tokens": self.max_new_tokens,
                   "sampling": {"temperature": 0.0}}
         brec, srec = profile(target, drafter, ids, cfg, self.max_new_tokens, stop, config, db)
@@ -434,7 +431,7 @@ class _TuneContext:
         say(f"measuring the verify curve at context {L} for n = {', '.join(map(str, toks))} ...")
         res = measure_curve(target, [L], toks, warmup=1, repeats=5)
         rec = make_record("verify_curve", f"tune verify curve L{L}",
-                          config={"model": str(self.load()[4]), "dtype": str(target.dtype).replace("torch.", ""),
+                          config={"model": str(self.load()[4]), "dtype": dtype_name(target.dtype),
                                   "device": str(target.device), "contexts": [L], "tokens": toks,
                                   "warmup": 1, "repeats": 5},
                           results={"points": res["points"], "fits": res["fits"]},

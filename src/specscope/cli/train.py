@@ -9,6 +9,7 @@ import click
 from specscope.cli.common import (SEED, FiniteFloat, alias_option, check_writable, device_option, dtype_option,
                                   emit_json, json_option, output_option, setup_runtime)
 from specscope.errors import SpecscopeError
+from specscope.jsonio import dtype_name
 
 STAGES = ("data", "vocab", "train", "select")
 # upper bounds of the integer flags: far past any real run, short of what would hang or exhaust memory
@@ -326,7 +327,7 @@ def export(source, fmt, output, dtype, target_name, verifier_name, steps, as_jso
     d = load_drafter(path, target)      # proves the written directory loads (and still fits the target)
     raw = read_config(path)
     info = {"out": str(path), "format": fmt, "draft_vocab_size": d.config.draft_vocab_size,
-            "aux_layer_ids": aux_conventions(d.config), "dtype": str(d.dtype).replace("torch.", "")}
+            "aux_layer_ids": aux_conventions(d.config), "dtype": dtype_name(d.dtype)}
     if fmt == "speculators":
         info["verifier"] = raw["speculators_config"]["verifier"]
         info["speculators_version"] = raw["speculators_version"]

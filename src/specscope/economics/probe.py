@@ -8,7 +8,7 @@ import time
 from specscope.errors import SpecscopeError
 from specscope.generate import generate
 from specscope.profile import CycleProfiler
-from specscope.registry import make_record, store_record
+from specscope.registry import drafting_config, make_record, store_record
 from specscope.speculative.acceptance import RankCounts, SourceCounts
 from specscope.speculative.decode import SpecConfig, speculative_generate
 from specscope.speculative.drafters import NgramDrafter
@@ -16,7 +16,7 @@ from specscope.speculative.drafters import NgramDrafter
 
 class RankRecorder(RankCounts):
     """Wraps a drafter and counts acceptance by (depth, sibling rank) after each verify (see RankCounts).
-    speculative_generate records the same counts itself (`GenerationResult.extra["acceptance_by_depth_rank"]`);
+    speculative_generate records the same counts itself (`GenerationResult.stats.acceptance_by_depth_rank`);
     this wrapper serves callers that drive a drafter directly."""
 
     def __init__(self, drafter, steps: int, topk: int):
@@ -59,7 +59,7 @@ def run_pair(target, drafter, prompt_ids, max_new_tokens, stop_ids, cfg, base_pr
     CPUs) slows both sides alike and their ratio stays meaningful. Returns ms/token of each side and τ."""
     bt = bs = st = ss = 0.0
     acc = cycles = 0
-    extras = []
+    stats = []
     for ids in prompt_ids:
         if baseline:
             n, s = _decode(generate(target, ids, max_new_tokens, None, stop_ids, profiler=base_prof))
@@ -67,13 +67,13 @@ def run_pair(target, drafter, prompt_ids, max_new_tokens, stop_ids, cfg, base_pr
         r = speculative_generate(target, drafter, ids, max_new_tokens, None, stop_ids, cfg, profiler=spec_prof)
         n, s = _decode(r)
         st, ss = st + n, ss + s
-        acc += sum(r.extra["accept_lengths"])
-        cycles += r.extra["cycles"]
-        extras.append(r.extra)
+        acc += sum(r.stats.accept_lengths)
+        cycles += r.stats.cycles
+        stats.append(r.stats)
     if st <= 0 or (baseline and bt <= 0):
         raise SpecscopeError("no decode tokens were produced; raise --max-new-tokens")
     return {"baseline_ms_per_token": bs * 1e3 / bt if baseline else None, "ms_per_token": ss * 1e3 / st,
-            "tokens": int(st), "accept_length": acc / cycles if cycles else 0.0, "extras": extras}
+            "tokens": int(st), "accept_length": acc / cycles if cycles else 0.0, "stats": stats}
 
 
 def plain_decode_ms(target, prompt_ids, max_new_tokens, stop_ids) -> float:
@@ -100,24 +100,22 @@ def profile(target, drafter, prompt_ids, cfg, max_new_tokens, stop_ids, config: 
     bprof, sprof = CycleProfiler(dev), CycleProfiler(dev)
     t0 = time.perf_counter()
     pair = run_pair(target, drafter, list(prompt_ids) * max(1, rounds), max_new_tokens, stop_ids, cfg, bprof, sprof)
-    extras = pair["extras"]
-    n_cycles = sum(x["cycles"] for x in extras)
-    brec = make_record("baseline", "tune baseline", config={**config, "draft": None, "steps": None, "topk": None,
-                                                            "draft_tokens": None},
+    stats = pair["stats"]
+    n_cycles = sum(x.cycles for x in stats)
+    brec = make_record("baseline", "tune baseline", config={**config, "draft": None, **drafting_config()},
                        profiler=bprof, results={"decode_ms_per_token": pair["baseline_ms_per_token"]})
     gen_per_prompt = pair["tokens"] / (len(prompt_ids) * max(1, rounds))
     mean_prompt = sum(len(p) for p in prompt_ids) / len(prompt_ids)
-    hybrid = {"hybrid_cycles": SourceCounts.merge([x["hybrid_cycles"] for x in extras])} \
+    hybrid = {"hybrid_cycles": SourceCounts.merge([x.hybrid_cycles for x in stats])} \
         if cfg.ngram_tokens else {}
     srec = make_record("speculative", f"tune profile s{cfg.steps} k{cfg.topk} n{cfg.draft_tokens}"
                                       + (f" g{cfg.ngram_tokens}" if cfg.ngram_tokens else ""),
-                       config={**config, "steps": cfg.steps, "topk": cfg.topk, "draft_tokens": cfg.draft_tokens,
-                               "ngram_tokens": cfg.ngram_tokens},
+                       config={**config, **drafting_config(cfg)},
                        profiler=sprof,
-                       results={"acceptance_by_depth_rank": RankCounts.merge([x["acceptance_by_depth_rank"]
-                                                                             for x in extras]),
-                                "verify_tokens_mean": sum(x["verify_tokens_mean"] * x["cycles"] for x in extras
-                                                          if x["cycles"]) / max(1, n_cycles),
+                       results={"acceptance_by_depth_rank": RankCounts.merge([x.acceptance_by_depth_rank
+                                                                             for x in stats]),
+                                "verify_tokens_mean": sum(x.verify_tokens_mean * x.cycles for x in stats
+                                                          if x.cycles) / max(1, n_cycles),
                                 **hybrid,
                                 "mean_context": mean_prompt + gen_per_prompt / 2,
                                 "spec_ms_per_token": pair["ms_per_token"],

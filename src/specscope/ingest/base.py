@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-OK, MALFORMED = "ok", "malformed"
+OK = "ok"
 MAX_EXAMPLES = 5
 MALFORMED_REASON = "malformed (corrupt, truncated or interleaved; see malformed_examples)"
 

@@ -26,6 +26,8 @@ import logging
 import os
 from time import perf_counter_ns
 
+from specscope.jsonio import dtype_name
+
 TESTED = ("0.32.0",)
 ENV_PATH, ENV_EVERY, ENV_TIMER, ENV_ANY = ("SPECSCOPE_PHASES", "SPECSCOPE_PHASES_EVERY", "SPECSCOPE_PHASES_TIMER",
                                            "SPECSCOPE_PHASES_ANY_VERSION")
@@ -173,7 +175,7 @@ def run_config(runner) -> dict:
     mc = getattr(runner, "model_config", None)
     if mc is not None:
         cfg["model"] = getattr(mc, "model", None)
-        cfg["dtype"] = str(getattr(mc, "dtype", "")).replace("torch.", "") or None
+        cfg["dtype"] = dtype_name(getattr(mc, "dtype", "")) or None
     pc = getattr(getattr(runner, "vllm_config", None), "parallel_config", None)
     if pc is not None:
         cfg["tensor_parallel_size"] = getattr(pc, "tensor_parallel_size", None)

@@ -18,6 +18,7 @@ import struct
 from pathlib import Path
 
 from specscope.errors import SpecscopeError
+from specscope.jsonio import dtype_name
 from specscope.registry.db import open_registry
 from specscope.registry.fingerprint import collect
 
@@ -91,11 +92,28 @@ def per_prompt_stats(res, index: int | None = None, **extra) -> dict:
     out = {"index": index, "prompt_tokens": res.prompt_len, "new_tokens": res.num_tokens,
            "seconds": round(res.seconds, 6), "prefill_s": round(res.prefill_s, 6),
            "tok_per_s": round(res.tok_per_s, 4), "stop_reason": res.stop_reason}
-    if res.extra.get("cycles") is not None:
-        out["cycles"] = res.extra["cycles"]
-        out["accept_length"] = round(res.extra.get("accept_length", 0.0), 4)
+    if res.stats is not None:
+        out["cycles"] = res.stats.cycles
+        out["accept_length"] = round(res.stats.accept_length, 4)
     out.update(extra)
     return out
+
+
+def machine_config(model_path, dtype, device) -> dict:
+    """A run config's keys for what ran where: the target's directory, its dtype and device, torch's threads."""
+    import torch    # the registry's readers (report, compare, runs) never need it
+
+    return {"model": str(model_path), "dtype": dtype_name(dtype), "device": str(device),
+            "threads": torch.get_num_threads()}
+
+
+def drafting_config(spec_cfg=None) -> dict:
+    """A run config's drafting knobs from a SpecConfig; a baseline run (None) has None for each, so that `compare`
+    and `tune` line the two up."""
+    if spec_cfg is None:
+        return {"steps": None, "topk": None, "draft_tokens": None}
+    return {"steps": spec_cfg.steps, "topk": spec_cfg.topk, "draft_tokens": spec_cfg.draft_tokens,
+            "ngram_tokens": spec_cfg.ngram_tokens}
 
 
 def make_record(kind: str, name: str = "", config: dict | None = None, profiler=None, results: dict | None = None,

@@ -50,15 +50,12 @@ class ServerMetrics:
                                         "Time a request spent being decoded (prefill + decode).",
                                         buckets=LATENCY_BUCKETS, registry=r)
 
-    def observe_spec(self, extra: dict) -> None:
-        """Count one finished speculative request from GenerationResult.extra."""
-        lens = extra.get("accept_lengths") or []
-        acc_pos = extra.get("accepted_per_pos") or []
-        drafts_pos = extra.get("drafts_per_pos") or []
-        self.num_drafts.inc(int(extra.get("cycles", len(lens))))
-        self.num_draft_tokens.inc(int(sum(drafts_pos)))
-        self.num_accepted_tokens.inc(int(sum(acc_pos)))
-        for i, n in enumerate(acc_pos):
+    def observe_spec(self, stats) -> None:
+        """Count one finished speculative request from its GenerationResult.stats (a SpecStats)."""
+        self.num_drafts.inc(stats.cycles)
+        self.num_draft_tokens.inc(sum(stats.drafts_per_pos))
+        self.num_accepted_tokens.inc(sum(stats.accepted_per_pos))
+        for i, n in enumerate(stats.accepted_per_pos):
             self.accepted_per_pos.labels(position=str(i)).inc(int(n))
 
     def observe_phases(self, cycle_ms: dict) -> None:

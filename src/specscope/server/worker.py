@@ -108,7 +108,7 @@ class ServedModel:
         if cfg.draft:
             self.spec_cfg = SpecConfig.for_drafter(cfg.draft, cfg.steps, cfg.topk, cfg.draft_tokens,
                                                   cfg.ngram_tokens)
-            self.drafter = build_drafter(cfg.draft, self.model, cfg.dtype, cfg.device)
+            self.drafter = build_drafter(cfg.draft, self.model)
 
     # -- called on the event loop ---------------------------------------------------------------------------------
     def encode(self, p: GenParams) -> list[int]:
@@ -183,11 +183,10 @@ class ServedModel:
             job.post("tokens", text[st["sent"]:], [])
         spec = None
         if res is not None and self.drafter is not None:
-            metrics.observe_spec(res.extra)
-            spec = {"verify_ct": int(res.extra.get("cycles", 0)),
-                    "accepted_tokens": int(sum(res.extra.get("accepted_per_pos") or [])),
-                    "draft_tokens": int(sum(res.extra.get("drafts_per_pos") or [])),
-                    "accept_length": round(float(res.extra.get("accept_length", 0.0)), 4)}
+            st = res.stats
+            metrics.observe_spec(st)
+            spec = {"verify_ct": st.cycles, "accepted_tokens": sum(st.accepted_per_pos),
+                    "draft_tokens": sum(st.drafts_per_pos), "accept_length": round(st.accept_length, 4)}
         if res is not None:
             cycle_ms = self._cycle_ms(prof) if prof is not None else None
             metrics.observe_phases(cycle_ms or {"decode" if self.drafter is None else "cycle": res.step_ms})

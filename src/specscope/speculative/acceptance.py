@@ -11,13 +11,22 @@ is what they are tested against); `DraftTree.graft` keeps it so. Output distribu
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from specscope.speculative.tree import COPIED, DRAFTED, DraftTree
 
 
-def accept_greedy(target_argmax: list[int], tree: DraftTree) -> tuple[list[int], int]:
-    """target_argmax[row] = argmax of the target at that verify row. Returns (accepted rows incl. root 0, bonus)."""
+class VerifyOutput(NamedTuple):
+    """What verification decided (SGLang's EagleVerifyOutput): the accepted verify rows, root 0 first, and the
+    bonus token the target proposes after the last of them."""
+    rows: list[int]
+    bonus: int
+
+
+def accept_greedy(target_argmax: list[int], tree: DraftTree) -> VerifyOutput:
+    """target_argmax[row] = argmax of the target at that verify row."""
     kids = tree.children()
     tokens = tree.tokens.tolist()
     rows, cur = [0], 0
@@ -25,7 +34,7 @@ def accept_greedy(target_argmax: list[int], tree: DraftTree) -> tuple[list[int],
         want = target_argmax[cur]
         nxt = next((c for c in kids[cur] if tokens[c - 1] == want), None)
         if nxt is None:
-            return rows, want
+            return VerifyOutput(rows, want)
         rows.append(nxt)
         cur = nxt
 
@@ -38,7 +47,7 @@ def _sample(p: torch.Tensor, gen) -> int:
     return int(torch.multinomial(p, 1, generator=gen))
 
 
-def accept_sampling(target_probs: torch.Tensor, tree: DraftTree, gen) -> tuple[list[int], int]:
+def accept_sampling(target_probs: torch.Tensor, tree: DraftTree, gen) -> VerifyOutput:
     """target_probs: [n+1, V] float32 target distributions per verify row (already temperature/top-k/top-p)."""
     kids = tree.children()
     tokens = tree.tokens.tolist()
@@ -62,7 +71,7 @@ def accept_sampling(target_probs: torch.Tensor, tree: DraftTree, gen) -> tuple[l
                 break
             p = resid / s
         if accepted is None:
-            return rows, _sample(p, gen)
+            return VerifyOutput(rows, _sample(p, gen))
         rows.append(accepted)
         cur = accepted
 

@@ -19,7 +19,8 @@ from specscope.runtime.sampling import SamplingParams, make_generator, next_toke
 from specscope.speculative.acceptance import RankCounts, SourceCounts, accept_greedy, accept_sampling
 from specscope.speculative.drafters import (DraftModelDrafter, Drafter, Eagle3TreeDrafter, HybridDrafter, NgramDrafter,
                                             _phase)
-from specscope.speculative.formats import load_drafter, read_config, validate_drafter
+from specscope.speculative.formats import is_eagle3_config, load_drafter, read_config
+from specscope.speculative.stats import SpecStats
 from specscope.speculative.tree import DRAFTED, DraftTree
 
 DEFAULT_DRAFTER = "smollm2-135m-eagle3"
@@ -28,15 +29,15 @@ NGRAM_SPECS = {"ngram": "suffix", "ngram-suffix": "suffix", "ngram-lookup": "loo
 HYBRID_NGRAM_TOKENS = 6     # n-gram branch length of a hybrid when --ngram-tokens is not given (measured, issue 21)
 
 
-def split_draft(spec: str) -> tuple[str | None, str | None]:
+def split_draft(draft: str) -> tuple[str | None, str | None]:
     """A --draft value as (model drafter or None, n-gram source or None): 'ngram' (also 'ngram-lookup',
     'ngram-suffix'), a model drafter, or the hybrid 'DRAFTER+ngram' (e.g. smollm2-135m-eagle3+ngram)."""
-    if spec in NGRAM_SPECS:
-        return None, NGRAM_SPECS[spec]
-    head, plus, tail = spec.rpartition("+")
+    if draft in NGRAM_SPECS:
+        return None, NGRAM_SPECS[draft]
+    head, plus, tail = draft.rpartition("+")
     if plus and head and tail in NGRAM_SPECS:
         return head, NGRAM_SPECS[tail]
-    return spec, None
+    return draft, None
 
 
 @dataclass
@@ -120,21 +121,18 @@ class SpecConfig:
                           self.ngram_tokens)
 
 
-def build_drafter(spec: str, target, dtype="auto", device=None) -> Drafter:
+def build_drafter(draft: str, target) -> Drafter:
     """'ngram' (or 'ngram-lookup'), a shipped drafter name, an EAGLE-3 checkpoint directory, a small HF model
-    directory/name, or one of those + 'ngram' (the hybrid)."""
-    model, source = split_draft(spec)
+    directory/name, or one of those + 'ngram' (the hybrid); placed on the target's device and dtype."""
+    model, source = split_draft(draft)
     if model is None:
         return NgramDrafter(target.device, source)
     if source is not None:
-        return HybridDrafter(build_drafter(model, target, dtype, device), target.config.max_position_embeddings,
-                             source)
-    path = drafter_path(spec)
+        return HybridDrafter(build_drafter(model, target), target.config.max_position_embeddings, source)
+    path = drafter_path(draft)
     raw = read_config(path)
-    if _is_eagle3_config(raw):
-        d = load_drafter(path, target=target)
-        d = d.to(device=target.device, dtype=target.dtype)
-        validate_drafter(d, target)
+    if is_eagle3_config(raw):
+        d = load_drafter(path, target=target, raw=raw)    # validated against the target, on its device and dtype
         if target.device.type == "cpu":   # inference only: the drafter's linears take the target's fast kernels
             pack_linears(d, keep_dense=())
         return Eagle3TreeDrafter(d, target)
@@ -151,17 +149,16 @@ def shipped_drafter(name: str) -> Path | None:
     return path if path.is_dir() else None
 
 
-def drafter_path(spec: str) -> Path:
+def drafter_path(draft: str) -> Path:
     """The directory behind a --draft value other than 'ngram' (a shipped drafter, a path, a known model or a
     Hugging Face id); for a hybrid, its model drafter's."""
-    model, _ = split_draft(spec)
+    model, _ = split_draft(draft)
     if model is None:
-        raise SpecscopeError(f"--draft {spec} copies n-grams from the context; it has no directory")
-    spec = model
-
-    path = resolve_drafter(spec)
+        raise SpecscopeError(f"--draft {draft} copies n-grams from the context; it has no directory")
+    path = resolve_drafter(model)
     if not path.is_dir():
-        raise SpecscopeError(f"drafter {spec!r} is not a directory; pass an EAGLE-3 or Hugging Face checkpoint directory")
+        raise SpecscopeError(f"drafter {model!r} is not a directory; pass an EAGLE-3 or Hugging Face checkpoint "
+                             f"directory")
     return path
 
 
@@ -187,12 +184,6 @@ def declared_shape(draft: str) -> SpecConfig | None:
                              f'{{"steps": N, "topk": K, "draft_tokens": M}}, or delete it') from None
     cfg.validate()
     return cfg
-
-
-def _is_eagle3_config(raw: dict) -> bool:
-    archs = raw.get("architectures") or []
-    return ("draft_vocab_size" in raw or raw.get("speculators_model_type") == "eagle3"
-            or any("Eagle3" in a for a in archs))
 
 
 @torch.inference_mode()
@@ -285,15 +276,11 @@ def speculative_generate(target, drafter: Drafter, prompt_ids: list[int], max_ne
     sync(device)
     t2 = time.perf_counter()
     cycles = len(accept_lengths)
-    extra = {"accept_length": (sum(accept_lengths) / cycles) if cycles else 0.0, "cycles": cycles,
-             "accept_lengths": accept_lengths, "accepted_per_pos": acc_pos, "drafts_per_pos": drafts_pos,
-             "drafter": drafter.kind, "steps": cfg.steps, "topk": cfg.topk, "draft_tokens": cfg.draft_tokens,
-             "acceptance_by_depth_rank": ranks.counts(),
-             "verify_tokens_mean": 1 + sum(verified) / cycles if cycles else None}
-    if hybrid:
-        extra.update(ngram_tokens=cfg.ngram_tokens, accepted_by_source=by_source.accepted,
-                     hybrid_cycles=by_source.cycles)
-    return GenerationResult(produced, T, t1 - t0, t2 - t1, reason, cycle_ms, extra)
+    split = dict(ngram_tokens=cfg.ngram_tokens, accepted_by_source=by_source.accepted,
+                 hybrid_cycles=by_source.cycles) if hybrid else {}
+    stats = SpecStats(drafter.kind, cfg.steps, cfg.topk, cfg.draft_tokens, accept_lengths, acc_pos, drafts_pos,
+                      ranks.counts(), 1 + sum(verified) / cycles if cycles else None, **split)
+    return GenerationResult(produced, T, t1 - t0, t2 - t1, reason, cycle_ms, stats)
 
 
 def drafted_part(tree: DraftTree, rows: list[int]):

@@ -32,6 +32,7 @@ from safetensors.torch import save_file
 
 from specscope.errors import SpecscopeError
 from specscope.fileio import atomic_output, write_atomic
+from specscope.jsonio import dtype_name
 from specscope.models.config import (MAX_HEAD_DIM, MAX_HEADS, MAX_HIDDEN, MAX_LAYERS, MAX_POSITIONS, MAX_VOCAB,
                                      cfg_bool, cfg_float, cfg_int, cfg_str, rope_scaling_of, rope_theta_of)
 from specscope.models.hub import KNOWN_MODELS, parse_hub_id, resolve_model
@@ -61,6 +62,14 @@ def read_config(path: Path) -> dict:
     if not f.exists():
         raise SpecscopeError(f"drafter directory {str(path)!r} has no config.json")
     return read_json_object(f)
+
+
+def is_eagle3_config(raw: dict) -> bool:
+    """Whether a checkpoint's config.json describes an EAGLE-3 drafter (either layout) rather than a plain model
+    (which drafts as a small draft model)."""
+    archs = raw.get("architectures") or []
+    return ("draft_vocab_size" in raw or raw.get("speculators_model_type") == "eagle3"
+            or any("Eagle3" in a for a in archs))
 
 
 def detect_format(raw: dict) -> str:
@@ -485,14 +494,15 @@ def aux_conventions(cfg: DrafterConfig) -> dict:
 # ---------------------------------------------------------------- public API
 
 def load_drafter(path: str | Path, target=None, dtype: torch.dtype | None = None, device=None,
-                 validate: bool = True) -> Eagle3Drafter:
+                 validate: bool = True, raw: dict | None = None) -> Eagle3Drafter:
     """Load an EAGLE-3 drafter directory in either layout, in its stored dtype unless `dtype` (or a target) says
     otherwise. With `target` (a loaded model), validate against it and place the drafter on the target's device
-    and dtype; with a `TargetFacts` (a target's config.json alone), validate only."""
+    and dtype; with a `TargetFacts` (a target's config.json alone), validate only. `raw`: the directory's
+    config.json when the caller has already read it."""
     path = Path(path)
     if not path.is_dir():
         raise SpecscopeError(f"drafter {str(path)!r} is not a directory")
-    raw = read_config(path)
+    raw = read_config(path) if raw is None else raw
     facts = target if isinstance(target, TargetFacts) else None
     if facts is not None:
         target = None           # a config-only target: checked against, nothing to place the drafter on
@@ -588,7 +598,7 @@ def _proposal_methods(cfg: DrafterConfig, speculative_tokens: int | None) -> tup
 def config_dict(drafter: Eagle3Drafter, fmt: str, target_info: dict | None = None, dtype: str | None = None,
                 speculative_tokens: int | None = None) -> dict:
     cfg = drafter.config
-    dtype = dtype or str(drafter.dtype).replace("torch.", "")
+    dtype = dtype or dtype_name(drafter.dtype)
     layer = {
         "attention_bias": cfg.attention_bias, "head_dim": cfg.head_dim, "hidden_act": "silu",
         "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
@@ -648,7 +658,7 @@ def save_drafter(drafter: Eagle3Drafter, path: str | Path, format: str = "sglang
     """Write config.json + model.safetensors in the given layout (the target embedding is never written)."""
     if format not in FORMATS:
         raise SpecscopeError(f"unknown drafter format {format!r}; use one of {', '.join(FORMATS)}")
-    wdtype = str(dtype or drafter.dtype).replace("torch.", "")
+    wdtype = dtype_name(dtype or drafter.dtype)
     cfg = config_dict(drafter, format, target_info, wdtype, speculative_tokens)   # refusals before any write
     bad = nonfinite_tensors(drafter.state_dict())
     if bad:

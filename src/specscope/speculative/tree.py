@@ -8,10 +8,19 @@ A hybrid tree also says which source proposed each node (`sources`: DRAFTED, COP
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 DRAFTED, COPIED = 1, 2            # source bits: the model drafter's tree, the n-gram branch
+
+
+class VerifyInput(NamedTuple):
+    """One verify forward's inputs for a tree (SGLang's EagleVerifyInput): rows are [root, node 0, node 1, ...]."""
+    ids: torch.Tensor             # [1, n+1]
+    positions: torch.Tensor       # [1, n+1]: the root's position + depth
+    slots: torch.Tensor           # [1, n+1]: cache slots the rows are written to
+    mask: torch.Tensor            # [1, n+1, prefix_len + n + 1]: the prefix and each row's ancestors
 
 
 @dataclass
@@ -54,15 +63,14 @@ class DraftTree:
             anc[i + 1] |= anc[p + 1]
         return anc
 
-    def verify_inputs(self, root: int, root_pos: int, prefix_len: int):
-        """ids [1, n+1], positions [1, n+1], cache slots [1, n+1], mask [1, n+1, prefix_len + n + 1]."""
+    def verify_inputs(self, root: int, root_pos: int, prefix_len: int) -> VerifyInput:
         dev = self.tokens.device
         n = self.size
         ids = torch.cat([torch.tensor([root], device=dev), self.tokens])[None]
         pos = (root_pos + torch.cat([torch.zeros(1, dtype=torch.long, device=dev), self.depth]))[None]
         slots = torch.arange(prefix_len, prefix_len + n + 1, device=dev)[None]
         mask = torch.cat([torch.ones(n + 1, prefix_len, dtype=torch.bool, device=dev), self.ancestor_matrix()], 1)
-        return ids, pos, slots, mask[None]
+        return VerifyInput(ids, pos, slots, mask[None])
 
     def graft(self, chain: list[int]) -> "DraftTree":
         """This tree with `chain` (the tokens after the root) merged in as a trie: the chain walks down existing

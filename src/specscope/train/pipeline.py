@@ -405,9 +405,9 @@ def decoding_tau(target, drafter, prompts: list[list[int]], shape, max_new_token
     for ids in prompts:
         r = speculative_generate(target, Eagle3TreeDrafter(drafter, target), ids, max_new_tokens, stop_ids=stop_ids,
                                  cfg=shape)
-        taus.append(r.extra["accept_length"])
-        d = r.extra["drafts_per_pos"][0]
-        acc0.append(r.extra["accepted_per_pos"][0] / d if d else 0.0)
+        taus.append(r.stats.accept_length)
+        d = r.stats.drafts_per_pos[0]
+        acc0.append(r.stats.accepted_per_pos[0] / d if d else 0.0)
     return {"tau": sum(taus) / len(taus), "acc0": sum(acc0) / len(acc0), "prompts": len(prompts)}
 
 

@@ -363,7 +363,7 @@ class _Layer(ctypes.Structure):
 class LayerStack:
     """A packed Llama-family model's decoder layers run by one `rows_layers` call per forward (one sequence, fp32):
     the same kernels in the same order as the per-layer path, so the same bits, without ~8 Python-level kernel
-    calls per layer. Built by models/linear.py `layer_stack` when every layer qualifies (our kernel on all four
+    calls per layer. Built by models/kernels.py `layer_stack` when every layer qualifies (our kernel on all four
     linears, no q/k norm); the packed weights never move, so their addresses are taken once (per register-tile
     choice, i.e. row count)."""
 

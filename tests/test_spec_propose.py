@@ -11,6 +11,7 @@ import torch
 
 from specscope.runtime.sampling import SamplingParams
 from specscope.models import rowgemm
+from specscope.models.kernels import RowAttention
 from specscope.models.linear import PackedLinear, pack_linears
 from specscope.speculative.decode import SpecConfig, build_drafter
 from specscope.speculative.drafters import Eagle3TreeDrafter
@@ -98,4 +99,4 @@ def test_build_drafter_gives_the_drafter_the_fast_kernels(tmp_path):
     save_drafter(random_eagle3(target, draft_vocab=60), tmp_path / "d")
     dr = build_drafter(str(tmp_path / "d"), target)
     kinds = {m.kernel for m in dr.model.modules() if isinstance(m, PackedLinear)}
-    assert kinds == {"rowgemm"} and dr.model.midlayer.self_attn.row_kernels
+    assert kinds == {"rowgemm"} and isinstance(dr.model.midlayer.self_attn, RowAttention)

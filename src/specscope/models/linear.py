@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specscope.models import rowgemm
+from specscope.models.kernels import use_row_kernels
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -113,29 +114,6 @@ def pack_linears(model: nn.Module, keep_dense: tuple[str, ...] = ("lm_head",), o
                 setattr(mod, child_name, pl)
                 n += 1
                 rows = rows or pl.kernel == "rowgemm"
-    if rows:   # norms and attention of this model take the row-invariant kernels too (models/llama.py)
-        for m in model.modules():
-            if hasattr(type(m), "row_kernels"):
-                m.row_kernels = True
-        if hasattr(type(model), "row_stack"):   # and, where every layer qualifies, all layers in one call
-            model.row_stack = layer_stack(model)
+    if rows:   # norms and attention of this model take the row-invariant kernels too
+        use_row_kernels(model)
     return n
-
-
-def layer_stack(model) -> rowgemm.LayerStack | None:
-    """All of `model`'s decoder layers in one kernel call, where every layer qualifies: our kernel on all four
-    linears, no q/k norm, fp32 contiguous norm weights."""
-    def ok(lin):
-        return isinstance(lin, PackedLinear) and lin.rg is not None
-
-    layers = getattr(model, "layers", None)
-    if not layers or not rowgemm.available():
-        return None
-    for layer in layers:
-        a, m = layer.self_attn, layer.mlp
-        if a.q_norm is not None or not all(map(ok, (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj))):
-            return None
-        if any(n.weight.dtype != torch.float32 or not n.weight.is_contiguous()
-               for n in (layer.input_layernorm, layer.post_attention_layernorm)):
-            return None
-    return rowgemm.LayerStack(model)

@@ -180,47 +180,10 @@ def library():
             if why:
                 _warn(why)
             return None   # explicitly off: no warning
-        cxx = _compiler()
-        if cxx is None:
-            _warn("no C++ compiler (c++, g++, clang++, or $CXX) found to build the row-invariant kernels")
+        lib = _load(want)
+        if lib is None:
             return None
-        key = hashlib.sha256((_source_hash() + " ".join(build_flags(want)) + _compiler_id(cxx)).encode())
-        path = kernels_dir() / f"rows_gemm-{want}-{key.hexdigest()[:16]}.so"
-        try:
-            if not path.exists():
-                _build(cxx, want, path)
-            import torch  # noqa: F401  (libgomp must be torch's, loaded first)
-
-            lib = ctypes.CDLL(str(path))
-            if lib.rows_gemm_abi() != ABI:
-                raise RuntimeError(f"library ABI {lib.rows_gemm_abi()} != {ABI}")
-        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-            _warn(f"could not build the row-invariant kernels for {want} ({e})")
-            return None
-        I64, P = ctypes.c_int64, ctypes.c_void_p
-        lib.rows_gemm_isa.restype = ctypes.c_char_p
-        lib.rows_gemm_variants.restype = ctypes.c_int
-        lib.rows_gemm_variants.argtypes = [P, P, ctypes.c_int]
-        lib.rows_gemm_f32.restype = ctypes.c_int
-        lib.rows_gemm_f32.argtypes = [P, I64, P, I64, I64, I64, P, P, ctypes.c_int, ctypes.c_int]
-        lib.rows_gemm_pack.restype = None
-        lib.rows_gemm_pack.argtypes = [P, I64, I64, I64, P]
-        lib.rows_gemm_pack_bf16.restype = None
-        lib.rows_gemm_pack_bf16.argtypes = [P, I64, I64, I64, P]
-        lib.rows_gemm_bf16.restype = ctypes.c_int
-        lib.rows_gemm_bf16.argtypes = [P, I64, P, I64, I64, I64, P, P, ctypes.c_int, ctypes.c_int]
-        lib.rows_rmsnorm.restype = None
-        lib.rows_rmsnorm.argtypes = [P, P, I64, I64, P, ctypes.c_float, P, P]
-        lib.rows_attention.restype = ctypes.c_int
-        lib.rows_silu_mul.restype = None
-        lib.rows_silu_mul.argtypes = [P, I64, I64, P]
-        lib.rows_rope_attention.restype = ctypes.c_int
-        lib.rows_rope_attention.argtypes = [P, I64, I64, I64, I64, P, P, P, P, P, I64, I64, I64, P, I64, P,
-                                                ctypes.c_int]
-        lib.rows_attention.argtypes = [P, I64, I64, I64, I64, I64, P, P, I64, I64, P, I64, P, ctypes.c_int]
-        lib.rows_layers.restype = ctypes.c_int
-        lib.rows_layers.argtypes = [I64, P, P, I64, I64, I64, I64, I64, I64, ctypes.c_float, P, P, P, P, P, I64,
-                                    I64, I64, I64, P, I64, P, ctypes.c_int]
+        _declare(lib)
         nbs, rbs = (ctypes.c_int64 * 32)(), (ctypes.c_int64 * 32)()
         variants: dict[int, tuple[int, ...]] = {}
         for i in range(min(32, lib.rows_gemm_variants(nbs, rbs, 32))):
@@ -228,6 +191,55 @@ def library():
         VARIANTS = variants
         _lib, _lib_state, _isa = lib, "loaded", lib.rows_gemm_isa().decode()
         return lib
+
+
+def _load(want: str):
+    """The library built for `want` (built now unless cached), or None with the reason warned."""
+    cxx = _compiler()
+    if cxx is None:
+        _warn("no C++ compiler (c++, g++, clang++, or $CXX) found to build the row-invariant kernels")
+        return None
+    key = hashlib.sha256((_source_hash() + " ".join(build_flags(want)) + _compiler_id(cxx)).encode())
+    path = kernels_dir() / f"rows_gemm-{want}-{key.hexdigest()[:16]}.so"
+    try:
+        if not path.exists():
+            _build(cxx, want, path)
+        import torch  # noqa: F401  (libgomp must be torch's, loaded first)
+
+        lib = ctypes.CDLL(str(path))
+        if lib.rows_gemm_abi() != ABI:
+            raise RuntimeError(f"library ABI {lib.rows_gemm_abi()} != {ABI}")
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        _warn(f"could not build the row-invariant kernels for {want} ({e})")
+        return None
+    return lib
+
+
+_I64, _P, _INT, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+# each entry point's (return type, argument types), as rows_gemm.cpp declares them
+SIGNATURES = {
+    "rows_gemm_isa": (ctypes.c_char_p, None),
+    "rows_gemm_variants": (_INT, [_P, _P, _INT]),
+    "rows_gemm_f32": (_INT, [_P, _I64, _P, _I64, _I64, _I64, _P, _P, _INT, _INT]),
+    "rows_gemm_pack": (None, [_P, _I64, _I64, _I64, _P]),
+    "rows_gemm_pack_bf16": (None, [_P, _I64, _I64, _I64, _P]),
+    "rows_gemm_bf16": (_INT, [_P, _I64, _P, _I64, _I64, _I64, _P, _P, _INT, _INT]),
+    "rows_rmsnorm": (None, [_P, _P, _I64, _I64, _P, _F32, _P, _P]),
+    "rows_silu_mul": (None, [_P, _I64, _I64, _P]),
+    "rows_attention": (_INT, [_P, _I64, _I64, _I64, _I64, _I64, _P, _P, _I64, _I64, _P, _I64, _P, _INT]),
+    "rows_rope_attention": (_INT, [_P, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _P, _I64, _I64, _I64, _P, _I64,
+                                   _P, _INT]),
+    "rows_layers": (_INT, [_I64, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _F32, _P, _P, _P, _P, _P, _I64,
+                           _I64, _I64, _I64, _P, _I64, _P, _INT]),
+}
+
+
+def _declare(lib) -> None:
+    for name, (restype, argtypes) in SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.restype = restype
+        if argtypes is not None:
+            fn.argtypes = argtypes
 
 
 def available() -> bool:
@@ -363,7 +375,7 @@ class _Layer(ctypes.Structure):
 class LayerStack:
     """A packed Llama-family model's decoder layers run by one `rows_layers` call per forward (one sequence, fp32):
     the same kernels in the same order as the per-layer path, so the same bits, without ~8 Python-level kernel
-    calls per layer. Built by models/linear.py `layer_stack` when every layer qualifies (our kernel on all four
+    calls per layer. Built by models/kernels.py `layer_stack` when every layer qualifies (our kernel on all four
     linears, no q/k norm); the packed weights never move, so their addresses are taken once (per register-tile
     choice, i.e. row count)."""
 

@@ -44,6 +44,19 @@ def _phase(profiler, name):
     return profiler.phase(name) if profiler is not None else _NullPhase()
 
 
+def _level_mask(prev_mask, f_prow, base: int, slot: int, n: int, dev) -> torch.Tensor:
+    """The mask of a level's n expansions at slots slot..slot+n-1: row j sees the committed prefix, its ancestors'
+    expansion slots (= its parent's row in the previous level's mask) and itself."""
+    ar = torch.arange(n, device=dev)
+    mask = torch.zeros(n, slot + n, dtype=torch.bool, device=dev)
+    if prev_mask is None:
+        mask[:, :base] = True
+    else:
+        mask[:, :prev_mask.shape[1]] = prev_mask[f_prow]
+    mask[ar, slot + ar] = True
+    return mask
+
+
 class TreeDrafter(Drafter):
     """Dynamic-tree drafting (EAGLE-2/3) over any model that can expand frontier nodes with a tree mask.
 
@@ -77,11 +90,17 @@ class TreeDrafter(Drafter):
         return probs_draft
 
     # drafting ----------------------------------------------------------------------------------------------
+    def _best_children(self, logp, f_score, K):
+        """Each frontier node's top-K children (target ids and cumulative scores, flattened [n * k]), k, and the
+        rows of the best K overall, which go on (ties: first come)."""
+        top_s, top_i = torch.topk(logp, min(K, logp.shape[-1]), dim=-1)   # [n, k]
+        cum = (top_s + f_score[:, None]).flatten()
+        return self._to_target(top_i).flatten(), cum, top_i.shape[1], torch.argsort(-cum, stable=True)[:K]
+
     def propose(self, cfg, sampling, gen, profiler=None) -> DraftTree:
         """Candidates live in per-level tensors; a level's mask rows are its parents' rows plus one slot each
         (no loop over nodes), and the frontier keeps its states as one tensor gathered by parent row."""
         K, steps, dev = cfg.topk, cfg.steps, self.device
-        budget = cfg.draft_tokens - 1
         sample_chain = (not sampling.greedy) and K == 1
         with _phase(profiler, "draft.step0"):
             logits, state = self._catch_up()
@@ -106,37 +125,23 @@ class TreeDrafter(Drafter):
         for level in range(2, steps + 1):
             with _phase(profiler, f"draft.step{level - 1}"):
                 n = f_idx.numel()
-                ar = torch.arange(n, device=dev)
-                # row j sees the committed prefix, its ancestors' expansion slots (= its parent's row) and itself
-                mask = torch.zeros(n, slot + n, dtype=torch.bool, device=dev)
-                if prev_mask is None:
-                    mask[:, :base] = True
-                else:
-                    mask[:, :prev_mask.shape[1]] = prev_mask[f_prow]
-                mask[ar, slot + ar] = True
+                mask = _level_mask(prev_mask, f_prow, base, slot, n, dev)
                 positions = torch.full((n,), self.root_pos + level - 1 + self.pos_offset, device=dev)
-                logits, new_states = self._expand(f_tok, f_state, positions, slot + ar, mask)
-                slot += n
-                prev_mask = mask
-                logp = torch.log_softmax(logits.float(), -1)
+                logits, new_states = self._expand(f_tok, f_state, positions, slot + torch.arange(n, device=dev), mask)
+                slot, prev_mask = slot + n, mask
                 if sample_chain:
                     q = probs_from_logits(logits[0], sampling)
                     d = torch.multinomial(q, 1, generator=gen)
                     f_tok = self._to_target(d)
                     f_score = f_score + torch.log(q[d].clamp_min(1e-30))
                     cand_q.append(self._target_dist(q))
-                    new_idx = torch.full((1,), n_cand, device=dev)
-                    f_prow = torch.zeros(1, dtype=torch.long, device=dev)
+                    new_idx, f_prow = torch.full((1,), n_cand, device=dev), torch.zeros(1, dtype=torch.long, device=dev)
                     toks.append(f_tok); pars.append(f_idx); scores.append(f_score); depths += [level]
                     n_cand += 1
                 else:
-                    top_s, top_i = torch.topk(logp, min(K, logp.shape[-1]), dim=-1)   # [n, k]
-                    k = top_i.shape[1]
-                    cum = (top_s + f_score[:, None]).flatten()
-                    tok_t = self._to_target(top_i).flatten()
+                    tok_t, cum, k, order = self._best_children(torch.log_softmax(logits.float(), -1), f_score, K)
                     toks.append(tok_t); pars.append(f_idx.repeat_interleave(k)); scores.append(cum)
                     depths += [level] * (n * k)
-                    order = torch.argsort(-cum, stable=True)[:K]    # the best K go on (ties: first come)
                     f_tok, f_score, f_prow = tok_t[order], cum[order], order // k
                     new_idx = n_cand + order
                     n_cand += n * k
@@ -145,7 +150,7 @@ class TreeDrafter(Drafter):
         if self.cache is not None:
             self.cache.truncate(self.committed)   # speculative expansion entries are dropped
         tree, kept = select_nodes(torch.cat(toks).tolist(), torch.cat(pars).tolist(), torch.cat(scores).tolist(),
-                                  depths, budget)
+                                  depths, cfg.draft_tokens - 1)
         tree.tokens, tree.parents, tree.depth = (tree.tokens.to(dev), tree.parents.to(dev), tree.depth.to(dev))
         if sample_chain:
             tree.q = torch.stack([cand_q[i] for i in kept]) if kept else None

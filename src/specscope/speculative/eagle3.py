@@ -16,6 +16,7 @@ from torch import nn
 from specscope.runtime.kv_cache import KVCache
 from specscope.errors import SpecscopeError
 from specscope.models.config import ModelConfig
+from specscope.models.context import ForwardContext, forward_context
 from specscope.models.llama import MLP, Attention, RMSNorm
 from specscope.models.rope import rope_table
 
@@ -78,11 +79,11 @@ class Eagle3Layer(nn.Module):
         self.mlp = MLP(lc)
         self.norm_before_residual = cfg.norm_before_residual
 
-    def forward(self, embeds, hidden, cos, sin, cache, slots, mask, kv_len):
+    def forward(self, embeds, hidden, ctx: ForwardContext):
         hn = self.hidden_norm(hidden)
         residual = hn if self.norm_before_residual else hidden
         x = torch.cat([self.input_layernorm(embeds), hn], dim=-1)
-        h = residual + self.self_attn(x, cos, sin, 0, cache, slots, mask, kv_len)
+        h = residual + self.self_attn(x, ctx)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -158,30 +159,11 @@ class Eagle3Drafter(nn.Module):
                 cache: KVCache | None = None, slots=None, mask=None, compute_logits: bool = True, logits_idx=None):
         """embeds, hidden: [B, T, H]. Returns (draft-vocab logits [B, T, Vd] or None, next hidden [B, T, H]).
         logits_idx: positions along T whose logits to compute (None = all)."""
-        kv_len = 0
-        if cache is not None:
-            if slots is None:
-                slots = position_ids
-            kv_len = mask.shape[-1] if mask is not None else int(slots.max()) + 1
-            if mask is None and embeds.shape[1] > 1:
-                mask = torch.arange(kv_len, device=slots.device)[None, None, :] <= slots[:, :, None]
-        elif mask is None:
-            mask = position_ids[:, None, :] <= position_ids[:, :, None]
-        W = self.config.sliding_window
-        if W is not None and max(kv_len, embeds.shape[1]) > W:
-            # keys more than W-1 positions back are out of the window (cache slots are positions for the
-            # committed prefix; tree nodes sit within `depth` of their query, well inside any real window)
-            kpos = torch.arange(kv_len, device=position_ids.device)[None, None, :] if cache is not None \
-                else position_ids[:, None, :]
-            near = kpos > position_ids[:, :, None] - W
-            if mask is None:
-                mask = torch.ones_like(near)
-            mask = mask & near
-        # with a cache every position sits at or below its slot, so kv_len bounds them without a device sync
-        rope = self.rope_upto(kv_len + 1 if cache is not None else int(position_ids.max()) + 1)
-        cos = rope[0][position_ids].to(hidden.dtype)[:, None]
-        sin = rope[1][position_ids].to(hidden.dtype)[:, None]
-        h = self.midlayer(embeds.to(self.dtype), hidden, cos, sin, cache, slots, mask, kv_len)
+        # key positions are the slot indices (committed slots are positions; tree nodes sit within `depth` of
+        # their query, well inside any real window), and the window applies once it can hide a key
+        ctx = forward_context(position_ids, self.rope_upto, hidden.dtype, cache, slots, mask,
+                              self.config.sliding_window, slot_positions=True, lazy_window=True)
+        h = self.midlayer(embeds.to(self.dtype), hidden, ctx)
         hn = self.norm(h)
         logits = None
         if compute_logits:

@@ -150,11 +150,24 @@ def _aux_ids(ids, convention: str, target_layers: int | None, problems: list[str
     return ids[:3], convention, (ids[3] if len(ids) == 4 else None)
 
 
-def parse_config(raw: dict, target_layers: int | None = None) -> DrafterConfig:
-    """A drafter config.json (either layout) -> DrafterConfig. Every problem is reported in one error."""
-    fmt = detect_format(raw)
-    problems: list[str] = []
+def _speculators_extra(raw: dict) -> dict:
+    """The speculators file's metadata kept for re-export: verifier, proposal methods, format version."""
     extra: dict = {}
+    sc = raw.get("speculators_config") or {}
+    if isinstance(sc, dict):
+        if isinstance(sc.get("verifier"), dict):
+            extra["verifier"] = {k: sc["verifier"].get(k) for k in ("name_or_path", "architectures")}
+        if isinstance(sc.get("proposal_methods"), list):
+            extra["proposal_methods"] = sc["proposal_methods"]
+            extra["default_proposal_method"] = sc.get("default_proposal_method")
+    if raw.get("speculators_version"):
+        extra["speculators_version"] = str(raw["speculators_version"])
+    return extra
+
+
+def _layout(raw: dict, fmt: str, target_layers: int | None, problems: list[str]):
+    """(the layer's fields, aux layer ids, their convention in the file, the norm_before_residual default, extra
+    metadata) of either layout; aux-id problems go to `problems`."""
     if fmt == "speculators":
         layer = raw.get("transformer_layer_config")
         if not isinstance(layer, dict):
@@ -162,15 +175,7 @@ def parse_config(raw: dict, target_layers: int | None = None) -> DrafterConfig:
         file_ids = raw.get("eagle_aux_hidden_state_layer_ids")
         ids, conv, fourth = _aux_ids(file_ids, "input", target_layers, problems)
         nbr_default = True       # vLLM assumes True when a speculators config omits it
-        sc = raw.get("speculators_config") or {}
-        if isinstance(sc, dict):
-            if isinstance(sc.get("verifier"), dict):
-                extra["verifier"] = {k: sc["verifier"].get(k) for k in ("name_or_path", "architectures")}
-            if isinstance(sc.get("proposal_methods"), list):
-                extra["proposal_methods"] = sc["proposal_methods"]
-                extra["default_proposal_method"] = sc.get("default_proposal_method")
-        if raw.get("speculators_version"):
-            extra["speculators_version"] = str(raw["speculators_version"])
+        extra = _speculators_extra(raw)
     else:
         layer = raw
         eagle = raw.get("eagle_config") or {}
@@ -179,10 +184,19 @@ def parse_config(raw: dict, target_layers: int | None = None) -> DrafterConfig:
         file_ids = eagle.get("eagle_aux_hidden_state_layer_ids")
         ids, conv, fourth = _aux_ids(file_ids, "output", target_layers, problems)
         nbr_default = False      # the original EAGLE layer adds the un-normed residual
+        extra = {}
     if file_ids is not None:
         extra["aux_ids_in_file"] = file_ids
     if fourth is not None:
         extra["verifier_logits_layer"] = fourth     # entering-layer convention, like aux_layer_ids
+    return layer, ids, conv, nbr_default, extra
+
+
+def parse_config(raw: dict, target_layers: int | None = None) -> DrafterConfig:
+    """A drafter config.json (either layout) -> DrafterConfig. Every problem is reported in one error."""
+    fmt = detect_format(raw)
+    problems: list[str] = []
+    layer, ids, conv, nbr_default, extra = _layout(raw, fmt, target_layers, problems)
     problems += _problems_of(layer, raw)
     missing = [k for k in ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size") if k not in layer]
     if missing:
@@ -303,23 +317,7 @@ def file_to_ours(src, cfg: DrafterConfig) -> dict[str, torch.Tensor]:
     for k in ("fc.weight", "norm.weight", "lm_head.weight"):
         if have(k):
             out[k] = src.read(k)
-    if "d2t" in src:
-        used.add("d2t")
-        out["d2t"] = src.read("d2t").to(torch.long)
-    elif cfg.draft_vocab_size == cfg.vocab_size:
-        out["d2t"] = torch.zeros(cfg.vocab_size, dtype=torch.long)  # full-vocabulary drafter: identity map
-    else:
-        raise SpecscopeError(f"drafter checkpoint has no 'd2t' but its draft vocabulary ({cfg.draft_vocab_size}) is "
-                             f"smaller than the target's ({cfg.vocab_size}); the draft->target id map is required")
-    if "t2d" in src:
-        used.add("t2d")
-        out["t2d"] = src.read("t2d").to(torch.bool)
-    else:
-        t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
-        ids = torch.arange(len(out["d2t"])) + out["d2t"]
-        if ids.min() >= 0 and ids.max() < cfg.vocab_size:
-            t2d[ids] = True
-        out["t2d"] = t2d
+    out["d2t"], out["t2d"] = _vocab_maps(src, cfg, used)
     if cfg.fc_norm:
         for i in range(3):
             if have(f"fc_norm.{i}.weight", what="fc_norm=true"):
@@ -346,19 +344,44 @@ def file_to_ours(src, cfg: DrafterConfig) -> dict[str, torch.Tensor]:
     unknown = [k for k in src.keys()
                if k not in used and k not in IGNORED_KEYS and not k.endswith("rotary_emb.inv_freq")]
     if unknown:
-        hint = ""
-        if any(k.startswith(("layers.1.", "midlayer.1.", "midlayers.")) for k in unknown):
-            hint = " (more than one draft layer is not supported)"
-        elif any("q_norm" in k or "k_norm" in k for k in unknown):
-            hint = " (q/k RMSNorm in the draft layer is not supported)"
-        elif any(k.startswith("fc_norm") for k in unknown):
-            hint = " (config.json does not set fc_norm=true)"
-        elif "input_norm.weight" in unknown:
-            hint = " (config.json does not set norm_before_fc=true)"
-        problems.append(f"tensors this loader does not understand: {', '.join(sorted(unknown)[:4])}{hint}")
+        problems.append(_unknown_tensors(unknown))
     if problems:
         raise SpecscopeError(_one_error("drafter checkpoint", problems))
     return out
+
+
+def _vocab_maps(src, cfg: DrafterConfig, used: set[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d2t, t2d) from the file, or derived: the identity for a full-vocabulary drafter, t2d from d2t."""
+    if "d2t" in src:
+        used.add("d2t")
+        d2t = src.read("d2t").to(torch.long)
+    elif cfg.draft_vocab_size == cfg.vocab_size:
+        d2t = torch.zeros(cfg.vocab_size, dtype=torch.long)  # full-vocabulary drafter: identity map
+    else:
+        raise SpecscopeError(f"drafter checkpoint has no 'd2t' but its draft vocabulary ({cfg.draft_vocab_size}) is "
+                             f"smaller than the target's ({cfg.vocab_size}); the draft->target id map is required")
+    if "t2d" in src:
+        used.add("t2d")
+        return d2t, src.read("t2d").to(torch.bool)
+    t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
+    ids = torch.arange(len(d2t)) + d2t
+    if ids.min() >= 0 and ids.max() < cfg.vocab_size:
+        t2d[ids] = True
+    return d2t, t2d
+
+
+def _unknown_tensors(unknown: list[str]) -> str:
+    """The problem line for tensors no field explains, with the likeliest reason."""
+    hint = ""
+    if any(k.startswith(("layers.1.", "midlayer.1.", "midlayers.")) for k in unknown):
+        hint = " (more than one draft layer is not supported)"
+    elif any("q_norm" in k or "k_norm" in k for k in unknown):
+        hint = " (q/k RMSNorm in the draft layer is not supported)"
+    elif any(k.startswith("fc_norm") for k in unknown):
+        hint = " (config.json does not set fc_norm=true)"
+    elif "input_norm.weight" in unknown:
+        hint = " (config.json does not set norm_before_fc=true)"
+    return f"tensors this loader does not understand: {', '.join(sorted(unknown)[:4])}{hint}"
 
 
 def ours_to_file(drafter: Eagle3Drafter, fmt: str) -> dict[str, torch.Tensor]:

@@ -14,57 +14,54 @@ This is exactly what inference does with the cache, which tests/test_train_ttt.p
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specscope.models.rope import apply_rope
+from specscope.models.context import ForwardContext, forward_context
 
 
-def _ttt_attention(attn, x, cos, sin, Ks, Vs, causal):
-    B, T, _ = x.shape
-    q, k, v = attn.qkv_proj(x).split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
-    q = q.view(B, T, attn.n_heads, attn.head_dim).transpose(1, 2)
-    k = k.view(B, T, attn.n_kv, attn.head_dim).transpose(1, 2)
-    v = v.view(B, T, attn.n_kv, attn.head_dim).transpose(1, 2)
-    q, k = apply_rope(q, k, cos, sin)
-    Ks.append(k)
-    Vs.append(v)
-    rep = attn.n_heads // attn.n_kv
-    scale = 1.0 / math.sqrt(attn.head_dim)
-    K0, V0 = Ks[0].repeat_interleave(rep, 1), Vs[0].repeat_interleave(rep, 1)
-    s0 = (q @ K0.transpose(-1, -2)) * scale                                   # [B, nh, T, T]
-    s0 = s0.masked_fill(~causal, float("-inf"))
-    diag = [(q * kj.repeat_interleave(rep, 1)).sum(-1, keepdim=True) * scale for kj in Ks[1:]]
-    p = torch.cat([s0] + diag, dim=-1).float().softmax(-1).to(q.dtype)
-    y = p[..., :T] @ V0
-    for j, vj in enumerate(Vs[1:]):
-        y = y + p[..., T + j:T + j + 1] * vj.repeat_interleave(rep, 1)
-    return attn.o_proj(y.transpose(1, 2).reshape(B, T, attn.q_size))
+@dataclass
+class TTTStep(ForwardContext):
+    """One unrolled step's context: queries see the step-0 keys causally (the real features in the inference
+    cache) and, at their own row, the keys of steps 1..k (this chain's earlier drafts). Each step appends its keys
+    and values for the later ones."""
+    keys: list = field(default_factory=list)
+    values: list = field(default_factory=list)
+
+    def attend(self, attn, q, k, v):
+        B, _, T, _ = q.shape
+        self.keys.append(k)
+        self.values.append(v)
+        rep = attn.n_heads // attn.n_kv
+        scale = 1.0 / math.sqrt(attn.head_dim)
+        K0, V0 = self.keys[0].repeat_interleave(rep, 1), self.values[0].repeat_interleave(rep, 1)
+        s0 = (q @ K0.transpose(-1, -2)) * scale                                   # [B, nh, T, T]
+        s0 = s0.masked_fill(~self.mask[0], float("-inf"))
+        diag = [(q * kj.repeat_interleave(rep, 1)).sum(-1, keepdim=True) * scale for kj in self.keys[1:]]
+        p = torch.cat([s0] + diag, dim=-1).float().softmax(-1).to(q.dtype)
+        y = p[..., :T] @ V0
+        for j, vj in enumerate(self.values[1:]):
+            y = y + p[..., T + j:T + j + 1] * vj.repeat_interleave(rep, 1)
+        return y.transpose(1, 2).reshape(B, T, attn.q_size)
 
 
 def ttt_hidden(drafter, embed: torch.Tensor, aux: torch.Tensor, input_ids: torch.Tensor, K: int):
     """aux [B, T, 3, Ht], input_ids [B, T] -> list of K normed hidden states [B, T, H], the drafter's lm_head
     input (row t, step k as above). `embed` is the target's (frozen) embedding matrix."""
-    B, T = input_ids.shape
+    T = input_ids.shape[1]
     dev = input_ids.device
-    layer = drafter.midlayer
     ids = F.pad(input_ids, (0, K + 1))
-    causal = torch.ones(T, T, dtype=torch.bool, device=dev).tril()
     hidden = drafter.fuse(list(aux.unbind(2)))
-    Ks, Vs, out = [], [], []
+    keys, values, out = [], [], []
     for k in range(K):
-        pos = torch.arange(k, T + k, device=dev)
-        rope = drafter.rope_upto(T + K)
-        cos = rope[0][pos].to(hidden.dtype)[None, None]
-        sin = rope[1][pos].to(hidden.dtype)[None, None]
+        # causal over the step's positions t + k, i.e. over rows
+        c = forward_context(torch.arange(k, T + k, device=dev)[None], drafter.rope_upto, hidden.dtype)
+        ctx = TTTStep(c.positions, c.cos, c.sin, mask=c.mask, keys=keys, values=values)
         emb = embed[ids[:, 1 + k:1 + k + T]].to(hidden.dtype)
-        hn = layer.hidden_norm(hidden)
-        residual = hn if layer.norm_before_residual else hidden
-        x = torch.cat([layer.input_layernorm(emb), hn], dim=-1)
-        h = residual + _ttt_attention(layer.self_attn, x, cos, sin, Ks, Vs, causal)
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
+        h = drafter.midlayer(emb, hidden, ctx)
         hn = drafter.norm(h)
         out.append(hn)
         hidden = hn if drafter.config.norm_output else h

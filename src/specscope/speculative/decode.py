@@ -10,18 +10,17 @@ from pathlib import Path
 import torch
 
 from specscope.errors import SpecscopeError
-from specscope.generate import GenerationResult, StopCriteria, check_context, sync
+from specscope.generate import GenerationResult, StopCriteria, check_context, prefill, sync
 from specscope.models import loader   # loader.load_model looked up per call: tests stub it
 from specscope.models.hub import DRAFTER_ASSETS as ASSETS  # one place for the shipped drafters
 from specscope.models.hub import KNOWN_MODELS, parse_hub_id, resolve_drafter
 from specscope.models.linear import pack_linears
 from specscope.runtime.sampling import SamplingParams, make_generator, next_token, probs_from_logits
-from specscope.speculative.acceptance import RankCounts, SourceCounts, accept_greedy, accept_sampling
+from specscope.speculative.acceptance import accept_greedy, accept_sampling
 from specscope.speculative.drafters import (DraftModelDrafter, Drafter, Eagle3TreeDrafter, HybridDrafter, NgramDrafter,
                                             _phase)
 from specscope.speculative.formats import is_eagle3_config, load_drafter, read_config
-from specscope.speculative.stats import SpecStats
-from specscope.speculative.tree import DRAFTED, DraftTree
+from specscope.speculative.stats import SpecTally
 
 DEFAULT_DRAFTER = "smollm2-135m-eagle3"
 # --draft spellings of n-gram copying -> its source (speculative/ngram.py); "ngram" is the one measured best
@@ -192,29 +191,19 @@ def speculative_generate(target, drafter: Drafter, prompt_ids: list[int], max_ne
                          on_tokens=None, profiler=None) -> GenerationResult:
     """Speculative decoding with any drafter; greedy output equals `generate`'s, sampling keeps its distribution."""
     sampling = sampling or SamplingParams()
-    cfg = cfg or SpecConfig.from_knobs()
-    cfg.validate()
-    if isinstance(drafter, NgramDrafter) and cfg.topk != 1:
-        raise SpecscopeError("n-gram drafting proposes a chain; use --topk 1")
-    hybrid = isinstance(drafter, HybridDrafter)
-    if cfg.ngram_tokens and not hybrid:
-        raise SpecscopeError("--ngram-tokens is the n-gram branch of a hybrid drafter (--draft DRAFTER+ngram)")
-    device = target.device
-    T = len(prompt_ids)
+    cfg = _checked(cfg or SpecConfig.from_knobs(), drafter)
+    device, T = target.device, len(prompt_ids)
     max_len = check_context(target, T, max_new_tokens, extra=cfg.verify_tokens + 1)
     ctx = target.config.max_position_embeddings
     cache = target.new_cache(max_len)
     gen = make_generator(sampling, device)
     stop = StopCriteria(max_new_tokens, stop_ids)
-    aux = drafter.aux_layers
 
     sync(device)
     t0 = time.perf_counter()
-    ids = torch.tensor([prompt_ids], device=device)
-    out = target(ids, torch.arange(T, device=device)[None], cache, logits_idx=[T - 1], aux_layers=aux)
-    cache.length = T
-    root = int(next_token(out.logits[:, -1], sampling, gen))
     # the drafter's cache: the committed sequence (+1: a draft model also holds the root) and one cycle's expansions
+    out = prefill(target, cache, torch.tensor([prompt_ids], device=device), drafter.aux_layers)
+    root = int(next_token(out.logits[:, -1], sampling, gen))
     drafter.start(list(prompt_ids), root, out, T + max_new_tokens + 1 + cfg.expansion_slots)
     sync(device)
     t1 = time.perf_counter()
@@ -224,71 +213,53 @@ def speculative_generate(target, drafter: Drafter, prompt_ids: list[int], max_ne
     produced += kept
     if on_tokens:
         on_tokens(kept)
-    accept_lengths, cycle_ms = [], []
-    acc_pos = [0] * cfg.steps                     # grow past steps where a hybrid's copy runs deeper
-    drafts_pos = [0] * cfg.steps
-    ranks = RankCounts(cfg.steps, cfg.topk)       # what `specscope tune --run` predicts other shapes from
-    by_source = SourceCounts(drafter.drafter.kind) if hybrid else None
-    verified: list[int] = []                      # draft nodes verified per cycle
+    tally = SpecTally(cfg, drafter.kind, drafter.drafter.kind if isinstance(drafter, HybridDrafter) else None)
+    cycle_ms = []
     while reason is None:
         tc = time.perf_counter()
         # the root sits at position cache.length; a node at depth d is verified at cache.length + d < ctx.
         # The loop runs only while tokens are owed, so the root is at most ctx - 2 and one level always fits.
-        with _phase(profiler, "draft"):
-            tree = drafter.propose(cfg.within(ctx - 1 - cache.length), sampling, gen, profiler)
-        verified.append(tree.size)
-        with _phase(profiler, "verify"):
-            v_ids, v_pos, v_slots, v_mask = tree.verify_inputs(root, cache.length, cache.length)
-            vout = target(v_ids, v_pos, cache, v_slots, v_mask, aux_layers=aux)
-        with _phase(profiler, "accept"):
-            logits = vout.logits[0]
-            if sampling.greedy:
-                rows, bonus = accept_greedy(logits.argmax(-1).tolist(), tree)
-            else:
-                rows, bonus = accept_sampling(probs_from_logits(logits, sampling), tree, gen)
-            toks = tree.tokens.tolist()
-            new_tokens = [toks[r - 1] for r in rows[1:]] + [bonus]
-        with _phase(profiler, "commit"):
-            cache.compact(torch.tensor(rows, device=device) + cache.length)
-            drafter.commit(rows, vout, new_tokens)
+        tree, rows, new_tokens = cycle(target, drafter, cache, root, cfg.within(ctx - 1 - cache.length), sampling,
+                                       gen, profiler)
         with _phase(profiler, "other"):
             kept, reason = stop.clip(produced, new_tokens)
             produced += kept
             if on_tokens:
                 on_tokens(kept)
-        own = drafted_part(tree, rows) if hybrid else (tree, rows)
-        if own is not None:                       # the model drafter's own tree, as if it had drafted alone
-            ranks.add(*own)
-        n_acc = len(rows) - 1
-        depth = int(tree.depth.max()) if tree.size else 0
-        for pos_list in (acc_pos, drafts_pos):
-            pos_list += [0] * (depth - len(pos_list))
-        for i in range(depth):
-            drafts_pos[i] += 1
-            if i < n_acc:
-                acc_pos[i] += 1
-        accept_lengths.append(n_acc + 1)
-        sources = by_source.add(tree, rows) if hybrid else None
-        if profiler is not None:
-            profiler.end_cycle(n_acc + 1, [i < n_acc for i in range(depth)], tree.size, sources)
-        root = bonus
+        tally.add(tree, rows, profiler)
+        root = new_tokens[-1]                     # the bonus token roots the next cycle
         cycle_ms.append((time.perf_counter() - tc) * 1e3)
     sync(device)
     t2 = time.perf_counter()
-    cycles = len(accept_lengths)
-    split = dict(ngram_tokens=cfg.ngram_tokens, accepted_by_source=by_source.accepted,
-                 hybrid_cycles=by_source.cycles) if hybrid else {}
-    stats = SpecStats(drafter.kind, cfg.steps, cfg.topk, cfg.draft_tokens, accept_lengths, acc_pos, drafts_pos,
-                      ranks.counts(), 1 + sum(verified) / cycles if cycles else None, **split)
-    return GenerationResult(produced, T, t1 - t0, t2 - t1, reason, cycle_ms, stats)
+    return GenerationResult(produced, T, t1 - t0, t2 - t1, reason, cycle_ms, tally.stats())
 
 
-def drafted_part(tree: DraftTree, rows: list[int]):
-    """A hybrid tree's model-drafted nodes (its first ones: the copy is grafted after them) and the accepted rows
-    among them — what that drafter alone would have had accepted under greedy verification — or None when the
-    drafter sat the cycle out."""
-    n = sum(1 for s in tree.sources or [] if s & DRAFTED) if tree.sources is not None else tree.size
-    if n == 0:
-        return None
-    own = DraftTree(tree.tokens[:n], tree.parents[:n], tree.depth[:n], tree.q)
-    return own, [r for r in rows if r <= n]
+def _checked(cfg: SpecConfig, drafter: Drafter) -> SpecConfig:
+    cfg.validate()
+    if isinstance(drafter, NgramDrafter) and cfg.topk != 1:
+        raise SpecscopeError("n-gram drafting proposes a chain; use --topk 1")
+    if cfg.ngram_tokens and not isinstance(drafter, HybridDrafter):
+        raise SpecscopeError("--ngram-tokens is the n-gram branch of a hybrid drafter (--draft DRAFTER+ngram)")
+    return cfg
+
+
+def cycle(target, drafter: Drafter, cache, root: int, cfg: SpecConfig, sampling, gen, profiler=None):
+    """One cycle: draft a tree under `root`, verify it in one target forward, accept a path, commit it to both
+    caches. -> (tree, accepted rows: 0 is the root, new tokens: the accepted drafts + the bonus token)."""
+    with _phase(profiler, "draft"):
+        tree = drafter.propose(cfg, sampling, gen, profiler)
+    with _phase(profiler, "verify"):
+        v_ids, v_pos, v_slots, v_mask = tree.verify_inputs(root, cache.length, cache.length)
+        vout = target(v_ids, v_pos, cache, v_slots, v_mask, aux_layers=drafter.aux_layers)
+    with _phase(profiler, "accept"):
+        logits = vout.logits[0]
+        if sampling.greedy:
+            rows, bonus = accept_greedy(logits.argmax(-1).tolist(), tree)
+        else:
+            rows, bonus = accept_sampling(probs_from_logits(logits, sampling), tree, gen)
+        toks = tree.tokens.tolist()
+        new_tokens = [toks[r - 1] for r in rows[1:]] + [bonus]
+    with _phase(profiler, "commit"):
+        cache.compact(torch.tensor(rows, device=target.device) + cache.length)
+        drafter.commit(rows, vout, new_tokens)
+    return tree, rows, new_tokens

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 
 from specscope.errors import SpecscopeError
+from specscope.profile.cycle import quantile
 
 # torch is imported inside the measuring code only: the report and `breakeven` read fits from here without it
 
@@ -70,17 +71,8 @@ class _Point:
 
 def summarize(samples: list[float]) -> dict:
     s = sorted(samples)
-    return {"median_ms": statistics.median(s), "p10_ms": _quantile(s, 0.1), "p90_ms": _quantile(s, 0.9),
+    return {"median_ms": statistics.median(s), "p10_ms": quantile(s, 0.1), "p90_ms": quantile(s, 0.9),
             "min_ms": s[0], "max_ms": s[-1]}
-
-
-def _quantile(sorted_vals: list[float], q: float) -> float:
-    if len(sorted_vals) == 1:
-        return sorted_vals[0]
-    x = q * (len(sorted_vals) - 1)
-    lo = int(math.floor(x))
-    hi = min(lo + 1, len(sorted_vals) - 1)
-    return sorted_vals[lo] + (sorted_vals[hi] - sorted_vals[lo]) * (x - lo)
 
 
 @dataclass

@@ -48,7 +48,7 @@ from pathlib import Path
 from specscope.errors import SpecscopeError
 from specscope.ingest.base import MAX_EXAMPLES, FormatParser
 from specscope.ingest.lines import histogram, stats
-from specscope.profile.cycle import PHASE_LABELS, TOP_PHASES
+from specscope.profile.cycle import PHASE_LABELS, TOP_PHASES, quantile
 
 FORMAT = "torch-trace"
 FIX = "VLLM_CUSTOM_SCOPES_FOR_PROFILING=1"
@@ -143,15 +143,6 @@ def read_document(path, progress=None) -> tuple[dict, str, int]:
 
 
 # ---- summary statistics (as CycleProfiler.summary() computes them) ------------------------------------------------
-def _quantile(s: list[float], q: float) -> float:
-    if not s:
-        return 0.0
-    pos = (len(s) - 1) * q
-    lo = int(pos)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
-
-
 def _order(names) -> list[str]:
     def key(name):
         top, _, sub = name.partition(".")
@@ -170,12 +161,12 @@ def summarise(cycle_ms: dict[str, list[float]], total_ms: list[float]) -> dict:
         if name == "other" and not any(col):
             continue
         s = sorted(col)
-        phases[name] = {"mean_ms": round(sum(col) / n, 4), "median_ms": round(_quantile(s, 0.5), 4),
-                        "p90_ms": round(_quantile(s, 0.9), 4),
+        phases[name] = {"mean_ms": round(sum(col) / n, 4), "median_ms": round(quantile(s, 0.5), 4),
+                        "p90_ms": round(quantile(s, 0.9), 4),
                         "share": round(sum(col) / total, 4) if total > 0 else 0.0}
     st = sorted(total_ms)
-    cyc = {"mean_ms": round(total / n, 4) if n else 0.0, "median_ms": round(_quantile(st, 0.5), 4),
-           "p90_ms": round(_quantile(st, 0.9), 4)}
+    cyc = {"mean_ms": round(total / n, 4) if n else 0.0, "median_ms": round(quantile(st, 0.5), 4),
+           "p90_ms": round(quantile(st, 0.9), 4)}
     return {"cycles": n, "cycle_ms": cyc, "phases": phases}
 
 

@@ -305,8 +305,8 @@ class CycleProfiler:
             s = sorted(col)
             phases[name] = {
                 "mean_ms": round(sum(col) / n, 4),
-                "median_ms": round(_quantile(s, 0.5), 4),
-                "p90_ms": round(_quantile(s, 0.9), 4),
+                "median_ms": round(quantile(s, 0.5), 4),
+                "p90_ms": round(quantile(s, 0.9), 4),
                 "share": round(sum(col) / total, 4) if total > 0 else 0.0,
             }
         tokens = sum(self._accept)
@@ -329,8 +329,8 @@ class CycleProfiler:
             "seconds": round(total / 1e3, 6),
             "tok_per_s": round(tokens / (total / 1e3), 4) if total > 0 else 0.0,
             "ms_per_token": round(total / tokens, 4) if tokens else None,
-            "cycle_ms": {"mean_ms": round(mean_cycle, 4), "median_ms": round(_quantile(st, 0.5), 4),
-                         "p90_ms": round(_quantile(st, 0.9), 4)},
+            "cycle_ms": {"mean_ms": round(mean_cycle, 4), "median_ms": round(quantile(st, 0.5), 4),
+                         "p90_ms": round(quantile(st, 0.9), 4)},
             "phases": phases,
             "accept_length": round(tokens / n, 4) if n else None,
             "accept_length_hist": hist,
@@ -402,8 +402,8 @@ def source_line(by_source: dict) -> str:
                                                     for k in names)
 
 
-def _quantile(sorted_vals: list[float], q: float) -> float:
-    """Linear-interpolated quantile of an already sorted list (numpy's default method)."""
+def quantile(sorted_vals: list[float], q: float) -> float:
+    """Linear-interpolated quantile of an already sorted list (numpy's default method); 0.0 for an empty one."""
     if not sorted_vals:
         return 0.0
     pos = (len(sorted_vals) - 1) * q

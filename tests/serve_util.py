@@ -1,5 +1,7 @@
-"""`specscope serve` (or any specscope command that prints `listening on URL`) in a subprocess for tests."""
+"""`specscope serve` (or any specscope command that prints `listening on URL`) in a subprocess for tests, and the
+base of the in-thread fake HTTP servers the tests stand up on loopback."""
 
+import http.server
 import subprocess
 import sys
 import tempfile
@@ -32,3 +34,32 @@ class Background:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(10)
+
+
+class QuietHandler(http.server.BaseHTTPRequestHandler):
+    """A fake server's handler: no request log on stderr, `_send` for one whole response."""
+
+    def log_message(self, *a):
+        pass
+
+    def _send(self, status, body: bytes, ctype="application/json"):
+        self.send_response(status)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+class LoopbackThread:
+    """`handler` served on 127.0.0.1 (a free port) by a daemon thread: self.url, self.port, close()."""
+
+    def __init__(self, handler, server_cls=http.server.ThreadingHTTPServer):
+        self.httpd = server_cls(("127.0.0.1", 0), handler)
+        self.httpd.daemon_threads = True
+        self.port = self.httpd.server_address[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()

@@ -7,19 +7,17 @@ loopback (a `specscope serve` subprocess, tiny http.server fakes in threads).
 
 from __future__ import annotations
 
-import http.server
 import json
 import math
 import os
 import socket
-import threading
 import time
 
 import httpx
 import pytest
 
 from cli_util import cli, one_error_line
-from serve_util import Background
+from serve_util import Background, LoopbackThread, QuietHandler
 
 
 LONG = "a" * 300   # one path component past NAME_MAX (255): every OS call on it fails with ENAMETOOLONG
@@ -365,17 +363,7 @@ class Fake:
         self.posts = 0
         fake = self
 
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def log_message(self, *a):
-                pass
-
-            def _send(self, status, body: bytes, ctype="application/json"):
-                self.send_response(status)
-                self.send_header("Content-Type", ctype)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
+        class Handler(QuietHandler):
             def do_GET(self):
                 if self.path == "/v1/models":
                     self._send(200, b'{"data": [{"id": 5}]}' if mode == "bogus models" else b'{"data": [{"id": "m"}]}')
@@ -398,14 +386,11 @@ class Fake:
                                          b'"many"}}\n\ndata: [DONE]\n\n'}[mode]
                     self._send(200, body, "text/event-stream")
 
-        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        self.loop = LoopbackThread(Handler)
+        self.url = self.loop.url
 
     def close(self):
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        self.loop.close()
 
 
 @pytest.fixture

@@ -14,6 +14,7 @@ import threading
 import pytest
 
 from cli_util import cli, one_error_line
+from serve_util import LoopbackThread, QuietHandler
 
 # one request's speculative work on the fake server: 2 verify cycles, 6 drafted, 3 accepted (2 at pos 0, 1 at 1)
 DRAFTS, DRAFT_TOKENS, ACCEPTED, PER_POS = 2, 6, 3, (2, 1, 0)
@@ -38,18 +39,8 @@ class LoopbackServer:
         self.lock = threading.Lock()
         srv = self
 
-        class Handler(http.server.BaseHTTPRequestHandler):
+        class Handler(QuietHandler):
             protocol_version = "HTTP/1.1"
-
-            def log_message(self, *a):
-                pass
-
-            def _send(self, status, body: bytes, ctype="application/json"):
-                self.send_response(status)
-                self.send_header("Content-Type", ctype)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
 
             def do_GET(self):
                 if self.path == "/v1/models":
@@ -103,11 +94,8 @@ class LoopbackServer:
         class Server(http.server.ThreadingHTTPServer):
             request_queue_size = 1024        # a burst of unbounded-concurrency requests must not be refused
 
-        self.httpd = Server(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
-        self.port = self.httpd.server_address[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        self.loop = LoopbackThread(Handler, Server)
+        self.port, self.url = self.loop.port, self.loop.url
 
     def paths(self):
         return [p for p, _, _ in self.requests]
@@ -116,8 +104,7 @@ class LoopbackServer:
         return [b for _, b, _ in self.requests]
 
     def close(self):
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        self.loop.close()
 
 
 @pytest.fixture

@@ -56,6 +56,11 @@ def test_totals_survive_a_worker_killed_before_its_final_report(tmp_path):
     assert res["steps_untimed"] == {"prefill": 1}
     rec._file.close()
     rec._file = None                 # atexit's close() then writes nothing more to the checked file
+    with open(path, "a") as f:       # a later totals line that is not the plugin's shape: named, not stored
+        f.write('{"end": false, "steps": 41, "untimed_steps": 3, "overhead": "lots"}\n')
+    s = ingest_file(path, record=False)
+    assert "plugin_overhead" not in s["results"] and s["results"]["steps_untimed"] is None
+    assert any("unreadable overhead" in w for w in s["warnings"])
 
 
 def test_recorder_jsonl_round_trip_counts_like_vllm(tmp_path):

@@ -99,9 +99,13 @@ class StepsParser(FormatParser):
         res.pop("profiler", None)
         res["profiler"] = {"timer": head.get("timer"), "where": f"inside {head.get('engine')} (specscope plugin)"}
         res.update(_vllm_counters(rows, warnings))
-        res["steps_untimed"] = (self.end or {}).get("untimed_steps")
-        if (self.end or {}).get("overhead"):
-            res["plugin_overhead"] = self.end["overhead"]     # the plugin's own host time per step, and its share
+        end = self.end or {}
+        untimed, oh = end.get("untimed_steps"), end.get("overhead")
+        res["steps_untimed"] = untimed if isinstance(untimed, dict) else None
+        if isinstance(oh, dict) and isinstance(oh.get("us_per_step"), (int, float)):
+            res["plugin_overhead"] = oh                        # the plugin's own host time per step, and its share
+        elif oh is not None:
+            warnings.append(f"the plugin's totals line holds an unreadable overhead ({str(oh)[:60]!r}); ignored")
         res["batch"] = {"mean_requests_per_step": round(sum(r["reqs"] for r in rows) / len(rows), 3),
                         "max_requests_per_step": max(r["reqs"] for r in rows)}
         if not single:

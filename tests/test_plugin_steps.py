@@ -60,7 +60,7 @@ def test_totals_survive_a_worker_killed_before_its_final_report(tmp_path):
         f.write('{"end": false, "steps": 41, "untimed_steps": 3, "overhead": "lots"}\n')
     s = ingest_file(path, record=False)
     assert "plugin_overhead" not in s["results"] and s["results"]["steps_untimed"] is None
-    assert any("unreadable overhead" in w for w in s["warnings"])
+    assert any("unreadable overhead" in w for w in s["results"]["ingest"]["warnings"])
 
 
 def test_recorder_jsonl_round_trip_counts_like_vllm(tmp_path):

@@ -121,3 +121,10 @@ def test_on_tokens_exception_aborts(model):
 
     with pytest.raises(Stop):
         generate(model, [5, 6], 20, on_tokens=cb)
+
+
+def test_stop_criteria_emit_appends_and_streams_what_clip_keeps():
+    s, produced, streamed = StopCriteria(5, stop_ids=[9]), [1, 2], []
+    assert s.emit(produced, [3, 4, 5, 6], streamed.append) == "length"
+    assert produced == [1, 2, 3, 4, 5] and streamed == [[3, 4, 5]]
+    assert s.emit([], [3]) is None           # no callback: nothing streamed, nothing fails

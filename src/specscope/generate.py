@@ -87,6 +87,14 @@ class StopCriteria:
         self.max_new_tokens = max_new_tokens
         self.stop_ids = set(int(s) for s in stop_ids)
 
+    def emit(self, produced: list[int], new: list[int], on_tokens=None) -> str | None:
+        """clip `new`, append what is kept to `produced`, stream it to `on_tokens`; return the stop reason."""
+        kept, reason = self.clip(produced, new)
+        produced += kept
+        if on_tokens:
+            on_tokens(kept)
+        return reason
+
     def clip(self, produced: list[int], new: list[int]) -> tuple[list[int], str | None]:
         """Take tokens from `new` in order as baseline decoding would; return (kept, stop_reason or None)."""
         kept = []
@@ -118,10 +126,7 @@ def generate(model, prompt_ids: list[int], max_new_tokens: int = 128, sampling: 
     sync(device)
     t1 = time.perf_counter()
     out: list[int] = []
-    kept, reason = stop.clip(out, [t_first])
-    out += kept
-    if on_tokens:
-        on_tokens(kept)
+    reason = stop.emit(out, [t_first], on_tokens)
     step_ms = []
     while reason is None:
         ts = time.perf_counter()
@@ -136,10 +141,7 @@ def generate(model, prompt_ids: list[int], max_new_tokens: int = 128, sampling: 
             t = int(tok)  # .item() syncs, so the step time below is real on CUDA too
         step_ms.append((time.perf_counter() - ts) * 1e3)
         with profiler.phase("other") if profiler is not None else nullcontext():   # stop check + streaming
-            kept, reason = stop.clip(out, [t])
-            out += kept
-            if on_tokens:
-                on_tokens(kept)
+            reason = stop.emit(out, [t], on_tokens)
         if profiler is not None:
             profiler.end_cycle(1)
     t2 = time.perf_counter()

@@ -209,10 +209,7 @@ def speculative_generate(target, drafter: Drafter, prompt_ids: list[int], max_ne
     t1 = time.perf_counter()
 
     produced: list[int] = []
-    kept, reason = stop.clip(produced, [root])
-    produced += kept
-    if on_tokens:
-        on_tokens(kept)
+    reason = stop.emit(produced, [root], on_tokens)
     tally = SpecTally(cfg, drafter.kind, drafter.drafter.kind if isinstance(drafter, HybridDrafter) else None)
     cycle_ms = []
     while reason is None:
@@ -222,10 +219,7 @@ def speculative_generate(target, drafter: Drafter, prompt_ids: list[int], max_ne
         tree, rows, new_tokens = cycle(target, drafter, cache, root, cfg.within(ctx - 1 - cache.length), sampling,
                                        gen, profiler)
         with _phase(profiler, "other"):
-            kept, reason = stop.clip(produced, new_tokens)
-            produced += kept
-            if on_tokens:
-                on_tokens(kept)
+            reason = stop.emit(produced, new_tokens, on_tokens)
         tally.add(tree, rows, profiler)
         root = new_tokens[-1]                     # the bonus token roots the next cycle
         cycle_ms.append((time.perf_counter() - tc) * 1e3)

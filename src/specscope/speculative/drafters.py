@@ -31,6 +31,10 @@ class Drafter:
     def commit(self, rows: list[int], verify_out, new_tokens: list[int]):
         raise NotImplementedError
 
+    def spawn(self) -> "Drafter":
+        """A drafter of the same kind and weights with no sequence state (a batch keeps one per sequence)."""
+        raise NotImplementedError
+
 
 class _NullPhase:
     def __enter__(self):
@@ -169,6 +173,9 @@ class Eagle3TreeDrafter(TreeDrafter):
         self.pending_aux = None
         self.pending_tokens = None
 
+    def spawn(self):
+        return Eagle3TreeDrafter(self.model, self.target)
+
     def start(self, prompt_ids, root, target_out, max_len):
         self.cache = self.model.new_cache(max_len)
         self.committed = 0
@@ -224,9 +231,13 @@ class DraftModelDrafter(TreeDrafter):
             raise SpecscopeError(f"draft model vocab ({Vd}) does not cover the target vocab ({V}); "
                                  f"use a draft model with the same tokenizer")
         self.model = model
+        self.target = target
         self.target_vocab = V
         self.target_context = target.config.max_position_embeddings
         self.pending = None
+
+    def spawn(self):
+        return DraftModelDrafter(self.model, self.target)
 
     def start(self, prompt_ids, root, target_out, max_len):
         # positions stay below the target's context (and below max_len: each sits at a slot >= it). A draft model
@@ -277,7 +288,11 @@ class NgramDrafter(Drafter):
 
     def __init__(self, device, source: str = "suffix"):
         self.device = device
+        self.source_name = source
         self.source = SOURCES[source]()
+
+    def spawn(self):
+        return NgramDrafter(self.device, self.source_name)
 
     def start(self, prompt_ids, root, target_out, max_len):
         self.source.reset(list(prompt_ids) + [root])
@@ -312,9 +327,15 @@ class HybridDrafter(Drafter):
     def __init__(self, drafter: Drafter, context: int, source: str = "suffix"):
         self.drafter = drafter
         self.context = context                   # the target's: a node at depth d sits at position root + d
+        self.source_name = source
         self.source = SOURCES[source]()
         self.kind = f"{drafter.kind}+ngram"
         self.aux_layers = drafter.aux_layers
+
+    def spawn(self):
+        h = HybridDrafter(self.drafter.spawn(), self.context, self.source_name)
+        h.copy_match = self.copy_match
+        return h
 
     def start(self, prompt_ids, root, target_out, max_len):
         self.drafter.start(prompt_ids, root, target_out, max_len)

@@ -1,0 +1,281 @@
+"""B sequences decoded together: continuous batching with plain and speculative steps.
+
+The target's KV cache is one flat run of slots cut into fixed regions, one per running sequence. A step is one
+target forward over the rows of every sequence in it: a new sequence's whole prompt (its prefill), a plain
+sequence's next token, a speculative sequence's root and draft tree. Each row carries its own position, slot and
+mask row, and a row's mask only opens its own region, so a batch is verified the way one sequence's draft tree is:
+the row-invariant CPU kernels (models/rowgemm.py) give every row the bits it gets alone, and a request's output
+does not depend on what else is in the batch. Drafters keep per-sequence state (`Drafter.spawn`); drafting runs
+per sequence, verification once for all.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from specscope.errors import SpecscopeError
+from specscope.generate import StopCriteria, check_context
+from specscope.models.llama import ForwardOutput
+from specscope.runtime.sampling import SamplingParams, make_generator, next_token, probs_from_logits
+from specscope.speculative.acceptance import accept_greedy, accept_sampling
+from specscope.speculative.drafters import Drafter, HybridDrafter
+from specscope.speculative.stats import SpecTally
+from specscope.speculative.tree import DraftTree
+
+
+@dataclass
+class Request:
+    id: str
+    prompt_ids: list[int]
+    max_new_tokens: int = 128
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop_ids: tuple = ()
+    on_tokens: Callable[[list[int]], None] | None = None   # streamed as tokens are committed; raising cancels
+
+
+@dataclass
+class Finished:
+    id: str
+    token_ids: list[int]
+    stop_reason: str                      # "eos" | "length" | "cancelled" | "error"
+    prompt_len: int
+    t_queued: float                       # perf_counter seconds: added, first scheduled, first token, finished
+    t_scheduled: float | None
+    t_first_token: float | None
+    t_finished: float
+    stats: object | None = None           # SpecStats for a speculative sequence
+    error: str | None = None
+
+
+class _Seq:
+    """A running sequence: its region of the target cache, committed length, next root and drafter."""
+
+    def __init__(self, req: Request, base: int, drafter: Drafter | None, cfg, t_queued: float):
+        self.req, self.base, self.drafter, self.cfg = req, base, drafter, cfg
+        self.length = 0                   # committed target tokens (slots base .. base + length - 1)
+        self.root: int | None = None      # the token the next step feeds (None until prefilled)
+        self.produced: list[int] = []
+        self.stop = StopCriteria(req.max_new_tokens, req.stop_ids)
+        self.gen = make_generator(req.sampling, torch.device("cpu"))
+        self.tally = SpecTally(cfg, drafter.kind, drafter.drafter.kind if isinstance(drafter, HybridDrafter)
+                               else None) if drafter is not None else None
+        self.t_queued, self.t_scheduled, self.t_first = t_queued, None, None
+        self.tree: DraftTree | None = None
+        self.drafted = False              # this step's tree came from the drafter (a plain step's did not)
+        self.error: str | None = None
+
+
+@dataclass
+class Rows:
+    """One sequence's rows in a step, in its own coordinates: slots local to its region (0 = its first), mask
+    [n, S_local] over its region."""
+    ids: torch.Tensor        # [n]
+    positions: torch.Tensor  # [n]
+    slots: torch.Tensor      # [n]
+    mask: torch.Tensor       # bool [n, S_local]
+    base: int                # the region's first slot
+
+
+def batch_inputs(parts: list[Rows], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(ids, positions, slots, mask) of one forward over every part's rows: ids/positions/slots [1, N], mask
+    [1, N, S] with each part's block at its region's columns and nothing else open."""
+    N = sum(int(p.ids.numel()) for p in parts)
+    S = max(p.base + p.mask.shape[1] for p in parts)
+    mask = torch.zeros(N, S, dtype=torch.bool, device=device)
+    r = 0
+    for p in parts:
+        n, s = p.ids.numel(), p.mask.shape[1]
+        mask[r:r + n, p.base:p.base + s] = p.mask
+        r += n
+    cat = lambda xs: torch.cat(xs)[None]   # noqa: E731
+    return (cat([p.ids for p in parts]), cat([p.positions for p in parts]),
+            cat([p.slots + p.base for p in parts]), mask[None])
+
+
+def _prefill_rows(seq: _Seq, dev) -> Rows:
+    T = len(seq.req.prompt_ids)
+    ar = torch.arange(T, device=dev)
+    return Rows(torch.tensor(seq.req.prompt_ids, device=dev), ar, ar, ar[None, :] <= ar[:, None], seq.base)
+
+
+def _slice(out: ForwardOutput, r0: int, r1: int, l0: int, l1: int) -> ForwardOutput:
+    """One sequence's part of a batched forward: rows r0..r1-1 (aux states), logits rows l0..l1-1."""
+    return ForwardOutput(out.logits[:, l0:l1], [a[:, r0:r1] for a in out.aux_hidden])
+
+
+class BatchEngine:
+    """Continuous batching over one target: `add` requests, call `step` until `busy` is False; each step admits
+    waiting requests (their prefill joins the step), runs one forward for every sequence and returns the requests
+    that finished. `spec_policy(batch_size) -> SpecConfig | None` picks the draft shape for the step's speculative
+    sequences (None: a plain step; their drafters catch up later)."""
+
+    def __init__(self, target, drafter: Drafter | None = None, cfg=None, max_num_seqs: int = 16,
+                 max_seq_len: int | None = None, max_num_batched_tokens: int = 2048,
+                 spec_policy: Callable[[int], object] | None = None):
+        if max_num_seqs < 1:
+            raise SpecscopeError(f"--max-num-seqs must be >= 1, got {max_num_seqs}")
+        self.target, self.drafter, self.cfg = target, drafter, cfg
+        if drafter is not None and cfg is None:
+            raise SpecscopeError("a drafter needs its SpecConfig")
+        self.context = int(target.config.max_position_embeddings)
+        self.extra = cfg.verify_tokens + 1 if cfg is not None else 0
+        self.region = min(max_seq_len or self.context, self.context) + self.extra
+        self.max_num_seqs, self.token_budget = max_num_seqs, max_num_batched_tokens
+        self.spec_policy = spec_policy or (lambda n: cfg)
+        self.cache = target.new_cache(self.region * max_num_seqs)
+        self.free = list(range(0, self.region * max_num_seqs, self.region))   # a heap: lowest region first
+        self.waiting: list[tuple[Request, float]] = []
+        self.running: list[_Seq] = []
+        self.cancelled: set[str] = set()
+        self.aux_layers = drafter.aux_layers if drafter is not None else ()
+
+    # -- requests -----------------------------------------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        """Queue a request; a prompt or length that cannot fit a region fails here, before anything runs."""
+        check_context(self.target, len(req.prompt_ids), req.max_new_tokens)
+        if len(req.prompt_ids) + req.max_new_tokens + self.extra > self.region:
+            raise SpecscopeError(f"the prompt has {len(req.prompt_ids)} tokens; with max_new_tokens="
+                                 f"{req.max_new_tokens} that exceeds the engine's --max-seq-len of "
+                                 f"{self.region - self.extra}; lower max_tokens or raise --max-seq-len")
+        self.waiting.append((req, time.perf_counter()))
+
+    def cancel(self, rid: str) -> None:
+        """Drop a request at the next step; its region is free for the step after."""
+        self.cancelled.add(rid)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- one step -------------------------------------------------------------------------------------------------
+    def step(self) -> list[Finished]:
+        done = self._drop_cancelled()
+        new = self._admit()
+        if not self.running:
+            return done
+        shape = self.spec_policy(len(self.running)) if self.drafter is not None else None
+        parts, plans = [], []
+        for seq in self.running:
+            rows, plan = self._plan(seq, shape)
+            parts.append(rows)
+            plans.append(plan)
+        dev = self.target.device
+        ids, pos, slots, mask = batch_inputs(parts, dev)
+        # logits only where a token is chosen: a prefill's last row, every verified row otherwise
+        need, r = [], 0
+        for p, plan in zip(parts, plans):
+            n = int(p.ids.numel())
+            need.extend([r + n - 1] if plan == "prefill" else range(r, r + n))
+            r += n
+        out = self.target(ids, pos, self.cache, slots, mask, logits_idx=need, aux_layers=self.aux_layers)
+        r = l = 0
+        now = time.perf_counter()
+        for seq, p, plan in zip(list(self.running), parts, plans):
+            n = int(p.ids.numel())
+            nl = 1 if plan == "prefill" else n
+            try:
+                new_tokens = self._finish(seq, plan, _slice(out, r, r + n, l, l + nl))
+                if seq.t_first is None:
+                    seq.t_first = now
+                reason = seq.stop.emit(seq.produced, new_tokens, seq.req.on_tokens)
+            except Exception as e:       # a client's callback (cancellation) or a bad sequence: only it ends
+                reason = "cancelled" if type(e).__name__ == "Cancelled" else "error"
+                seq.error = None if reason == "cancelled" else f"{type(e).__name__}: {e}"
+            if reason is not None:
+                done.append(self._retire(seq, reason))
+            r, l = r + n, l + nl
+        return done
+
+    def _drop_cancelled(self) -> list[Finished]:
+        if not self.cancelled:
+            return []
+        done = []
+        for req, tq in [w for w in self.waiting if w[0].id in self.cancelled]:
+            done.append(Finished(req.id, [], "cancelled", len(req.prompt_ids), tq, None, None, time.perf_counter()))
+        self.waiting = [w for w in self.waiting if w[0].id not in self.cancelled]
+        for seq in [s for s in self.running if s.req.id in self.cancelled]:
+            done.append(self._retire(seq, "cancelled"))
+        self.cancelled.clear()
+        return done
+
+    def _admit(self) -> list[_Seq]:
+        """Waiting requests join, first come first served, while a region is free and their prompts fit the
+        step's token budget (one always joins an otherwise empty step)."""
+        budget = self.token_budget - sum(1 + (s.cfg.verify_tokens if s.drafter else 0) for s in self.running)
+        new = []
+        while self.waiting and self.free:
+            req, tq = self.waiting[0]
+            if len(req.prompt_ids) > budget and (self.running or new):
+                break
+            self.waiting.pop(0)
+            budget -= len(req.prompt_ids)
+            drafter = self.drafter.spawn() if self.drafter is not None else None
+            seq = _Seq(req, heapq.heappop(self.free), drafter, self.cfg, tq)
+            seq.t_scheduled = time.perf_counter()
+            self.running.append(seq)
+            new.append(seq)
+        return new
+
+    def _retire(self, seq: _Seq, reason: str) -> Finished:
+        self.running.remove(seq)
+        heapq.heappush(self.free, seq.base)
+        self.cache.pos[0, seq.base:seq.base + self.region] = -1
+        stats = seq.tally.stats() if seq.tally is not None and seq.tally.accept_lengths else None
+        return Finished(seq.req.id, seq.produced, reason, len(seq.req.prompt_ids), seq.t_queued, seq.t_scheduled,
+                        seq.t_first, time.perf_counter(), stats, seq.error)
+
+    def _plan(self, seq: _Seq, shape) -> tuple[Rows, str]:
+        dev = self.target.device
+        if seq.root is None:
+            return _prefill_rows(seq, dev), "prefill"
+        seq.drafted = seq.drafter is not None and shape is not None
+        if not seq.drafted:
+            seq.tree = DraftTree.empty(dev)          # a plain step; a drafter catches up on it later
+        else:
+            seq.tree = seq.drafter.propose(shape.within(self.context - 1 - seq.length), seq.req.sampling, seq.gen)
+        v = seq.tree.verify_inputs(seq.root, seq.length, seq.length)
+        return Rows(v.ids[0], v.positions[0], v.slots[0], v.mask[0], seq.base), "verify"
+
+    def _finish(self, seq: _Seq, plan: str, out: ForwardOutput) -> list[int]:
+        """Choose the sequence's tokens from its logits and commit them -> the new tokens."""
+        logits = out.logits[0]
+        if plan == "prefill":
+            seq.length = len(seq.req.prompt_ids)
+            seq.root = int(next_token(logits[-1:], seq.req.sampling, seq.gen))
+            if seq.drafter is not None:
+                seq.drafter.start(list(seq.req.prompt_ids), seq.root, out,
+                                  seq.length + seq.req.max_new_tokens + 1 + self.cfg.expansion_slots)
+            return [seq.root]
+        tree = seq.tree
+        if seq.drafter is None:     # plain decoding draws exactly as `generate` does
+            rows, bonus = [0], int(next_token(logits[-1:], seq.req.sampling, seq.gen))
+        elif seq.req.sampling.greedy:
+            rows, bonus = accept_greedy(logits.argmax(-1).tolist(), tree)
+        else:
+            rows, bonus = accept_sampling(probs_from_logits(logits, seq.req.sampling), tree, seq.gen)
+        toks = tree.tokens.tolist()
+        new_tokens = [toks[r - 1] for r in rows[1:]] + [bonus]
+        self._compact(seq, rows)
+        if seq.drafter is not None:
+            seq.drafter.commit(rows, out, new_tokens)
+            if seq.drafted:
+                seq.tally.add(tree, rows)
+        seq.root = new_tokens[-1]
+        return new_tokens
+
+    def _compact(self, seq: _Seq, rows: list[int]) -> None:
+        """Move the accepted rows' cache entries to the end of the committed ones (as KVCache.compact does for
+        row 0 of a cache of its own)."""
+        c, n, dst = self.cache, len(rows), seq.base + seq.length
+        keep = torch.tensor(rows, device=c.k.device) + dst
+        if rows != list(range(n)):
+            c.k[:, 0, :, dst:dst + n] = c.k[:, 0, :, keep]
+            c.v[:, 0, :, dst:dst + n] = c.v[:, 0, :, keep]
+            c.pos[0, dst:dst + n] = c.pos[0, keep]
+        seq.length += n
+        c.pos[0, seq.base + seq.length:seq.base + self.region] = -1

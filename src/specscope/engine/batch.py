@@ -42,14 +42,14 @@ class Request:
 class Finished:
     id: str
     token_ids: list[int]
-    stop_reason: str                      # "eos" | "length" | "cancelled" | "error"
+    stop_reason: str                      # "eos" | "length" | "cancelled" | "aborted" (see exc)
     prompt_len: int
     t_queued: float                       # perf_counter seconds: added, first scheduled, first token, finished
     t_scheduled: float | None
     t_first_token: float | None
     t_finished: float
     stats: object | None = None           # SpecStats for a speculative sequence
-    error: str | None = None
+    exc: BaseException | None = None      # what on_tokens (or committing the sequence) raised, for "aborted"
 
 
 class _Seq:
@@ -67,7 +67,7 @@ class _Seq:
         self.t_queued, self.t_scheduled, self.t_first = t_queued, None, None
         self.tree: DraftTree | None = None
         self.drafted = False              # this step's tree came from the drafter (a plain step's did not)
-        self.error: str | None = None
+        self.exc: BaseException | None = None
 
 
 @dataclass
@@ -183,9 +183,8 @@ class BatchEngine:
                 if seq.t_first is None:
                     seq.t_first = now
                 reason = seq.stop.emit(seq.produced, new_tokens, seq.req.on_tokens)
-            except Exception as e:       # a client's callback (cancellation) or a bad sequence: only it ends
-                reason = "cancelled" if type(e).__name__ == "Cancelled" else "error"
-                seq.error = None if reason == "cancelled" else f"{type(e).__name__}: {e}"
+            except Exception as e:       # the client's callback (cancelled, a stop string) or a bug: only it ends
+                reason, seq.exc = "aborted", e
             if reason is not None:
                 done.append(self._retire(seq, reason))
             r, l = r + n, l + nl
@@ -227,7 +226,7 @@ class BatchEngine:
         self.cache.pos[0, seq.base:seq.base + self.region] = -1
         stats = seq.tally.stats() if seq.tally is not None and seq.tally.accept_lengths else None
         return Finished(seq.req.id, seq.produced, reason, len(seq.req.prompt_ids), seq.t_queued, seq.t_scheduled,
-                        seq.t_first, time.perf_counter(), stats, seq.error)
+                        seq.t_first, time.perf_counter(), stats, seq.exc)
 
     def _plan(self, seq: _Seq, shape) -> tuple[Rows, str]:
         dev = self.target.device

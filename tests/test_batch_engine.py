@@ -1,0 +1,177 @@
+"""The batched engine (engine/batch.py): a sequence's output never depends on what else is in the batch.
+
+Random schedules of requests joining and leaving (mixed prompt lengths, prompts at the context's edge, token budgets
+that hold prefills back, cancellations) must give every completed request exactly the tokens offline decoding gives
+it -- plain `generate` or `speculative_generate` with the same drafter and shape, greedy and sampled with the same
+seed (so sampling stays exact per sequence: offline speculative sampling is tested exact in test_spec_sampling.py).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from specscope.economics.policy import spec_policy
+from specscope.engine import BatchEngine, Request
+from specscope.engine.batch import Rows, batch_inputs
+from specscope.errors import SpecscopeError
+from specscope.generate import generate
+from specscope.runtime.sampling import SamplingParams
+from specscope.speculative.decode import SpecConfig, speculative_generate
+from specscope.speculative.drafters import Eagle3TreeDrafter, HybridDrafter, NgramDrafter
+from spec_helpers import random_eagle3, tiny_target
+
+CTX = 64
+VOCAB = 16
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    # a small vocabulary makes drafts get accepted (and n-gram copies match), so the trees really carry tokens
+    return tiny_target(tmp_path_factory.mktemp("t") / "m", "llama", vocab=VOCAB, layers=4,
+                       max_position_embeddings=CTX)
+
+
+def drafters(target):
+    d = random_eagle3(target, seed=3)
+    return {
+        "plain": (None, None),
+        "eagle3 tree": (Eagle3TreeDrafter(d, target), SpecConfig(3, 2, 5)),
+        "eagle3 chain": (Eagle3TreeDrafter(d, target), SpecConfig(3, 1, 4)),
+        "ngram": (NgramDrafter(target.device), SpecConfig(4, 1, 5)),
+        "hybrid": (HybridDrafter(Eagle3TreeDrafter(d, target), CTX), SpecConfig(2, 2, 4, ngram_tokens=3)),
+    }
+
+
+def offline(target, drafter, cfg, prompt, max_new, sampling):
+    if drafter is None:
+        return generate(target, prompt, max_new, sampling, stop_ids=[1]).token_ids
+    return speculative_generate(target, drafter.spawn(), prompt, max_new, sampling, stop_ids=[1],
+                                cfg=cfg).token_ids
+
+
+def random_requests(rng, n, greedy=True):
+    reqs = []
+    for i in range(n):
+        max_new = rng.randint(1, 14)
+        T = rng.choice([1, 2, rng.randint(3, 20), CTX - max_new - rng.randint(0, 3)])   # some at the edge
+        T = max(1, min(T, CTX - max_new))
+        prompt = [rng.randrange(2, VOCAB) for _ in range(T)]
+        sp = SamplingParams() if greedy else SamplingParams(temperature=rng.choice([0.7, 1.0]), seed=rng.randrange(99))
+        reqs.append(Request(f"r{i}", prompt, max_new, sp, stop_ids=(1,)))
+    return reqs
+
+
+def run_schedule(engine, reqs, rng, cancel_p=0.0):
+    """Add requests at random steps, cancel some; -> {id: Finished}."""
+    pending, done, streamed = list(reqs), {}, {r.id: [] for r in reqs}
+    for r in reqs:
+        r.on_tokens = streamed[r.id].extend
+    cancelled = set()
+    while pending or engine.busy:
+        for _ in range(rng.randint(0, 3)):
+            if pending:
+                engine.add(pending.pop(0))
+        if cancel_p and engine.running and rng.random() < cancel_p:
+            victim = rng.choice(engine.running).req.id
+            engine.cancel(victim)
+            cancelled.add(victim)
+        for f in engine.step():
+            assert f.id not in done
+            done[f.id] = f
+    for f in done.values():
+        assert f.token_ids == streamed[f.id], "streamed tokens are the result's"
+    return done, cancelled
+
+
+@pytest.mark.parametrize("name", ["plain", "eagle3 tree", "eagle3 chain", "ngram", "hybrid"])
+@pytest.mark.parametrize("greedy", [True, False], ids=["greedy", "sampled"])
+def test_batch_composition_never_changes_a_sequence(target, name, greedy):
+    drafter, cfg = drafters(target)[name]
+    rng = random.Random(hash((name, greedy)) % 1000)
+    for max_seqs, budget in [(4, 64), (3, 8), (1, 2048)]:       # budget 8: long prompts wait for a quiet step
+        reqs = random_requests(rng, 10, greedy)
+        engine = BatchEngine(target, drafter, cfg, max_num_seqs=max_seqs, max_seq_len=CTX,
+                             max_num_batched_tokens=budget)
+        done, cancelled = run_schedule(engine, reqs, rng, cancel_p=0.15)
+        assert set(done) == {r.id for r in reqs}
+        for r in reqs:
+            f = done[r.id]
+            want = offline(target, drafter, cfg, r.prompt_ids, r.max_new_tokens, r.sampling)
+            if r.id in cancelled and f.stop_reason == "cancelled":
+                assert want[:len(f.token_ids)] == f.token_ids, (name, r.id)
+            else:
+                assert f.stop_reason in ("eos", "length")
+                assert f.token_ids == want, (name, r.id, max_seqs)
+        assert not engine.running and not engine.waiting
+        assert sorted(engine.free) == list(range(0, engine.region * max_seqs, engine.region)), "every region freed"
+
+
+def test_speculative_batches_accept_drafts_and_count_them(target):
+    """Not vacuous: the trees in the batch carried tokens the target accepted, counted per sequence."""
+    drafter, cfg = drafters(target)["hybrid"]
+    engine = BatchEngine(target, drafter, cfg, max_num_seqs=4, max_seq_len=CTX)
+    rng = random.Random(5)
+    done, _ = run_schedule(engine, random_requests(rng, 8), rng)
+    accepted = [sum(f.stats.accepted_per_pos) for f in done.values() if f.stats is not None]
+    assert accepted and sum(accepted) > 0
+    assert any(f.stats.hybrid_cycles for f in done.values() if f.stats is not None)
+
+
+def test_plain_steps_inside_a_speculative_run_stay_lossless(target):
+    """A policy that speculates only at small batch sizes switches sequences between plain and drafted steps:
+    the drafter catches up on the plain steps' tokens and the output is still plain greedy decoding's."""
+    drafter, cfg = drafters(target)["eagle3 tree"]
+    engine = BatchEngine(target, drafter, cfg, max_num_seqs=4, max_seq_len=CTX,
+                         spec_policy=lambda n: cfg if n <= 2 else None)
+    rng = random.Random(11)
+    reqs = random_requests(rng, 9)
+    done, _ = run_schedule(engine, reqs, rng)
+    for r in reqs:
+        assert done[r.id].token_ids == generate(target, r.prompt_ids, r.max_new_tokens, stop_ids=[1]).token_ids
+    off = BatchEngine(target, drafter, cfg, max_num_seqs=2, spec_policy=spec_policy("off", cfg))
+    off.add(Request("x", [3, 4, 5], 6, stop_ids=()))
+    f = [f for _ in range(8) for f in off.step()][0]
+    assert f.stats is None and f.token_ids == generate(target, [3, 4, 5], 6, stop_ids=[]).token_ids
+
+
+def test_a_failing_callback_ends_only_its_own_sequence(target):
+    engine = BatchEngine(target, max_num_seqs=3, max_seq_len=CTX)
+
+    class Boom(Exception):
+        pass
+
+    def boom(_):
+        raise Boom("client went away")
+
+    engine.add(Request("bad", [2, 3, 4], 8, on_tokens=boom, stop_ids=()))
+    engine.add(Request("good", [5, 6], 8, stop_ids=()))
+    done = {}
+    while engine.busy:
+        done.update({f.id: f for f in engine.step()})
+    assert done["bad"].stop_reason == "aborted" and isinstance(done["bad"].exc, Boom)
+    assert done["good"].token_ids == generate(target, [5, 6], 8, stop_ids=[]).token_ids
+
+
+def test_requests_that_cannot_fit_are_refused_before_anything_runs(target):
+    engine = BatchEngine(target, max_num_seqs=2, max_seq_len=20)
+    with pytest.raises(SpecscopeError, match="max-seq-len of 20"):
+        engine.add(Request("a", [2] * 15, 6))
+    with pytest.raises(SpecscopeError, match="context"):
+        engine.add(Request("b", [2] * CTX, 1))
+    with pytest.raises(SpecscopeError, match="max-num-seqs"):
+        BatchEngine(target, max_num_seqs=0)
+    assert not engine.busy
+
+
+def test_batch_inputs_open_only_each_sequences_region():
+    a = Rows(torch.tensor([7, 8]), torch.tensor([3, 4]), torch.tensor([3, 4]),
+             torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]], dtype=torch.bool), base=0)
+    b = Rows(torch.tensor([9]), torch.tensor([1]), torch.tensor([1]), torch.tensor([[1, 1]], dtype=torch.bool), base=10)
+    ids, pos, slots, mask = batch_inputs([a, b], "cpu")
+    assert ids.tolist() == [[7, 8, 9]] and pos.tolist() == [[3, 4, 1]] and slots.tolist() == [[3, 4, 11]]
+    assert mask.shape == (1, 3, 12)
+    assert mask[0, 2].nonzero().flatten().tolist() == [10, 11]
+    assert mask[0, 0].nonzero().flatten().tolist() == [0, 1, 2, 3]

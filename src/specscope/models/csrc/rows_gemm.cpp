@@ -386,8 +386,12 @@ int rows_attention(const float* q, int64_t q_row, int64_t T, int64_t Hq, int64_t
             if (t != cur_t) {   // the visible slots of row t, in order
                 const uint8_t* mr = mask ? mask + t * mask_row : nullptr;
                 m = 0;
-                for (int64_t s = 0; s < S; ++s)
+                for (int64_t s = 0; s < S;) {
+                    uint64_t w;   // a batch's row opens one region of many: skip closed slots 8 at a time
+                    if (mr && s + 8 <= S && (memcpy(&w, mr + s, 8), w == 0)) { s += 8; continue; }
                     if (!mr || mr[s]) idx[m++] = (int32_t)s;
+                    ++s;
+                }
                 cur_t = t;
             }
             const float* qs[4];

@@ -18,6 +18,7 @@ from specscope.engine import BatchEngine, Request
 from specscope.engine.batch import Rows, batch_inputs
 from specscope.errors import SpecscopeError
 from specscope.generate import generate
+from specscope.models.linear import pack_linears
 from specscope.runtime.sampling import SamplingParams
 from specscope.speculative.decode import SpecConfig, speculative_generate
 from specscope.speculative.drafters import Eagle3TreeDrafter, HybridDrafter, NgramDrafter
@@ -34,8 +35,15 @@ def target(tmp_path_factory):
                        max_position_embeddings=CTX)
 
 
+def packed_eagle3(target, seed):
+    """A random EAGLE-3 drafter with the target's row kernels, as build_drafter loads one on CPU."""
+    d = random_eagle3(target, seed=seed)
+    pack_linears(d, keep_dense=())
+    return d
+
+
 def drafters(target):
-    d = random_eagle3(target, seed=3)
+    d = packed_eagle3(target, 3)
     return {
         "plain": (None, None),
         "eagle3 tree": (Eagle3TreeDrafter(d, target), SpecConfig(3, 2, 5)),
@@ -113,6 +121,7 @@ def test_speculative_batches_accept_drafts_and_count_them(target):
     """Not vacuous: the trees in the batch carried tokens the target accepted, counted per sequence."""
     drafter, cfg = drafters(target)["hybrid"]
     engine = BatchEngine(target, drafter, cfg, max_num_seqs=4, max_seq_len=CTX)
+    assert engine.draft_cache is not None, "the EAGLE-3 drafters share one cache and draft in one forward"
     rng = random.Random(5)
     done, _ = run_schedule(engine, random_requests(rng, 8), rng)
     accepted = [sum(f.stats.accepted_per_pos) for f in done.values() if f.stats is not None]
@@ -175,3 +184,44 @@ def test_batch_inputs_open_only_each_sequences_region():
     assert mask.shape == (1, 3, 12)
     assert mask[0, 2].nonzero().flatten().tolist() == [10, 11]
     assert mask[0, 0].nonzero().flatten().tolist() == [0, 1, 2, 3]
+
+
+def test_drafting_together_gives_each_sequence_the_tree_it_drafts_alone(target):
+    """run_together over spawns sharing one cache == each spawn's propose on a cache of its own, tree for tree
+    (tokens, parents, and the draft distributions of a sampled chain), across several cycles."""
+    from specscope.speculative.drafters import run_together
+    d = packed_eagle3(target, 7)
+    proto = Eagle3TreeDrafter(d, target)
+    rng = random.Random(2)
+    prompts = [[rng.randrange(2, VOCAB) for _ in range(rng.randint(1, 12))] for _ in range(3)]
+    for cfg, sp in [(SpecConfig(3, 2, 6), SamplingParams()), (SpecConfig(3, 1, 4), SamplingParams(temperature=1.0))]:
+        region = 40
+        shared = proto.region_cache(region * len(prompts))
+        together, alone = [], []
+        for i, p in enumerate(prompts):
+            a, b = proto.spawn(), proto.spawn()
+            assert a.use_region(shared, i * region)
+            out = target(torch.tensor([p]), torch.arange(len(p))[None], target.new_cache(CTX),
+                         aux_layers=proto.aux_layers)
+            for x in (a, b):
+                x.start(p, 3, out, region)
+            together.append(a)
+            alone.append(b)
+        for cycle in range(3):
+            gens = [torch.Generator().manual_seed(cycle * 10 + i) for i in range(len(prompts))]
+            gens2 = [torch.Generator().manual_seed(cycle * 10 + i) for i in range(len(prompts))]
+            trees = run_together([x.drafting(cfg, sp, g) for x, g in zip(together, gens)])
+            for x, g, t in zip(alone, gens2, trees):
+                u = x.propose(cfg, sp, g)
+                assert t.tokens.tolist() == u.tokens.tolist() and t.parents.tolist() == u.parents.tolist()
+                if u.q is not None:
+                    assert torch.equal(t.q, u.q)
+            # commit the first path of each tree (as if verify accepted it) to move both on alike
+            for x, y, t in zip(together, alone, trees):
+                rows = [0] + ([1] if t.size else [])
+                toks = ([t.tokens[0].item()] if t.size else []) + [4]
+                aux = [torch.randn(1, len(rows), target.config.hidden_size, generator=torch.Generator().manual_seed(cycle))
+                       for _ in proto.aux_layers]
+                from specscope.models.llama import ForwardOutput
+                for z in (x, y):
+                    z.commit(rows, ForwardOutput(None, aux), toks)

@@ -20,10 +20,11 @@ import torch
 
 from specscope.errors import SpecscopeError
 from specscope.generate import StopCriteria, check_context
+from specscope.models.context import region_inputs
 from specscope.models.llama import ForwardOutput
 from specscope.runtime.sampling import SamplingParams, make_generator, next_token, probs_from_logits
 from specscope.speculative.acceptance import accept_greedy, accept_sampling
-from specscope.speculative.drafters import Drafter, HybridDrafter
+from specscope.speculative.drafters import Drafter, HybridDrafter, run_together
 from specscope.speculative.stats import SpecTally
 from specscope.speculative.tree import DraftTree
 
@@ -81,20 +82,11 @@ class Rows:
     base: int                # the region's first slot
 
 
-def batch_inputs(parts: list[Rows], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def batch_inputs(parts: list[Rows], device=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(ids, positions, slots, mask) of one forward over every part's rows: ids/positions/slots [1, N], mask
-    [1, N, S] with each part's block at its region's columns and nothing else open."""
-    N = sum(int(p.ids.numel()) for p in parts)
-    S = max(p.base + p.mask.shape[1] for p in parts)
-    mask = torch.zeros(N, S, dtype=torch.bool, device=device)
-    r = 0
-    for p in parts:
-        n, s = p.ids.numel(), p.mask.shape[1]
-        mask[r:r + n, p.base:p.base + s] = p.mask
-        r += n
-    cat = lambda xs: torch.cat(xs)[None]   # noqa: E731
-    return (cat([p.ids for p in parts]), cat([p.positions for p in parts]),
-            cat([p.slots + p.base for p in parts]), mask[None])
+    [1, N, S] with each part's block at its region's columns and nothing else open (models/context.py)."""
+    pos, slots, mask = region_inputs([(p.positions, p.slots, p.mask, p.base) for p in parts])
+    return torch.cat([p.ids for p in parts])[None], pos, slots, mask
 
 
 def _prefill_rows(seq: _Seq, dev) -> Rows:
@@ -133,6 +125,10 @@ class BatchEngine:
         self.running: list[_Seq] = []
         self.cancelled: set[str] = set()
         self.aux_layers = drafter.aux_layers if drafter is not None else ()
+        # the drafters' caches: one shared cache in regions where the drafter allows it, so one forward drafts for
+        # every sequence (speculative/drafters.py run_together); else each spawn keeps its own
+        self.draft_region = self.region + 1 + (cfg.expansion_slots if cfg is not None else 0)
+        self.draft_cache = drafter.region_cache(self.draft_region * max_num_seqs) if drafter is not None else None
 
     # -- requests -----------------------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -159,9 +155,10 @@ class BatchEngine:
         if not self.running:
             return done
         shape = self.spec_policy(len(self.running)) if self.drafter is not None else None
+        self._draft(shape)
         parts, plans = [], []
         for seq in self.running:
-            rows, plan = self._plan(seq, shape)
+            rows, plan = self._plan(seq)
             parts.append(rows)
             plans.append(plan)
         dev = self.target.device
@@ -213,8 +210,11 @@ class BatchEngine:
                 break
             self.waiting.pop(0)
             budget -= len(req.prompt_ids)
+            base = heapq.heappop(self.free)
             drafter = self.drafter.spawn() if self.drafter is not None else None
-            seq = _Seq(req, heapq.heappop(self.free), drafter, self.cfg, tq)
+            if self.draft_cache is not None:
+                drafter.use_region(self.draft_cache, base // self.region * self.draft_region)
+            seq = _Seq(req, base, drafter, self.cfg, tq)
             seq.t_scheduled = time.perf_counter()
             self.running.append(seq)
             new.append(seq)
@@ -228,15 +228,24 @@ class BatchEngine:
         return Finished(seq.req.id, seq.produced, reason, len(seq.req.prompt_ids), seq.t_queued, seq.t_scheduled,
                         seq.t_first, time.perf_counter(), stats, seq.exc)
 
-    def _plan(self, seq: _Seq, shape) -> tuple[Rows, str]:
+    def _draft(self, shape) -> None:
+        """Every prefilled sequence's tree for this step: drafted together (shape given) or empty (a plain step;
+        a drafter catches up on it later)."""
         dev = self.target.device
+        drafting = []
+        for seq in self.running:
+            seq.drafted = seq.root is not None and seq.drafter is not None and shape is not None
+            seq.tree = DraftTree.empty(dev)
+            if seq.drafted:
+                drafting.append(seq)
+        trees = run_together([s.drafter.drafting(shape.within(self.context - 1 - s.length), s.req.sampling, s.gen)
+                              for s in drafting])
+        for seq, tree in zip(drafting, trees):
+            seq.tree = tree
+
+    def _plan(self, seq: _Seq) -> tuple[Rows, str]:
         if seq.root is None:
-            return _prefill_rows(seq, dev), "prefill"
-        seq.drafted = seq.drafter is not None and shape is not None
-        if not seq.drafted:
-            seq.tree = DraftTree.empty(dev)          # a plain step; a drafter catches up on it later
-        else:
-            seq.tree = seq.drafter.propose(shape.within(self.context - 1 - seq.length), seq.req.sampling, seq.gen)
+            return _prefill_rows(seq, self.target.device), "prefill"
         v = seq.tree.verify_inputs(seq.root, seq.length, seq.length)
         return Rows(v.ids[0], v.positions[0], v.slots[0], v.mask[0], seq.base), "verify"
 

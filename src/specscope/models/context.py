@@ -53,6 +53,22 @@ class ForwardContext:
                          None if self.mask is None else self.mask[0].contiguous())
 
 
+def region_inputs(parts) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One forward over several sequences, each in its own region of one cache: parts are (positions [n],
+    slots [n] and mask [n, S_local] in the region's own coordinates, the region's first slot). -> positions and
+    slots [1, N], mask [1, N, S] with each part's block at its region's columns and nothing else open, so a row
+    attends to its own sequence only (the row kernels then give it the bits it gets alone)."""
+    N = sum(int(p[0].numel()) for p in parts)
+    S = max(base + mask.shape[1] for _, _, mask, base in parts)
+    out = torch.zeros(N, S, dtype=torch.bool, device=parts[0][0].device)
+    r = 0
+    for pos, _, mask, base in parts:
+        n = pos.numel()
+        out[r:r + n, base:base + mask.shape[1]] = mask
+        r += n
+    return (torch.cat([p[0] for p in parts])[None], torch.cat([p[1] + p[3] for p in parts])[None], out[None])
+
+
 def attention_mask(positions: torch.Tensor, cache: KVCache | None, slots, mask, window: int | None,
                    slot_positions: bool = False, lazy_window: bool = False):
     """(mask or None, kv_len) for queries at `positions` [B, T] written to `slots`.

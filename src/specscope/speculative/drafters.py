@@ -5,13 +5,21 @@ Each keeps its own state in step with the target: `start` after the target's pre
 for the current root token, `commit` the accepted rows once the target has verified them. A model drafter may
 sit out cycles (the hybrid skips it when a long copy is in hand): what `commit` hands it then waits, and the next
 `propose` catches up on all of it in one forward.
+
+Drafting is written as a generator (`drafting`) that yields each forward it needs (a `DraftForward`) and receives
+the result: `propose` runs those forwards one by one on the drafter's own cache; the batched engine (engine/batch.py)
+runs the same requests of many sequences' EAGLE-3 drafters as one forward (`run_together`), each in its region of
+one shared cache, and the trees come out the same.
 """
 
 from __future__ import annotations
 
 import torch
 
+from dataclasses import dataclass
+
 from specscope.errors import SpecscopeError
+from specscope.models.context import region_inputs
 from specscope.models.rope import rope_table
 from specscope.runtime.sampling import SamplingParams, probs_from_logits
 from specscope.speculative.ngram import SOURCES
@@ -26,7 +34,22 @@ class Drafter:
         raise NotImplementedError
 
     def propose(self, cfg, sampling: SamplingParams, gen, profiler=None) -> DraftTree:
-        raise NotImplementedError
+        return run_alone(self.drafting(cfg, sampling, gen, profiler))
+
+    def drafting(self, cfg, sampling: SamplingParams, gen, profiler=None):
+        """A generator that yields the DraftForwards drafting needs, is sent their (logits, states), and returns
+        the DraftTree. This default needs none: it returns `propose`'s tree."""
+        return self.propose(cfg, sampling, gen, profiler)
+        yield  # noqa: makes this a generator
+
+    def region_cache(self, slots: int):
+        """A cache of `slots` entries that this drafter's spawns can share (use_region), or None if they cannot."""
+        return None
+
+    def use_region(self, cache, base: int) -> bool:
+        """Draft in `cache` from slot `base` on (a batch's shared cache) instead of a cache of one's own; False
+        where this drafter cannot (it then keeps its own and drafts alone)."""
+        return False
 
     def commit(self, rows: list[int], verify_out, new_tokens: list[int]):
         raise NotImplementedError
@@ -46,6 +69,33 @@ class _NullPhase:
 
 def _phase(profiler, name):
     return profiler.phase(name) if profiler is not None else _NullPhase()
+
+
+@dataclass
+class DraftForward:
+    """One drafter forward that drafting asks for: the catch-up on committed tokens (`tokens` None), or the
+    expansion of frontier nodes (target ids [n], states [n, H] or None) at positions/slots [n] under mask [n, S]."""
+    drafter: "TreeDrafter"
+    tokens: torch.Tensor | None = None
+    states: torch.Tensor | None = None
+    positions: torch.Tensor | None = None
+    slots: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
+
+    def run(self):
+        d = self.drafter
+        return d._catch_up() if self.tokens is None else d._expand(self.tokens, self.states, self.positions,
+                                                                   self.slots, self.mask)
+
+
+def run_alone(steps):
+    """Drive one drafting generator, each forward on its drafter's own cache -> the DraftTree."""
+    try:
+        req = next(steps)
+        while True:
+            req = steps.send(req.run())
+    except StopIteration as e:
+        return e.value
 
 
 def _level_mask(prev_mask, f_prow, base: int, slot: int, n: int, dev) -> torch.Tensor:
@@ -71,12 +121,18 @@ class TreeDrafter(Drafter):
     """
 
     pos_offset = 0   # drafter position of the entry that expands a node = node's token position + pos_offset
+    base = None      # first slot of this sequence's region in a batch's shared cache (None: a cache of its own)
 
     def __init__(self, device):
         self.device = device
         self.cache = None
         self.committed = 0       # drafter cache entries that belong to the committed sequence
         self.root_pos = 0        # token position of the current root
+
+    def _drop_expansions(self):
+        """Forget the cycle's speculative expansion entries (a shared cache's other regions are not ours)."""
+        if self.cache is not None and self.base is None:
+            self.cache.truncate(self.committed)
 
     # hooks -------------------------------------------------------------------------------------------------
     def _catch_up(self):
@@ -101,13 +157,13 @@ class TreeDrafter(Drafter):
         cum = (top_s + f_score[:, None]).flatten()
         return self._to_target(top_i).flatten(), cum, top_i.shape[1], torch.argsort(-cum, stable=True)[:K]
 
-    def propose(self, cfg, sampling, gen, profiler=None) -> DraftTree:
+    def drafting(self, cfg, sampling, gen, profiler=None):
         """Candidates live in per-level tensors; a level's mask rows are its parents' rows plus one slot each
         (no loop over nodes), and the frontier keeps its states as one tensor gathered by parent row."""
         K, steps, dev = cfg.topk, cfg.steps, self.device
         sample_chain = (not sampling.greedy) and K == 1
         with _phase(profiler, "draft.step0"):
-            logits, state = self._catch_up()
+            logits, state = yield DraftForward(self)
         logp = torch.log_softmax(logits.float(), -1)
         cand_q = []
         if sample_chain:
@@ -131,7 +187,8 @@ class TreeDrafter(Drafter):
                 n = f_idx.numel()
                 mask = _level_mask(prev_mask, f_prow, base, slot, n, dev)
                 positions = torch.full((n,), self.root_pos + level - 1 + self.pos_offset, device=dev)
-                logits, new_states = self._expand(f_tok, f_state, positions, slot + torch.arange(n, device=dev), mask)
+                logits, new_states = yield DraftForward(self, f_tok, f_state, positions,
+                                                        slot + torch.arange(n, device=dev), mask)
                 slot, prev_mask = slot + n, mask
                 if sample_chain:
                     q = probs_from_logits(logits[0], sampling)
@@ -151,8 +208,7 @@ class TreeDrafter(Drafter):
                     n_cand += n * k
                 f_idx = new_idx
                 f_state = None if new_states is None else new_states[f_prow]
-        if self.cache is not None:
-            self.cache.truncate(self.committed)   # speculative expansion entries are dropped
+        self._drop_expansions()
         tree, kept = select_nodes(torch.cat(toks).tolist(), torch.cat(pars).tolist(), torch.cat(scores).tolist(),
                                   depths, cfg.draft_tokens - 1)
         tree.tokens, tree.parents, tree.depth = (tree.tokens.to(dev), tree.parents.to(dev), tree.depth.to(dev))
@@ -176,22 +232,42 @@ class Eagle3TreeDrafter(TreeDrafter):
     def spawn(self):
         return Eagle3TreeDrafter(self.model, self.target)
 
+    def region_cache(self, slots):
+        return None if self.model.config.sliding_window else self.model.new_cache(slots)
+
+    def use_region(self, cache, base):
+        # key positions are slot indices in the drafter's masks (models/context.py): a region past slot 0 would
+        # shift a sliding window, so a windowed drafter keeps a cache of its own
+        if self.model.config.sliding_window:
+            return False
+        self.cache, self.base = cache, base
+        return True
+
     def start(self, prompt_ids, root, target_out, max_len):
-        self.cache = self.model.new_cache(max_len)
+        if self.base is None:
+            self.cache = self.model.new_cache(max_len)
         self.committed = 0
         self.pending_aux = target_out.aux_hidden               # [1, T, Ht] x3 for positions 0..T-1
         self.pending_tokens = torch.tensor([prompt_ids[1:] + [root]], device=self.device)
         self.root_pos = len(prompt_ids)
 
-    def _catch_up(self):
+    def _catch_up_inputs(self):
+        """(embeddings [m, H], fused target states [m, H], positions [m]) of the committed tokens waiting."""
         m = self.pending_tokens.shape[1]
-        emb = self.target.embed_tokens(self.pending_tokens)
-        hid = self.model.fuse(self.pending_aux)
-        pos = torch.arange(self.committed, self.committed + m, device=self.device)[None]
-        logits, h = self.model(emb, hid, pos, self.cache, pos, logits_idx=[m - 1])   # the head for one row only
+        pos = torch.arange(self.committed, self.committed + m, device=self.device)
+        return self.target.embed_tokens(self.pending_tokens)[0], self.model.fuse(self.pending_aux)[0], pos
+
+    def _caught_up(self, m: int):
         self.committed += m
-        self.cache.length = self.committed
+        if self.base is None:
+            self.cache.length = self.committed
         self.pending_aux = self.pending_tokens = None
+
+    def _catch_up(self):
+        emb, hid, pos = self._catch_up_inputs()
+        m = pos.numel()
+        logits, h = self.model(emb[None], hid[None], pos[None], self.cache, pos[None], logits_idx=[m - 1])
+        self._caught_up(m)   # the head ran for the last row only
         return logits[0, -1], h[0, -1]
 
     def _expand(self, tokens, states, positions, slots, mask):
@@ -216,7 +292,7 @@ class Eagle3TreeDrafter(TreeDrafter):
             tokens = torch.cat([self.pending_tokens, tokens], 1)
         self.pending_aux, self.pending_tokens = aux, tokens
         self.root_pos += len(rows)
-        self.cache.truncate(self.committed)
+        self._drop_expansions()
 
 
 class DraftModelDrafter(TreeDrafter):
@@ -277,7 +353,7 @@ class DraftModelDrafter(TreeDrafter):
         tokens = torch.tensor([new_tokens], device=self.device)
         self.pending = tokens if self.pending is None else torch.cat([self.pending, tokens], 1)   # after a skip
         self.root_pos += len(rows)
-        self.cache.truncate(self.committed)
+        self._drop_expansions()
 
 
 class NgramDrafter(Drafter):
@@ -341,14 +417,20 @@ class HybridDrafter(Drafter):
         self.drafter.start(prompt_ids, root, target_out, max_len)
         self.source.reset(list(prompt_ids) + [root])
 
-    def propose(self, cfg, sampling, gen, profiler=None) -> DraftTree:
+    def region_cache(self, slots):
+        return self.drafter.region_cache(slots)
+
+    def use_region(self, cache, base):
+        return self.drafter.use_region(cache, base)
+
+    def drafting(self, cfg, sampling, gen, profiler=None):
         room = self.context - len(self.source.tokens)        # depths left before the context ends
         budget = min(cfg.draft_tokens - 1 + cfg.ngram_tokens, room)
         chain, match = self.source.propose(budget)
         chain = chain[:budget]                   # a source may offer more than asked
         if match >= self.copy_match:
             return DraftTree.empty(self.device).graft(chain)
-        tree = self.drafter.propose(cfg, sampling, gen, profiler)
+        tree = yield from self.drafter.drafting(cfg, sampling, gen, profiler)
         return tree.graft(chain[:cfg.ngram_tokens]) if chain else tree
 
     @property
@@ -358,3 +440,73 @@ class HybridDrafter(Drafter):
     def commit(self, rows, verify_out, new_tokens):
         self.drafter.commit(rows, verify_out, new_tokens)
         self.source.extend(new_tokens)
+
+
+def run_together(steps: list) -> list[DraftTree]:
+    """Drive many drafting generators in lockstep -> their trees, in order. Each round, the forwards of EAGLE-3
+    drafters that share one network and one cache (use_region) run as one forward over all their rows; any other
+    forward runs alone. Rows only see their own region and the kernels are row-invariant, so every tree is the one
+    its drafter would draft alone."""
+    trees: list = [None] * len(steps)
+    reqs: dict[int, DraftForward] = {}
+
+    def advance(i, value=None, first=False):
+        try:
+            reqs[i] = next(steps[i]) if first else steps[i].send(value)
+        except StopIteration as e:
+            trees[i] = e.value
+            reqs.pop(i, None)
+
+    for i in range(len(steps)):
+        advance(i, first=True)
+    while reqs:
+        groups: dict = {}
+        for i, r in reqs.items():
+            d = r.drafter
+            shared = isinstance(d, Eagle3TreeDrafter) and d.base is not None
+            groups.setdefault((id(d.model), id(d.cache)) if shared else ("alone", i), []).append(i)
+        results = {}
+        for key, idx in groups.items():
+            if key[0] == "alone":
+                results[idx[0]] = reqs[idx[0]].run()
+            else:
+                results.update(zip(idx, _eagle3_together([reqs[i] for i in idx])))
+        for i, res in results.items():
+            advance(i, res)
+    return trees
+
+
+def _eagle3_together(reqs: list[DraftForward]) -> list:
+    """The forwards of EAGLE-3 drafters sharing one network and cache as one -> each one's (logits, states), as
+    its own _catch_up / _expand returns them."""
+    d0 = reqs[0].drafter
+    parts, embs, hids, need, spans = [], [], [], [], []
+    r = 0
+    for q in reqs:
+        d = q.drafter
+        if q.tokens is None:     # catch-up: causal over the region's committed entries, the head on the last row
+            emb, hid, pos = d._catch_up_inputs()
+            n = pos.numel()
+            mask = torch.arange(d.committed + n, device=pos.device)[None, :] <= pos[:, None]
+            parts.append((pos, pos, mask, d.base))
+            need.append(r + n - 1)
+        else:
+            emb, hid, n = d.target.embed_tokens(q.tokens), q.states, q.tokens.numel()
+            parts.append((q.positions, q.slots, q.mask, d.base))
+            need.extend(range(r, r + n))
+        embs.append(emb)
+        hids.append(hid)
+        spans.append((r, n))
+        r += n
+    pos, slots, mask = region_inputs(parts)
+    logits, h = d0.model(torch.cat(embs)[None], torch.cat(hids)[None], pos, d0.cache, slots, mask, logits_idx=need)
+    out, l = [], 0
+    for q, (r, n) in zip(reqs, spans):
+        if q.tokens is None:
+            q.drafter._caught_up(n)
+            out.append((logits[0, l], h[0, r + n - 1]))
+            l += 1
+        else:
+            out.append((logits[0, l:l + n], h[0, r:r + n]))
+            l += n
+    return out

@@ -142,17 +142,19 @@ def plot_verify_surface(surface: dict, path, title: str = "") -> str:
 
 
 def plot_speedup_by_concurrency(series: list[dict], path, title: str = "") -> str:
-    """series: {label, levels, speedups, style ("measured" solid / "predicted" dashed), crossover}: speedup over
-    plain decoding vs concurrent sequences; a dotted line where each series' crossover lies."""
+    """series: {label, levels, speedups, style ("measured" solid, "predicted" dashed, "policy" dash-dotted),
+    group (one color per group), crossover}: speedup over plain decoding vs concurrent sequences; a dotted line
+    where each series' crossover lies."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
     colors = {}
+    fmt = {"measured": "o-", "predicted": "x--", "policy": "s-."}
     for s in series:
         base = s.get("group", s["label"])
         color = colors.setdefault(base, f"C{len(colors) % 10}")
-        dashed = s.get("style") == "predicted"
-        ax.plot(s["levels"], s["speedups"], "x--" if dashed else "o-", color=color, alpha=0.8 if dashed else 1.0,
-                label=s["label"])
+        style = s.get("style", "measured")
+        ax.plot(s["levels"], s["speedups"], fmt.get(style, "o-"), color=color,
+                alpha=0.8 if style == "predicted" else 1.0, label=s["label"])
         if s.get("crossover") is not None:
             ax.axvline(s["crossover"], color=color, ls=":", alpha=0.6)
     ax.axhline(1.0, color="gray", lw=1)

@@ -310,7 +310,7 @@ def test_tune_prints_and_saves_the_concurrency_table(tmp_path, monkeypatch, caps
     policy = spec_policy("auto", SpecConfig(3, 1, 4), model="m", draft="d")
     assert policy(1).steps == 3 and policy(8) is None
     code, out, err = cli(capsys, "tune", "--run", spec, "--verify-curve", vc, "--save-policy",
-                         tmp_path / "p.json", "--concurrency", "1,4,8")
+                         tmp_path / "p.json", "--max-concurrency", "1,4,8")
     assert code == 0, err
     assert "best shape by concurrency" in out and "past ~6.1 concurrent sequences" in out
     assert f"policy table: {tmp_path / 'p.json'}" in out
@@ -320,7 +320,7 @@ def test_tune_prints_and_saves_the_concurrency_table(tmp_path, monkeypatch, caps
     code, out, err = cli(capsys, "tune", "--run", spec, "--verify-curve", old)
     assert code == 0 and "concurrency 2, 4, 8, 16 not predicted: no verify surface" in out
     line = one_error_line(*cli(capsys, "tune", "--run", spec, "--verify-curve", old, "--save-policy")[::2])
-    assert "--save-policy needs predictions at every --concurrency level" in line
+    assert "--save-policy needs predictions at every --max-concurrency level" in line
 
 
 # ------------------------------------------------------------------------------------------------ bad --batch values
@@ -333,8 +333,8 @@ def test_tune_prints_and_saves_the_concurrency_table(tmp_path, monkeypatch, caps
     ("verify-curve", ["--batch-context", "16"], "pass --batch too"),
     ("verify-curve", ["--batch", "2", "--batch-context", "250", "--tokens", "1,16"], "batch context 250 + 16"),
     ("verify-curve", ["--batch", "2", "--batch-context", "64", "--max-seq-len", "32"], "--max-seq-len 32 is shorter"),
-    ("tune", ["--run", "x", "--concurrency", "1,-2"], "--concurrency must all be >= 1"),
-    ("tune", ["--run", "x", "--concurrency", "2000"], "--concurrency values must be <= 1024"),
+    ("tune", ["--run", "x", "--max-concurrency", "1,-2"], "--max-concurrency must all be >= 1"),
+    ("tune", ["--run", "x", "--concurrency", "2000"], "--max-concurrency values must be <= 1024"),
     ("tune", ["--run", "x", "--save-policy"], "--save-policy needs predictions above batch 1"),
     ("breakeven", ["--batch", "0", "--decode-ms", "1", "--verify-ms", "1", "--draft-ms", "1", "--steps", "1"],
      "--batch must be >= 1"),

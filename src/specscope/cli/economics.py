@@ -338,11 +338,11 @@ def read_prompts(dataset: str | None, limit: int) -> list[str]:
               help="Per-cycle phase statistic the costs come from (median ignores scheduler stalls).")
 @click.option("--validate", "n_validate", type=click.IntRange(0, 1000), default=0,
               help="Measure the top N predictions with the real engine.")
-@click.option("--concurrency", default=",".join(map(str, DEFAULT_BATCHES)), show_default=True,
-              metavar="B,B,...",
+@alias_option("--max-concurrency", "concurrency", hidden=("--concurrency",),
+              default=",".join(map(str, DEFAULT_BATCHES)), show_default=True, metavar="B,B,...",
               help="Concurrent sequences to predict the best shape for, and the crossover past which plain decoding "
                    "is faster; levels above 1 need a verify surface (--verify-curve from `verify-curve --batch`; "
-                   "--profile and --validate measure one).")
+                   "--profile and --validate measure one, minutes on a CPU; 1 alone skips it).")
 @click.option("--save-policy", is_flag=False, flag_value="auto", default=None, metavar="[PATH]",
               help="Write the per-concurrency table as JSON for `serve --spec-policy`: to PATH, or, given alone, "
                    "where `--spec-policy auto` looks it up: $SPECSCOPE_CACHE/spec-policy/ (default "
@@ -366,9 +366,9 @@ def tune(run_ref, baseline_ref, curve_ref, decode_ms, do_profile, model_name, dr
     if not do_profile and not run_ref:
         raise SpecscopeError("pass --run ID (a profiled speculative run) or --profile to make one")
     # what flags and files decide, decided before a model loads (and before minutes of measuring)
-    levels = parse_int_list(concurrency, "--concurrency")
+    levels = parse_int_list(concurrency, "--max-concurrency")
     if max(levels) > MAX_BATCH:
-        raise SpecscopeError(f"--concurrency values must be <= {MAX_BATCH}, got {max(levels)}")
+        raise SpecscopeError(f"--max-concurrency values must be <= {MAX_BATCH}, got {max(levels)}")
     batched = max(levels) > 1
     if save_policy is not None and save_policy != "auto":
         check_writable(save_policy, "--save-policy")
@@ -434,7 +434,7 @@ def tune(run_ref, baseline_ref, curve_ref, decode_ms, do_profile, model_name, dr
     if save_policy is not None:
         if batched and not (surface is not None and surface.covers(max(levels))):
             have = ", ".join(map(str, surface.batches)) if surface is not None else "1"
-            raise SpecscopeError(f"--save-policy needs predictions at every --concurrency level; verify curve "
+            raise SpecscopeError(f"--save-policy needs predictions at every --max-concurrency level; verify curve "
                                  f"{curve_ref} covers batch sizes {have}: measure one with `specscope verify-curve "
                                  f"--batch {concurrency}`")
         policy_file = _policy_file(save_policy, ctx)

@@ -437,7 +437,7 @@ def tune(run_ref, baseline_ref, curve_ref, decode_ms, do_profile, model_name, dr
             raise SpecscopeError(f"--save-policy needs predictions at every --max-concurrency level; verify curve "
                                  f"{curve_ref} covers batch sizes {have}: measure one with `specscope verify-curve "
                                  f"--batch {concurrency}`")
-        policy_file = _policy_file(save_policy, ctx)
+        policy_file = _policy_file(save_policy, ctx, run)
     if base is None and decode_ms is None:
         # a run made without a baseline (e.g. `specscope generate --draft ...`): measure plain decoding here
         decode_ms = ctx.plain_decode_ms(say)
@@ -457,7 +457,7 @@ def tune(run_ref, baseline_ref, curve_ref, decode_ms, do_profile, model_name, dr
     if policy_file:
         from specscope.economics.policy import make_table, save_table
 
-        out["policy"] = save_table(make_table(conc, cross, ctx.model_name, ctx.draft, run=run.get("id"),
+        out["policy"] = save_table(make_table(conc, cross, _model_named(run, ctx), ctx.draft, run=run.get("id"),
                                               verify_curve=getattr(surface, "run_id", None)), policy_file)
     validation = None
     if n_validate:
@@ -497,7 +497,7 @@ def tune(run_ref, baseline_ref, curve_ref, decode_ms, do_profile, model_name, dr
                    + ("auto" if save_policy == "auto" else out["policy"]) + ")")
 
 
-def _policy_file(save_policy: str, ctx) -> str:
+def _policy_file(save_policy: str, ctx, run) -> str:
     """--save-policy's path: as given, or (alone) the default place for the run's model and drafter."""
     if save_policy != "auto":
         return save_policy
@@ -506,7 +506,13 @@ def _policy_file(save_policy: str, ctx) -> str:
     if not ctx.draft:
         raise SpecscopeError("--save-policy without a path files the table by model and drafter, and this run names "
                              "no drafter: pass --draft, or --save-policy PATH")
-    return str(policy_path(ctx.model_name, ctx.draft))
+    return str(policy_path(_model_named(run, ctx), ctx.draft))
+
+
+def _model_named(run, ctx) -> str:
+    """The target as the user named it (a hub id, a known name), which serve will name it by too; runs store the
+    resolved directory as "model" and, since tables exist, the name as "model_name"."""
+    return (run.get("config") or {}).get("model_name") or ctx.model_name
 
 
 def _print_concurrency(out, surface):
@@ -594,7 +600,8 @@ class _TuneContext:
         say(f"profiling {len(ids)} prompt(s) × {self.max_new_tokens} tokens: baseline, then "
             f"steps {cfg.steps} topk {cfg.topk} draft tokens {cfg.draft_tokens}"
             + (f" n-gram tokens {cfg.ngram_tokens}" if cfg.ngram_tokens else "") + " ...")
-        config = {**machine_config(path, target.dtype, target.device), "draft": self.draft, "prompts": self.prompts,
+        config = {**machine_config(path, target.dtype, target.device), "model_name": self.model_name,
+                  "draft": self.draft, "prompts": self.prompts,
                   "prompt_set_hash": prompt_set_hash(self.prompts), "max_new_tokens": self.max_new_tokens,
                   "sampling": {"temperature": 0.0}}
         brec, srec = profile(target, drafter, ids, cfg, self.max_new_tokens, stop, config, db)

@@ -94,8 +94,8 @@ def describe(res: dict, inp: BreakevenInputs) -> list[str]:
         lines = [f"cycle: draft {inp.draft_ms:.2f} + verify {inp.verify_ms:.2f} + other {inp.other_ms:.2f} "
                  f"= {res['cycle_ms']:.2f} ms; plain decoding: {inp.decode_ms:.2f} ms/token"]
     else:
-        lines = [f"at batch {B}: cycle = verify {inp.verify_ms:.2f} (one forward over the {B} sequences) + {B} × (draft "
-                 f"{inp.draft_ms:.2f} + other {inp.other_ms:.2f}) = {res['cycle_ms']:.2f} ms; plain decoding: "
+        lines = [f"at batch {B}: cycle = verify {inp.verify_ms:.2f} (one forward over the {B} sequences) + {B} × "
+                 f"(draft {inp.draft_ms:.2f} + other {inp.other_ms:.2f}) = {res['cycle_ms']:.2f} ms; plain decoding: "
                  f"{inp.decode_ms:.2f} ms a step = {inp.decode_ms / B:.2f} ms per sequence-token"]
     if need > mx:
         lines.append(f"break-even is impossible: it needs τ = {need:.2f} tokens per cycle, but {inp.steps} draft "
@@ -241,8 +241,9 @@ def inputs_from_runs(run: dict, baseline: dict | None, given: BreakevenInputs,
     take("steps", int(steps) if steps is not None else None,
          f"run {rid}" + (" (deepest copy chain of the hybrid)" if ngram else ""))
     take("measured_accept_length", _num(res.get("accept_length")), f"run {rid}")
-    take("verify_tokens", _num(res.get("verify_tokens_mean")), f"run {rid}")
-    take("context", _num(res.get("mean_context")), f"run {rid}")
+    if surface is not None:     # where to read the surface: this run's verify width and context
+        take("verify_tokens", _num(res.get("verify_tokens_mean")), f"run {rid}")
+        take("context", _num(res.get("mean_context")), f"run {rid}")
     if baseline is not None:
         bid = baseline.get("id") or baseline.get("run_id") or "?"
         take("decode_ms", decode_ms_of(baseline.get("results") or {}), f"baseline run {bid}")

@@ -391,8 +391,8 @@ def rank(acc: AcceptanceModel, cost: CostModel, configs, hybrid: HybridModel | N
 DEFAULT_CONCURRENCY = DEFAULT_BATCHES
 
 
-def by_concurrency(acc: AcceptanceModel, cost: CostModel, configs, levels, hybrid: HybridModel | None = None
-                   ) -> tuple[list[dict], list[int]]:
+def by_concurrency(acc: AcceptanceModel, cost: CostModel, configs, levels=DEFAULT_CONCURRENCY,
+                   hybrid: HybridModel | None = None) -> tuple[list[dict], list[int]]:
     """The best predicted configuration at each concurrency level the cost model can price -> (rows, levels left
     out because the verify surface does not cover them)."""
     rows, skipped = [], []

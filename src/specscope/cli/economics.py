@@ -9,7 +9,7 @@ import click
 from specscope.cli.common import (FiniteFloat, alias_option, check_writable, db_option, device_option, draft_option,
                                   dtype_option, emit_json, json_option, output_option, setup_runtime, spec_options,
                                   stderr_console, stdout_console)
-from specscope.economics.verify_curve import DEFAULT_CONTEXTS, DEFAULT_TOKENS, MAX_REPEATS
+from specscope.economics.verify_curve import DEFAULT_BATCHES, DEFAULT_CONTEXTS, DEFAULT_TOKENS, MAX_BATCH, MAX_REPEATS
 from specscope.errors import SpecscopeError
 from specscope.jsonio import dtype_name
 
@@ -37,21 +37,31 @@ def _open(db):
               help=f"Untimed forwards per point (0..{MAX_REPEATS}).")
 @click.option("--repeats", type=int, default=5, show_default=True,
               help=f"Timed forwards per point (1..{MAX_REPEATS}).")
+@click.option("--batch", "batches", default=None, metavar="B,B,...",
+              help=f"Also measure the batch axis: one forward over B sequences each verifying n tokens, as the "
+                   f"batched engine runs it, for each B (e.g. {','.join(map(str, DEFAULT_BATCHES))}; at most "
+                   f"{MAX_BATCH}); stored beside the batch-1 curve, printed and plotted per batch size.")
+@click.option("--batch-context", type=click.IntRange(min=1), default=None,
+              help="Cached tokens per sequence for --batch (default: the first --context).")
+@click.option("--max-seq-len", type=click.IntRange(min=1), default=None,
+              help="With --batch: tokens each sequence's KV region holds, as the engine's --max-seq-len (capped at "
+                   "the model's context); wider regions widen every row's mask. Default: just the batch context.")
 @dtype_option()
 @device_option()
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="CPU threads for torch.")
-@output_option("PNG to write (default: verify-curve-<run id>.png in the current directory).", hidden=("--plot",),
-               dir_okay=False)
+@output_option("PNG to write (default: verify-curve-<run id>.png in the current directory; with --batch the "
+               "batch plot goes beside it, <name>-batch.png).", hidden=("--plot",), dir_okay=False)
 @click.option("--no-plot", is_flag=True, help="Do not write a PNG.")
 @click.option("--no-record", is_flag=True, help="Do not store the curve in the registry.")
 @click.option("--name", default="", help="Run name in the registry.")
 @_DB
 @json_option()
-def verify_curve(model_name, contexts, tokens, warmup, repeats, dtype, device, threads, output, no_plot,
-                 no_record, name, db, as_json):
+def verify_curve(model_name, contexts, tokens, warmup, repeats, batches, batch_context, max_seq_len, dtype, device,
+                 threads, output, no_plot, no_record, name, db, as_json):
     """Measure the target's forward time for n query tokens at each context length, fit where it stops being
-    flat (the knee), store the curve as a run and plot it."""
-    from specscope.economics.verify_curve import check_plan, knee_words, measure_curve, parse_int_list
+    flat (the knee), store the curve as a run and plot it; with --batch, also T(B, n) over B sequences at once."""
+    from specscope.economics.verify_curve import (check_plan, check_surface_plan, knee_words, measure_curve,
+                                                  measure_surface, parse_int_list, surface_results)
     from specscope.models.hub import resolve_model
     from specscope.models.loader import load_config, load_model, parse_dtype, weight_files
 
@@ -67,10 +77,17 @@ def verify_curve(model_name, contexts, tokens, warmup, repeats, dtype, device, t
         check_registry(db)
     ctxs = parse_int_list(contexts, "--context")
     toks = parse_int_list(tokens, "--tokens")
+    bs = parse_int_list(batches, "--batch") if batches is not None else None
+    if bs is None and (batch_context is not None or max_seq_len is not None):
+        raise SpecscopeError("--batch-context and --max-seq-len shape the batch axis; pass --batch too "
+                             "(e.g. --batch 1,2,4,8,16)")
+    bctx = batch_context or ctxs[0]
     path = resolve_model(model_name)
     mcfg, _ = load_config(path)                 # config.json and the weight files' presence: no weights read
     weight_files(path)
     check_plan(ctxs, toks, warmup, repeats, mcfg.max_position_embeddings)
+    if bs is not None:
+        check_surface_plan(bs, bctx, toks, mcfg.max_position_embeddings, max_seq_len)
     dev = setup_runtime(threads, device)
     dt = parse_dtype(dtype, str(dev))
     model = load_model(path, dtype=dt, device=dev)
@@ -85,6 +102,18 @@ def verify_curve(model_name, contexts, tokens, warmup, repeats, dtype, device, t
                       f"{row['median_ms']:8.2f} ms (p10 {row['p10_ms']:.2f}, p90 {row['p90_ms']:.2f})")
 
     res = measure_curve(model, ctxs, toks, warmup, repeats, progress)
+    surface = None
+    if bs is not None:
+        total, done[0] = len(bs) * len(toks), 0
+
+        def bprogress(row):
+            done[0] += 1
+            if not as_json:
+                err.print(f"[{done[0]}/{total}] batch {row['batch']:>4} × n = {row['tokens']:>3} at context "
+                          f"{row['context']}: {row['median_ms']:8.2f} ms (p10 {row['p10_ms']:.2f}, "
+                          f"p90 {row['p90_ms']:.2f})")
+
+        surface = measure_surface(model, bs, bctx, toks, warmup, repeats, max_seq_len, bprogress)
     from specscope.registry import machine_config
 
     config = {**machine_config(path, dt, dev), "model_name": model_name, "contexts": ctxs, "tokens": toks,
@@ -92,23 +121,36 @@ def verify_curve(model_name, contexts, tokens, warmup, repeats, dtype, device, t
     results = {"points": res["points"], "fits": res["fits"],
                "decode_ms": {str(L): next(p["median_ms"] for p in res["points"] if p["context"] == L
                                           and p["tokens"] == min(toks)) for L in ctxs}}
+    samples = {"verify_ms": res["samples"]}
+    if surface is not None:
+        config.update({"batches": bs, "batch_context": bctx, "max_seq_len": max_seq_len})
+        results["surface"] = surface_results(surface)
+        samples["batch_verify_ms"] = surface["samples"]
     run_id = None
     if not no_record:
         from specscope.registry import make_record, store_record
 
         rec = make_record("verify_curve", name or f"verify curve {model_name}", config=config, results=results,
-                          samples={"verify_ms": res["samples"]})
+                          samples=samples)
         run_id = store_record(rec, db)
-    png = None
+    png = bpng = None
     if not no_plot:
-        from specscope.economics.plots import plot_verify_curve
+        from pathlib import Path
 
-        png = plot_verify_curve(res, output or f"verify-curve-{run_id or 'unrecorded'}.png",
-                                title=f"verify cost: {model_name} {config['dtype']} {dev}")
+        from specscope.economics.plots import plot_verify_curve, plot_verify_surface
+
+        target = output or f"verify-curve-{run_id or 'unrecorded'}.png"
+        png = plot_verify_curve(res, target, title=f"verify cost: {model_name} {config['dtype']} {dev}")
+        if surface is not None:
+            t = Path(target)
+            bpng = plot_verify_surface(surface, t.with_name(f"{t.stem}-batch{t.suffix or '.png'}"),
+                                       title=f"verify cost by batch size: {model_name} {config['dtype']} {dev}, "
+                                             f"context {bctx}")
     words = {L: knee_words(f, max(toks), [p for p in res["points"] if str(p["context"]) == L])
              for L, f in res["fits"].items()}
     if as_json:
-        emit_json({"run_id": run_id, "config": config, **results, "knee": words, "plot": png})
+        emit_json({"run_id": run_id, "config": config, **results, "knee": words, "plot": png,
+                   **({"batch_plot": bpng} if surface is not None else {})})
         return
     _print_curve_table(res, ctxs, toks)
     for L in ctxs:
@@ -120,10 +162,40 @@ def verify_curve(model_name, contexts, tokens, warmup, repeats, dtype, device, t
         cheap = [p["tokens"] for p in res["points"] if p["context"] == L and p["median_ms"] <= 1.1 * base[L]]
         click.echo(f"context {L}: up to {max(cheap)} tokens verify within 10% of one decode step "
                    f"({base[L]:.2f} ms)")
+    if surface is not None:
+        _print_surface(surface)
     if run_id:
         click.echo(f"stored as run {run_id}")
-    if png:
-        click.echo(f"plot: {png}")
+    for p in (png, bpng):
+        if p:
+            click.echo(f"plot: {p}")
+
+
+def _print_surface(surface):
+    """T(B, n) as a table (× the plain step at the same batch size), then per batch size what a plain step costs
+    per sequence-token and how many tokens per sequence verify for about its price."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    bs, toks = surface["batches"], surface["tokens"]
+    by = {(p["batch"], p["tokens"]): p for p in surface["points"]}
+    t = Table(title=escape(f"one forward over B sequences × n tokens each at context {surface['context']}, ms: "
+                           f"median and × the plain step T(B, {toks[0]})"))
+    t.add_column("n per seq", justify="right")
+    for B in bs:
+        t.add_column(f"batch {B}", justify="right")
+    for n in toks:
+        cells = []
+        for B in bs:
+            ms = by[(B, n)]["median_ms"]
+            cells.append(escape(f"{ms:.2f} {ms / by[(B, toks[0])]['median_ms']:.2f}×"))
+        t.add_row(str(n), *cells)
+    stdout_console().print(t)
+    for B in bs:
+        base = by[(B, toks[0])]["median_ms"]
+        cheap = max(n for n in toks if by[(B, n)]["median_ms"] <= 1.1 * base)
+        click.echo(f"batch {B}: a plain step {base:.2f} ms = {base / B:.2f} ms per sequence-token; up to {cheap} "
+                   f"token(s) per sequence verify within 10% of it")
 
 
 def _print_curve_table(res, ctxs, toks):
@@ -163,13 +235,24 @@ MAX_BREAKEVEN_STEPS = 10**9   # closed-form arithmetic: a billion steps cost wha
               help="Measured τ (accepted + 1 per cycle; gives the speedup).")
 @click.option("--run", "run_ref", default=None, help="A stored speculative run (id, prefix or last).")
 @click.option("--baseline-run", "baseline_ref", default=None, help="A stored baseline run for T_decode.")
+@click.option("--batch", type=int, default=1, show_default=True,
+              help="Sequences decoded together. --decode-ms and --verify-ms are then one forward over all of them, "
+                   "--draft-ms and --other-ms per sequence; a run's times (batch 1) are scaled by --verify-curve.")
+@click.option("--verify-curve", "curve_ref", default=None,
+              help="A verify_curve run (with --batch: one measured with `verify-curve --batch`) for the decode and "
+                   "verify times not given.")
+@click.option("--verify-tokens", type=float, default=None,
+              help="Tokens one sequence verifies per cycle, to read --verify-curve at (default: the run's mean, "
+                   "else steps + 1).")
 @_DB
 @json_option()
 def breakeven(decode_ms, verify_ms, draft_ms, other_ms, steps, measured_tok_s, measured_accept_length, run_ref,
-              baseline_ref, db, as_json):
+              baseline_ref, batch, curve_ref, verify_tokens, db, as_json):
     """The τ (and i.i.d. acceptance α) a configuration needs to beat plain decoding, the most it can reach, and
-    the speedup actually achieved — from numbers or from stored runs."""
-    from specscope.economics.breakeven import BreakevenInputs, breakeven as compute, describe, inputs_from_runs
+    the speedup actually achieved — from numbers or from stored runs; --batch B: the τ needed at B sequences."""
+    from specscope.economics.breakeven import (BreakevenInputs, at_batch, breakeven as compute, describe,
+                                               inputs_from_runs)
+    from specscope.economics.verify_curve import MAX_BATCH
 
     real = math.isfinite   # nan and inf pass every comparison below the wrong way
     for flag, v in (("--decode-ms", decode_ms), ("--verify-ms", verify_ms), ("--draft-ms", draft_ms)):
@@ -181,9 +264,20 @@ def breakeven(decode_ms, verify_ms, draft_ms, other_ms, steps, measured_tok_s, m
         raise SpecscopeError(f"--steps must be >= 1 and at most {MAX_BREAKEVEN_STEPS}, got {steps}")
     if measured_tok_s is not None and not (measured_tok_s > 0 and real(measured_tok_s)):
         raise SpecscopeError(f"--measured-tok-s must be positive and finite, got {measured_tok_s}")
-    given = BreakevenInputs(decode_ms, verify_ms, draft_ms, steps, other_ms, measured_tok_s, measured_accept_length)
+    if not 1 <= batch <= MAX_BATCH:
+        raise SpecscopeError(f"--batch must be >= 1 and at most {MAX_BATCH}, got {batch}")
+    if verify_tokens is not None and not (verify_tokens >= 1 and real(verify_tokens)):
+        raise SpecscopeError(f"--verify-tokens must be >= 1 (the root at least) and finite, got {verify_tokens}")
+    given = BreakevenInputs(decode_ms, verify_ms, draft_ms, steps, other_ms, measured_tok_s, measured_accept_length,
+                            batch=batch, verify_tokens=verify_tokens)
     if baseline_ref and not run_ref:
         raise SpecscopeError("--baseline-run needs --run (the speculative run to analyse)")
+    surface = None
+    if curve_ref:
+        from specscope.economics.verify_curve import VerifySurface
+
+        with _open(db) as reg:
+            surface = VerifySurface.from_run(reg.get_run(curve_ref, samples=False))
     if run_ref:
         with _open(db) as reg:
             run = reg.get_run(run_ref, samples=False)
@@ -193,10 +287,10 @@ def breakeven(decode_ms, verify_ms, draft_ms, other_ms, steps, measured_tok_s, m
         if run.get("kind") in ("baseline",) and base is None:
             raise SpecscopeError(f"run {run['id']} is a baseline run; pass the speculative run as --run and this one "
                                  f"as --baseline-run")
-        inp = inputs_from_runs(run, base, given)
+        inp = inputs_from_runs(run, base, given, surface)
     else:
         inp = given
-    res = compute(inp)
+    res = compute(at_batch(inp, surface))
     if as_json:
         emit_json(res)
         return
@@ -244,23 +338,43 @@ def read_prompts(dataset: str | None, limit: int) -> list[str]:
               help="Per-cycle phase statistic the costs come from (median ignores scheduler stalls).")
 @click.option("--validate", "n_validate", type=click.IntRange(0, 1000), default=0,
               help="Measure the top N predictions with the real engine.")
+@alias_option("--max-concurrency", "concurrency", hidden=("--concurrency",),
+              default=",".join(map(str, DEFAULT_BATCHES)), show_default=True, metavar="B,B,...",
+              help="Concurrent sequences to predict the best shape for, and the crossover past which plain decoding "
+                   "is faster; levels above 1 need a verify surface (--verify-curve from `verify-curve --batch`; "
+                   "--profile and --validate measure one, minutes on a CPU; 1 alone skips it).")
+@click.option("--save-policy", is_flag=False, flag_value="auto", default=None, metavar="[PATH]",
+              help="Write the per-concurrency table as JSON for `serve --spec-policy`: to PATH, or, given alone, "
+                   "where `--spec-policy auto` looks it up: $SPECSCOPE_CACHE/spec-policy/ (default "
+                   "~/.cache/specscope/spec-policy/), keyed by the model and the drafter.")
 @dtype_option()
 @device_option()
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="CPU threads for torch.")
-@output_option("Directory for tau-needed.png (and predicted-vs-measured.png).", hidden=("--plot-dir",),
-               file_okay=False)
+@output_option("Directory for tau-needed.png (and predicted-vs-measured.png, spec-by-concurrency.png).",
+               hidden=("--plot-dir",), file_okay=False)
 @_DB
 @json_option()
 def tune(run_ref, baseline_ref, curve_ref, decode_ms, do_profile, model_name, draft, steps, topk, draft_tokens,
          ngram_tokens, prompts_file, num_prompts, max_new_tokens, max_steps, max_topk, max_draft_tokens, top, stat,
-         n_validate, dtype, device, threads, output, db, as_json):
+         n_validate, concurrency, save_policy, dtype, device, threads, output, db, as_json):
     """Predict the best (steps, topk, draft_tokens) from one profiled run, without a sweep; --validate N measures
-    the top N predictions and reports predicted vs measured speedup."""
+    the top N predictions and reports predicted vs measured speedup. Per concurrency level: the best shape and the
+    crossover concurrency, saved for `serve --spec-policy` with --save-policy."""
     from specscope.economics import tune as T
+    from specscope.economics.verify_curve import parse_int_list
 
     if not do_profile and not run_ref:
         raise SpecscopeError("pass --run ID (a profiled speculative run) or --profile to make one")
     # what flags and files decide, decided before a model loads (and before minutes of measuring)
+    levels = parse_int_list(concurrency, "--max-concurrency")
+    if max(levels) > MAX_BATCH:
+        raise SpecscopeError(f"--max-concurrency values must be <= {MAX_BATCH}, got {max(levels)}")
+    batched = max(levels) > 1
+    if save_policy is not None and save_policy != "auto":
+        check_writable(save_policy, "--save-policy")
+    if save_policy is not None and batched and not (curve_ref or do_profile or n_validate):
+        raise SpecscopeError("--save-policy needs predictions above batch 1: pass --verify-curve SURFACE (from "
+                             "`specscope verify-curve --batch 1,2,4,8,16`), or --profile to measure one")
     if output:
         check_writable(output, "--output", is_dir=True)
     if do_profile:
@@ -309,17 +423,25 @@ def tune(run_ref, baseline_ref, curve_ref, decode_ms, do_profile, model_name, dr
         else:
             ctx.adopt_run(run)
     acc = T.AcceptanceModel.from_run(run)
-    from specscope.economics.verify_curve import VerifyCurve
+    from specscope.economics.verify_curve import VerifyCurve, VerifySurface
 
-    curve = None
+    curve = surface = None
     if curve_ref and not do_profile:
-        curve = VerifyCurve.from_run(curve_run)
+        curve, surface = VerifyCurve.from_run(curve_run), VerifySurface.from_run(curve_run)
     elif do_profile or n_validate:
-        curve = ctx.quick_curve(run, max_draft_tokens, db, say)
+        curve, surface = ctx.quick_curve(run, max_draft_tokens, levels, db, say)
+    policy_file = None
+    if save_policy is not None:
+        if batched and not (surface is not None and surface.covers(max(levels))):
+            have = ", ".join(map(str, surface.batches)) if surface is not None else "1"
+            raise SpecscopeError(f"--save-policy needs predictions at every --max-concurrency level; verify curve "
+                                 f"{curve_ref} covers batch sizes {have}: measure one with `specscope verify-curve "
+                                 f"--batch {concurrency}`")
+        policy_file = _policy_file(save_policy, ctx, run)
     if base is None and decode_ms is None:
         # a run made without a baseline (e.g. `specscope generate --draft ...`): measure plain decoding here
         decode_ms = ctx.plain_decode_ms(say)
-    cost = T.CostModel.from_runs(run, base, curve, decode_ms, stat)
+    cost = T.CostModel.from_runs(run, base, curve, decode_ms, stat, surface if batched else None)
     configs = T.candidate_configs(acc, max_steps, max_topk, max_draft_tokens)
     hyb = T.HybridModel.from_run(run) if (run.get("results") or {}).get("hybrid_cycles") else None
     if hyb is not None:      # a hybrid: the drafter ran in the tree cycles only; choose the n-gram budget too
@@ -329,6 +451,14 @@ def tune(run_ref, baseline_ref, curve_ref, decode_ms, do_profile, model_name, dr
     out = {"run": run.get("id"), "baseline_run": (base or {}).get("id"), "verify_curve": getattr(curve, "run_id", None),
            "acceptance": {"source": acc.source, "rates": acc.rates}, "cost_notes": cost.notes,
            "decode_ms": cost.decode_ms, "predictions": rows[:top]}
+    conc, skipped = T.by_concurrency(acc, cost, configs, levels, hyb)
+    cross = T.crossover([r["batch"] for r in conc], [r["speedup"] for r in conc])
+    out.update({"concurrency": conc, "crossover": cross, "concurrency_not_predicted": skipped})
+    if policy_file:
+        from specscope.economics.policy import make_table, save_table
+
+        out["policy"] = save_table(make_table(conc, cross, _model_named(run, ctx), ctx.draft, run=run.get("id"),
+                                              verify_curve=getattr(surface, "run_id", None)), policy_file)
     validation = None
     if n_validate:
         picks = [(r["steps"], r["topk"], r["draft_tokens"], r.get("ngram_tokens", 0)) for r in rows[:n_validate]]
@@ -348,10 +478,76 @@ def tune(run_ref, baseline_ref, curve_ref, decode_ms, do_profile, model_name, dr
         out["plots"] = [plot_tau_needed(T.best_by_draft_tokens(rows), Path(plot_dir) / "tau-needed.png")]
         if validation:
             out["plots"].append(plot_pred_vs_measured(validation, Path(plot_dir) / "predicted-vs-measured.png"))
+        if len(conc) > 1:
+            from specscope.economics.plots import plot_speedup_by_concurrency
+
+            series = [{"label": "best shape per level (predicted)", "style": "predicted", "crossover": cross,
+                       "levels": [r["batch"] for r in conc], "speedups": [r["speedup"] for r in conc]}]
+            out["plots"].append(plot_speedup_by_concurrency(series, Path(plot_dir) / "spec-by-concurrency.png"))
     if as_json:
         emit_json(out)
         return
     _print_tune(out, rows[:top], acc, cost, validation)
+    if batched:
+        _print_concurrency(out, surface)
+    for p in out.get("plots", []):
+        click.echo(f"plot: {p}")
+    if out.get("policy"):
+        click.echo(f"policy table: {out['policy']} (serve --spec-policy "
+                   + ("auto" if save_policy == "auto" else out["policy"]) + ")")
+
+
+def _policy_file(save_policy: str, ctx, run) -> str:
+    """--save-policy's path: as given, or (alone) the default place for the run's model and drafter."""
+    if save_policy != "auto":
+        return save_policy
+    from specscope.economics.policy import policy_path
+
+    if not ctx.draft:
+        raise SpecscopeError("--save-policy without a path files the table by model and drafter, and this run names "
+                             "no drafter: pass --draft, or --save-policy PATH")
+    return str(policy_path(_model_named(run, ctx), ctx.draft))
+
+
+def _model_named(run, ctx) -> str:
+    """The target as the user named it (a hub id, a known name), which serve will name it by too; runs store the
+    resolved directory as "model" and, since tables exist, the name as "model_name"."""
+    return (run.get("config") or {}).get("model_name") or ctx.model_name
+
+
+def _print_concurrency(out, surface):
+    from rich.table import Table
+
+    conc, cross = out["concurrency"], out["crossover"]
+    if len(conc) > 1:
+        hybrid = any("ngram_tokens" in r for r in conc)
+        t = Table(title="best shape by concurrency (predicted; per-sequence-token times)")
+        for c in ("concurrency", "steps", "topk", "draft tok") + (("ngram tok",) if hybrid else ()) + \
+                ("τ pred", "τ needed", "plain ms/tok", "spec ms/tok", "speedup"):
+            t.add_column(c, justify="right")
+        for r in conc:
+            t.add_row(str(r["batch"]), str(r["steps"]), str(r["topk"]), str(r["draft_tokens"]),
+                      *((str(r["ngram_tokens"]),) if hybrid else ()), f"{r['tau']:.2f}", f"{r['tau_needed']:.2f}",
+                      f"{r['plain_ms_per_token']:.2f}", f"{r['spec_ms_per_token']:.2f}", f"{r['speedup']:.2f}x")
+        stdout_console().print(t)
+    if out["concurrency_not_predicted"]:
+        left = ", ".join(map(str, out["concurrency_not_predicted"]))
+        if surface is None or surface.batches == [1]:
+            click.echo(f"concurrency {left} not predicted: no verify surface; measure one with `specscope "
+                       f"verify-curve --batch 1,2,4,8,16` and pass it as --verify-curve")
+        else:
+            click.echo(f"concurrency {left} not predicted: the verify surface covers batch sizes "
+                       f"{', '.join(map(str, surface.batches))}")
+    if len(conc) <= 1:
+        return
+    top = conc[-1]["batch"]
+    if cross is None:
+        click.echo(f"crossover: none up to concurrency {top}: speculation is predicted to pay at every level")
+    elif conc[0]["speedup"] <= 1.0:
+        click.echo("crossover: plain decoding is predicted faster at every concurrency level")
+    else:
+        click.echo(f"crossover: past ~{cross:.1f} concurrent sequences plain decoding is predicted faster; "
+                   f"speculate below it")
 
 
 class _TuneContext:
@@ -404,7 +600,8 @@ class _TuneContext:
         say(f"profiling {len(ids)} prompt(s) × {self.max_new_tokens} tokens: baseline, then "
             f"steps {cfg.steps} topk {cfg.topk} draft tokens {cfg.draft_tokens}"
             + (f" n-gram tokens {cfg.ngram_tokens}" if cfg.ngram_tokens else "") + " ...")
-        config = {**machine_config(path, target.dtype, target.device), "draft": self.draft, "prompts": self.prompts,
+        config = {**machine_config(path, target.dtype, target.device), "model_name": self.model_name,
+                  "draft": self.draft, "prompts": self.prompts,
                   "prompt_set_hash": prompt_set_hash(self.prompts), "max_new_tokens": self.max_new_tokens,
                   "sampling": {"temperature": 0.0}}
         brec, srec = profile(target, drafter, ids, cfg, self.max_new_tokens, stop, config, db)
@@ -419,9 +616,11 @@ class _TuneContext:
         say(f"no baseline run recorded with this run: measuring plain decoding on {len(ids)} prompt(s) ...")
         return plain_decode_ms(target, ids, self.max_new_tokens, stop)
 
-    def quick_curve(self, run, max_tokens, db, say):
-        """A verify curve at the run's mean context, over the widths the candidates need."""
-        from specscope.economics.verify_curve import VerifyCurve, measure_curve
+    def quick_curve(self, run, max_tokens, levels, db, say):
+        """A verify curve at the run's mean context, over the widths the candidates need, and the surface over
+        the concurrency levels above 1 -> (VerifyCurve, VerifySurface or None)."""
+        from specscope.economics.verify_curve import (VerifyCurve, VerifySurface, measure_curve, measure_surface,
+                                                      surface_results)
         from specscope.registry import make_record, store_record
 
         target = self.load()[0]
@@ -430,14 +629,19 @@ class _TuneContext:
         toks = sorted({n for n in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64) if n <= max_tokens})
         say(f"measuring the verify curve at context {L} for n = {', '.join(map(str, toks))} ...")
         res = measure_curve(target, [L], toks, warmup=1, repeats=5)
-        rec = make_record("verify_curve", f"tune verify curve L{L}",
-                          config={"model": str(self.load()[4]), "dtype": dtype_name(target.dtype),
-                                  "device": str(target.device), "contexts": [L], "tokens": toks,
-                                  "warmup": 1, "repeats": 5},
-                          results={"points": res["points"], "fits": res["fits"]},
-                          samples={"verify_ms": res["samples"]})
+        config = {"model": str(self.load()[4]), "dtype": dtype_name(target.dtype), "device": str(target.device),
+                  "contexts": [L], "tokens": toks, "warmup": 1, "repeats": 5}
+        results, samples = {"points": res["points"], "fits": res["fits"]}, {"verify_ms": res["samples"]}
+        if max(levels) > 1:
+            say(f"measuring the verify surface at batch sizes {', '.join(map(str, levels))} ...")
+            surf = measure_surface(target, levels, L, toks, warmup=1, repeats=5)
+            config.update({"batches": list(levels), "batch_context": L})
+            results["surface"] = surface_results(surf)
+            samples["batch_verify_ms"] = surf["samples"]
+        rec = make_record("verify_curve", f"tune verify curve L{L}", config=config, results=results,
+                          samples=samples)
         rec["id"] = store_record(rec, db)
-        return VerifyCurve.from_run(rec)
+        return VerifyCurve.from_run(rec), (VerifySurface.from_run(rec) if max(levels) > 1 else None)
 
     def validate(self, picks, say):
         from specscope.economics.probe import validate
@@ -498,5 +702,3 @@ def _print_tune(out, rows, acc, cost, validation):
         e = out["validation_error"]
         click.echo(f"median |predicted − measured| / measured: {e['median_rel_error'] * 100:.1f}% over {e['n']} "
                    f"configuration(s)")
-    for p in out.get("plots", []):
-        click.echo(f"plot: {p}")

@@ -24,6 +24,9 @@ class BreakevenInputs:
     measured_speedup: tuple | None = None            # (ratio, how it was measured), from two stored runs
     sources: dict = field(default_factory=dict)   # which run (or the command line) each number came from
     notes: list = field(default_factory=list)
+    batch: int = 1                                   # sequences per target forward (decode_ms, verify_ms: all of them)
+    verify_tokens: float | None = None               # tokens one sequence verifies per cycle (to read a surface)
+    context: float | None = None                     # per-sequence context (to read a surface)
 
 
 def breakeven(inp: BreakevenInputs) -> dict:
@@ -32,7 +35,9 @@ def breakeven(inp: BreakevenInputs) -> dict:
     missing = [flag for flag, v in (("--decode-ms", inp.decode_ms), ("--verify-ms", inp.verify_ms),
                                     ("--draft-ms", inp.draft_ms), ("--steps", inp.steps)) if v is None]
     if missing:
-        raise SpecscopeError(f"break-even needs {', '.join(missing)}" + _note_suffix(inp))
+        hint = (" (or --verify-curve RUN for the decode and verify times)"
+                if {"--decode-ms", "--verify-ms"} & set(missing) else "")
+        raise SpecscopeError(f"break-even needs {', '.join(missing)}{hint}" + _note_suffix(inp))
     if inp.draft_ms <= 0 or not math.isfinite(inp.draft_ms):
         raise SpecscopeError(f"draft time must be a positive number of milliseconds, got {inp.draft_ms}")
     if inp.steps < 1:
@@ -45,7 +50,7 @@ def breakeven(inp: BreakevenInputs) -> dict:
         raise SpecscopeError(f"measured accept length τ = {tau:g} ({src}) is impossible with steps = {inp.steps}: "
                              f"a cycle yields at most {inp.steps + 1} tokens (the drafts + the bonus token); "
                              f"check τ and --steps")
-    cost = CycleCost(inp.decode_ms, inp.draft_ms, inp.verify_ms, inp.other_ms)
+    cost = CycleCost(inp.decode_ms, inp.draft_ms, inp.verify_ms, inp.other_ms, inp.batch)
     need = cost.break_even_tau
     out = {
         "cycle_ms": cost.cycle_ms,
@@ -53,6 +58,9 @@ def breakeven(inp: BreakevenInputs) -> dict:
         "break_even_alpha": iid_alpha_for(need, inp.steps),
         "max_accept_length": float(inp.steps + 1),  # a cycle yields at most depth drafts + the bonus token
     }
+    if inp.batch != 1:      # batch-1 results keep their keys as they were
+        out.update({"batch": inp.batch, "decode_ms": inp.decode_ms, "verify_ms": inp.verify_ms,
+                    "plain_ms_per_token": cost.plain_ms_per_token})
     sp = (inp.measured_speedup[0] if inp.measured_speedup is not None
           else achieved_speedup(cost, inp.measured_tok_s, inp.measured_accept_length))
     if sp is not None:
@@ -65,10 +73,11 @@ def breakeven(inp: BreakevenInputs) -> dict:
 
 
 def achieved_speedup(cost: CycleCost, tok_s: float | None, tau: float | None) -> float | None:
-    """Measured throughput beats a τ-based estimate: it includes everything the cycle model leaves out."""
+    """Measured throughput beats a τ-based estimate: it includes everything the cycle model leaves out. At batch B
+    tok/s counts every sequence's tokens, as a server's output throughput does."""
     if tok_s is not None:
         check_positive(tok_s, "measured tok/s")
-        return tok_s * cost.decode_ms / 1e3
+        return tok_s * cost.plain_ms_per_token / 1e3
     if tau is not None:
         if not (tau >= 1.0 and math.isfinite(tau)):
             raise SpecscopeError(f"measured accept length τ must be >= 1 (accepted drafts + the bonus token), "
@@ -80,12 +89,19 @@ def achieved_speedup(cost: CycleCost, tok_s: float | None, tau: float | None) ->
 def describe(res: dict, inp: BreakevenInputs) -> list[str]:
     """The verdict in words."""
     need, mx, a = res["break_even_accept_length"], res["max_accept_length"], res["break_even_alpha"]
-    lines = [f"cycle: draft {inp.draft_ms:.2f} + verify {inp.verify_ms:.2f} + other {inp.other_ms:.2f} "
-             f"= {res['cycle_ms']:.2f} ms; plain decoding: {inp.decode_ms:.2f} ms/token"]
+    B = inp.batch
+    if B == 1:
+        lines = [f"cycle: draft {inp.draft_ms:.2f} + verify {inp.verify_ms:.2f} + other {inp.other_ms:.2f} "
+                 f"= {res['cycle_ms']:.2f} ms; plain decoding: {inp.decode_ms:.2f} ms/token"]
+    else:
+        lines = [f"at batch {B}: cycle = verify {inp.verify_ms:.2f} (one forward over the {B} sequences) + {B} × "
+                 f"(draft {inp.draft_ms:.2f} + other {inp.other_ms:.2f}) = {res['cycle_ms']:.2f} ms; plain decoding: "
+                 f"{inp.decode_ms:.2f} ms a step = {inp.decode_ms / B:.2f} ms per sequence-token"]
     if need > mx:
         lines.append(f"break-even is impossible: it needs τ = {need:.2f} tokens per cycle, but {inp.steps} draft "
                      f"step(s) yield at most {mx:.0f}. Make the cycle cheaper than {mx * inp.decode_ms:.2f} ms "
-                     f"(verify or draft) or draft deeper.")
+                     f"(verify or draft) or draft deeper" + (f", or batch fewer than {B} sequences." if B > 1
+                                                            else "."))
     elif need <= 1.0:
         lines.append(f"break-even needs τ = {need:.2f}: the cycle costs no more than one decode step, "
                      f"so any acceptance pays (max τ {mx:.0f}).")
@@ -97,7 +113,7 @@ def describe(res: dict, inp: BreakevenInputs) -> list[str]:
         if inp.measured_speedup is not None:
             basis = inp.measured_speedup[1]
         elif inp.measured_tok_s is not None:
-            basis = f"measured {inp.measured_tok_s:.2f} tok/s vs {1e3 / inp.decode_ms:.2f} tok/s plain"
+            basis = f"measured {inp.measured_tok_s:.2f} tok/s vs {1e3 * B / inp.decode_ms:.2f} tok/s plain"
         else:
             basis = f"measured τ = {inp.measured_accept_length:.2f}"
         verdict = "faster" if sp > 1 else "slower"
@@ -113,6 +129,48 @@ def describe(res: dict, inp: BreakevenInputs) -> list[str]:
 
 def _note_suffix(inp: BreakevenInputs) -> str:
     return ("; " + "; ".join(inp.notes)) if inp.notes else ""
+
+
+# ---------------------------------------------------------------------------------------------- at batch size B
+
+def at_batch(inp: BreakevenInputs, surface=None) -> BreakevenInputs:
+    """The plain step and verify forward at inp.batch sequences. Times given on the command line are taken as
+    measured at that batch size; times from a run (measured at batch 1) are scaled by a verify surface,
+    T(B, n)/T(1, n); times nobody gave are read off the surface. n is --verify-tokens, else the run's mean verify
+    width, else steps + 1 (a chain)."""
+    B = inp.batch
+    if B < 1:
+        raise SpecscopeError(f"--batch must be >= 1, got {B}")
+    from_run = [k for k in ("decode_ms", "verify_ms") if k in inp.sources]
+    missing = [k for k in ("decode_ms", "verify_ms") if getattr(inp, k) is None]
+    if B > 1 and inp.measured_speedup is not None:
+        inp.measured_speedup = None
+        inp.notes.append(f"the runs' measured speedup is at batch 1; the one shown is the cycle model's at batch {B}, "
+                         f"from the run's τ")
+    if surface is None:
+        if B > 1 and from_run:
+            raise SpecscopeError(f"--batch {B}: the run's {' and '.join(k[:-3] for k in from_run)} time(s) were "
+                                 f"measured at batch 1; pass --verify-curve RUN (a surface from `specscope "
+                                 f"verify-curve --batch ...`) to scale them, or --decode-ms and --verify-ms "
+                                 f"measured at batch {B}")
+        return inp
+    if not from_run and not missing:
+        return inp                         # both given for this batch size: nothing to read off the surface
+    n = inp.verify_tokens or (inp.steps + 1 if inp.steps is not None else None)
+    if n is None:
+        raise SpecscopeError("reading verify times off a verify curve needs the tokens verified per cycle: pass "
+                             "--verify-tokens or --steps")
+    ctx = inp.context or surface.context or 0
+    sid = surface.run_id or "the verify curve"
+    for key, width in (("decode_ms", 1), ("verify_ms", n)):
+        if key in inp.sources and B > 1:
+            scale = surface(B, width, ctx) / surface(1, width, ctx)
+            setattr(inp, key, getattr(inp, key) * scale)
+            inp.sources[key] += f" × T({B}, {width:g})/T(1, {width:g}) = {scale:.2f} from {sid}"
+        elif getattr(inp, key) is None:
+            setattr(inp, key, surface(B, width, ctx))
+            inp.sources[key] = f"{sid}: T({B}, {width:g})"
+    return inp
 
 
 # ---------------------------------------------------------------------------------------------- from stored runs
@@ -151,13 +209,16 @@ def decode_ms_of(results: dict) -> float | None:
     return phase_ms(results, "decode")
 
 
-def inputs_from_runs(run: dict, baseline: dict | None, given: BreakevenInputs) -> BreakevenInputs:
-    """Fill what the command line left out from a speculative run (and a baseline run for T_decode).
+def inputs_from_runs(run: dict, baseline: dict | None, given: BreakevenInputs,
+                     surface=None) -> BreakevenInputs:
+    """Fill what the command line left out from a speculative run (and a baseline run for T_decode); with a
+    verify `surface` the decode and verify times may be left for `at_batch` to read off it.
 
     Numbers given on the command line win, so a run lacking phases (e.g. ingested from SGLang/vLLM) can be
     completed by hand."""
     inp = BreakevenInputs(**{k: getattr(given, k) for k in ("decode_ms", "verify_ms", "draft_ms", "steps",
-                                                             "other_ms", "measured_tok_s", "measured_accept_length")})
+                                                             "other_ms", "measured_tok_s", "measured_accept_length",
+                                                             "batch", "verify_tokens", "context")})
     inp.notes = list(given.notes)
     rid = run.get("id") or run.get("run_id") or "?"
     res, cfg = run.get("results") or {}, run.get("config") or {}
@@ -180,6 +241,9 @@ def inputs_from_runs(run: dict, baseline: dict | None, given: BreakevenInputs) -
     take("steps", int(steps) if steps is not None else None,
          f"run {rid}" + (" (deepest copy chain of the hybrid)" if ngram else ""))
     take("measured_accept_length", _num(res.get("accept_length")), f"run {rid}")
+    if surface is not None:     # where to read the surface: this run's verify width and context
+        take("verify_tokens", _num(res.get("verify_tokens_mean")), f"run {rid}")
+        take("context", _num(res.get("mean_context")), f"run {rid}")
     if baseline is not None:
         bid = baseline.get("id") or baseline.get("run_id") or "?"
         take("decode_ms", decode_ms_of(baseline.get("results") or {}), f"baseline run {bid}")
@@ -193,11 +257,11 @@ def inputs_from_runs(run: dict, baseline: dict | None, given: BreakevenInputs) -
         # a speculative run may carry the baseline it was compared against
         take("decode_ms", _num(res.get("baseline_decode_ms_per_token")), f"run {rid}")
     missing = []
-    if inp.verify_ms is None or inp.draft_ms is None:
+    if (inp.verify_ms is None and surface is None) or inp.draft_ms is None:
         missing.append("per-phase timings (pass --verify-ms and --draft-ms)")
     if inp.steps is None:
         missing.append("the draft depth (pass --steps)")
-    if inp.decode_ms is None:
+    if inp.decode_ms is None and surface is None:
         missing.append("the plain decode time per token (pass --baseline-run ID or --decode-ms)")
     if missing:
         kind = run.get("kind", "?")

@@ -3,6 +3,12 @@
 τ (accept_length) counts the tokens one cycle yields: accepted drafts + the bonus token, so plain decoding has τ = 1.
 A configuration pays when τ · T_decode > T_draft + T_verify(n) + T_other; the ratio of the two is the speedup.
 
+At batch size B one target forward serves B sequences: plain decoding costs T(B, 1)/B per sequence-token, and
+speculation (T(B, n) + B·(T_draft + T_other))/(B·τ), drafting and bookkeeping running per sequence (an engine drafts
+each sequence in turn; n-gram drafting is free). B cancels from the break-even τ = (T(B, n) + B·T_draft)/T(B, 1),
+but T(B, n) grows with B·n once the forward is compute-bound while T(B, 1) stays flat longer, so the τ needed rises
+with B until plain decoding wins (the crossover).
+
 Acceptance comes in two shapes:
 - per position (chain, or per depth of a tree): unconditional a_k = P(the first k drafts are all accepted),
   conditional c_k = P(draft k accepted | drafts 1..k-1 accepted); a_k = Π_{j≤k} c_j and τ = 1 + Σ_k a_k.
@@ -115,34 +121,53 @@ def tree_tau(parents: list[int], p: list[float]) -> float:
 
 @dataclass
 class CycleCost:
-    """Per-cycle milliseconds of one configuration and the single-token decode time it competes with."""
+    """Per-cycle milliseconds of one configuration and the plain decode step it competes with, at `batch`
+    sequences: decode_ms and verify_ms are one target forward over all of them, draft_ms and other_ms are per
+    sequence (batch 1: the single-sequence cycle)."""
 
     decode_ms: float
     draft_ms: float
     verify_ms: float
     other_ms: float = 0.0
+    batch: int = 1
 
     def __post_init__(self):
         check_positive(self.decode_ms, "decode time")
         check_positive(self.verify_ms, "verify time")
         check_nonneg(self.draft_ms, "draft time")
         check_nonneg(self.other_ms, "other time")
+        if not isinstance(self.batch, int) or self.batch < 1:
+            raise SpecscopeError(f"batch size must be an integer >= 1, got {self.batch}")
 
     @property
     def cycle_ms(self) -> float:
-        return self.draft_ms + self.verify_ms + self.other_ms
+        """One cycle of every sequence: the batch's verify forward and each sequence's drafting and bookkeeping."""
+        if self.batch == 1:
+            return self.draft_ms + self.verify_ms + self.other_ms
+        return self.verify_ms + self.batch * (self.draft_ms + self.other_ms)
 
     @property
     def break_even_tau(self) -> float:
         return self.cycle_ms / self.decode_ms
 
+    @property
+    def plain_ms_per_token(self) -> float:
+        """Plain decoding, ms per sequence-token: T(B, 1)/B."""
+        return self.decode_ms / self.batch
+
+    def spec_ms_per_token(self, tau: float) -> float:
+        """Speculation at accept length τ, ms per sequence-token: (T(B, n) + B·(draft + other))/(B·τ)."""
+        return self.cycle_ms / (self.batch * tau)
+
     def speedup(self, tau: float) -> float:
         return tau * self.decode_ms / self.cycle_ms
 
 
-def predicted_speedup(tau: float, decode_ms: float, draft_ms: float, verify_ms: float, other_ms: float = 0.0) -> float:
-    """speedup = τ · T_decode / (T_draft + T_verify(n) + T_other)."""
-    return CycleCost(decode_ms, draft_ms, verify_ms, other_ms).speedup(tau)
+def predicted_speedup(tau: float, decode_ms: float, draft_ms: float, verify_ms: float, other_ms: float = 0.0,
+                      batch: int = 1) -> float:
+    """speedup = τ · T_decode / (T_draft + T_verify(n) + T_other); at batch B, τ·T(B, 1)/(T(B, n) + B·(T_draft +
+    T_other)) with decode_ms = T(B, 1) and verify_ms = T(B, n)."""
+    return CycleCost(decode_ms, draft_ms, verify_ms, other_ms, batch).speedup(tau)
 
 
 def check_positive(x: float, what: str):

@@ -110,3 +110,60 @@ def plot_pred_vs_measured(rows: list[dict], path, title: str = "") -> str:
     ax.grid(alpha=0.3)
     ax.legend(loc="upper left")
     return _save(fig, path)
+
+
+def plot_verify_surface(surface: dict, path, title: str = "") -> str:
+    """measure_surface's points: median forward time (p10–p90 bars) vs tokens per sequence, one line per batch
+    size, with each batch's piecewise fit."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    L = str(surface["context"])
+    for i, B in enumerate(sorted({p["batch"] for p in surface["points"]})):
+        pts = sorted((p for p in surface["points"] if p["batch"] == B), key=lambda p: p["tokens"])
+        ns = [p["tokens"] for p in pts]
+        med = [p["median_ms"] for p in pts]
+        err = [[m - p["p10_ms"] for m, p in zip(med, pts)], [p["p90_ms"] - m for m, p in zip(med, pts)]]
+        color = f"C{i % 10}"
+        ax.errorbar(ns, med, yerr=err, fmt="o", color=color, capsize=3, label=f"batch {B}")
+        fit = PiecewiseFit.from_dict(surface["fits"][str(B)][L])
+        lo, hi = min(ns), max(ns)
+        xs = [lo + (hi - lo) * j / 200 for j in range(201)]
+        ax.plot(xs, [fit(x) for x in xs], "-", color=color, alpha=0.7)
+    ax.set_xscale("log", base=2)
+    ns = sorted({p["tokens"] for p in surface["points"]})
+    ax.set_xticks(ns, [str(n) for n in ns])
+    ax.set_yscale("log")
+    ax.set_xlabel("tokens verified per sequence n")
+    ax.set_ylabel("target forward over the batch, ms (median, p10–p90)")
+    ax.set_title(title or f"verify cost by batch size at context {L}")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def plot_speedup_by_concurrency(series: list[dict], path, title: str = "") -> str:
+    """series: {label, levels, speedups, style ("measured" solid, "predicted" dashed, "policy" dash-dotted),
+    group (one color per group), crossover}: speedup over plain decoding vs concurrent sequences; a dotted line
+    where each series' crossover lies."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    colors = {}
+    fmt = {"measured": "o-", "predicted": "x--", "policy": "s-."}
+    for s in series:
+        base = s.get("group", s["label"])
+        color = colors.setdefault(base, f"C{len(colors) % 10}")
+        style = s.get("style", "measured")
+        ax.plot(s["levels"], s["speedups"], fmt.get(style, "o-"), color=color,
+                alpha=0.8 if style == "predicted" else 1.0, label=s["label"])
+        if s.get("crossover") is not None:
+            ax.axvline(s["crossover"], color=color, ls=":", alpha=0.6)
+    ax.axhline(1.0, color="gray", lw=1)
+    ax.set_xscale("log", base=2)
+    levels = sorted({b for s in series for b in s["levels"]})
+    ax.set_xticks(levels, [str(b) for b in levels])     # 1, 2, 4 ... rather than 2^0, 2^1, 2^2
+    ax.set_xlabel("concurrent sequences")
+    ax.set_ylabel("speedup over plain decoding (same batch size)")
+    ax.set_title(title or "speculation by concurrency (dotted: crossover, past which plain decoding is faster)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, path)

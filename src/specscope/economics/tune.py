@@ -7,6 +7,10 @@ configuration gets a predicted τ (the tree the drafter would build, `cost.expec
 
 A hybrid run (DRAFTER+ngram) also picks the n-gram budget: copied tokens cost nothing to draft but widen the
 verify; what they add over the drafter alone comes from the run's own cycles (`HybridModel`).
+
+At B concurrent sequences (engine/batch.py) a verify surface T(B, n) scales the plain step and the verify forward
+to that batch size, drafting and bookkeeping running per sequence; `by_concurrency` picks the best shape per level
+and `crossover` the concurrency past which plain decoding is faster.
 """
 
 from __future__ import annotations
@@ -16,7 +20,8 @@ import statistics
 from dataclasses import dataclass, field, replace
 
 from specscope.economics.breakeven import decode_ms_of
-from specscope.economics.cost import expected_tree, tree_tau
+from specscope.economics.cost import CycleCost, expected_tree, tree_tau
+from specscope.economics.verify_curve import DEFAULT_BATCHES
 from specscope.errors import SpecscopeError
 
 
@@ -221,9 +226,23 @@ class CostModel:
     context: float
     curve: object = None       # VerifyCurve or None
     notes: list = field(default_factory=list)
+    surface: object = None     # VerifySurface or None: T(B, n) for batch sizes above 1
 
     def _scale(self, n: float, n_ref: float) -> float:
         return self.curve.ratio(n, n_ref, self.context) if self.curve is not None else 1.0
+
+    def _surface(self, batch: int):
+        if self.surface is None:
+            raise SpecscopeError(f"predictions at batch {batch} need a verify surface: measure one with "
+                                 f"`specscope verify-curve --batch 1,2,4,8,16` and pass it as --verify-curve")
+        return self.surface
+
+    def decode(self, batch: int = 1) -> float:
+        """One plain step over `batch` sequences: the measured batch-1 time × T(B, 1)/T(1, 1)."""
+        if batch == 1:
+            return self.decode_ms
+        S = self._surface(batch)
+        return self.decode_ms * S(batch, 1, self.context) / S(1, 1, self.context)
 
     def drafted_only(self, share: float) -> "CostModel":
         """This model with the drafter's per-cycle costs averaged over the `share` of cycles it ran in (a hybrid
@@ -235,12 +254,17 @@ class CostModel:
         return (self.step0_ms + (steps - 1) * self.expand_ms * self._scale(topk, self.k0)
                 + self.select_ms * candidates(steps, topk))
 
-    def verify(self, n: float) -> float:
-        return self.verify_ms * self._scale(n, self.n0)
+    def verify(self, n: float, batch: int = 1) -> float:
+        """One verify forward over `batch` sequences of n tokens each: the measured time at (1, n0) × T(B, n)/T(1,
+        n0) (at batch 1 the curve's ratio, as before surfaces)."""
+        if batch == 1:
+            return self.verify_ms * self._scale(n, self.n0)
+        S = self._surface(batch)
+        return self.verify_ms * S(batch, n, self.context) / S(1, self.n0, self.context)
 
     @classmethod
     def from_runs(cls, run: dict, baseline: dict | None, curve=None, decode_ms: float | None = None,
-                  stat: str = "mean") -> "CostModel":
+                  stat: str = "mean", surface=None) -> "CostModel":
         """stat "mean" (default) reads each phase's mean per cycle: what wall-clock throughput is made of, stalls
         included (on a shared machine they hit the run and its alternated baseline alike). "median" reads the
         per-cycle medians instead, which ignores stalls altogether; the two agree on a quiet machine."""
@@ -277,7 +301,8 @@ class CostModel:
         context = res.get("mean_context") or cfg.get("mean_context") or 256
         if curve is None:
             notes.append("no verify curve: verify and draft-step costs taken as flat in the number of tokens")
-        return cls(decode_ms, step0, expand, select, verify, other, topk, float(n0), float(context), curve, notes)
+        return cls(decode_ms, step0, expand, select, verify, other, topk, float(n0), float(context), curve, notes,
+                   surface)
 
 
 def candidates(steps: int, topk: int) -> int:
@@ -287,10 +312,19 @@ def candidates(steps: int, topk: int) -> int:
 
 # ------------------------------------------------------------------------------------------------ prediction
 
+def _priced(row: dict, tau: float, d: float, v: float, o: float, decode: float, batch: int) -> dict:
+    """A prediction's costs at `batch` sequences: v and decode are one forward over all of them, d and o per
+    sequence (cost.CycleCost)."""
+    c = CycleCost(decode, d, v, o, batch)
+    return {**row, "batch": batch, "tau": tau, "draft_ms": d, "verify_ms": v, "other_ms": o, "cycle_ms": c.cycle_ms,
+            "tau_needed": c.break_even_tau, "speedup": c.speedup(tau), "decode_ms": decode,
+            "plain_ms_per_token": c.plain_ms_per_token, "spec_ms_per_token": c.spec_ms_per_token(tau)}
+
+
 def predict(acc: AcceptanceModel, cost: CostModel, steps: int, topk: int, draft_tokens: int,
-            ngram_tokens: int = 0, hybrid: HybridModel | None = None) -> dict:
+            ngram_tokens: int = 0, hybrid: HybridModel | None = None, batch: int = 1) -> dict:
     if hybrid is not None:
-        return predict_hybrid(acc, cost, hybrid, steps, topk, draft_tokens, ngram_tokens)
+        return predict_hybrid(acc, cost, hybrid, steps, topk, draft_tokens, ngram_tokens, batch)
     if topk == 1:
         draft_tokens = steps + 1
     parents, p = expected_tree(acc.chain_rate if topk == 1 else acc.rate, steps, topk, draft_tokens)
@@ -298,32 +332,29 @@ def predict(acc: AcceptanceModel, cost: CostModel, steps: int, topk: int, draft_
     if topk > 1:
         tau = 1.0 + acc.tree_scale * (tau - 1.0)
     n = len(parents) + 1
-    d, v, o = cost.draft_ms(steps, topk), cost.verify(n), cost.other_ms
-    cycle = d + v + o
-    return {"steps": steps, "topk": topk, "draft_tokens": draft_tokens, "shape": "chain" if topk == 1 else "tree",
-            "tau": tau, "verify_tokens": n, "draft_ms": d, "verify_ms": v, "other_ms": o, "cycle_ms": cycle,
-            "tau_needed": cycle / cost.decode_ms, "tau_max": steps + 1.0,
-            "speedup": tau * cost.decode_ms / cycle, "extrapolated": steps > acc.depth}
+    row = {"steps": steps, "topk": topk, "draft_tokens": draft_tokens, "shape": "chain" if topk == 1 else "tree",
+           "verify_tokens": n, "tau_max": steps + 1.0, "extrapolated": steps > acc.depth}
+    return _priced(row, tau, cost.draft_ms(steps, topk), cost.verify(n, batch), cost.other_ms, cost.decode(batch),
+                   batch)
 
 
 def predict_hybrid(acc: AcceptanceModel, cost: CostModel, hyb: HybridModel, steps: int, topk: int,
-                   draft_tokens: int, ngram_tokens: int) -> dict:
+                   draft_tokens: int, ngram_tokens: int, batch: int = 1) -> dict:
     """A hybrid: tree cycles verify the drafter's tree plus the copy's new nodes (draft cost: the drafter's only),
-    copy cycles a chain of the whole budget at no draft cost; τ and time are averaged over the two by their share."""
+    copy cycles a chain of the whole budget at no draft cost; τ and time are averaged over the two by their share.
+    At batch B > 1 one forward holds tree and copy sequences alike, so it is priced at their mean rows."""
     base = predict(acc, cost, steps, topk, draft_tokens)
     f = hyb.copy_share
     L = ngram_tokens
     tau_tree = base["tau"] + hyb.tree_gain(L)
-    v_tree = cost.verify(base["verify_tokens"] + hyb.tree_nodes(L))
+    n_tree = base["verify_tokens"] + hyb.tree_nodes(L)
     budget = base["draft_tokens"] - 1 + L
-    tau_copy, v_copy = hyb.copy_tau(budget), cost.verify(hyb.copy_rows(budget))
+    tau_copy, n_copy = hyb.copy_tau(budget), hyb.copy_rows(budget)
     tau = (1 - f) * tau_tree + f * tau_copy
-    d, v, o = (1 - f) * base["draft_ms"], (1 - f) * v_tree + f * v_copy, cost.other_ms
-    cycle = d + v + o
-    rows = (1 - f) * (base["verify_tokens"] + hyb.tree_nodes(L)) + f * hyb.copy_rows(budget)
-    return {**base, "ngram_tokens": L, "tau": tau, "verify_tokens": rows, "draft_ms": d, "verify_ms": v,
-            "cycle_ms": cycle, "tau_needed": cycle / cost.decode_ms, "tau_max": max(steps, budget) + 1.0,
-            "speedup": tau * cost.decode_ms / cycle, "copy_share": f}
+    rows = (1 - f) * n_tree + f * n_copy
+    v = (1 - f) * cost.verify(n_tree) + f * cost.verify(n_copy) if batch == 1 else cost.verify(rows, batch)
+    row = {**base, "ngram_tokens": L, "verify_tokens": rows, "tau_max": max(steps, budget) + 1.0, "copy_share": f}
+    return _priced(row, tau, (1 - f) * base["draft_ms"], v, cost.other_ms, cost.decode(batch), batch)
 
 
 DRAFT_TOKEN_GRID = (4, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)
@@ -348,10 +379,45 @@ def hybrid_configs(configs, hyb: HybridModel) -> list[tuple[int, int, int, int]]
     return [(*c, L) for c in configs for L in range(hyb.ngram_tokens + 1)]
 
 
-def rank(acc: AcceptanceModel, cost: CostModel, configs, hybrid: HybridModel | None = None) -> list[dict]:
-    rows = [predict(acc, cost, *c, hybrid=hybrid) for c in configs]
+def rank(acc: AcceptanceModel, cost: CostModel, configs, hybrid: HybridModel | None = None,
+         batch: int = 1) -> list[dict]:
+    rows = [predict(acc, cost, *c, hybrid=hybrid, batch=batch) for c in configs]
     rows.sort(key=lambda r: -r["speedup"])
     return rows
+
+
+# ------------------------------------------------------------------------------------------------ concurrency
+
+DEFAULT_CONCURRENCY = DEFAULT_BATCHES
+
+
+def by_concurrency(acc: AcceptanceModel, cost: CostModel, configs, levels=DEFAULT_CONCURRENCY,
+                   hybrid: HybridModel | None = None) -> tuple[list[dict], list[int]]:
+    """The best predicted configuration at each concurrency level the cost model can price -> (rows, levels left
+    out because the verify surface does not cover them)."""
+    rows, skipped = [], []
+    for B in levels:
+        if B > 1 and (cost.surface is None or not cost.surface.covers(B)):
+            skipped.append(B)
+            continue
+        rows.append(rank(acc, cost, configs, hybrid, B)[0])
+    return rows, skipped
+
+
+def crossover(levels, speedups) -> float | None:
+    """The concurrency past which plain decoding is faster: where the speedup first falls to 1 or below,
+    interpolated in log2(B) between the last level where speculation paid and the first where it did not. None when
+    it pays at every level; the first level when it pays at none."""
+    pts = sorted(zip(levels, speedups))
+    if not pts:
+        return None
+    if pts[0][1] <= 1.0:
+        return float(pts[0][0])
+    for (b0, s0), (b1, s1) in zip(pts, pts[1:]):
+        if s1 <= 1.0:
+            t = (s0 - 1.0) / (s0 - s1)
+            return 2 ** (math.log2(b0) + t * (math.log2(b1) - math.log2(b0)))
+    return None
 
 
 def best_by_draft_tokens(rows: list[dict]) -> list[dict]:

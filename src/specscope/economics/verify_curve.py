@@ -3,6 +3,10 @@
 Speculation assumes verifying n tokens costs about what decoding one does. That holds while the forward is
 bandwidth-bound (weights are read once whatever n is) and stops once n makes it compute-bound. We measure
 T(n, L) and fit `T = flat` for n <= knee, `flat + slope·(n - knee)` beyond, per context length.
+
+With several sequences decoded together (engine/batch.py) the curve becomes a surface T(B, n): one forward over B
+sequences each verifying n tokens. Batching spends the same flat region plain decoding lives on, so the knee in
+tokens per sequence moves left as B grows; `measure_surface` and `VerifySurface` give that axis.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ from specscope.profile.cycle import quantile
 
 DEFAULT_CONTEXTS = (256, 1024)
 DEFAULT_TOKENS = (1, 2, 4, 8, 16, 32, 64)
+DEFAULT_BATCHES = (1, 2, 4, 8, 16)
+MAX_BATCH = 1024        # sequences in one measured forward: past any --max-num-seqs this engine is run with
 
 
 def parse_int_list(text: str, what: str) -> list[int]:
@@ -262,3 +268,158 @@ def knee_words(fit: dict, max_tokens: int, points: list[dict] | None = None) -> 
         return (f"no flat region: rises from the first token, +{slope:.3f} ms per extra token "
                 f"(compute-bound already at n = 1)")
     return (f"flat at {flat:.2f} ms up to a knee at n ≈ {knee:.1f} tokens, then +{slope:.3f} ms per extra token")
+
+
+# ------------------------------------------------------------------------------------------------ batch axis
+
+def check_surface_plan(batches, context: int, tokens, limit: int, max_seq_len: int | None = None) -> None:
+    """A surface the model can measure: at most MAX_BATCH sequences, each region within the model's context."""
+    if max(batches) > MAX_BATCH:
+        raise SpecscopeError(f"--batch values must be <= {MAX_BATCH}, got {max(batches)}")
+    if context + max(tokens) > limit:
+        raise SpecscopeError(f"batch context {context} + {max(tokens)} tokens exceeds the model's context of "
+                             f"{limit}; lower --batch-context or --tokens")
+    if max_seq_len is not None and max_seq_len < context:
+        raise SpecscopeError(f"--max-seq-len {max_seq_len} is shorter than the batch context {context}; a "
+                             f"sequence's region must hold its context")
+
+
+def region_size(context: int, tokens, max_seq_len: int | None = None, limit: int | None = None) -> int:
+    """KV slots per sequence, as BatchEngine sizes them: its committed tokens (--max-seq-len, capped at the
+    model's context; default just the context) plus the widest verify + 1. The region's size, not its fill,
+    sets how wide each row's mask is, so a surface for an engine with a large --max-seq-len should say so."""
+    seq = max_seq_len if max_seq_len is not None else context
+    if limit is not None:
+        seq = min(seq, limit)
+    return max(seq, context) + max(tokens) + 1
+
+
+class _BatchPoint:
+    """One forward over `batch` sequences, each verifying n tokens after `context` cached ones, built as the
+    batched engine builds a step (engine.batch.batch_inputs): every sequence's rows masked to its own region."""
+
+    def __init__(self, model, batch: int, context: int, n: int, cache, region: int):
+        import torch
+
+        from specscope.engine.batch import Rows, batch_inputs
+
+        dev = model.device
+        self.model, self.dev, self.cache = model, dev, cache
+        pos = torch.arange(context, context + n, device=dev)
+        # a chain's rows: each sees the region's committed slots and the drafts up to itself
+        mask = torch.arange(context + n, device=dev)[None, :] <= pos[:, None]
+        parts = [Rows(torch.randint(0, model.config.vocab_size, (n,), device=dev), pos, pos, mask, b * region)
+                 for b in range(batch)]
+        self.ids, self.pos, self.slots, self.mask = batch_inputs(parts, dev)
+
+    def time_ms(self) -> float:
+        import torch
+
+        with torch.inference_mode():
+            _sync(self.dev)
+            t0 = time.perf_counter()
+            o = self.model(self.ids, self.pos, self.cache, self.slots, self.mask)
+            o.logits.argmax(-1).tolist()  # every verified row's token is read back, which also syncs
+            _sync(self.dev)
+            return (time.perf_counter() - t0) * 1e3
+
+
+def measure_surface(model, batches, context: int, tokens, warmup: int = 2, repeats: int = 5,
+                    max_seq_len: int | None = None, progress=None) -> dict:
+    """T(B, n) at one per-sequence context: for each batch size B one cache of B regions (target.new_cache(region
+    * B)), every n timed round-robin. Returns {"context", "region", "batches", "tokens", "points", "fits",
+    "samples"}; fits are {B: {context: fit over n}}, so each batch size reads like a batch-1 curve."""
+    limit = model.config.max_position_embeddings
+    check_plan([context], tokens, warmup, repeats, limit)
+    check_surface_plan(batches, context, tokens, limit, max_seq_len)
+    region = region_size(context, tokens, max_seq_len, limit)
+    points, samples, fits = [], {}, {}
+    for B in batches:
+        cache = model.new_cache(region * B)
+        pts = {n: _BatchPoint(model, B, context, n, cache, region) for n in tokens}
+        times = {n: [] for n in tokens}
+        for i in range(warmup + repeats):
+            for n in tokens:
+                t = pts[n].time_ms()
+                if i >= warmup:
+                    times[n].append(t)
+        meds = []
+        for n in tokens:
+            row = {"batch": B, "context": context, "tokens": n, **summarize(times[n])}
+            points.append(row)
+            samples[f"{B}:{context}:{n}"] = times[n]
+            meds.append(row["median_ms"])
+            if progress:
+                progress(row)
+        del pts, cache
+        fits[str(B)] = {str(context): fit_piecewise(list(tokens), meds).to_dict()}
+    return {"context": context, "region": region, "batches": list(batches), "tokens": list(tokens),
+            "points": points, "fits": fits, "samples": samples}
+
+
+def surface_results(surface: dict) -> dict:
+    """What a verify_curve run stores of a measured surface (results["surface"]): all but the raw samples."""
+    return {k: v for k, v in surface.items() if k != "samples"}
+
+
+class VerifySurface:
+    """T(B, n, L): one target forward over B sequences each verifying n tokens at context L, in ms.
+
+    Each measured batch size is a VerifyCurve; between two of them T is linear in B (total rows decide the work
+    once compute-bound, and it is flat in B while bandwidth-bound). Batch sizes outside the measured ones are
+    refused, not extrapolated. A verify_curve run without a batch axis (made before `--batch`, or without it) is
+    a surface of batch 1 alone; when a run has both, the surface's own batch-1 row wins, so that every batch size
+    comes from the same batched forward."""
+
+    def __init__(self, curves: dict, run_id: str | None = None, context: float | None = None,
+                 region: int | None = None):
+        if not curves:
+            raise SpecscopeError("the verify surface has no batch sizes")
+        self.curves = dict(sorted((int(b), c) for b, c in curves.items()))
+        self.run_id, self.context, self.region = run_id, context, region
+
+    @classmethod
+    def from_results(cls, surface: dict, run_id: str | None = None, batch1: VerifyCurve | None = None):
+        """From measure_surface's output (or a run's results["surface"]), with `batch1` for batch 1 when the
+        surface lacks it."""
+        points: dict[int, dict[int, dict[int, float]]] = {}
+        for p in surface.get("points") or []:
+            points.setdefault(int(p["batch"]), {}).setdefault(int(p["context"]), {})[int(p["tokens"])] = \
+                float(p["median_ms"])
+        curves = {int(B): VerifyCurve({int(L): PiecewiseFit.from_dict(f) for L, f in fits.items()}, run_id,
+                                      points.get(int(B)))
+                  for B, fits in (surface.get("fits") or {}).items()}
+        if 1 not in curves and batch1 is not None:
+            curves[1] = batch1
+        return cls(curves, run_id, surface.get("context"), surface.get("region"))
+
+    @classmethod
+    def from_run(cls, run: dict) -> "VerifySurface":
+        res = run.get("results") or {}
+        surface = res.get("surface")
+        if not surface or run.get("kind") != "verify_curve":
+            return cls({1: VerifyCurve.from_run(run)}, run.get("id"))    # the old format: batch 1 alone
+        batch1 = VerifyCurve.from_run(run) if res.get("fits") else None
+        return cls.from_results(surface, run.get("id"), batch1)
+
+    @property
+    def batches(self) -> list[int]:
+        return list(self.curves)
+
+    def covers(self, batch: int) -> bool:
+        return self.batches[0] <= batch <= self.batches[-1]
+
+    def __call__(self, batch: float, n: float, context: float) -> float:
+        bs = self.batches
+        if batch in self.curves:
+            return self.curves[batch](n, context)
+        if not self.covers(batch):
+            of = f" (run {self.run_id})" if self.run_id else ""
+            hint = ("measure one with `specscope verify-curve --batch 1,2,4,8,16`" if bs == [1]
+                    else "measure it with `specscope verify-curve --batch ...` including that size")
+            raise SpecscopeError(f"the verify curve{of} covers batch sizes {', '.join(map(str, bs))}; batch "
+                                 f"{batch:g} is outside it: {hint}")
+        lo = max(b for b in bs if b <= batch)
+        hi = min(b for b in bs if b >= batch)
+        t0, t1 = self.curves[lo](n, context), self.curves[hi](n, context)
+        return t0 + (t1 - t0) * (batch - lo) / (hi - lo)

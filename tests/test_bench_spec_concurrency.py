@@ -98,13 +98,17 @@ def test_whole_script_on_tiny_stand_ins(tmp_path, capsys):
     code = load().main(["--model", str(target), "--drafts", f"{drafter},{drafter}+ngram", "--concurrency", "1,2",
                         "--requests", "3", "--max-new-tokens", "6", "--threads", "1", "--profile-prompts", "1",
                         "--profile-shape", "2,2,4", "--max-draft-tokens", "4", "--surface-repeats", "1", "--policy",
-                        "--out", str(out), "--plot", str(png)])
+                        "--tuned", "--rounds", "2", "--out", str(out), "--plot", str(png)])
     assert code == 0
     r = json.loads(out.read_text())
     assert r["checks"]["every_output_identical_to_generate"] and png.stat().st_size > 5000
     assert set(r["runs"]) == {"plain", str(drafter), f"{drafter}+ngram", f"{drafter} (policy)",
-                              f"{drafter}+ngram (policy)"}
-    assert all(set(v) == {"1", "2"} and all(x["identical"] == 3 for x in v.values()) for v in r["runs"].values())
+                              f"{drafter}+ngram (policy)", f"{drafter} (tuned)", f"{drafter}+ngram (tuned)"}
+    assert all(set(v) == {"1", "2"} and all(x["identical"] == 3 and len(x["rounds_tok_per_s"]) == 2
+                                            and x["tok_per_s"] == max(x["rounds_tok_per_s"]) for x in v.values())
+               for v in r["runs"].values())
+    t = r["summary"][f"{drafter} (tuned)"]
+    assert set(t["predicted_speedup"]) == set(t["shapes"]) == {"1", "2"}
     s = r["summary"][f"{drafter}+ngram"]
     assert set(s["speedup"]) == set(s["predicted_speedup"]) == {"1", "2"}
     assert [t["batch"] for t in s["tuned"]] == [1, 2] and s["shape"]["ngram_tokens"] == 6

@@ -90,14 +90,15 @@ def test_old_curve_without_a_batch_axis_is_batch_one():
 # ------------------------------------------------------------------------------------------------ cost at batch B
 
 def test_cycle_cost_at_batch_by_hand():
-    # 8 sequences: a plain step T(8, 1) = 20 ms; verify T(8, 4) = 36 ms; per sequence draft 1.5 + other 0.5 ms
-    c = CycleCost(decode_ms=20.0, draft_ms=1.5, verify_ms=36.0, other_ms=0.5, batch=8)
-    assert c.cycle_ms == pytest.approx(36 + 8 * 2.0)                # 52: one forward, eight draftings
+    # 8 sequences: a plain step T(8, 1) = 20 ms; verify T(8, 4) = 36 ms; the batch's drafting 12 ms (one forward
+    # per level for all eight), bookkeeping 0.5 ms per sequence
+    c = CycleCost(decode_ms=20.0, draft_ms=12.0, verify_ms=36.0, other_ms=0.5, batch=8)
+    assert c.cycle_ms == pytest.approx(36 + 12 + 8 * 0.5)          # 52: one verify, one drafting, eight commits
     assert c.plain_ms_per_token == pytest.approx(2.5)               # 20 / 8
     assert c.break_even_tau == pytest.approx(52 / 20)               # 2.6: B cancels
     assert c.spec_ms_per_token(3.25) == pytest.approx(52 / (8 * 3.25))   # 2.0 ms per sequence-token
     assert c.speedup(3.25) == pytest.approx(2.5 / 2.0)              # 1.25 = plain / speculative per token
-    assert predicted_speedup(3.25, 20.0, 1.5, 36.0, 0.5, batch=8) == pytest.approx(1.25)
+    assert predicted_speedup(3.25, 20.0, 12.0, 36.0, 0.5, batch=8) == pytest.approx(1.25)
     # batch 1 is the single-sequence cycle it always was
     one = CycleCost(12.0, 2.0, 20.0, 2.0)
     assert one.cycle_ms == 24.0 and one.plain_ms_per_token == 12.0 and one.speedup(3.0) == pytest.approx(1.5)
@@ -106,19 +107,21 @@ def test_cycle_cost_at_batch_by_hand():
 
 
 def test_breakeven_at_batch_from_numbers_and_a_surface():
-    r = breakeven(BreakevenInputs(decode_ms=20.0, verify_ms=36.0, draft_ms=1.5, other_ms=0.5, steps=3, batch=8))
+    r = breakeven(BreakevenInputs(decode_ms=20.0, verify_ms=36.0, draft_ms=12.0, other_ms=0.5, steps=3, batch=8))
     assert r["batch"] == 8 and r["cycle_ms"] == pytest.approx(52.0)
     assert r["break_even_accept_length"] == pytest.approx(2.6) and r["plain_ms_per_token"] == pytest.approx(2.5)
-    # from a surface alone: T(8, 1) = 10, a chain of 3 verifies 4 tokens, T(8, 4) = 22; 8 × 1 ms drafting
+    # from a surface alone: T(8, 1) = 10, a chain of 3 verifies 4 tokens, T(8, 4) = 22; the batch's drafting 1 ms
     s = VerifySurface.from_run(curve_run())
     inp = at_batch(BreakevenInputs(draft_ms=1.0, steps=3, batch=8), s)
-    assert (inp.decode_ms, inp.verify_ms) == (T(8, 1), T(8, 4)) == (10.0, 22.0)
-    assert breakeven(inp)["break_even_accept_length"] == pytest.approx((22 + 8) / 10)
+    assert (inp.decode_ms, inp.verify_ms, inp.draft_ms) == (T(8, 1), T(8, 4), 1.0) == (10.0, 22.0, 1.0)
+    assert breakeven(inp)["break_even_accept_length"] == pytest.approx((22 + 1) / 10)
     # a run's batch-1 times are scaled: decode 12 × T(8,1)/T(1,1), verify 15 × T(8,4)/T(1,4)
+    # (and the drafter's forwards as the target's at 2 rows a sequence: T(8, 2)/T(1, 2) = 1.4)
     inp = BreakevenInputs(decode_ms=12.0, verify_ms=15.0, draft_ms=1.0, steps=3, batch=8,
-                          sources={"decode_ms": "baseline run b", "verify_ms": "run r"})
+                          sources={"decode_ms": "baseline run b", "verify_ms": "run r", "draft_ms": "run r"})
     at_batch(inp, s)
     assert inp.decode_ms == pytest.approx(12.0) and inp.verify_ms == pytest.approx(15.0 * 22 / 10)
+    assert inp.draft_ms == pytest.approx(1.4)
     assert "T(8, 4)/T(1, 4)" in inp.sources["verify_ms"]
     with pytest.raises(SpecscopeError, match="measured at batch 1; pass --verify-curve"):
         at_batch(BreakevenInputs(decode_ms=12.0, verify_ms=15.0, draft_ms=1.0, steps=3, batch=8,
@@ -142,7 +145,8 @@ def _chain_runs():
     spec = _store("speculative", {"model": "m", "draft": "d", "steps": 3, "topk": 1, "draft_tokens": 4,
                                   "baseline_run": base},
                   {"per_position_acceptance_conditional": [0.8, 0.5, 0.5], "accept_length": 2.4,
-                   "phases": _phases(draft=3.0, draft_step0=1.0, draft_step1=1.0, draft_step2=1.0, verify=10.0),
+                   "phases": _phases(draft=3.0, draft_step0=1.0, draft_step1=1.0, draft_step2=1.0, verify=10.0,
+                                     other=1.0),
                    "verify_tokens_mean": 4.0, "mean_context": CTX})
     vc = _store("verify_curve", {}, curve_run()["results"])
     return spec, base, vc
@@ -153,12 +157,13 @@ def test_breakeven_cli_at_batch(capsys):
     code, out, err = cli(capsys, "breakeven", "--run", spec, "--batch", 8, "--verify-curve", vc, "--json")
     assert code == 0, err
     r = json.loads(out)
-    # decode 10 × T(8,1)/T(1,1) = 10; verify 10 × T(8,4)/T(1,4) = 22; cycle 22 + 8 × 3 ms of drafting = 46
+    # decode 10 × T(8,1)/T(1,1) = 10; verify 10 × T(8,4)/T(1,4) = 22; drafting 3 × T(8,2)/T(1,2) = 4.2 for the
+    # batch; 8 × 1 ms of bookkeeping: cycle 34.2
     assert r["batch"] == 8 and r["decode_ms"] == pytest.approx(10.0) and r["verify_ms"] == pytest.approx(22.0)
-    assert r["break_even_accept_length"] == pytest.approx(4.6) and r["break_even_alpha"] is None
-    assert r["speedup"] == pytest.approx(2.4 * 10 / 46)     # the run's τ: the runs' batch-1 tok/s ratio is not used
+    assert r["break_even_accept_length"] == pytest.approx(3.42) and r["break_even_alpha"] is not None
+    assert r["speedup"] == pytest.approx(2.4 * 10 / 34.2)   # the run's τ: the runs' batch-1 tok/s ratio is not used
     code, out, err = cli(capsys, "breakeven", "--run", spec, "--batch", 8, "--verify-curve", vc)
-    assert code == 0 and "at batch 8" in out and "1.25 ms per sequence-token" in out and "impossible" in out
+    assert code == 0 and "at batch 8" in out and "1.25 ms per sequence-token" in out and "8 × other 1.00" in out
     line = one_error_line(*cli(capsys, "breakeven", "--run", spec, "--batch", 4)[::2])
     assert "measured at batch 1; pass --verify-curve" in line
 
@@ -168,29 +173,32 @@ def test_breakeven_cli_at_batch(capsys):
 def _chain_cost() -> tuple[AcceptanceModel, CostModel]:
     acc = AcceptanceModel.from_conditional([0.8, 0.5, 0.5])
     s = VerifySurface.from_run(curve_run())
-    cost = CostModel(decode_ms=10.0, step0_ms=1.0, expand_ms=1.0, select_ms=0.0, verify_ms=10.0, other_ms=0.0,
+    cost = CostModel(decode_ms=10.0, step0_ms=1.0, expand_ms=1.0, select_ms=0.0, verify_ms=10.0, other_ms=1.0,
                      k0=1, n0=4.0, context=CTX, curve=s.curves[1], surface=s)
     return acc, cost
 
 
-# speedup = τ_s · T(B, 1) / (T(B, s + 1) + B · s): τ = 1.8, 2.2, 2.4 for chains of 1, 2, 3, drafting s ms each
-BEST = {1: (3, 2.4 * 10 / 13), 2: (2, 2.2 * 10 / 14), 4: (1, 1.8 * 10 / 14), 8: (1, 1.8 * 10 / 22),
-        16: (1, 1.8 * 14 / 38)}
+# speedup = τ_s · T(B, 1) / (T(B, s + 1) + D(B, s) + B · 1 ms of bookkeeping): τ = 1.8, 2.2, 2.4 for chains of
+# 1, 2, 3; the batch drafts in one forward per step, D(B, s) = T(B, 2)/10 (catch-up) + (s - 1) · T(B, 1)/10
+BEST = {1: (3, 2.4 * 10 / 14), 2: (3, 2.4 * 10 / 15), 4: (2, 2.2 * 10 / 18), 8: (2, 2.2 * 10 / 28.4),
+        16: (1, 1.8 * 14 / 40.2)}
 
 
 def test_predictions_by_concurrency_by_hand():
     acc, cost = _chain_cost()
-    r = predict(acc, cost, 2, 1, 3, batch=4)            # T(4, 3) = 12, cycle 12 + 4 × 2 = 20, plain step 10
-    assert (r["verify_ms"], r["cycle_ms"], r["decode_ms"]) == pytest.approx((12.0, 20.0, 10.0))
-    assert r["tau"] == pytest.approx(2.2) and r["speedup"] == pytest.approx(1.1) and r["tau_needed"] == pytest.approx(2)
-    assert r["plain_ms_per_token"] == pytest.approx(2.5) and r["spec_ms_per_token"] == pytest.approx(20 / (4 * 2.2))
-    assert predict(acc, cost, 3, 1, 4)["speedup"] == pytest.approx(24 / 13)    # batch 1 reads the batch-1 curve
+    r = predict(acc, cost, 2, 1, 3, batch=4)            # T(4, 3) = 12, drafting 2, 4 × 1 ms bookkeeping: cycle 18
+    assert (r["verify_ms"], r["draft_ms"], r["cycle_ms"], r["decode_ms"]) == pytest.approx((12.0, 2.0, 18.0, 10.0))
+    assert r["tau"] == pytest.approx(2.2) and r["speedup"] == pytest.approx(22 / 18)
+    assert r["tau_needed"] == pytest.approx(1.8)
+    assert r["plain_ms_per_token"] == pytest.approx(2.5) and r["spec_ms_per_token"] == pytest.approx(18 / (4 * 2.2))
+    assert predict(acc, cost, 3, 1, 4)["speedup"] == pytest.approx(24 / 14)    # batch 1 reads the batch-1 curve
+    assert predict(acc, cost, 3, 1, 4, batch=16)["draft_ms"] == pytest.approx(2.2 + 2 * 1.4)   # drafting grows
     rows, skipped = by_concurrency(acc, cost, candidate_configs(acc), LEVELS)
     assert not skipped and [r["batch"] for r in rows] == list(LEVELS)
     for r in rows:
         assert (r["steps"], r["speedup"]) == (BEST[r["batch"]][0], pytest.approx(BEST[r["batch"]][1]))
-    # speculation pays at 4 (9/7) and not at 8 (9/11): the crossover lies between, in log2(B)
-    t = (9 / 7 - 1) / (9 / 7 - 9 / 11)
+    # speculation pays at 4 (22/18) and not at 8 (22/28.4): the crossover lies between, in log2(B)
+    t = (22 / 18 - 1) / (22 / 18 - 22 / 28.4)
     assert crossover([r["batch"] for r in rows], [r["speedup"] for r in rows]) == pytest.approx(2 ** (2 + t))
     # levels the surface does not cover are left out, not extrapolated
     rows, skipped = by_concurrency(acc, cost, candidate_configs(acc), (1, 4, 32))
@@ -220,7 +228,8 @@ def test_hybrid_at_batch_prices_one_forward_of_mean_rows():
     assert r1["verify_tokens"] == r4["verify_tokens"] == pytest.approx(0.75 * 3 + 0.25 * 5)
     assert r4["verify_ms"] == pytest.approx(T(4, 3.5))             # one forward at the mean rows per sequence
     assert r1["verify_ms"] == pytest.approx(0.75 * T(1, 3) + 0.25 * T(1, 5))   # batch 1: cycle by cycle
-    assert r4["draft_ms"] == pytest.approx(0.75 * 2.0) and r4["cycle_ms"] == pytest.approx(T(4, 3.5) + 4 * 1.5)
+    assert r4["draft_ms"] == pytest.approx(0.75 * 2.0)               # the tree's drafting, in 3 cycles of 4
+    assert r4["cycle_ms"] == pytest.approx(T(4, 3.5) + 0.75 * 2.0 + 4 * 1.0)
 
 
 # ------------------------------------------------------------------------------------------------ the policy
@@ -240,14 +249,14 @@ def test_spec_policy_auto_reads_the_saved_table(tmp_path, monkeypatch):
 
     monkeypatch.setenv("SPECSCOPE_CACHE", str(tmp_path / "cache"))
     table = _table()
-    assert table["crossover"] == pytest.approx(6.11, abs=0.01)
+    assert table["crossover"] == pytest.approx(5.65, abs=0.01)
     path = save_table(table, policy_path("m", "d"))
     assert path.startswith(str(tmp_path / "cache" / "spec-policy"))
     cfg = SpecConfig(3, 1, 4)
     policy = spec_policy("auto", cfg, model="m", draft="d")
     shapes = {B: policy(B) for B in (1, 2, 3, 4, 6, 7, 8, 16, 64)}
     knobs = {B: (s.steps, s.topk, s.draft_tokens) if s else None for B, s in shapes.items()}
-    assert knobs == {1: (3, 1, 4), 2: (2, 1, 3), 3: (2, 1, 3), 4: (1, 1, 2), 6: (1, 1, 2), 7: None, 8: None,
+    assert knobs == {1: (3, 1, 4), 2: (3, 1, 4), 3: (3, 1, 4), 4: (2, 1, 3), 6: None, 7: None, 8: None,
                      16: None, 64: None}
     by_path = spec_policy(path, cfg)                    # the same table by its path
     assert [by_path(B) == shapes[B] for B in shapes] == [True] * len(shapes)
@@ -305,16 +314,16 @@ def test_tune_prints_and_saves_the_concurrency_table(tmp_path, monkeypatch, caps
     r = json.loads(out)
     assert [(c["batch"], c["steps"]) for c in r["concurrency"]] == [(B, BEST[B][0]) for B in LEVELS]
     assert [c["speedup"] for c in r["concurrency"]] == pytest.approx([BEST[B][1] for B in LEVELS])
-    assert r["crossover"] == pytest.approx(6.11, abs=0.01) and r["concurrency_not_predicted"] == []
+    assert r["crossover"] == pytest.approx(5.65, abs=0.01) and r["concurrency_not_predicted"] == []
     assert r["policy"].startswith(str(tmp_path / "cache" / "spec-policy"))
     policy = spec_policy("auto", SpecConfig(3, 1, 4), model="m", draft="d")
     assert policy(1).steps == 3 and policy(8) is None
     code, out, err = cli(capsys, "tune", "--run", spec, "--verify-curve", vc, "--save-policy",
                          tmp_path / "p.json", "--max-concurrency", "1,4,8")
     assert code == 0, err
-    assert "best shape by concurrency" in out and "past ~6.1 concurrent sequences" in out
+    assert "best shape by concurrency" in out and "past ~5.6 concurrent sequences" in out
     assert f"policy table: {tmp_path / 'p.json'}" in out
-    assert json.loads((tmp_path / "p.json").read_text())["crossover"] == pytest.approx(6.11, abs=0.01)
+    assert json.loads((tmp_path / "p.json").read_text())["crossover"] == pytest.approx(5.65, abs=0.01)
     # a batch-1 curve cannot predict concurrency: said, not extrapolated
     old = _store("verify_curve", {}, curve_run(surface=False)["results"])
     code, out, err = cli(capsys, "tune", "--run", spec, "--verify-curve", old)

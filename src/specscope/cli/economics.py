@@ -236,8 +236,9 @@ MAX_BREAKEVEN_STEPS = 10**9   # closed-form arithmetic: a billion steps cost wha
 @click.option("--run", "run_ref", default=None, help="A stored speculative run (id, prefix or last).")
 @click.option("--baseline-run", "baseline_ref", default=None, help="A stored baseline run for T_decode.")
 @click.option("--batch", type=int, default=1, show_default=True,
-              help="Sequences decoded together. --decode-ms and --verify-ms are then one forward over all of them, "
-                   "--draft-ms and --other-ms per sequence; a run's times (batch 1) are scaled by --verify-curve.")
+              help="Sequences decoded together. --decode-ms, --verify-ms and --draft-ms are then one step's forwards "
+                   "over all of them (the engine drafts them together), --other-ms per sequence; a run's times "
+                   "(batch 1) are scaled by --verify-curve.")
 @click.option("--verify-curve", "curve_ref", default=None,
               help="A verify_curve run (with --batch: one measured with `verify-curve --batch`) for the decode and "
                    "verify times not given.")

@@ -4,10 +4,11 @@
 A configuration pays when τ · T_decode > T_draft + T_verify(n) + T_other; the ratio of the two is the speedup.
 
 At batch size B one target forward serves B sequences: plain decoding costs T(B, 1)/B per sequence-token, and
-speculation (T(B, n) + B·(T_draft + T_other))/(B·τ), drafting and bookkeeping running per sequence (an engine drafts
-each sequence in turn; n-gram drafting is free). B cancels from the break-even τ = (T(B, n) + B·T_draft)/T(B, 1),
-but T(B, n) grows with B·n once the forward is compute-bound while T(B, 1) stays flat longer, so the τ needed rises
-with B until plain decoding wins (the crossover).
+speculation (T(B, n) + D(B) + B·T_other)/(B·τ): the drafter's forwards run once for the whole batch (engine/batch.py
+drafts every sequence in one forward per level; n-gram drafting is free), so D(B) grows with rows as a forward does,
+while bookkeeping runs per sequence. The break-even τ = (T(B, n) + D(B) + B·T_other)/T(B, 1), and T(B, n) grows with
+B·n once the forward is compute-bound while T(B, 1) stays flat longer, so the τ needed rises with B until plain
+decoding wins (the crossover).
 
 Acceptance comes in two shapes:
 - per position (chain, or per depth of a tree): unconditional a_k = P(the first k drafts are all accepted),
@@ -122,8 +123,8 @@ def tree_tau(parents: list[int], p: list[float]) -> float:
 @dataclass
 class CycleCost:
     """Per-cycle milliseconds of one configuration and the plain decode step it competes with, at `batch`
-    sequences: decode_ms and verify_ms are one target forward over all of them, draft_ms and other_ms are per
-    sequence (batch 1: the single-sequence cycle)."""
+    sequences: decode_ms, verify_ms and draft_ms are one step's forwards over all of them (drafting is batched),
+    other_ms is per sequence (batch 1: the single-sequence cycle)."""
 
     decode_ms: float
     draft_ms: float
@@ -141,10 +142,8 @@ class CycleCost:
 
     @property
     def cycle_ms(self) -> float:
-        """One cycle of every sequence: the batch's verify forward and each sequence's drafting and bookkeeping."""
-        if self.batch == 1:
-            return self.draft_ms + self.verify_ms + self.other_ms
-        return self.verify_ms + self.batch * (self.draft_ms + self.other_ms)
+        """One cycle of every sequence: the batch's drafting and verify forward and each sequence's bookkeeping."""
+        return self.draft_ms + self.verify_ms + self.batch * self.other_ms
 
     @property
     def break_even_tau(self) -> float:
@@ -156,7 +155,7 @@ class CycleCost:
         return self.decode_ms / self.batch
 
     def spec_ms_per_token(self, tau: float) -> float:
-        """Speculation at accept length τ, ms per sequence-token: (T(B, n) + B·(draft + other))/(B·τ)."""
+        """Speculation at accept length τ, ms per sequence-token: (T(B, n) + D(B) + B·other)/(B·τ)."""
         return self.cycle_ms / (self.batch * tau)
 
     def speedup(self, tau: float) -> float:
@@ -165,8 +164,8 @@ class CycleCost:
 
 def predicted_speedup(tau: float, decode_ms: float, draft_ms: float, verify_ms: float, other_ms: float = 0.0,
                       batch: int = 1) -> float:
-    """speedup = τ · T_decode / (T_draft + T_verify(n) + T_other); at batch B, τ·T(B, 1)/(T(B, n) + B·(T_draft +
-    T_other)) with decode_ms = T(B, 1) and verify_ms = T(B, n)."""
+    """speedup = τ · T_decode / (T_draft + T_verify(n) + T_other); at batch B, τ·T(B, 1)/(T(B, n) + D(B) + B·T_other)
+    with decode_ms = T(B, 1), verify_ms = T(B, n) and draft_ms = D(B), the batch's drafting."""
     return CycleCost(decode_ms, draft_ms, verify_ms, other_ms, batch).speedup(tau)
 
 

@@ -9,7 +9,8 @@ A hybrid run (DRAFTER+ngram) also picks the n-gram budget: copied tokens cost no
 verify; what they add over the drafter alone comes from the run's own cycles (`HybridModel`).
 
 At B concurrent sequences (engine/batch.py) a verify surface T(B, n) scales the plain step and the verify forward
-to that batch size, drafting and bookkeeping running per sequence; `by_concurrency` picks the best shape per level
+to that batch size and the batch's drafting (one drafter forward per level for every sequence), bookkeeping running
+per sequence; `by_concurrency` picks the best shape per level
 and `crossover` the concurrency past which plain decoding is faster.
 """
 
@@ -250,9 +251,17 @@ class CostModel:
         k = 1.0 / max(share, 1e-9)
         return replace(self, step0_ms=self.step0_ms * k, expand_ms=self.expand_ms * k, select_ms=self.select_ms * k)
 
-    def draft_ms(self, steps: int, topk: int) -> float:
-        return (self.step0_ms + (steps - 1) * self.expand_ms * self._scale(topk, self.k0)
-                + self.select_ms * candidates(steps, topk))
+    def draft_ms(self, steps: int, topk: int, batch: int = 1) -> float:
+        """One cycle's drafting. At batch B the engine runs every sequence's drafter forwards as one (catch-up on
+        ~1-2 rows a sequence, then topk rows a sequence per level), which grow with rows as the target's forward
+        does (the surface's T(B, k)/T(1, k)); choosing each tree's nodes runs per sequence."""
+        if batch == 1:
+            return (self.step0_ms + (steps - 1) * self.expand_ms * self._scale(topk, self.k0)
+                    + self.select_ms * candidates(steps, topk))
+        S, c = self._surface(batch), self.context
+        grow = lambda k: S(batch, k, c) / S(1, k, c)   # noqa: E731
+        return (self.step0_ms * grow(2) + (steps - 1) * self.expand_ms * self._scale(topk, self.k0) * grow(topk)
+                + batch * self.select_ms * candidates(steps, topk))
 
     def verify(self, n: float, batch: int = 1) -> float:
         """One verify forward over `batch` sequences of n tokens each: the measured time at (1, n0) × T(B, n)/T(1,
@@ -334,7 +343,7 @@ def predict(acc: AcceptanceModel, cost: CostModel, steps: int, topk: int, draft_
     n = len(parents) + 1
     row = {"steps": steps, "topk": topk, "draft_tokens": draft_tokens, "shape": "chain" if topk == 1 else "tree",
            "verify_tokens": n, "tau_max": steps + 1.0, "extrapolated": steps > acc.depth}
-    return _priced(row, tau, cost.draft_ms(steps, topk), cost.verify(n, batch), cost.other_ms, cost.decode(batch),
+    return _priced(row, tau, cost.draft_ms(steps, topk, batch), cost.verify(n, batch), cost.other_ms, cost.decode(batch),
                    batch)
 
 

@@ -110,6 +110,10 @@ def test_batched_steps_count_per_request(tmp_path):
     assert res["spec_decode"]["num_accepted_tokens_per_pos"] == [sum(1 for _, a in drafts if a > i)
                                                                   for i in range(3)]
     assert res["batch"]["max_requests_per_step"] == 3
+    # conditional per request (drafted at i, accepted at i - 1), not from the per-step mean the profiler sees
+    reach = [sum(1 for d, a in drafts if d > i and a >= i) for i in range(3)]
+    assert res["per_position_acceptance_conditional"] == [
+        round(sum(1 for _, a in drafts if a > i) / r, 4) if r else None for i, r in enumerate(reach)]
 
 
 def test_plain_decode_steps_are_decode_not_verify(tmp_path):
@@ -157,7 +161,12 @@ def test_from_samples_reproduces_the_summary():
 
 @pytest.mark.parametrize("bad", ['{"i":0,"kind":"verify","ms":{"verify":-1},"total_ms":3,"drafted":[3],"accepted":[1]}',
                                  '{"i":0,"kind":"verify","ms":{"verify":1},"total_ms":3,"drafted":[3],"accepted":[5]}',
-                                 '{"i":0,"kind":"verify","ms":{"verify":1},"total_ms":3,"drafted":[3],"acc'])
+                                 '{"i":0,"kind":"verify","ms":{"verify":1},"total_ms":3,"drafted":[3],"acc',
+                                 # JSON readers take these; none is a time or a count the recorder writes
+                                 '{"kind":"verify","ms":{"verify":1},"total_ms":NaN,"drafted":[3],"accepted":[1]}',
+                                 '{"kind":"verify","ms":{"verify":Infinity},"total_ms":3,"drafted":[3],"accepted":[1]}',
+                                 '{"kind":"verify","ms":{"verify":1},"total_ms":3,"drafted":[true],"accepted":[1]}',
+                                 '{"kind":"verify","ms":{"verify":1},"total_ms":3,"drafted":[3],"reqs":4}'])
 def test_bad_step_lines_are_malformed_not_stored(tmp_path, bad):
     path = tmp_path / "bad.jsonl"
     good = '{"i":1,"kind":"verify","ms":{"verify":2.0},"total_ms":3.0,"drafted":[3],"accepted":[1],"reqs":1}'
@@ -165,3 +174,5 @@ def test_bad_step_lines_are_malformed_not_stored(tmp_path, bad):
     s = ingest_file(path, record=False)
     assert s["results"]["ingest"]["malformed"] == 1
     assert s["results"]["cycles"] == 1
+    json.dumps(s["results"], allow_nan=False)
+

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 
+from specscope.economics.engine_steps import surface_from_steps
 from specscope.ingest.base import OK, FormatParser, Malformed
 
 KIND = "step records"
@@ -109,6 +110,14 @@ class StepsParser(FormatParser):
             warnings.append(f"the plugin's totals line holds an unreadable overhead ({str(oh)[:60]!r}); ignored")
         res["batch"] = {"mean_requests_per_step": round(sum(r["reqs"] for r in rows) / len(rows), 3),
                         "max_requests_per_step": max(r["reqs"] for r in rows)}
+        surface, why = surface_from_steps(rows)      # the engine's own T(B, n), for tune and breakeven
+        warnings += why
+        if surface is not None:
+            res["surface"] = surface
+            timer, device = head.get("timer"), str(head.get("device") or "")
+            if timer == "perf_counter" and device.startswith("cuda"):
+                warnings.append("the steps were timed with perf_counter on a GPU: host time of asynchronously "
+                                "launched work, so the verify surface is not the device's forward time")
         if not single:
             warnings.append("batched steps: τ and per-position acceptance are vLLM's per-request counts; the "
                             "per-cycle accept lengths are per-step means")

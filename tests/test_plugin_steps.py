@@ -259,6 +259,67 @@ def test_the_recorder_writes_steps_the_surface_reads(tmp_path):
     assert all(p["median_ms"] > 0 for p in surf["points"])
 
 
+def test_tune_and_breakeven_price_the_engine_by_batch_size(tmp_path, capsys):
+    from cli_util import cli, one_error_line
+
+    db = tmp_path / "r.db"
+    spec = _ingested(tmp_path, "spec.jsonl", {1: 6, 2: 6, 4: 6, 8: 6}, 4)["id"]
+    plain = _ingested(tmp_path, "plain.jsonl", {1: 6, 2: 6, 4: 6, 8: 6, 16: 6}, 1)["id"]
+    code, out, err = cli(capsys, "tune", "--run", spec, "--baseline-run", plain, "--json", "--db", db)
+    assert code == 0, err
+    r = json.loads(out)
+    assert r["engine_surface"] == {"source": "engine steps", "run": spec, "baseline_run": plain,
+                                   "batches": [1, 2, 4, 8], "tokens": [1, 4], "stat": "mean"}
+    assert [c["batch"] for c in r["concurrency"]] == [1, 2, 4, 8] and r["concurrency_not_predicted"] == [16]
+    for c in r["concurrency"]:
+        B, s = c["batch"], c["steps"]
+        # the engine's own steps at B: forward linear in n between n = 1 and 4, drafting per sequence scaled by
+        # depth from the run's 3 steps, the rest of the step per sequence; plain: forward + its 1 ms rest
+        assert c["verify_ms"] == pytest.approx(T(B, 1) + (T(B, 4) - T(B, 1)) * s / 3)
+        assert c["draft_ms"] == pytest.approx((3 + 0.5 * B) / B * s / 3)
+        assert c["other_ms"] == pytest.approx(2.0 / B) and c["decode_ms"] == pytest.approx(T(B, 1) + 1.0)
+        assert c["speedup"] == pytest.approx(c["tau"] * c["decode_ms"] / (c["verify_ms"] + B * (c["draft_ms"]
+                                                                                               + c["other_ms"])))
+    from specscope.economics.tune import crossover
+    assert r["crossover"] == crossover([c["batch"] for c in r["concurrency"]], [c["speedup"] for c in r["concurrency"]])
+    code, out, err = cli(capsys, "tune", "--run", spec, "--baseline-run", plain, "--db", db)
+    assert code == 0 and "costs by batch size from the engine's own steps" in out
+    assert "concurrency 16 cannot be predicted outside them" in out
+
+    code, out, err = cli(capsys, "breakeven", "--run", spec, "--baseline-run", plain, "--batch", 8, "--json",
+                         "--db", db)
+    assert code == 0, err
+    b = json.loads(out)
+    # verify T(8, 4) = 26; the plain step 14 + 1; cycle 26 + 8 × (7/8 drafting + 2/8 rest) = 35
+    assert b["verify_ms"] == pytest.approx(26.0) and b["decode_ms"] == pytest.approx(15.0)
+    assert b["cycle_ms"] == pytest.approx(35.0) and b["break_even_accept_length"] == pytest.approx(35 / 15)
+    line = one_error_line(*cli(capsys, "breakeven", "--run", spec, "--baseline-run", plain, "--batch", 16,
+                               "--db", db)[::2])
+    assert "cover batch sizes 1, 2, 4, 8: batch 16 cannot be predicted outside them" in line
+
+
+def test_an_engine_run_at_batch_one_cannot_predict_past_it(tmp_path, capsys):
+    from cli_util import cli, one_error_line
+
+    db = tmp_path / "r.db"
+    spec = _ingested(tmp_path, "spec1.jsonl", {1: 6}, 4)["id"]
+    plain = _ingested(tmp_path, "plain1.jsonl", {1: 6}, 1)["id"]
+    code, out, err = cli(capsys, "tune", "--run", spec, "--baseline-run", plain, "--db", db)
+    assert code == 0 and "Traceback" not in err, err
+    said = [ln for ln in out.splitlines() if "cannot be predicted" in ln]
+    assert len(said) == 1 and "cover batch size 1 only: concurrency 2, 4, 8, 16 cannot be predicted past batch 1" \
+        in said[0]
+    r = json.loads(cli(capsys, "tune", "--run", spec, "--baseline-run", plain, "--json", "--db", db)[1])
+    assert [c["batch"] for c in r["concurrency"]] == [1] and r["concurrency_not_predicted"] == [2, 4, 8, 16]
+    assert r["concurrency"][0]["decode_ms"] == pytest.approx(T(1, 1) + 1.0)
+    line = one_error_line(*cli(capsys, "breakeven", "--run", spec, "--baseline-run", plain, "--batch", 2,
+                               "--db", db)[::2])
+    assert "past batch 1" in line
+    # without plain steps the engine cannot price plain decoding by batch size: said in one line, batch 1 as before
+    code, out, err = cli(capsys, "tune", "--run", spec, "--decode-ms", 10, "--db", db)
+    assert code == 0 and "hold no plain decoding steps: pass --baseline-run" in out, err
+
+
 def test_garbage_step_rows_are_left_out_and_never_stored(tmp_path):
     good = {2: 6, 4: 6}
     bad = [

@@ -273,7 +273,7 @@ def breakeven(decode_ms, verify_ms, draft_ms, other_ms, steps, measured_tok_s, m
                             batch=batch, verify_tokens=verify_tokens)
     if baseline_ref and not run_ref:
         raise SpecscopeError("--baseline-run needs --run (the speculative run to analyse)")
-    surface = None
+    surface = engine = no_engine = None
     if curve_ref:
         from specscope.economics.verify_curve import VerifySurface
 
@@ -288,10 +288,14 @@ def breakeven(decode_ms, verify_ms, draft_ms, other_ms, steps, measured_tok_s, m
         if run.get("kind") in ("baseline",) and base is None:
             raise SpecscopeError(f"run {run['id']} is a baseline run; pass the speculative run as --run and this one "
                                  f"as --baseline-run")
-        inp = inputs_from_runs(run, base, given, surface)
+        if surface is None:     # a serving engine's plugin run prices itself by batch size from its own steps
+            from specscope.economics.engine_steps import EngineCosts
+
+            engine, no_engine = EngineCosts.from_runs(run, base)   # means, as the run's phases are read
+        inp = inputs_from_runs(run, base, given, surface, engine)
     else:
         inp = given
-    res = compute(at_batch(inp, surface))
+    res = compute(at_batch(inp, surface, engine, no_engine))
     if as_json:
         emit_json(res)
         return
@@ -424,13 +428,17 @@ def tune(run_ref, baseline_ref, curve_ref, decode_ms, do_profile, model_name, dr
         else:
             ctx.adopt_run(run)
     acc = T.AcceptanceModel.from_run(run)
-    from specscope.economics.verify_curve import VerifyCurve, VerifySurface
+    from specscope.economics.verify_curve import VerifySurface
 
-    curve = surface = None
+    curve = surface = steps_cost = no_engine = None
     if curve_ref and not do_profile:
-        curve, surface = VerifyCurve.from_run(curve_run), VerifySurface.from_run(curve_run)
+        curve, surface = VerifySurface.curve_and_surface(curve_run)
     elif do_profile or n_validate:
         curve, surface = ctx.quick_curve(run, max_draft_tokens, levels, db, say)
+    else:       # a serving engine's plugin run: its own steps price it by batch size
+        from specscope.economics.engine_steps import EngineCosts
+
+        steps_cost, no_engine = EngineCosts.from_runs(run, base, stat)
     policy_file = None
     if save_policy is not None:
         if batched and not (surface is not None and surface.covers(max(levels))):
@@ -442,7 +450,9 @@ def tune(run_ref, baseline_ref, curve_ref, decode_ms, do_profile, model_name, dr
     if base is None and decode_ms is None:
         # a run made without a baseline (e.g. `specscope generate --draft ...`): measure plain decoding here
         decode_ms = ctx.plain_decode_ms(say)
-    cost = T.CostModel.from_runs(run, base, curve, decode_ms, stat, surface if batched else None)
+    cost = T.CostModel.from_runs(run, base, curve, decode_ms, stat, surface if batched else None, steps_cost)
+    if no_engine:
+        cost.notes.append(no_engine)
     configs = T.candidate_configs(acc, max_steps, max_topk, max_draft_tokens)
     hyb = T.HybridModel.from_run(run) if (run.get("results") or {}).get("hybrid_cycles") else None
     if hyb is not None:      # a hybrid: the drafter ran in the tree cycles only; choose the n-gram budget too
@@ -451,7 +461,9 @@ def tune(run_ref, baseline_ref, curve_ref, decode_ms, do_profile, model_name, dr
     rows = T.rank(acc, cost, configs, hyb)
     out = {"run": run.get("id"), "baseline_run": (base or {}).get("id"), "verify_curve": getattr(curve, "run_id", None),
            "acceptance": {"source": acc.source, "rates": acc.rates}, "cost_notes": cost.notes,
-           "decode_ms": cost.decode_ms, "predictions": rows[:top]}
+           "decode_ms": cost.decode(1) if cost.covers(1) else cost.decode_ms, "predictions": rows[:top],
+           "engine_surface": (steps_cost.summary() if steps_cost is not None
+                              else {"unavailable": no_engine} if no_engine else None)}
     conc, skipped = T.by_concurrency(acc, cost, configs, levels, hyb)
     cross = T.crossover([r["batch"] for r in conc], [r["speedup"] for r in conc])
     out.update({"concurrency": conc, "crossover": cross, "concurrency_not_predicted": skipped})
@@ -490,7 +502,7 @@ def tune(run_ref, baseline_ref, curve_ref, decode_ms, do_profile, model_name, dr
         return
     _print_tune(out, rows[:top], acc, cost, validation)
     if batched:
-        _print_concurrency(out, surface)
+        _print_concurrency(out, surface, steps_cost)
     for p in out.get("plots", []):
         click.echo(f"plot: {p}")
     if out.get("policy"):
@@ -516,7 +528,7 @@ def _model_named(run, ctx) -> str:
     return (run.get("config") or {}).get("model_name") or ctx.model_name
 
 
-def _print_concurrency(out, surface):
+def _print_concurrency(out, surface, engine=None):
     from rich.table import Table
 
     conc, cross = out["concurrency"], out["crossover"]
@@ -533,7 +545,11 @@ def _print_concurrency(out, surface):
         stdout_console().print(t)
     if out["concurrency_not_predicted"]:
         left = ", ".join(map(str, out["concurrency_not_predicted"]))
-        if surface is None or surface.batches == [1]:
+        if engine is not None:
+            click.echo(engine.uncovered(out["concurrency_not_predicted"], "concurrency"))
+        elif (out.get("engine_surface") or {}).get("unavailable"):
+            click.echo(f"concurrency {left} not predicted: {out['engine_surface']['unavailable']}")
+        elif surface is None or surface.batches == [1]:
             click.echo(f"concurrency {left} not predicted: no verify surface; measure one with `specscope "
                        f"verify-curve --batch 1,2,4,8,16` and pass it as --verify-curve")
         else:
@@ -664,7 +680,7 @@ def _print_tune(out, rows, acc, cost, validation):
     con = stdout_console()
     click.echo(f"acceptance: {acc.source}; depth-1 rates by rank: "
                + ", ".join(f"{x:.2f}" for x in acc.rates[0]))
-    click.echo(f"plain decoding {cost.decode_ms:.2f} ms/token; measured at k={cost.k0}, n={cost.n0:.1f}: "
+    click.echo(f"plain decoding {out['decode_ms']:.2f} ms/token; measured at k={cost.k0}, n={cost.n0:.1f}: "
                f"draft step0 {cost.step0_ms:.2f} ms, expansion {cost.expand_ms:.2f} ms/step, "
                f"verify {cost.verify_ms:.2f} ms, other {cost.other_ms:.2f} ms")
     for n in cost.notes:

@@ -133,11 +133,14 @@ def _note_suffix(inp: BreakevenInputs) -> str:
 
 # ---------------------------------------------------------------------------------------------- at batch size B
 
-def at_batch(inp: BreakevenInputs, surface=None) -> BreakevenInputs:
+def at_batch(inp: BreakevenInputs, surface=None, engine=None, no_engine: str | None = None) -> BreakevenInputs:
     """The plain step and verify forward at inp.batch sequences. Times given on the command line are taken as
     measured at that batch size; times from a run (measured at batch 1) are scaled by a verify surface,
     T(B, n)/T(1, n); times nobody gave are read off the surface. n is --verify-tokens, else the run's mean verify
-    width, else steps + 1 (a chain)."""
+    width, else steps + 1 (a chain).
+
+    With no surface, `engine` (EngineCosts: a serving engine's own steps, from its plugin run) gives every time the
+    command line did not at the batch sizes it covers; `no_engine` says why a plugin run has none."""
     B = inp.batch
     if B < 1:
         raise SpecscopeError(f"--batch must be >= 1, got {B}")
@@ -147,6 +150,10 @@ def at_batch(inp: BreakevenInputs, surface=None) -> BreakevenInputs:
         inp.measured_speedup = None
         inp.notes.append(f"the runs' measured speedup is at batch 1; the one shown is the cycle model's at batch {B}, "
                          f"from the run's τ")
+    if surface is None and engine is not None and (engine.covers(B) or B > 1):
+        return _from_engine(inp, engine)
+    if surface is None and no_engine and B > 1:
+        raise SpecscopeError(f"--batch {B}: {no_engine}")
     if surface is None:
         if B > 1 and from_run:
             raise SpecscopeError(f"--batch {B}: the run's {' and '.join(k[:-3] for k in from_run)} time(s) were "
@@ -171,6 +178,29 @@ def at_batch(inp: BreakevenInputs, surface=None) -> BreakevenInputs:
         elif getattr(inp, key) is None and key != "draft_ms":
             setattr(inp, key, surface(B, width, ctx))
             inp.sources[key] = f"{sid}: T({B}, {width:g})"
+    return inp
+
+
+def _from_engine(inp: BreakevenInputs, engine) -> BreakevenInputs:
+    """Every time the command line left out (or a run gave: its means mix the server's batch sizes) from the engine's
+    own steps at inp.batch: the plain step, the verify forward, the batch's drafting and the rest of the step per
+    sequence."""
+    B = inp.batch
+    if not engine.covers(B):
+        raise SpecscopeError(f"--batch {B}: {engine.uncovered([B])}")
+    n = inp.verify_tokens or (inp.steps + 1 if inp.steps is not None else None)
+    if n is None:
+        raise SpecscopeError("reading verify times off the engine's steps needs the tokens verified per cycle: pass "
+                             "--verify-tokens or --steps")
+    steps = f"the steps of run {engine.run_id}"
+    for key, value, what in (("decode_ms", engine.decode(B), f"the plain steps of run {engine.plain_id} at batch {B}"),
+                             ("verify_ms", engine.verify(n, B), f"{steps}: T({B}, {n:g})"),
+                             ("draft_ms", engine.draft_per_seq(B) * B, f"{steps} at batch {B}, the batch's"),
+                             ("other_ms", engine.other_per_seq(B), f"{steps} at batch {B} (all but forward and "
+                                                                   f"draft), per sequence")):
+        if key in inp.sources or getattr(inp, key) is None:
+            setattr(inp, key, value)
+            inp.sources[key] = what
     return inp
 
 
@@ -211,7 +241,7 @@ def decode_ms_of(results: dict) -> float | None:
 
 
 def inputs_from_runs(run: dict, baseline: dict | None, given: BreakevenInputs,
-                     surface=None) -> BreakevenInputs:
+                     surface=None, engine=None) -> BreakevenInputs:
     """Fill what the command line left out from a speculative run (and a baseline run for T_decode); with a
     verify `surface` the decode and verify times may be left for `at_batch` to read off it.
 
@@ -242,6 +272,7 @@ def inputs_from_runs(run: dict, baseline: dict | None, given: BreakevenInputs,
     take("steps", int(steps) if steps is not None else None,
          f"run {rid}" + (" (deepest copy chain of the hybrid)" if ngram else ""))
     take("measured_accept_length", _num(res.get("accept_length")), f"run {rid}")
+    surface = surface if surface is not None else engine     # either gives the decode and verify times
     if surface is not None:     # where to read the surface: this run's verify width and context
         take("verify_tokens", _num(res.get("verify_tokens_mean")), f"run {rid}")
         take("context", _num(res.get("mean_context")), f"run {rid}")

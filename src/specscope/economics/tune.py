@@ -10,8 +10,9 @@ verify; what they add over the drafter alone comes from the run's own cycles (`H
 
 At B concurrent sequences (engine/batch.py) a verify surface T(B, n) scales the plain step and the verify forward
 to that batch size and the batch's drafting (one drafter forward per level for every sequence), bookkeeping running
-per sequence; `by_concurrency` picks the best shape per level
-and `crossover` the concurrency past which plain decoding is faster.
+per sequence; `by_concurrency` picks the best shape per level and `crossover` the concurrency past which plain
+decoding is faster. A serving engine's plugin run brings its own costs by batch size instead
+(`engine_steps.EngineCosts`: the forward, drafting and the rest of its recorded steps).
 """
 
 from __future__ import annotations
@@ -228,6 +229,20 @@ class CostModel:
     curve: object = None       # VerifyCurve or None
     notes: list = field(default_factory=list)
     surface: object = None     # VerifySurface or None: T(B, n) for batch sizes above 1
+    # EngineCosts or None: a serving engine's own step costs by batch size (its plugin run), read where they cover
+    # a batch size instead of scaling this run's means, which a server under load measured over every batch size
+    engine: object = None
+    draft_ref_ms: float | None = None    # the run's own draft time, what draft_ms(its shape) is built from
+
+    def _engine(self, batch: float):
+        return self.engine if self.engine is not None and self.engine.covers(batch) else None
+
+    def covers(self, batch: int) -> bool:
+        """Whether predictions at `batch` can be priced: the engine's steps, where given, cover it; else batch 1
+        always, larger ones from the verify surface."""
+        if self.engine is not None:
+            return self.engine.covers(batch)
+        return batch == 1 or (self.surface is not None and self.surface.covers(batch))
 
     def _scale(self, n: float, n_ref: float) -> float:
         return self.curve.ratio(n, n_ref, self.context) if self.curve is not None else 1.0
@@ -240,6 +255,8 @@ class CostModel:
 
     def decode(self, batch: int = 1) -> float:
         """One plain step over `batch` sequences: the measured batch-1 time × T(B, 1)/T(1, 1)."""
+        if self._engine(batch):
+            return self.engine.decode(batch)
         if batch == 1:
             return self.decode_ms
         S = self._surface(batch)
@@ -263,9 +280,23 @@ class CostModel:
         return (self.step0_ms * grow(2) + (steps - 1) * self.expand_ms * self._scale(topk, self.k0) * grow(topk)
                 + batch * self.select_ms * candidates(steps, topk))
 
+    def draft_at(self, steps: int, topk: int, batch: int = 1) -> float:
+        """The batch's drafting per cycle at `batch`: draft_ms, or from the engine's steps its drafting at that
+        batch size (per sequence x B) scaled by this shape's draft_ms over the run's own."""
+        if not self._engine(batch):
+            return self.draft_ms(steps, topk, batch)
+        d = self.draft_ms(steps, topk)
+        per_seq = self.engine.draft_per_seq(batch)
+        return batch * (per_seq * d / self.draft_ref_ms if self.draft_ref_ms else per_seq)
+
+    def other_at(self, batch: int = 1) -> float:
+        return self.engine.other_per_seq(batch) if self._engine(batch) else self.other_ms
+
     def verify(self, n: float, batch: int = 1) -> float:
         """One verify forward over `batch` sequences of n tokens each: the measured time at (1, n0) × T(B, n)/T(1,
         n0) (at batch 1 the curve's ratio, as before surfaces)."""
+        if self._engine(batch):
+            return self.engine.verify(n, batch)
         if batch == 1:
             return self.verify_ms * self._scale(n, self.n0)
         S = self._surface(batch)
@@ -273,7 +304,7 @@ class CostModel:
 
     @classmethod
     def from_runs(cls, run: dict, baseline: dict | None, curve=None, decode_ms: float | None = None,
-                  stat: str = "mean", surface=None) -> "CostModel":
+                  stat: str = "mean", surface=None, engine=None) -> "CostModel":
         """stat "mean" (default) reads each phase's mean per cycle: what wall-clock throughput is made of, stalls
         included (on a shared machine they hit the run and its alternated baseline alike). "median" reads the
         per-cycle medians instead, which ignores stalls altogether; the two agree on a quiet machine."""
@@ -308,10 +339,12 @@ class CostModel:
             raise SpecscopeError(f"no plain-decoding time for run {rid}: pass --baseline-run ID or --decode-ms")
         n0 = res.get("verify_tokens_mean") or (steps + 1 if topk == 1 else cfg.get("draft_tokens") or steps + 1)
         context = res.get("mean_context") or cfg.get("mean_context") or 256
-        if curve is None:
+        if curve is None and not (engine is not None and engine.covers(1)):
             notes.append("no verify curve: verify and draft-step costs taken as flat in the number of tokens")
+        if engine is not None:
+            notes.append(engine.describe())
         return cls(decode_ms, step0, expand, select, verify, other, topk, float(n0), float(context), curve, notes,
-                   surface)
+                   surface, engine, draft)
 
 
 def candidates(steps: int, topk: int) -> int:
@@ -343,8 +376,8 @@ def predict(acc: AcceptanceModel, cost: CostModel, steps: int, topk: int, draft_
     n = len(parents) + 1
     row = {"steps": steps, "topk": topk, "draft_tokens": draft_tokens, "shape": "chain" if topk == 1 else "tree",
            "verify_tokens": n, "tau_max": steps + 1.0, "extrapolated": steps > acc.depth}
-    return _priced(row, tau, cost.draft_ms(steps, topk, batch), cost.verify(n, batch), cost.other_ms, cost.decode(batch),
-                   batch)
+    return _priced(row, tau, cost.draft_at(steps, topk, batch), cost.verify(n, batch), cost.other_at(batch),
+                   cost.decode(batch), batch)
 
 
 def predict_hybrid(acc: AcceptanceModel, cost: CostModel, hyb: HybridModel, steps: int, topk: int,
@@ -363,7 +396,8 @@ def predict_hybrid(acc: AcceptanceModel, cost: CostModel, hyb: HybridModel, step
     rows = (1 - f) * n_tree + f * n_copy
     v = (1 - f) * cost.verify(n_tree) + f * cost.verify(n_copy) if batch == 1 else cost.verify(rows, batch)
     row = {**base, "ngram_tokens": L, "verify_tokens": rows, "tau_max": max(steps, budget) + 1.0, "copy_share": f}
-    return _priced(row, tau, (1 - f) * base["draft_ms"], v, cost.other_ms, cost.decode(batch), batch)
+    return _priced(row, tau, (1 - f) * cost.draft_at(steps, topk, batch), v, cost.other_at(batch),
+                   cost.decode(batch), batch)
 
 
 DRAFT_TOKEN_GRID = (4, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)
@@ -403,10 +437,10 @@ DEFAULT_CONCURRENCY = DEFAULT_BATCHES
 def by_concurrency(acc: AcceptanceModel, cost: CostModel, configs, levels=DEFAULT_CONCURRENCY,
                    hybrid: HybridModel | None = None) -> tuple[list[dict], list[int]]:
     """The best predicted configuration at each concurrency level the cost model can price -> (rows, levels left
-    out because the verify surface does not cover them)."""
+    out because the verify surface, or the engine's steps, do not cover them)."""
     rows, skipped = [], []
     for B in levels:
-        if B > 1 and (cost.surface is None or not cost.surface.covers(B)):
+        if not cost.covers(B):
             skipped.append(B)
             continue
         rows.append(rank(acc, cost, configs, hybrid, B)[0])

@@ -397,6 +397,8 @@ class VerifySurface:
     def from_run(cls, run: dict) -> "VerifySurface":
         res = run.get("results") or {}
         surface = res.get("surface")
+        if surface and run.get("kind") == "ingest":
+            return cls.from_results(surface, run.get("id"))     # an engine's own steps (economics/engine_steps.py)
         if not surface or run.get("kind") != "verify_curve":
             return cls({1: VerifyCurve.from_run(run)}, run.get("id"))    # the old format: batch 1 alone
         batch1 = VerifyCurve.from_run(run) if res.get("fits") else None
@@ -405,6 +407,15 @@ class VerifySurface:
     @property
     def batches(self) -> list[int]:
         return list(self.curves)
+
+    @classmethod
+    def curve_and_surface(cls, run: dict) -> tuple[VerifyCurve | None, "VerifySurface"]:
+        """A stored run's batch-1 curve (None when it has none: an engine surface without batch-1 steps) and its
+        surface."""
+        surface = cls.from_run(run)
+        if run.get("kind") == "verify_curve":
+            return VerifyCurve.from_run(run), surface
+        return surface.curves.get(1), surface
 
     def covers(self, batch: int) -> bool:
         return self.batches[0] <= batch <= self.batches[-1]

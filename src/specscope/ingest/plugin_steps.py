@@ -9,7 +9,9 @@ draft tokens; per-position = accepted at position i / drafts), exactly, batched 
 from __future__ import annotations
 
 import json
+import math
 
+from specscope.economics.engine_steps import surface_from_steps
 from specscope.ingest.base import OK, FormatParser, Malformed
 
 KIND = "step records"
@@ -108,6 +110,14 @@ class StepsParser(FormatParser):
             warnings.append(f"the plugin's totals line holds an unreadable overhead ({str(oh)[:60]!r}); ignored")
         res["batch"] = {"mean_requests_per_step": round(sum(r["reqs"] for r in rows) / len(rows), 3),
                         "max_requests_per_step": max(r["reqs"] for r in rows)}
+        surface, why = surface_from_steps(rows)      # the engine's own T(B, n), for tune and breakeven
+        warnings += why
+        if surface is not None:
+            res["surface"] = surface
+            timer, device = head.get("timer"), str(head.get("device") or "")
+            if timer == "perf_counter" and device.startswith("cuda"):
+                warnings.append("the steps were timed with perf_counter on a GPU: host time of asynchronously "
+                                "launched work, so the verify surface is not the device's forward time")
         if not single:
             warnings.append("batched steps: τ and per-position acceptance are vLLM's per-request counts; the "
                             "per-cycle accept lengths are per-step means")
@@ -119,20 +129,38 @@ class StepsParser(FormatParser):
         return {"config": config, "results": res, "samples": samples, "warnings": warnings, "env": env}
 
 
+def _time(v) -> bool:
+    # JSON readers take NaN and Infinity, and True is an int: none of them is a time, and none may reach the registry
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+
+
+def _count(v) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ValueError(f"counts must be integers, got {v!r}")
+    return v
+
+
 def _step(obj: dict) -> dict:
     ms = obj["ms"]
-    if not isinstance(ms, dict) or not all(isinstance(v, (int, float)) and v >= 0 for v in ms.values()):
-        raise ValueError("ms must map phases to non-negative numbers")
+    if not isinstance(ms, dict) or not all(_time(v) for v in ms.values()):
+        raise ValueError("ms must map phases to non-negative finite numbers")
+    if not _time(obj["total_ms"]):
+        raise ValueError("total_ms must be a non-negative finite number")
     total = float(obj["total_ms"])
-    drafted = [int(x) for x in obj["drafted"]]
+    drafted = [_count(x) for x in obj["drafted"]]
     acc = obj.get("accepted")
-    acc = None if acc is None else [int(x) for x in acc]
-    if total < 0 or any(d < 0 for d in drafted) or (acc is not None and any(a < 0 for a in acc)):
-        raise ValueError("negative time or count")
+    acc = None if acc is None else [_count(x) for x in acc]
+    if any(d < 0 for d in drafted) or (acc is not None and any(a < 0 for a in acc)):
+        raise ValueError("negative count")
     if acc is not None and (len(acc) != len(drafted) or any(a > d for a, d in zip(acc, drafted))):
         raise ValueError("accepted does not fit drafted")
+    reqs = obj.get("reqs")
+    reqs = max(len(drafted), 1) if reqs is None else _count(reqs)
+    # the recorder writes one draft count per request: a step whose counts disagree is not one it wrote
+    if reqs < 1 or (drafted and reqs != len(drafted)):
+        raise ValueError(f"reqs {reqs} does not match the {len(drafted)} per-request draft count(s)")
     return {"ms": {str(k): float(v) for k, v in ms.items()}, "total_ms": total, "drafted": drafted,
-            "accepted": acc, "reqs": int(obj.get("reqs") or max(len(drafted), 1)), "kind": obj.get("kind")}
+            "accepted": acc, "reqs": reqs, "kind": obj.get("kind")}
 
 
 def _tokens(r: dict) -> int:
@@ -154,9 +182,13 @@ def _vllm_counters(rows: list[dict], warnings: list) -> dict:
         return {}
     depth = max(d for d, _ in drafts)
     per_pos = [sum(1 for _, a in drafts if a > i) for i in range(depth)]
+    # conditional per request as the profiler counts it (position i drafted, i - 1 accepted): the profiler's own
+    # sees a batched step as one cycle of its mean tokens, which the tuner's acceptance must not read
+    reach = [sum(1 for d, a in drafts if d > i and a >= i) for i in range(depth)]
     accepted = sum(a for _, a in drafts)
     return {"accept_length": round(1 + accepted / len(drafts), 4),
             "drafted_tokens": sum(d for d, _ in drafts), "accepted_tokens": accepted,
             "per_position_acceptance": [round(x / len(drafts), 4) for x in per_pos],
+            "per_position_acceptance_conditional": [round(x / r, 4) if r else None for x, r in zip(per_pos, reach)],
             "spec_decode": {"num_drafts": len(drafts), "num_draft_tokens": sum(d for d, _ in drafts),
                             "num_accepted_tokens": accepted, "num_accepted_tokens_per_pos": per_pos}}

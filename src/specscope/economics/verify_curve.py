@@ -327,32 +327,33 @@ class _BatchPoint:
 def measure_surface(model, batches, context: int, tokens, warmup: int = 2, repeats: int = 5,
                     max_seq_len: int | None = None, progress=None) -> dict:
     """T(B, n) at one per-sequence context: for each batch size B one cache of B regions (target.new_cache(region
-    * B)), every n timed round-robin. Returns {"context", "region", "batches", "tokens", "points", "fits",
+    * B)), every (B, n) timed once a round, round-robin (a batch-1 row timed apart from the others once came out
+    1.5x slow: its T(1, 1) above T(2, 1)). Returns {"context", "region", "batches", "tokens", "points", "fits",
     "samples"}; fits are {B: {context: fit over n}}, so each batch size reads like a batch-1 curve."""
     limit = model.config.max_position_embeddings
     check_plan([context], tokens, warmup, repeats, limit)
     check_surface_plan(batches, context, tokens, limit, max_seq_len)
     region = region_size(context, tokens, max_seq_len, limit)
     points, samples, fits = [], {}, {}
+    caches = {B: model.new_cache(region * B) for B in batches}
+    pts = {(B, n): _BatchPoint(model, B, context, n, caches[B], region) for B in batches for n in tokens}
+    times = {k: [] for k in pts}
+    for i in range(warmup + repeats):
+        for k, p in pts.items():   # every point once a round: drift on a shared machine hits all of them alike
+            t = p.time_ms()
+            if i >= warmup:
+                times[k].append(t)
     for B in batches:
-        cache = model.new_cache(region * B)
-        pts = {n: _BatchPoint(model, B, context, n, cache, region) for n in tokens}
-        times = {n: [] for n in tokens}
-        for i in range(warmup + repeats):
-            for n in tokens:
-                t = pts[n].time_ms()
-                if i >= warmup:
-                    times[n].append(t)
         meds = []
         for n in tokens:
-            row = {"batch": B, "context": context, "tokens": n, **summarize(times[n])}
+            row = {"batch": B, "context": context, "tokens": n, **summarize(times[(B, n)])}
             points.append(row)
-            samples[f"{B}:{context}:{n}"] = times[n]
+            samples[f"{B}:{context}:{n}"] = times[(B, n)]
             meds.append(row["median_ms"])
             if progress:
                 progress(row)
-        del pts, cache
         fits[str(B)] = {str(context): fit_piecewise(list(tokens), meds).to_dict()}
+    del pts, caches
     return {"context": context, "region": region, "batches": list(batches), "tokens": list(tokens),
             "points": points, "fits": fits, "samples": samples}
 

@@ -13,7 +13,7 @@ LAYERS = [
     ("base", {"specscope", "errors", "jsonio", "fileio", "prompts"}),
     ("runtime", {"runtime"}),                                # KV cache, sampling (+ params), tokenizer
     ("models", {"models"}),                                  # configs, the forward, loaders, CPU kernels
-    ("decoding", {"generate", "speculative", "profile"}),    # our decoding loops and their profiler
+    ("decoding", {"generate", "speculative", "profile", "engine"}),   # decoding loops, the batch engine, profiler
     ("records", {"registry"}),
     ("tools", {"economics", "train", "ingest"}),
     ("outputs", {"report", "plugins", "benchserve"}),

@@ -31,11 +31,11 @@ def engine(model_dir):
     return _engine(model_dir)
 
 
-def _offline(engine, prompt_ids, n):
+def _offline(engine, prompt_ids, n, sampling=None):
     from specscope.generate import generate
     from specscope.runtime.sampling import SamplingParams
 
-    return generate(engine.model, prompt_ids, n, SamplingParams(), engine.stop_ids).token_ids
+    return generate(engine.model, prompt_ids, n, sampling or SamplingParams(), engine.stop_ids).token_ids
 
 
 def _sse(lines):
@@ -614,6 +614,7 @@ def test_concurrent_streams_get_offline_greedy_tokens(model_dir, draft, max_num_
     import httpx
 
     from specscope.ingest.prometheus import parse_text
+    from specscope.runtime.sampling import SamplingParams
     from specscope.server.app import create_app
 
     kw = {}
@@ -621,13 +622,16 @@ def test_concurrent_streams_get_offline_greedy_tokens(model_dir, draft, max_num_
         kw = dict(draft=str(model_dir) if draft == "self" else "ngram", steps=3)   # "self": the model drafts for itself
     eng = _engine(model_dir, max_num_seqs=max_num_seqs, **kw)
     app = create_app(eng)
-    sizes = _gate_first_step(app.state.worker, len(CONCURRENT_PROMPTS))
+    sizes = _gate_first_step(app.state.worker, len(CONCURRENT_PROMPTS) + (draft is None))
     out = {}
+    # plain decoding draws as `generate` does, so a seeded sampled request is reproducible too
+    cases = [(p, n, 0.0, None) for p, n in CONCURRENT_PROMPTS] + ([("the quick brown fox", 20, 0.8, 7)]
+                                                                  if draft is None else [])
     with _live(app) as url:
         threads = []
-        for i, (prompt, n) in enumerate(CONCURRENT_PROMPTS):
-            body = {"prompt": prompt, "max_tokens": n, "temperature": 0, "stream": True, "return_token_ids": True,
-                    "stream_options": {"include_usage": True}}
+        for i, (prompt, n, temperature, seed) in enumerate(cases):
+            body = {"prompt": prompt, "max_tokens": n, "temperature": temperature, "seed": seed, "stream": True,
+                    "return_token_ids": True, "stream_options": {"include_usage": True}}
             threads.append(threading.Thread(target=_stream, args=(url, body, out, i)))
             threads[-1].start()
             deadline = time.time() + 30
@@ -636,17 +640,17 @@ def test_concurrent_streams_get_offline_greedy_tokens(model_dir, draft, max_num_
         for t in threads:
             t.join(120)
         scrape = parse_text(httpx.get(url + "/metrics").text)
-    for i, (prompt, n) in enumerate(CONCURRENT_PROMPTS):
+    for i, (prompt, n, temperature, seed) in enumerate(cases):
         r = out[i]
         assert r["status"] == 200 and r["error"] is None and r["done"], (i, r)
-        want = _offline(eng, eng.tokenizer.encode(prompt), n)
+        want = _offline(eng, eng.tokenizer.encode(prompt), n, SamplingParams(temperature, 0, 1.0, seed))
         assert r["ids"] == want, (i, prompt)
         assert r["finish"] == ("length" if len(want) == n and want[-1] not in eng.stop_ids else "stop")
-    assert scrape.total("specscope:request_success_total") == len(CONCURRENT_PROMPTS)
+    assert scrape.total("specscope:request_success_total") == len(cases)
     if max_num_seqs == 1:
         assert set(sizes) == {1}
     else:  # they really ran together: the second step had everyone the first one did not finish
-        assert max(sizes) == min(max_num_seqs, len(CONCURRENT_PROMPTS)), sizes
+        assert max(sizes) == min(max_num_seqs, len(cases)), sizes
     if draft is not None:
         assert scrape.total("specscope:spec_decode_num_drafts_total") > 0
 
@@ -661,19 +665,21 @@ def test_a_client_that_leaves_frees_its_slot(model_dir, monkeypatch):
     from specscope.server.app import create_app
 
     eng = _engine(model_dir, max_num_seqs=2, max_queue=1)
-    _slow_emits(monkeypatch, eng, 0.01)
+    _slow_emits(monkeypatch, eng, 0.02)   # a long stream needs >= 4.8 s of steps, the short one 8 steps
     app = create_app(eng)
     w = app.state.worker
     long = {"prompt": "the quick brown fox", "max_tokens": 240, "temperature": 0, "stream": True,
             "ignore_eos": True}
     short = {"prompt": "the lazy dog", "max_tokens": 8, "temperature": 0, "stream": True, "return_token_ids": True}
-    out, a_started, b_started, a_leave = {}, threading.Event(), threading.Event(), threading.Event()
+    out, a_started, b_started = {}, threading.Event(), threading.Event()
+    a_leave, b_leave = threading.Event(), threading.Event()
     with _live(app) as url:
         a = threading.Thread(target=_stream, args=(url, long, out, "a", a_started, a_leave))
-        b = threading.Thread(target=_stream, args=(url, long, out, "b", b_started))
-        a.start()
+        b = threading.Thread(target=_stream, args=(url, long, out, "b", b_started, b_leave))
+        a.start()   # one after the other: sent together, the second could find the 1-place queue still full
+        assert a_started.wait(30)
         b.start()
-        assert a_started.wait(30) and b_started.wait(30)
+        assert b_started.wait(30), out["b"]
         c = threading.Thread(target=_stream, args=(url, short, out, "c"))
         c.start()
         deadline = time.time() + 30
@@ -685,11 +691,18 @@ def test_a_client_that_leaves_frees_its_slot(model_dir, monkeypatch):
         a_leave.set()
         c.join(60)
         b_was_running = not out["b"]["done"]
+        b_leave.set()
         a.join(10)
-        scrape = parse_text(httpx.get(url + "/metrics").text)
-    b.join(60)
-    assert out["a"].get("hung_up")
+        b.join(10)
+        deadline = time.time() + 10
+        while time.time() < deadline:
+            scrape = parse_text(httpx.get(url + "/metrics").text)
+            if not scrape.total("specscope:num_requests_running"):
+                break
+            time.sleep(0.05)
+    assert out["a"].get("hung_up") and out["b"].get("hung_up")
     assert out["c"]["done"] and out["c"]["error"] is None
     assert out["c"]["ids"] == _offline(eng, eng.tokenizer.encode("the lazy dog"), 8)
     assert b_was_running, "the queued request only ran once the other long stream had finished"
-    assert scrape.total("specscope:request_failed_total", reason="cancelled") == 1
+    assert scrape.total("specscope:request_failed_total", reason="cancelled") == 2
+    assert scrape.total("specscope:request_success_total") == 1

@@ -318,12 +318,13 @@ class Worker:
             # engine's state is unknown; answer each with a 500 and go on with a fresh engine
             log.error("engine step failed with %d requests in it: %s", len(self.jobs), ", ".join(self.jobs),
                       exc_info=(type(e), e, e.__traceback__))
-            for job in self.jobs.values():
-                self._fail(job, e, logged=True)
+            lost = list(self.jobs.values())
             self.jobs.clear()
             self.cancelling.clear()
             self.engine = None                 # free the old cache before allocating the new one
             self.engine = self.served.new_engine()
+            for job in lost:                   # answered once the fresh engine is in place
+                self._fail(job, e, logged=True)
             return
         if self.served.cfg.profile_phases:
             self.metrics.observe_phases({"step": [(time.perf_counter() - t0) * 1e3]})

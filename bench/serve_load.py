@@ -30,11 +30,14 @@ FALLBACK_PROMPTS = ["Explain how a CPU cache works.", "Write a haiku about the s
                     "List three uses of a hash map.", "Summarise the plot of Hamlet in two sentences."]
 
 
-def start_server(args) -> tuple[subprocess.Popen, str]:
+def start_server(args, extra: list[str] = (), clients: int | None = None) -> tuple[subprocess.Popen, str]:
+    """`specscope serve` on a free loopback port with a queue of twice the clients; `extra`: more serve flags."""
+    clients = args.clients if clients is None else clients
     cmd = [sys.executable, "-m", "specscope", "serve", "--model", args.model, "--host", "127.0.0.1", "--port", "0",
-           "--threads", str(args.threads), "--device", args.device, "--max-queue", str(max(args.clients, 1) * 2)]
+           "--threads", str(args.threads), "--device", args.device, "--max-queue", str(max(clients, 1) * 2)]
     if args.draft:
         cmd += ["--draft", args.draft]
+    cmd += list(extra)
     err = tempfile.TemporaryFile(mode="w+")  # a file, not a pipe nobody drains (which could block the server)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True)
     url = {}

@@ -692,10 +692,10 @@ def test_server_bug_is_a_500_with_a_request_id_and_a_logged_traceback(server, ca
 def test_server_bug_during_generation_names_the_request(server, caplog, monkeypatch):
     engine = server.app.state.served
 
-    def boom(job, metrics):
+    def boom(job, new_ids):   # inside the request's streaming callback, on the worker thread
         raise RuntimeError("simulated decode bug")
 
-    monkeypatch.setattr(engine, "run", boom)
+    monkeypatch.setattr(engine, "_emit", boom)
     with caplog.at_level("ERROR", logger="specscope.server"):
         r = server.post("/v1/completions", json=OK)
     assert r.status_code == 500

@@ -398,3 +398,101 @@ def test_bench_serve_bad_options_are_one_line(args, needle, capsys):
 
     code, _, err = cli(capsys, "bench-serve", *args)
     assert needle in one_error_line(code, err)
+
+
+def _bench_module(name):
+    import importlib.util
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parent.parent / "bench"
+    sys.path.insert(0, str(bench))
+    try:
+        spec = importlib.util.spec_from_file_location(name, bench / f"{name}.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.remove(str(bench))
+    return mod
+
+
+def test_serve_concurrency_bench_parses_and_its_numbers_are_right():
+    """bench/serve_concurrency.py is long and not run here: its --help parses, and the functions that turn runs
+    into numbers (client lists, percentiles, Prometheus histogram quantiles, the answer check, the ratios) are
+    right."""
+    import argparse
+    from pathlib import Path
+
+    import numpy as np
+
+    from specscope.ingest.prometheus import parse_text
+    from specscope.server.metrics import ServerMetrics
+
+    script = Path(__file__).resolve().parent.parent / "bench" / "serve_concurrency.py"
+    r = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=120,
+                       env=_env())
+    assert r.returncode == 0, r.stderr
+    assert "--max-num-seqs" in r.stdout and "--clients" in r.stdout
+    m = _bench_module("serve_concurrency")
+
+    assert m.parse_clients("16,32") == [16, 32] and m.parse_clients(" 8, 8 ,4") == [8, 4]
+    for bad in ("0", "x", "16,", "-3"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            m.parse_clients(bad)
+
+    vals = [0.3, 0.1, None, 0.4, 0.2, 1.7]
+    d = m.dist(vals, "ttft")
+    ms = np.array([0.3, 0.1, 0.4, 0.2, 1.7]) * 1e3
+    assert d["mean_ttft_ms"] == pytest.approx(ms.mean()) and d["max_ttft_ms"] == pytest.approx(1700)
+    for p in (50, 90, 99):
+        assert d[f"p{p}_ttft_ms"] == pytest.approx(np.percentile(ms, p))
+    assert m.dist([None], "ttft") is None
+
+    # the server's own histogram, rendered and parsed as the bench reads it
+    met = ServerMetrics()
+    for _ in range(10):
+        met.queue_time.observe(0.015)      # bucket (0.01, 0.02]
+    for _ in range(10):
+        met.queue_time.observe(0.03)       # bucket (0.02, 0.04]
+    s = parse_text(met.render().decode())
+    name = "specscope:request_queue_time_seconds"
+    assert m.histogram_quantile(s, name, 0.5) == pytest.approx(0.02)          # the first bucket's top
+    assert m.histogram_quantile(s, name, 0.25) == pytest.approx(0.015)        # halfway into (0.01, 0.02]
+    assert m.histogram_quantile(s, name, 0.75) == pytest.approx(0.03)         # halfway into (0.02, 0.04]
+    met.queue_time.observe(500.0)          # past the last finite bound: Prometheus answers that bound
+    s = parse_text(met.render().decode())
+    assert m.histogram_quantile(s, name, 0.999) == pytest.approx(81.92)
+    assert m.histogram_quantile(parse_text(ServerMetrics().render().decode()), name, 0.5) is None
+    h = m.server_histogram(s, name)
+    assert h["count"] == 21 and h["mean_ms"] == pytest.approx((10 * 15 + 10 * 30 + 500_000) / 21)
+
+    # a run: 3 completed (one differs from offline), 1 error; throughput over the duration
+    ref = {"a": [1, 2, 3], "b": [4, 5]}
+    run = {"started": 5, "hung_up": 1, "finished": [
+        {"prompt": "a", "token_ids": [1, 2, 3], "ttft_s": 0.1, "e2e_s": 0.5, "error": None},
+        {"prompt": "b", "token_ids": [4, 5], "ttft_s": 0.2, "e2e_s": 0.6, "error": None},
+        {"prompt": "b", "token_ids": [4, 6], "ttft_s": 0.3, "e2e_s": 0.7, "error": None},
+        {"prompt": "a", "error": "HTTP 500: boom", "status": 500}]}
+    met.request_failed.labels(reason="cancelled").inc(1)
+    sm = m.summarize(run, 2.0, ref, parse_text(met.render().decode()))
+    assert (sm["completed"], sm["errors"], sm["mismatches"], sm["checked_against_offline"]) == (3, 1, 1, 3)
+    assert sm["output_tokens"] == 7 and sm["output_tok_per_s"] == 3.5 and sm["completed_per_s"] == 1.5
+    assert sm["server_cancelled"] == 1 and sm["rejected_429"] == 0
+    assert sm["time_to_first_token"]["p50_ttft_ms"] == pytest.approx(200)
+    assert sm["request_queue_time"]["count"] == 21 and sm["mismatch_examples"][0]["server"] == [4, 6]
+    c = m.checks_of(sm, 0.5, 200, 0)
+    assert not c["no_errors"] and not c["every_completed_equals_offline_greedy"] and c["idle_within_10s_of_hangup"]
+    assert all(m.checks_of(dict(sm, errors=0, mismatches=0), 0.5, 200, 0).values())
+
+    serial = {"completed": 10, "output_tok_per_s": 20.0, "time_to_first_token": {"mean_ttft_ms": 900.0},
+              "request_queue_time": {"mean_ms": 800.0}}
+    batched = {"completed": 35, "output_tok_per_s": 70.0, "time_to_first_token": {"mean_ttft_ms": 300.0},
+               "request_queue_time": None}
+    x = m.ratios(serial, batched)
+    assert x["completed"] == 3.5 and x["output_tok_per_s"] == 3.5 and x["mean_ttft_ms"] == pytest.approx(1 / 3)
+    assert x["mean_request_queue_time_ms"] is None and x["p99_ttft_ms"] is None
+    assert m.ratios(dict(serial, completed=0), batched)["completed"] is None
+
+    args = argparse.Namespace(spec_policy="always", max_seq_len=None)
+    assert m.serve_flags(args, 1) == ["--max-num-seqs", "1", "--spec-policy", "always"]
+    args.max_seq_len = 512
+    assert m.serve_flags(args, 16)[-2:] == ["--max-seq-len", "512"]

@@ -4,6 +4,7 @@ cancellation through on_tokens. The model is a tiny random Llama with a real Wor
 import json
 import threading
 import time
+from contextlib import contextmanager
 
 import pytest
 from fastapi.testclient import TestClient
@@ -30,11 +31,11 @@ def engine(model_dir):
     return _engine(model_dir)
 
 
-def _offline(engine, prompt_ids, n):
+def _offline(engine, prompt_ids, n, sampling=None):
     from specscope.generate import generate
     from specscope.runtime.sampling import SamplingParams
 
-    return generate(engine.model, prompt_ids, n, SamplingParams(), engine.stop_ids).token_ids
+    return generate(engine.model, prompt_ids, n, sampling or SamplingParams(), engine.stop_ids).token_ids
 
 
 def _sse(lines):
@@ -196,11 +197,13 @@ def test_stop_strings_cut_text_in_stream_and_full(engine):
 
 
 def test_cancel_aborts_generation_via_on_tokens(engine):
-    """A job cancelled mid-decode stops at the next token: the callback raises, the worker counts it."""
+    """A job cancelled mid-decode stops at the next token: its callback raises, the engine ends only that sequence
+    and the worker answers `cancelled` and counts it."""
+    import asyncio
+
     from specscope.server.metrics import ServerMetrics
     from specscope.server.protocol import GenParams
-    from specscope.server.worker import Cancelled, Job
-    import asyncio
+    from specscope.server.worker import Job, Worker
 
     class CancelAfterTwo(Job):
         n = 0
@@ -210,19 +213,29 @@ def test_cancel_aborts_generation_via_on_tokens(engine):
                 self.n += 1
                 if self.n == 2:
                     self.cancel()
+            super().post(*ev)
 
-    loop = asyncio.new_event_loop()
+    m = ServerMetrics()
+    w = Worker(engine, m, 4)
+    w.start()
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        job = CancelAfterTwo(GenParams(kind="completion", prompt="hi", max_tokens=200, temperature=0.0,
+                                       ignore_eos=True), engine.tokenizer.encode("the quick"), loop)
+        w.submit(job)
+        while (ev := await asyncio.wait_for(job.events.get(), 30))[0] == "tokens":
+            pass
+        return job, ev
+
     try:
-        job = CancelAfterTwo(GenParams(kind="completion", prompt="hi", max_tokens=200, temperature=0.0),
-                             engine.tokenizer.encode("the quick"), loop)
-        m = ServerMetrics()
-        with pytest.raises(Cancelled):
-            engine.run(job, m)
+        job, last = asyncio.run(run())
     finally:
-        loop.close()
-    assert job.n == 2
+        w.stop()
+    assert last == ("cancelled", None) and job.n == 2
+    assert m.registry.get_sample_value("specscope:request_failed_total", {"reason": "cancelled"}) == 1
     gen = m.registry.get_sample_value("specscope:generation_tokens_total")
-    assert gen == 2  # decoding stopped right after the cancel, far from max_tokens=200
+    assert gen == 2  # dropped by the engine at the step after the cancel, far from max_tokens=200
 
 
 def test_speculative_engine_counts_match_response(model_dir):
@@ -243,7 +256,8 @@ def test_speculative_engine_counts_match_response(model_dir):
         per_pos = [reg.get_sample_value("specscope:spec_decode_num_accepted_tokens_per_pos_total",
                                         {"position": str(i)}) for i in range(3)]
         assert sum(per_pos) == spec["accepted_tokens"]
-        assert reg.get_sample_value("specscope:cycle_phase_seconds_count", {"phase": "verify"}) == spec["verify_ct"]
+        # alone in the engine: one step for the prefill, then one per verify cycle
+        assert reg.get_sample_value("specscope:cycle_phase_seconds_count", {"phase": "step"}) == spec["verify_ct"] + 1
 
 
 def test_chat_without_max_tokens_runs_to_the_context_end(engine):
@@ -281,6 +295,118 @@ def test_serve_cli_rejects_bad_setups_with_one_line_errors(model_dir, capsys):
         assert run(["serve", "--model", str(model_dir), "--port", str(port), "--device", "cpu"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: cannot listen on 127.0.0.1") and err.count("\n") == 1
+    # the batching knobs fail before the model loads, on one line
+    for argv, says in ((["--max-seq-len", "300"], "--max-seq-len 300 is over the model's context of 256"),
+                       (["--draft", "ngram", "--spec-policy", "sometimes"], "--spec-policy 'sometimes'"),
+                       (["--max-num-seqs", "0"], "--max-num-seqs"),
+                       (["--max-num-batched-tokens", "0"], "--max-num-batched-tokens")):
+        assert run(["serve", "--model", str(model_dir), *argv]) == 2, argv
+        err = capsys.readouterr().err
+        assert says in err, (argv, err)
+
+
+def test_max_seq_len_caps_requests(model_dir):
+    """--max-seq-len is each sequence's KV region: the default max_tokens stops at it, a request past it is a
+    400 in the context-length error's style, and /v1/models reports it as max_model_len."""
+    from specscope.server.app import create_app
+
+    eng = _engine(model_dir, max_seq_len=40)
+    assert eng.max_seq_len == 40 and eng.max_prompt == 39 and eng.context == 256
+    msgs = [{"role": "user", "content": "the quick brown fox"}]
+    n_prompt = len(eng.tokenizer.encode_messages(msgs))
+    with TestClient(create_app(eng)) as c:
+        assert c.get("/v1/models").json()["data"][0]["max_model_len"] == 40
+        r = c.post("/v1/chat/completions", json={"messages": msgs, "temperature": 0, "ignore_eos": True}).json()
+        assert r["usage"]["completion_tokens"] == 40 - n_prompt and r["choices"][0]["finish_reason"] == "length"
+        r = c.post("/v1/chat/completions", json={"messages": msgs, "temperature": 0, "max_tokens": 41 - n_prompt})
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == "max_tokens"
+        assert "maximum context length is 40 tokens (--max-seq-len" in err["message"]
+        r = c.post("/v1/completions", json={"prompt": [5] * 40, "max_tokens": 1})
+        assert r.status_code == 400 and "at most 39" in r.json()["error"]["message"]
+        r = c.post("/v1/completions", json={"prompt": [5] * 39, "max_tokens": 1})
+        assert r.status_code == 200 and r.json()["usage"]["total_tokens"] <= 40
+    from specscope.errors import SpecscopeError
+
+    with pytest.raises(SpecscopeError, match="--max-seq-len 257"):
+        _engine(model_dir, max_seq_len=257)
+
+
+def test_spec_policy_off_decodes_plain_with_a_drafter_loaded(model_dir):
+    """--spec-policy off: every step is a plain one; the answer is the same greedy one and its counters are 0."""
+    from specscope.server.app import create_app
+
+    eng = _engine(model_dir, draft="ngram", steps=3, spec_policy="off")
+    ids = eng.tokenizer.encode("the quick brown fox")
+    with TestClient(create_app(eng)) as c:
+        r = c.post("/v1/completions", json={"prompt": "the quick brown fox", "max_tokens": 20, "temperature": 0,
+                                            "return_token_ids": True}).json()
+        reg = c.app.state.metrics.registry
+        assert not reg.get_sample_value("specscope:spec_decode_num_drafts_total")
+    assert r["choices"][0]["token_ids"] == _offline(eng, ids, 20)
+    assert r["spec"] == {"verify_ct": 0, "accepted_tokens": 0, "draft_tokens": 0, "accept_length": 0.0}
+
+
+def test_a_failing_engine_step_fails_its_requests_and_serving_goes_on(model_dir, caplog):
+    """A bug in a step itself (not in one request's callback) loses every sequence in it: each client gets a 500
+    naming its request, the log has the traceback, and the next request runs on a fresh engine."""
+    from specscope.server.app import create_app
+
+    eng = _engine(model_dir)
+    app = create_app(eng)
+    w = app.state.worker
+    broken = w.engine
+
+    def boom():
+        raise RuntimeError("simulated step bug")
+
+    broken.step = boom
+    with TestClient(app) as c, caplog.at_level("ERROR", logger="specscope.server"):
+        r = c.post("/v1/completions", json={"prompt": "the quick", "max_tokens": 4, "temperature": 0})
+        assert r.status_code == 500
+        rid = r.json()["error"]["message"].split("request id ")[1].split(")")[0]
+        assert any(rid in x.getMessage() and x.exc_info for x in caplog.records)
+        assert w.engine is not broken
+        r = c.post("/v1/completions", json={"prompt": "the quick", "max_tokens": 4, "temperature": 0,
+                                            "return_token_ids": True})
+        assert r.status_code == 200
+        assert r.json()["choices"][0]["token_ids"] == _offline(eng, eng.tokenizer.encode("the quick"), 4)
+        reg = app.state.metrics.registry
+        assert reg.get_sample_value("specscope:request_failed_total", {"reason": "error"}) == 1
+
+
+def test_a_request_whose_callback_fails_gets_its_own_error(model_dir, monkeypatch):
+    """An exception inside one request's streaming ends only that sequence: a SpecscopeError is a 400 error event
+    for it, and the request beside it in the batch is untouched."""
+    from specscope.errors import SpecscopeError
+    from specscope.server.app import create_app
+
+    eng = _engine(model_dir)
+    emit = eng._emit
+
+    def picky(job, new_ids):
+        if job.params.prompt == "the lazy dog":
+            raise SpecscopeError("not this one")
+        return emit(job, new_ids)
+
+    monkeypatch.setattr(eng, "_emit", picky)
+    app = create_app(eng)
+    sizes = _gate_first_step(app.state.worker, 2)
+    out = {}
+    with _live(app) as url:
+        ok = {"prompt": "the quick brown fox", "max_tokens": 10, "temperature": 0, "stream": True,
+              "return_token_ids": True}
+        t = threading.Thread(target=_stream, args=(url, ok, out, "ok"))
+        t.start()
+        deadline = time.time() + 30
+        while not app.state.worker.jobs and time.time() < deadline:
+            time.sleep(0.01)
+        _stream(url, dict(ok, prompt="the lazy dog"), out, "bad")
+        t.join(60)
+    assert out["bad"]["error"]["code"] == 400 and out["bad"]["error"]["message"] == "not this one"
+    assert out["ok"]["done"] and out["ok"]["error"] is None
+    assert out["ok"]["ids"] == _offline(eng, eng.tokenizer.encode("the quick brown fox"), 10)
+    assert max(sizes) == 2
 
 
 def test_metrics_prefix_vllm_gives_vllm_names(model_dir):
@@ -325,7 +451,7 @@ def test_speculative_stream_with_a_wide_tree_at_the_context_end(model_dir):
 
 
 def test_queue_time_is_its_own_histogram(model_dir):
-    """Like vLLM's request_queue_time_seconds: waiting for the batch-1 engine is reported apart from decoding."""
+    """Like vLLM's request_queue_time_seconds: waiting to join the batch is reported apart from decoding."""
     from specscope.server.app import create_app
     from specscope.ingest.prometheus import parse_text
 
@@ -340,33 +466,50 @@ def test_queue_time_is_its_own_histogram(model_dir):
     assert s.total("specscope:request_queue_time_seconds_sum") <= e2e
 
 
-def test_clients_that_hang_up_stop_their_work(model_dir, monkeypatch):
-    """Real HTTP on loopback: a streaming client that disconnects mid-decode stops its decode at the next token,
-    and a queued request whose client left is dropped without decoding."""
-    import httpx
+@contextmanager
+def _live(app):
+    """`app` served by uvicorn on a free loopback port in a thread (real HTTP, real disconnects) -> its URL."""
     import uvicorn
 
     from specscope.cli.serve import bind_socket
-    from specscope.ingest.prometheus import parse_text
-    from specscope.server.app import create_app
 
-    eng = _engine(model_dir)
-    slow = eng._emit
-
-    def emit_slowly(*a, **k):  # ~20 tokens/s so a hang-up lands mid-decode
-        time.sleep(0.05)
-        return slow(*a, **k)
-
-    monkeypatch.setattr(eng, "_emit", emit_slowly)
     sock = bind_socket("127.0.0.1", 0)
-    server = uvicorn.Server(uvicorn.Config(create_app(eng), log_level="warning", lifespan="on"))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
     th = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     th.start()
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
     try:
         deadline = time.time() + 20
         while not server.started and time.time() < deadline:
             time.sleep(0.02)
+        assert server.started
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        th.join(20)
+
+
+def _slow_emits(monkeypatch, eng, s=0.05):
+    """Streaming that takes `s` per emitted chunk (on the worker thread), so a hang-up lands mid-decode."""
+    fast = eng._emit
+
+    def emit_slowly(*a, **k):
+        time.sleep(s)
+        return fast(*a, **k)
+
+    monkeypatch.setattr(eng, "_emit", emit_slowly)
+
+
+def test_clients_that_hang_up_stop_their_work(model_dir, monkeypatch):
+    """Real HTTP on loopback, serial mode (--max-num-seqs 1): a streaming client that disconnects mid-decode stops
+    its decode at the next step, and a queued request whose client left is dropped without decoding."""
+    import httpx
+
+    from specscope.ingest.prometheus import parse_text
+    from specscope.server.app import create_app
+
+    eng = _engine(model_dir, max_num_seqs=1)
+    _slow_emits(monkeypatch, eng)  # ~20 tokens/s
+    with _live(create_app(eng)) as url:
         body = {"prompt": "the quick brown fox", "max_tokens": 200, "temperature": 0, "stream": True}
         got = {}
 
@@ -393,9 +536,173 @@ def test_clients_that_hang_up_stop_their_work(model_dir, monkeypatch):
                     not s.total("specscope:num_requests_running"):
                 break
             time.sleep(0.05)
+        assert got["queued"] == "hung up"
         assert s.total("specscope:request_failed_total", reason="cancelled") == 2
         assert (s.total("specscope:generation_tokens_total") or 0) < 100  # far from 2 x 200 decoded
         assert not s.total("specscope:num_requests_waiting")
-    finally:
-        server.should_exit = True
-        th.join(20)
+        # the queued one never reached the engine: one prefill counted, one queue time observed
+        assert s.total("specscope:request_queue_time_seconds_count") == 1
+
+
+def _stream(url, body, out: dict, key, started: threading.Event | None = None, hang_up: threading.Event | None = None):
+    """A streamed request in this thread -> out[key] = {"ids", "finish", "events", "status"}; with `hang_up`, it
+    disconnects once that is set (checked at each line it receives)."""
+    import httpx
+
+    res = out[key] = {"ids": [], "finish": None, "done": False, "status": None, "error": None}
+    try:
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+            res["status"] = r.status_code
+            if r.status_code != 200:
+                r.read()
+                res["error"] = r.json()["error"]
+                res["retry_after"] = r.headers.get("retry-after")
+                return
+            for line in r.iter_lines():
+                if started is not None:
+                    started.set()
+                if hang_up is not None and hang_up.is_set():
+                    res["hung_up"] = True
+                    return
+                if not line.startswith("data: "):
+                    continue
+                if line == "data: [DONE]":
+                    res["done"] = True
+                    return
+                ev = json.loads(line[6:])
+                if "error" in ev:
+                    res["error"] = ev["error"]
+                    continue
+                for ch in ev.get("choices") or []:
+                    res["ids"] += ch.get("token_ids") or []
+                    res["finish"] = ch.get("finish_reason") or res["finish"]
+    except Exception as e:  # noqa: BLE001 -- reported through `out`, asserted by the test
+        res["error"] = repr(e)
+
+
+def _gate_first_step(worker, n_jobs):
+    """Hold the engine's first step until n_jobs requests are in the server, so they are all in flight together;
+    record the batch size of every step (the sequences a step ran = still running + finished in it)."""
+    engine = worker.engine
+    step, sizes, gate = engine.step, [], threading.Event()
+
+    def gated():
+        if not gate.is_set():
+            deadline = time.time() + 30
+            while worker.q.qsize() + len(worker.jobs) < n_jobs and time.time() < deadline:
+                time.sleep(0.01)
+            gate.set()
+        done = step()
+        sizes.append(len(engine.running) + len([f for f in done if f.t_scheduled is not None]))
+        return done
+
+    engine.step = gated
+    return sizes
+
+
+CONCURRENT_PROMPTS = [("the quick brown fox", 24), ("what is the capital of france", 40),
+                      ("a small model proposes", 7), ("explain how a cache works in simple words", 33),
+                      ("write a short poem about the sea and the sky " * 3, 18), ("the lazy dog", 1)]
+
+
+@pytest.mark.parametrize("draft,max_num_seqs", [(None, 16), ("ngram", 16), ("self", 4), (None, 1)],
+                         ids=["plain", "ngram", "model-drafter-4-seqs", "serial"])
+def test_concurrent_streams_get_offline_greedy_tokens(model_dir, draft, max_num_seqs):
+    """Concurrent streamed requests over real HTTP, decoded together in one batch (prefills joining running
+    sequences): each gets exactly the token ids of offline greedy `generate`, and the spec counters of the
+    `done` usage chunk add up to the server's. --max-num-seqs 1 is the serial server: one sequence per step."""
+    import httpx
+
+    from specscope.ingest.prometheus import parse_text
+    from specscope.runtime.sampling import SamplingParams
+    from specscope.server.app import create_app
+
+    kw = {}
+    if draft is not None:
+        kw = dict(draft=str(model_dir) if draft == "self" else "ngram", steps=3)   # "self": the model drafts for itself
+    eng = _engine(model_dir, max_num_seqs=max_num_seqs, **kw)
+    app = create_app(eng)
+    sizes = _gate_first_step(app.state.worker, len(CONCURRENT_PROMPTS) + (draft is None))
+    out = {}
+    # plain decoding draws as `generate` does, so a seeded sampled request is reproducible too
+    cases = [(p, n, 0.0, None) for p, n in CONCURRENT_PROMPTS] + ([("the quick brown fox", 20, 0.8, 7)]
+                                                                  if draft is None else [])
+    with _live(app) as url:
+        threads = []
+        for i, (prompt, n, temperature, seed) in enumerate(cases):
+            body = {"prompt": prompt, "max_tokens": n, "temperature": temperature, "seed": seed, "stream": True,
+                    "return_token_ids": True, "stream_options": {"include_usage": True}}
+            threads.append(threading.Thread(target=_stream, args=(url, body, out, i)))
+            threads[-1].start()
+            deadline = time.time() + 30
+            while i == 0 and not app.state.worker.jobs and time.time() < deadline:
+                time.sleep(0.01)   # the first (a long one) is in the engine, held in its first step
+        for t in threads:
+            t.join(120)
+        scrape = parse_text(httpx.get(url + "/metrics").text)
+    for i, (prompt, n, temperature, seed) in enumerate(cases):
+        r = out[i]
+        assert r["status"] == 200 and r["error"] is None and r["done"], (i, r)
+        want = _offline(eng, eng.tokenizer.encode(prompt), n, SamplingParams(temperature, 0, 1.0, seed))
+        assert r["ids"] == want, (i, prompt)
+        assert r["finish"] == ("length" if len(want) == n and want[-1] not in eng.stop_ids else "stop")
+    assert scrape.total("specscope:request_success_total") == len(cases)
+    if max_num_seqs == 1:
+        assert set(sizes) == {1}
+    else:  # they really ran together: the second step had everyone the first one did not finish
+        assert max(sizes) == min(max_num_seqs, len(cases)), sizes
+    if draft is not None:
+        assert scrape.total("specscope:spec_decode_num_drafts_total") > 0
+
+
+def test_a_client_that_leaves_frees_its_slot(model_dir, monkeypatch):
+    """Two slots, both busy with long streams, a third request queued and a fourth refused (429, the queue holds
+    one): when one long client hangs up, its sequence is cancelled in the engine, and the queued request is
+    admitted and completes -- with offline greedy tokens -- while the other long one is still running."""
+    import httpx
+
+    from specscope.ingest.prometheus import parse_text
+    from specscope.server.app import create_app
+
+    eng = _engine(model_dir, max_num_seqs=2, max_queue=1)
+    _slow_emits(monkeypatch, eng, 0.02)   # a long stream needs >= 4.8 s of steps, the short one 8 steps
+    app = create_app(eng)
+    w = app.state.worker
+    long = {"prompt": "the quick brown fox", "max_tokens": 240, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    short = {"prompt": "the lazy dog", "max_tokens": 8, "temperature": 0, "stream": True, "return_token_ids": True}
+    out, a_started, b_started = {}, threading.Event(), threading.Event()
+    a_leave, b_leave = threading.Event(), threading.Event()
+    with _live(app) as url:
+        a = threading.Thread(target=_stream, args=(url, long, out, "a", a_started, a_leave))
+        b = threading.Thread(target=_stream, args=(url, long, out, "b", b_started, b_leave))
+        a.start()   # one after the other: sent together, the second could find the 1-place queue still full
+        assert a_started.wait(30)
+        b.start()
+        assert b_started.wait(30), out["b"]
+        c = threading.Thread(target=_stream, args=(url, short, out, "c"))
+        c.start()
+        deadline = time.time() + 30
+        while w.q.qsize() < 1 and time.time() < deadline:   # c waits for a slot
+            time.sleep(0.01)
+        assert w.q.qsize() == 1 and not out["c"]["ids"]
+        _stream(url, short, out, "d")
+        assert out["d"]["status"] == 429 and int(out["d"]["retry_after"]) >= 1
+        a_leave.set()
+        c.join(60)
+        b_was_running = not out["b"]["done"]
+        b_leave.set()
+        a.join(10)
+        b.join(10)
+        deadline = time.time() + 10
+        while time.time() < deadline:
+            scrape = parse_text(httpx.get(url + "/metrics").text)
+            if not scrape.total("specscope:num_requests_running"):
+                break
+            time.sleep(0.05)
+    assert out["a"].get("hung_up") and out["b"].get("hung_up")
+    assert out["c"]["done"] and out["c"]["error"] is None
+    assert out["c"]["ids"] == _offline(eng, eng.tokenizer.encode("the lazy dog"), 8)
+    assert b_was_running, "the queued request only ran once the other long stream had finished"
+    assert scrape.total("specscope:request_failed_total", reason="cancelled") == 2
+    assert scrape.total("specscope:request_success_total") == 1

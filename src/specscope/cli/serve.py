@@ -51,14 +51,26 @@ def bind_socket(host: str, port: int):
 @click.option("--api-key", envvar="SPECSCOPE_API_KEY", default=None,
               help="Require 'Authorization: Bearer KEY' on /v1 routes (env SPECSCOPE_API_KEY).")
 @click.option("--max-queue", type=click.IntRange(min=1), default=64, show_default=True,
-              help="Requests allowed to wait; more get 429 with Retry-After.")
+              help="Requests allowed to wait for a place in the batch; more get 429 with Retry-After.")
+@click.option("--max-num-seqs", type=click.IntRange(1, 4096), default=16, show_default=True,
+              help="Sequences decoded together (continuous batching); 1 decodes one request at a time.")
+@click.option("--max-num-batched-tokens", type=click.IntRange(min=1), default=2048, show_default=True,
+              help="Tokens one engine step may take (new prompts + running rows); a prompt over it runs alone.")
+@click.option("--max-seq-len", type=click.IntRange(min=2), default=None,
+              help="Prompt + completion tokens per sequence, i.e. each sequence's KV region (default: the model's "
+                   "context, at most 4096). The KV cache holds --max-num-seqs of them.")
+@click.option("--spec-policy", default="always", show_default=True,
+              help="Which draft shape a batched step uses by batch size: 'always' (the drafter's at every size), "
+                   "'off' (plain steps only), 'auto' (the table `specscope tune --save-policy` stored for this model "
+                   "and drafter: the best shape per batch size, plain past the crossover) or a table's path.")
 @click.option("--max-prompt-tokens", type=click.IntRange(min=1), default=None,
-              help="Longest prompt accepted (default: the model's context - 1).")
+              help="Longest prompt accepted (default: --max-seq-len - 1).")
 @click.option("--max-tokens-cap", type=click.IntRange(min=1), default=2048, show_default=True,
               help="Largest max_tokens a request may ask for.")
 @click.option("--metrics-prefix", type=click.Choice(["specscope", "vllm"]), default="specscope", show_default=True,
               help="Prefix of the /metrics names; 'vllm' gives vLLM's exact spec-decode counter names.")
-@click.option("--no-phase-profile", is_flag=True, help="Do not time draft/verify phases per cycle.")
+@click.option("--no-phase-profile", is_flag=True,
+              help="Do not record each engine step's time (cycle_phase_seconds{phase=\"step\"} in /metrics).")
 @click.option("--shutdown-timeout", type=FiniteRange(0, 3600), default=30.0, show_default=True,
               help="Seconds to let in-flight requests finish after SIGTERM.")
 @click.option("--body-timeout", type=FiniteRange(0, 3600, min_open=True), default=30.0, show_default=True,
@@ -66,8 +78,8 @@ def bind_socket(host: str, port: int):
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="warning",
               show_default=True)
 def serve(model_name, served_model_name, draft, steps, topk, draft_tokens, ngram_tokens, dtype, device, threads, host,
-          port, api_key, max_queue, max_prompt_tokens, max_tokens_cap, metrics_prefix, no_phase_profile,
-          shutdown_timeout, body_timeout, log_level):
+          port, api_key, max_queue, max_num_seqs, max_num_batched_tokens, max_seq_len, spec_policy, max_prompt_tokens,
+          max_tokens_cap, metrics_prefix, no_phase_profile, shutdown_timeout, body_timeout, log_level):
     """Serve the model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /metrics)."""
     import ipaddress
 
@@ -84,11 +96,20 @@ def serve(model_name, served_model_name, draft, steps, topk, draft_tokens, ngram
         raise SpecscopeError("--api-key (or SPECSCOPE_API_KEY) is empty, which would turn authentication off; pass "
                              "a key, or leave both unset to serve without one")
     # bad flags fail before the model loads
-    preflight(model_name, None, draft, steps, topk, draft_tokens, ngram_tokens)
+    _, model_cfg, spec_cfg = preflight(model_name, None, draft, steps, topk, draft_tokens, ngram_tokens)
+    if max_seq_len is not None and max_seq_len > model_cfg.max_position_embeddings:
+        raise SpecscopeError(f"--max-seq-len {max_seq_len} is over the model's context of "
+                             f"{model_cfg.max_position_embeddings} tokens (max_position_embeddings); use at most that")
+    from specscope.economics.policy import spec_policy as check_policy
+
+    if draft:   # an unknown --spec-policy, or a table that does not fit the shape, is one error line here
+        check_policy(spec_policy, spec_cfg, model=model_name, draft=draft)
     dev = setup_runtime(threads, device)
     cfg = ServeConfig(model=model_name, served_name=served_model_name, draft=draft, steps=steps, topk=topk,
                       draft_tokens=draft_tokens, ngram_tokens=ngram_tokens, dtype=dtype, device=str(dev),
-                      max_queue=max_queue, max_prompt_tokens=max_prompt_tokens, max_tokens_cap=max_tokens_cap,
+                      max_queue=max_queue, max_num_seqs=max_num_seqs,
+                      max_num_batched_tokens=max_num_batched_tokens, max_seq_len=max_seq_len, spec_policy=spec_policy,
+                      max_prompt_tokens=max_prompt_tokens, max_tokens_cap=max_tokens_cap,
                       api_key=api_key, profile_phases=not no_phase_profile, metrics_prefix=metrics_prefix,
                       body_timeout_s=body_timeout)
     sock = bind_socket(host, port)  # a bad --host or a busy --port is one error line, before any warning
@@ -102,8 +123,8 @@ def serve(model_name, served_model_name, draft, steps, topk, draft_tokens, ngram
     app = create_app(served)
     real_port = sock.getsockname()[1]
     shown = f"[{host}]" if ":" in host else host
-    click.echo(f"specscope serve: {served.name} ({'draft ' + draft if draft else 'baseline'}) on "
-               f"http://{shown}:{real_port}", err=True)
+    click.echo(f"specscope serve: {served.name} ({'draft ' + draft if draft else 'baseline'}; up to {max_num_seqs} "
+               f"sequences of {served.max_seq_len} tokens) on http://{shown}:{real_port}", err=True)
     click.echo(f"listening on http://{shown}:{real_port}")
     import sys
 

@@ -122,7 +122,7 @@ def create_app(served: ServedModel, metrics: ServerMetrics | None = None) -> Fas
     async def models():
         return {"object": "list", "data": [{"id": served.name, "object": "model", "created": int(time.time()),
                                             "owned_by": "specscope", "root": str(served.path),
-                                            "max_model_len": served.context}]}
+                                            "max_model_len": served.max_seq_len}]}
 
     async def read_body(request: Request) -> dict:
         cl = request.headers.get("content-length")

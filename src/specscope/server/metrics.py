@@ -2,7 +2,8 @@
 
 The speculative counters mirror vLLM's names with a `specscope:` prefix instead of `vllm:` (`--metrics-prefix
 vllm` gives vLLM's exact names; `bench-serve` reads either): num_drafts (verify cycles), num_draft_tokens,
-num_accepted_tokens and accepted tokens per draft position. specscope adds what mainline engines lack: per-phase time per cycle.
+num_accepted_tokens and accepted tokens per draft position. specscope adds the wall time of each engine step
+(cycle_phase_seconds{phase="step"}: one batched forward and everything around it).
 Each server owns its registry, so several apps can live in one process (tests).
 """
 
@@ -28,7 +29,7 @@ class ServerMetrics:
                                            registry=r)
         self.accepted_per_pos = Counter(P + "spec_decode_num_accepted_tokens_per_pos",
                                         "Accepted draft tokens by draft position.", ["position"], registry=r)
-        self.phase_seconds = Histogram(P + "cycle_phase_seconds", "Time per decode cycle spent in each phase.",
+        self.phase_seconds = Histogram(P + "cycle_phase_seconds", "Time per engine step (phase 'step').",
                                        ["phase"], buckets=PHASE_BUCKETS, registry=r)
         self.prompt_tokens = Counter(P + "prompt_tokens", "Prompt tokens processed.", registry=r)
         self.generation_tokens = Counter(P + "generation_tokens", "Tokens generated.", registry=r)
@@ -37,17 +38,17 @@ class ServerMetrics:
                                       ["reason"], registry=r)
         self.requests_rejected = Counter(P + "requests_rejected", "Requests refused with 429 (queue full).",
                                          registry=r)
-        self.running = Gauge(P + "num_requests_running", "Requests being decoded.", registry=r)
-        self.waiting = Gauge(P + "num_requests_waiting", "Requests in the queue.", registry=r)
+        self.running = Gauge(P + "num_requests_running", "Sequences in the running batch.", registry=r)
+        self.waiting = Gauge(P + "num_requests_waiting", "Requests waiting to join the batch.", registry=r)
         self.ttft = Histogram(P + "time_to_first_token_seconds", "Time from enqueue to the first token.",
                               buckets=LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram(P + "e2e_request_latency_seconds", "Time from enqueue to the last token.",
                              buckets=LATENCY_BUCKETS, registry=r)
-        # vLLM's split of e2e: waiting for the (batch-1) decoding thread vs being decoded; under load the first dominates
-        self.queue_time = Histogram(P + "request_queue_time_seconds", "Time a request waited in the queue.",
+        # vLLM's split of e2e: waiting for a place in the batch (enqueued -> first scheduled) vs being decoded
+        self.queue_time = Histogram(P + "request_queue_time_seconds", "Time a request waited to join the batch.",
                                     buckets=LATENCY_BUCKETS, registry=r)
         self.inference_time = Histogram(P + "request_inference_time_seconds",
-                                        "Time a request spent being decoded (prefill + decode).",
+                                        "Time a request spent in the batch (prefill + decode).",
                                         buckets=LATENCY_BUCKETS, registry=r)
 
     def observe_spec(self, stats) -> None:

@@ -1,8 +1,12 @@
-"""What serves: one model, one worker thread, a bounded queue of jobs.
+"""What serves: one model, one worker thread running a continuous-batching engine, a bounded queue of jobs.
 
-Requests are decoded one at a time (decoding is batch-1); the HTTP side only tokenizes, enqueues and relays
-events. The worker talks back through each job's asyncio queue via `loop.call_soon_threadsafe`. Cancellation
-works through the decoding loop's `on_tokens` callback: raising from it aborts decoding at the next token.
+The HTTP side only tokenizes, enqueues and relays events; the engine (engine/batch.py) is touched from the worker
+thread alone. Between engine steps the worker moves queued jobs into the engine while it has room for them
+(`--max-num-seqs` sequences), so the queue holds exactly the requests not yet admitted and stays the thing a full
+server answers 429 from; when the engine is idle the worker blocks on the queue. Each request's tokens stream
+through its `on_tokens` callback (on the worker thread) into its job's asyncio queue via
+`loop.call_soon_threadsafe`. A callback that raises (client gone, stop string) ends only its own sequence; a
+client that leaves is also cancelled in the engine at the next step, which frees its KV region for a waiting job.
 """
 
 from __future__ import annotations
@@ -13,21 +17,24 @@ import math
 import queue
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 from specscope import session   # session.load_target looked up per call: tests stub it
+from specscope.economics.policy import spec_policy
+from specscope.engine.batch import BatchEngine, Finished, Request
 from specscope.errors import SpecscopeError
-from specscope.generate import generate
 from specscope.models.hub import parse_hub_id
-from specscope.profile import CycleProfiler
 from specscope.runtime.sampling import SamplingParams
 from specscope.runtime.tokenizer import StreamDecoder
 from specscope.server.metrics import ServerMetrics
 from specscope.server.protocol import ApiError, GenParams
-from specscope.speculative.decode import SpecConfig, build_drafter, speculative_generate
+from specscope.speculative.decode import SpecConfig, build_drafter
 
 log = logging.getLogger("specscope.server")
+
+DEFAULT_MAX_SEQ_LEN = 4096   # the default KV region per sequence is min(model context, this)
 
 
 @dataclass
@@ -41,13 +48,17 @@ class ServeConfig:
     ngram_tokens: int | None = None
     dtype: str = "auto"
     device: str = "cpu"
-    max_queue: int = 64
-    max_prompt_tokens: int | None = None   # default: context - 1
+    max_queue: int = 64                    # requests not yet admitted to the engine; more get 429
+    max_num_seqs: int = 16                 # sequences decoded together (1 = one request at a time)
+    max_num_batched_tokens: int = 2048     # prompt tokens + decode rows one engine step may take
+    max_seq_len: int | None = None         # prompt + completion per sequence; default min(context, 4096)
+    spec_policy: str = "always"            # economics.policy.spec_policy: the draft shape per batch size
+    max_prompt_tokens: int | None = None   # default: max_seq_len - 1
     max_tokens_cap: int = 2048
     max_body_bytes: int = 1 << 20
     body_timeout_s: float = 30.0           # a client slower than this sending its body gets 408 and is dropped
     api_key: str | None = None
-    profile_phases: bool = True
+    profile_phases: bool = True            # record each engine step's wall time (cycle_phase_seconds{phase=step})
     metrics_prefix: str = "specscope"
 
 
@@ -61,7 +72,7 @@ class StopString(Exception):
 
 class Job:
     def __init__(self, params: GenParams, prompt_ids: list[int], loop: asyncio.AbstractEventLoop, rid: str = ""):
-        self.rid = rid
+        self.rid = rid or "req-" + uuid.uuid4().hex[:16]   # the engine's request id: must be unique
         self.params = params
         self.prompt_ids = prompt_ids
         self.loop = loop
@@ -69,6 +80,8 @@ class Job:
         self.cancelled = threading.Event()
         self.t_enqueue = time.perf_counter()
         self.t_first: float | None = None
+        self.text = ""      # streamed so far: decoded text, and how much of it was sent (the rest is holdback)
+        self.sent = 0
 
     def post(self, *event) -> None:
         try:
@@ -92,7 +105,8 @@ def _holdback(text: str, stops: list[str]) -> int:
 
 
 class ServedModel:
-    """Model + tokenizer (+ drafter) and a `run(job)` that decodes one request."""
+    """Model + tokenizer (+ drafter): encodes requests, makes the engine, turns a job into an engine Request and
+    a Finished back into the job's last events."""
 
     def __init__(self, cfg: ServeConfig):
         self.cfg = cfg
@@ -102,13 +116,24 @@ class ServedModel:
         self.stop_ids = session.stop_ids_for(self.model, self.tokenizer)
         self.context = int(self.model.config.max_position_embeddings)
         self.vocab = int(self.model.config.vocab_size)
-        self.max_prompt = min(cfg.max_prompt_tokens or self.context - 1, self.context - 1)
+        if cfg.max_seq_len is not None and not 2 <= cfg.max_seq_len <= self.context:
+            raise SpecscopeError(f"--max-seq-len {cfg.max_seq_len} must be in [2, {self.context}] (the model's "
+                                 f"context, max_position_embeddings)")
+        self.max_seq_len = cfg.max_seq_len or min(self.context, DEFAULT_MAX_SEQ_LEN)
+        self.max_prompt = min(cfg.max_prompt_tokens or self.max_seq_len - 1, self.max_seq_len - 1)
         self.tok_lock = threading.Lock()  # HF fast tokenizers are not safe to share across threads unguarded
-        self.drafter = self.spec_cfg = None
+        self.drafter = self.spec_cfg = self.policy = None
         if cfg.draft:
             self.spec_cfg = SpecConfig.for_drafter(cfg.draft, cfg.steps, cfg.topk, cfg.draft_tokens,
                                                   cfg.ngram_tokens)
             self.drafter = build_drafter(cfg.draft, self.model)
+            self.policy = spec_policy(cfg.spec_policy, self.spec_cfg, model=cfg.model, draft=cfg.draft)
+
+    def new_engine(self) -> BatchEngine:
+        c = self.cfg
+        return BatchEngine(self.model, self.drafter, self.spec_cfg, max_num_seqs=c.max_num_seqs,
+                           max_seq_len=self.max_seq_len, max_num_batched_tokens=c.max_num_batched_tokens,
+                           spec_policy=self.policy)
 
     # -- called on the event loop ---------------------------------------------------------------------------------
     def encode(self, p: GenParams) -> list[int]:
@@ -131,20 +156,22 @@ class ServedModel:
         if len(ids) > self.max_prompt:
             raise ApiError(400, f"the prompt has {len(ids)} tokens; this server accepts at most {self.max_prompt}",
                            "prompt")
+        limit = self.max_seq_len   # one sequence's KV region: what the engine can hold, not only the model
         if p.max_tokens is None:
-            p.max_tokens = min(self.cfg.max_tokens_cap, self.context - len(ids))
-        if len(ids) + p.max_tokens > self.context:
-            raise ApiError(400, f"this model's maximum context length is {self.context} tokens, but the request "
-                                f"asks for {len(ids)} prompt + {p.max_tokens} completion tokens; lower max_tokens",
-                           "max_tokens")
+            p.max_tokens = min(self.cfg.max_tokens_cap, limit - len(ids))
+        if len(ids) + p.max_tokens > limit:
+            whose = (f"this model's maximum context length is {limit} tokens" if limit == self.context else
+                     f"this server's maximum context length is {limit} tokens (--max-seq-len; the model's is "
+                     f"{self.context})")
+            raise ApiError(400, f"{whose}, but the request asks for {len(ids)} prompt + {p.max_tokens} completion "
+                                f"tokens; lower max_tokens", "max_tokens")
         return ids
 
     # -- called on the worker thread ------------------------------------------------------------------------------
-    def run(self, job: Job, metrics: ServerMetrics) -> None:
+    def request(self, job: Job, metrics: ServerMetrics) -> Request:
+        """The engine's view of a job; its on_tokens streams text (stop strings held back) to the job."""
         p = job.params
         dec = StreamDecoder(self.tokenizer)
-        ids: list[int] = []
-        st = {"text": "", "sent": 0}
 
         def on_tokens(new):
             if job.cancelled.is_set():
@@ -152,91 +179,68 @@ class ServedModel:
             if job.t_first is None:
                 job.t_first = time.perf_counter()
                 metrics.ttft.observe(job.t_first - job.t_enqueue)
-            ids.extend(int(t) for t in new)
             with self.tok_lock:
-                st["text"] += dec.push(new)
-            self._emit(job, st, list(new))
+                job.text += dec.push(new)
+            self._emit(job, list(new))
 
         sp = SamplingParams(p.temperature, p.top_k, p.top_p, p.seed)
         stop_ids = () if p.ignore_eos else self.stop_ids    # ignore_eos: benchmarks want exactly max_tokens
-        prof = self._profiler()
-        res = None
-        finish = "stop"
-        try:
-            if self.drafter is None:
-                res = generate(self.model, job.prompt_ids, p.max_tokens, sp, stop_ids, on_tokens=on_tokens,
-                               profiler=prof)
-            else:
-                res = speculative_generate(self.model, self.drafter, job.prompt_ids, p.max_tokens, sp,
-                                           stop_ids, self.spec_cfg, on_tokens=on_tokens, profiler=prof)
-            finish = "length" if res.stop_reason == "length" else "stop"
-        except StopString:
-            pass
-        finally:
-            metrics.prompt_tokens.inc(len(job.prompt_ids))
-            metrics.generation_tokens.inc(len(ids))
+        return Request(job.rid, list(job.prompt_ids), p.max_tokens, sp, tuple(stop_ids), on_tokens)
+
+    def complete(self, job: Job, f: Finished, finish: str, metrics: ServerMetrics) -> None:
+        """Send what the holdback kept and the `done` event of a request that finished normally."""
+        ids = list(f.token_ids)
         with self.tok_lock:
             full = self.tokenizer.decode(ids)
-        cut = self._find_stop(full, p.stop)
+        cut = self._find_stop(full, job.params.stop)
         text = full if cut is None else full[:cut]
-        if len(text) > st["sent"]:
-            job.post("tokens", text[st["sent"]:], [])
+        if len(text) > job.sent:
+            job.post("tokens", text[job.sent:], [])
         spec = None
-        if res is not None and self.drafter is not None:
-            st = res.stats
-            metrics.observe_spec(st)
-            spec = {"verify_ct": st.cycles, "accepted_tokens": sum(st.accepted_per_pos),
-                    "draft_tokens": sum(st.drafts_per_pos), "accept_length": round(st.accept_length, 4)}
-        if res is not None:
-            cycle_ms = self._cycle_ms(prof) if prof is not None else None
-            metrics.observe_phases(cycle_ms or {"decode" if self.drafter is None else "cycle": res.step_ms})
-        metrics.request_success.labels(finished_reason=finish).inc()
-        metrics.e2e.observe(time.perf_counter() - job.t_enqueue)
+        if self.drafter is not None:
+            st = f.stats   # None when no step drafted for it (max_tokens 1, --spec-policy off): zero counters
+            if st is not None:
+                metrics.observe_spec(st)
+            spec = {"verify_ct": st.cycles if st else 0, "accepted_tokens": sum(st.accepted_per_pos) if st else 0,
+                    "draft_tokens": sum(st.drafts_per_pos) if st else 0,
+                    "accept_length": round(st.accept_length, 4) if st else 0.0}
         job.post("done", {"text": text, "finish": finish, "token_ids": ids, "prompt_tokens": len(job.prompt_ids),
                           "spec": spec})
 
-    def _emit(self, job: Job, st: dict, new_ids: list[int]) -> None:
-        text, stops = st["text"], job.params.stop
-        cut = self._find_stop(text, stops, start=max(0, st["sent"] - max((len(s) for s in stops), default=0)))
+    def _emit(self, job: Job, new_ids: list[int]) -> None:
+        text, stops = job.text, job.params.stop
+        cut = self._find_stop(text, stops, start=max(0, job.sent - max((len(s) for s in stops), default=0)))
         if cut is not None:
-            if cut > st["sent"]:
-                job.post("tokens", text[st["sent"]:cut], new_ids)
-                st["sent"] = cut
+            if cut > job.sent:
+                job.post("tokens", text[job.sent:cut], new_ids)
+                job.sent = cut
             raise StopString()
         safe = len(text) - _holdback(text, stops)
-        if safe > st["sent"] or new_ids:
-            job.post("tokens", text[st["sent"]:safe] if safe > st["sent"] else "", new_ids)
-            st["sent"] = max(safe, st["sent"])
+        if safe > job.sent or new_ids:
+            job.post("tokens", text[job.sent:safe] if safe > job.sent else "", new_ids)
+            job.sent = max(safe, job.sent)
 
     @staticmethod
     def _find_stop(text: str, stops: list[str], start: int = 0) -> int | None:
         hits = [i for i in (text.find(s, start) for s in stops) if i >= 0]
         return min(hits) if hits else None
 
-    def _profiler(self):
-        if not self.cfg.profile_phases:
-            return None
-        return CycleProfiler(device=str(self.model.device), sync=False)
-
-    @staticmethod
-    def _cycle_ms(prof) -> dict | None:
-        s = prof.samples()
-        cyc = s.get("cycle_ms", s) if isinstance(s, dict) else None
-        if not isinstance(cyc, dict):
-            return None
-        return {k: v for k, v in cyc.items() if isinstance(v, list) and all(isinstance(x, (int, float)) for x in v)}
-
 
 class Worker:
-    """One thread that pulls jobs off a bounded queue and runs them on the served model."""
+    """One thread that runs the engine: admits queued jobs between steps, steps while anything runs, and maps each
+    finished sequence onto its job's events and the metrics."""
 
     def __init__(self, served: ServedModel, metrics: ServerMetrics, max_queue: int):
         self.served = served
         self.metrics = metrics
         self.q: queue.Queue = queue.Queue(maxsize=max_queue)
+        self.max_num_seqs = served.cfg.max_num_seqs
+        self.engine = served.new_engine()     # allocated here, before the server listens
+        self.jobs: dict[str, Job] = {}        # in the engine (admitted or about to be), by request id
+        self.cancelling: set[str] = set()     # of those, cancelled in the engine: their regions free at the next step
+        self.engine_waiting = 0               # jobs the engine holds but has not admitted yet (token budget)
         self.stopping = False
-        self.current: Job | None = None
-        self.service_s = 1.0  # running mean of one request's decode time, for Retry-After
+        self.service_s = 1.0  # running mean of one request's time in the engine, for Retry-After
         self.thread = threading.Thread(target=self._loop, name="specscope-worker", daemon=True)
 
     def start(self) -> None:
@@ -248,58 +252,143 @@ class Worker:
         try:
             self.q.put_nowait(job)
         except queue.Full:
-            # 429 + Retry-After (as vLLM / OpenAI do under load): the server is fine, it is just busy
+            # 429 + Retry-After (as vLLM / OpenAI do under load): the server is fine, it is just busy. The queue
+            # drains max_num_seqs requests per service time.
             self.metrics.requests_rejected.inc()
-            wait = max(1, min(600, math.ceil(self.service_s * (self.q.qsize() + 1))))
+            rounds = math.ceil((self.q.qsize() + 1) / self.max_num_seqs)
+            wait = max(1, min(600, math.ceil(self.service_s * rounds)))
             raise ApiError(429, f"the request queue is full ({self.q.maxsize} waiting); retry in about {wait} s",
                            retry_after=wait) from None
-        self.metrics.waiting.set(self.q.qsize())
+        self._gauge_waiting()
 
+    def _gauge_waiting(self) -> None:
+        self.metrics.waiting.set(self.q.qsize() + self.engine_waiting)
+
+    # -- the worker thread ----------------------------------------------------------------------------------------
     def _loop(self) -> None:
+        exiting = False
         while True:
-            job = self.q.get()
-            self.metrics.waiting.set(self.q.qsize())
-            if job is None:
-                return
-            if job.cancelled.is_set():  # the client left while it waited: no decode for nobody
-                self.metrics.request_failed.labels(reason="cancelled").inc()
-                continue
-            self.current = job
-            self.metrics.running.set(1)
-            t_start = time.perf_counter()
-            self.metrics.queue_time.observe(t_start - job.t_enqueue)
-            try:
-                self.served.run(job, self.metrics)
-            except Cancelled:
-                self.metrics.request_failed.labels(reason="cancelled").inc()
-                job.post("cancelled", None)
-            except SpecscopeError as e:
-                self.metrics.request_failed.labels(reason="invalid").inc()
-                job.post("error", ApiError(400, str(e)))
-            except Exception as e:  # a bug: keep serving; the client gets a 500 and an id to find the traceback by
-                log.exception("request %s failed", job.rid)
-                self.metrics.request_failed.labels(reason="error").inc()
-                job.post("error", ApiError(500, f"internal error during generation ({type(e).__name__}; request id "
-                                                f"{job.rid}); the server log has the traceback; please report it"))
-            finally:
-                took = time.perf_counter() - t_start
-                self.metrics.inference_time.observe(took)
-                self.service_s = 0.8 * self.service_s + 0.2 * took
-                self.current = None
-                self.metrics.running.set(0)
+            if not self.engine.busy:
+                if exiting:
+                    break
+                job = self.q.get()             # idle: sleep until a job (or stop's None) arrives
+                if job is None:
+                    break
+                self._add(job)
+            for rid, job in self.jobs.items():  # clients that left: their regions free at this step
+                if job.cancelled.is_set() and rid not in self.cancelling:
+                    self.engine.cancel(rid)
+                    self.cancelling.add(rid)
+            while not exiting and len(self.jobs) - len(self.cancelling) < self.max_num_seqs:
+                try:
+                    job = self.q.get_nowait()
+                except queue.Empty:
+                    break
+                if job is None:   # stop(): cancel what runs (also a job added as stop() looked), drop it, go
+                    exiting = True
+                    for j in self.jobs.values():
+                        j.cancel()
+                else:
+                    self._add(job)
+            if self.engine.busy:
+                self._step()
+            self.engine_waiting = len(self.engine.waiting)
+            self._gauge_waiting()
+            self.metrics.running.set(len(self.engine.running))
+        self.metrics.running.set(0)
+        self._fail_queued()   # a submit that raced stop() past its drain
 
-    def stop(self, timeout: float = 10.0) -> None:
-        """Refuse new work, fail what is queued, cancel what runs, and join the thread."""
-        self.stopping = True
+    def _add(self, job: Job) -> None:
+        if job.cancelled.is_set():  # the client left while it waited: no decode for nobody
+            self.metrics.request_failed.labels(reason="cancelled").inc()
+            return
+        try:
+            self.engine.add(self.served.request(job, self.metrics))
+        except Exception as e:
+            self._fail(job, e)
+            return
+        self.jobs[job.rid] = job
+
+    def _step(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            done = self.engine.step()
+        except Exception as e:
+            # a bug in the step itself, not in one request's callback: every sequence in it is lost and the
+            # engine's state is unknown; answer each with a 500 and go on with a fresh engine
+            log.error("engine step failed with %d requests in it: %s", len(self.jobs), ", ".join(self.jobs),
+                      exc_info=(type(e), e, e.__traceback__))
+            lost = list(self.jobs.values())
+            self.jobs.clear()
+            self.cancelling.clear()
+            self.engine = None                 # free the old cache before allocating the new one
+            self.engine = self.served.new_engine()
+            for job in lost:                   # answered once the fresh engine is in place
+                self._fail(job, e, logged=True)
+            return
+        if self.served.cfg.profile_phases:
+            self.metrics.observe_phases({"step": [(time.perf_counter() - t0) * 1e3]})
+        for f in done:
+            self._finish(f)
+
+    def _finish(self, f: Finished) -> None:
+        job = self.jobs.pop(f.id)
+        self.cancelling.discard(f.id)
+        m = self.metrics
+        if f.t_scheduled is not None:
+            took = f.t_finished - f.t_scheduled
+            m.queue_time.observe(f.t_scheduled - job.t_enqueue)
+            m.inference_time.observe(took)
+            self.service_s = 0.8 * self.service_s + 0.2 * took
+            m.prompt_tokens.inc(f.prompt_len)
+        m.generation_tokens.inc(len(f.token_ids))
+        exc = f.exc
+        if f.stop_reason == "cancelled" or isinstance(exc, Cancelled):
+            m.request_failed.labels(reason="cancelled").inc()
+            job.post("cancelled", None)
+            return
+        if exc is not None and not isinstance(exc, StopString):
+            self._fail(job, exc)
+            return
+        finish = "length" if f.stop_reason == "length" else "stop"
+        try:
+            self.served.complete(job, f, finish, m)
+        except Exception as e:
+            self._fail(job, e)
+            return
+        m.request_success.labels(finished_reason=finish).inc()
+        m.e2e.observe(time.perf_counter() - job.t_enqueue)
+
+    def _fail(self, job: Job, e: BaseException, logged: bool = False) -> None:
+        if isinstance(e, SpecscopeError):
+            self.metrics.request_failed.labels(reason="invalid").inc()
+            job.post("error", ApiError(400, str(e)))
+            return
+        # a bug: keep serving; the client gets a 500 and an id to find the traceback by
+        if not logged:
+            log.error("request %s failed", job.rid, exc_info=(type(e), e, e.__traceback__))
+        self.metrics.request_failed.labels(reason="error").inc()
+        job.post("error", ApiError(500, f"internal error during generation ({type(e).__name__}; request id "
+                                        f"{job.rid}); the server log has the traceback; please report it"))
+
+    def _fail_queued(self) -> None:
         while True:
             try:
                 job = self.q.get_nowait()
             except queue.Empty:
-                break
+                return
             if job is not None:
                 job.cancel()
                 job.post("error", ApiError(503, "the server is shutting down"))
-        if self.current is not None:
-            self.current.cancel()
-        self.q.put(None)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Refuse new work, fail what is queued, cancel what runs, and join the thread."""
+        self.stopping = True
+        self._fail_queued()
+        for job in list(self.jobs.values()):
+            job.cancel()
+        try:
+            self.q.put(None, timeout=timeout)
+        except queue.Full:   # submits raced the drain and the thread is not taking them: nothing left to wake
+            pass
         self.thread.join(timeout)

@@ -151,7 +151,7 @@ class BatchEngine:
     # -- one step -------------------------------------------------------------------------------------------------
     def step(self) -> list[Finished]:
         done = self._drop_cancelled()
-        new = self._admit()
+        self._admit()
         if not self.running:
             return done
         shape = self.spec_policy(len(self.running)) if self.drafter is not None else None

@@ -1,21 +1,10 @@
 """bench/drafter_compare.py: τ pooled over cycles (not averaged over prompts), per task and MT-bench category."""
 
-import importlib.util
-import sys
-from pathlib import Path
-
-BENCH = Path(__file__).resolve().parents[1] / "bench"
+from bench_util import load_bench
 
 
 def load():
-    sys.path.insert(0, str(BENCH))
-    try:
-        spec = importlib.util.spec_from_file_location("drafter_compare", BENCH / "drafter_compare.py")
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        return mod
-    finally:
-        sys.path.remove(str(BENCH))
+    return load_bench("drafter_compare")
 
 
 def test_summarise_pools_cycles_per_group():

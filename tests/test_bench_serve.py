@@ -401,18 +401,9 @@ def test_bench_serve_bad_options_are_one_line(args, needle, capsys):
 
 
 def _bench_module(name):
-    import importlib.util
-    from pathlib import Path
+    from bench_util import load_bench
 
-    bench = Path(__file__).resolve().parent.parent / "bench"
-    sys.path.insert(0, str(bench))
-    try:
-        spec = importlib.util.spec_from_file_location(name, bench / f"{name}.py")
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-    finally:
-        sys.path.remove(str(bench))
-    return mod
+    return load_bench(name)
 
 
 def test_serve_concurrency_bench_parses_and_its_numbers_are_right():

@@ -1,27 +1,16 @@
 """bench/spec_concurrency.py: the closed loop keeps C requests in flight and returns every output as offline
 `generate` gives it; the small helpers; and the whole script once on tiny stand-ins (the real run is the lead's)."""
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
+from bench_util import load_bench
 from spec_helpers import tiny_target
-
-BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 
 def load():
-    sys.path.insert(0, str(BENCH))
-    try:
-        spec = importlib.util.spec_from_file_location("spec_concurrency", BENCH / "spec_concurrency.py")
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        return mod
-    finally:
-        sys.path.remove(str(BENCH))
+    return load_bench("spec_concurrency")
 
 
 class Recording:

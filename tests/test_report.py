@@ -283,16 +283,13 @@ def test_breakeven_hint_names_no_flag_report_lacks(stored, tmp_path, capsys):
 def test_report_renders_in_headless_chromium_without_overflow(stored, tmp_path, capsys, width):
     """The page as a browser draws it: a non-blank screenshot, no sideways scrolling at a laptop and a narrow
     window width, every inline image decodes. Skipped where Chromium is not installed."""
-    import importlib.util
     import shutil
-    from pathlib import Path
+
+    from bench_util import load_bench
 
     if not any(shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome")):
         pytest.skip("chromium is not installed (apt-get install -y chromium)")
-    spec = importlib.util.spec_from_file_location(
-        "render_report", Path(__file__).resolve().parents[1] / "bench" / "render_report.py")
-    rr = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(rr)
+    rr = load_bench("render_report")
     out = tmp_path / "r.html"
     code, _, err = cli(capsys, "report", *stored.values(), "-o", out)
     assert code == 0, err

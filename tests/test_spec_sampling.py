@@ -11,7 +11,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-import specscope.speculative.decode as decode_mod
+import specscope.speculative.acceptance as acceptance_mod
 from specscope.generate import generate
 from specscope.runtime.sampling import SamplingParams, probs_from_logits
 from specscope.speculative.acceptance import accept_sampling
@@ -221,7 +221,7 @@ def test_mixed_siblings_keep_the_target_distribution(rule):
 @pytest.mark.parametrize("broken,name", [(_broken_accept, "tree"), (_broken_residual, "chain_q"),
                                          (_broken_accept, "hybrid_tree")])
 def test_broken_rule_is_detected(target, monkeypatch, broken, name):
-    monkeypatch.setattr(decode_mod, "accept_sampling", broken)
+    monkeypatch.setattr(acceptance_mod, "accept_sampling", broken)   # where acceptance.accept looks it up
     d = random_eagle3(target, draft_vocab=5, seed=1, scale=4.0)
     probs = exact_pair_dist(target)
     counts = sample_pairs(target, drafter_for(target, d, name), CASES[name])

@@ -22,8 +22,8 @@ from specscope.errors import SpecscopeError
 from specscope.generate import StopCriteria, check_context
 from specscope.models.context import region_inputs
 from specscope.models.llama import ForwardOutput
-from specscope.runtime.sampling import SamplingParams, make_generator, next_token, probs_from_logits
-from specscope.speculative.acceptance import accept_greedy, accept_sampling
+from specscope.runtime.sampling import SamplingParams, make_generator, next_token
+from specscope.speculative.acceptance import accept
 from specscope.speculative.drafters import Drafter, HybridDrafter, run_together
 from specscope.speculative.stats import SpecTally
 from specscope.speculative.tree import DraftTree
@@ -261,13 +261,9 @@ class BatchEngine:
             return [seq.root]
         tree = seq.tree
         if seq.drafter is None:     # plain decoding draws exactly as `generate` does
-            rows, bonus = [0], int(next_token(logits[-1:], seq.req.sampling, seq.gen))
-        elif seq.req.sampling.greedy:
-            rows, bonus = accept_greedy(logits.argmax(-1).tolist(), tree)
+            rows, new_tokens = [0], [int(next_token(logits[-1:], seq.req.sampling, seq.gen))]
         else:
-            rows, bonus = accept_sampling(probs_from_logits(logits, seq.req.sampling), tree, seq.gen)
-        toks = tree.tokens.tolist()
-        new_tokens = [toks[r - 1] for r in rows[1:]] + [bonus]
+            rows, new_tokens = accept(logits, tree, seq.req.sampling, seq.gen)
         self._compact(seq, rows)
         if seq.drafter is not None:
             seq.drafter.commit(rows, out, new_tokens)

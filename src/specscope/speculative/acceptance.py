@@ -15,6 +15,7 @@ from typing import NamedTuple
 
 import torch
 
+from specscope.runtime.sampling import probs_from_logits
 from specscope.speculative.tree import COPIED, DRAFTED, DraftTree
 
 
@@ -74,6 +75,17 @@ def accept_sampling(target_probs: torch.Tensor, tree: DraftTree, gen) -> VerifyO
             return VerifyOutput(rows, _sample(p, gen))
         rows.append(accepted)
         cur = accepted
+
+
+def accept(logits: torch.Tensor, tree: DraftTree, sampling, gen) -> tuple[list[int], list[int]]:
+    """The accepted path of `tree` under the target's logits [1 + size, V], greedy or by the sampling rule ->
+    (rows: 0 is the root, new tokens: the accepted drafts + the bonus token)."""
+    if sampling.greedy:
+        rows, bonus = accept_greedy(logits.argmax(-1).tolist(), tree)
+    else:
+        rows, bonus = accept_sampling(probs_from_logits(logits, sampling), tree, gen)
+    toks = tree.tokens.tolist()
+    return rows, [toks[r - 1] for r in rows[1:]] + [bonus]
 
 
 def _q_row(tree: DraftTree, node: int) -> torch.Tensor | None:

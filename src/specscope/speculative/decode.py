@@ -15,8 +15,8 @@ from specscope.models import loader   # loader.load_model looked up per call: te
 from specscope.models.hub import DRAFTER_ASSETS as ASSETS  # one place for the shipped drafters
 from specscope.models.hub import KNOWN_MODELS, parse_hub_id, resolve_drafter
 from specscope.models.linear import pack_linears
-from specscope.runtime.sampling import SamplingParams, make_generator, next_token, probs_from_logits
-from specscope.speculative.acceptance import accept_greedy, accept_sampling
+from specscope.runtime.sampling import SamplingParams, make_generator, next_token
+from specscope.speculative.acceptance import accept
 from specscope.speculative.drafters import (DraftModelDrafter, Drafter, Eagle3TreeDrafter, HybridDrafter, NgramDrafter,
                                             _phase)
 from specscope.speculative.formats import is_eagle3_config, load_drafter, read_config
@@ -246,13 +246,7 @@ def cycle(target, drafter: Drafter, cache, root: int, cfg: SpecConfig, sampling,
         v_ids, v_pos, v_slots, v_mask = tree.verify_inputs(root, cache.length, cache.length)
         vout = target(v_ids, v_pos, cache, v_slots, v_mask, aux_layers=drafter.aux_layers)
     with _phase(profiler, "accept"):
-        logits = vout.logits[0]
-        if sampling.greedy:
-            rows, bonus = accept_greedy(logits.argmax(-1).tolist(), tree)
-        else:
-            rows, bonus = accept_sampling(probs_from_logits(logits, sampling), tree, gen)
-        toks = tree.tokens.tolist()
-        new_tokens = [toks[r - 1] for r in rows[1:]] + [bonus]
+        rows, new_tokens = accept(vout.logits[0], tree, sampling, gen)
     with _phase(profiler, "commit"):
         cache.compact(torch.tensor(rows, device=target.device) + cache.length)
         drafter.commit(rows, vout, new_tokens)

@@ -3,11 +3,14 @@ for D seconds, once against the serial server (`--max-num-seqs 1`) and once agai
 
     .venv/bin/python bench/serve_concurrency.py [--model smollm2-135m] [--clients 16,32] [--duration 60]
                                                 [--max-num-seqs 16] [--max-seq-len N] [--spec-policy always]
-                                                [--max-tokens 32] [--threads 2] [--draft ''] [--prompts 16]
+                                                [--max-tokens 32] [--threads 2] [--draft ''] [--prompts 80]
+                                                [--prefix-caching on|off]
                                                 [--out bench/results/serve_concurrency.json]
 
 For each --clients value both servers run in turn (serial first), with the same prompts, clients and duration.
-Each client sends greedy chat requests back to back (streamed, with token ids) until the deadline; the serial
+Each client sends greedy chat requests back to back (streamed, with token ids) until the deadline, the requests
+taking the --prompts distinct prompts in turn (so a prompt comes back only after --prompts others: what the
+prefix cache can reuse is the chat template's system prompt, not a client's previous prompt); the serial
 server decodes one request at a time, so most of a request's latency is its wait in the queue, while the batched
 one decodes up to --max-num-seqs together and admits a new request whenever one leaves. /metrics reports the
 wait as request_queue_time_seconds. At the deadline the clients still waiting hang up: each server must cancel
@@ -16,7 +19,8 @@ compared with offline greedy decoding of the same prompt (same model, threads an
 after the servers are gone.
 
 Reports per run: completed requests, output tok/s, time_to_first_token (client side, ms), e2e_request_latency,
-request_queue_time (the server's histogram: mean and bucket quantiles, ms), errors; per --clients value the
+request_queue_time (the server's histogram: mean and bucket quantiles, ms), prefix-cache hits / queries (prompt
+tokens reused / admitted), errors; per --clients value the
 batched/serial ratios; one JSON at --out. Exit 1 if a check fails.
 """
 
@@ -93,10 +97,8 @@ async def drive(url: str, prompts: list[str], clients: int, duration: float, max
     async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits) as client:
 
         async def worker(c: int):
-            k = 0
             while time.perf_counter() < deadline:
-                p = prompts[(c + k * clients) % len(prompts)]
-                k += 1
+                p = prompts[started["n"] % len(prompts)]   # the prompts in turn, across clients
                 started["n"] += 1
                 try:
                     finished.append(await one_request(client, url, p, max_tokens))
@@ -238,9 +240,17 @@ def summarize(run: dict, duration: float, ref: dict[str, list[int]], scrape, pre
         "request_queue_time": server_histogram(scrape, P + "request_queue_time_seconds"),
         "request_inference_time": server_histogram(scrape, P + "request_inference_time_seconds"),
         "server_time_to_first_token": server_histogram(scrape, P + "time_to_first_token_seconds"),
+        "prefix_cache": prefix_cache(scrape, P),
         "mismatch_examples": mismatches[:5],
         "error_examples": [r["error"] for r in errors[:5]],
     }
+
+
+def prefix_cache(scrape, P: str) -> dict:
+    """Prompt tokens admitted (queries) and reused from the prefix cache (hits), vLLM's counters."""
+    q = scrape.total(P + "prefix_cache_queries_total") or 0
+    h = scrape.total(P + "prefix_cache_hits_total") or 0
+    return {"queries": q, "hits": h, "hit_rate": h / q if q else None}
 
 
 def ratios(serial: dict, batched: dict) -> dict:
@@ -278,6 +288,8 @@ def checks_of(s: dict, idle_after_s: float | None, health: int, exit_code) -> di
 
 def serve_flags(args, max_num_seqs: int) -> list[str]:
     flags = ["--max-num-seqs", str(max_num_seqs), "--spec-policy", args.spec_policy]
+    if args.prefix_caching == "off":
+        flags.append("--no-enable-prefix-caching")
     if args.max_seq_len:
         flags += ["--max-seq-len", str(args.max_seq_len)]
     return flags
@@ -309,7 +321,10 @@ def main():
     ap.add_argument("--max-seq-len", type=int, default=None, help="both servers' --max-seq-len (default: theirs)")
     ap.add_argument("--spec-policy", default="always", help="both servers' --spec-policy")
     ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--prompts", type=int, default=16, help="distinct prompts (each checked against offline)")
+    ap.add_argument("--prompts", type=int, default=80, help="distinct prompts, taken in turn (each checked "
+                    "against offline)")
+    ap.add_argument("--prefix-caching", choices=["on", "off"], default="on",
+                    help="both servers' prefix caching (--no-enable-prefix-caching when off)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--start-timeout", type=float, default=300)
@@ -351,7 +366,8 @@ def main():
         "command": "python bench/serve_concurrency.py " + " ".join(sys.argv[1:]),
         "config": {"model": args.model, "draft": args.draft or None, "clients": args.clients,
                    "duration_s": args.duration, "max_num_seqs": modes, "max_seq_len": args.max_seq_len,
-                   "spec_policy": args.spec_policy, "max_tokens": args.max_tokens, "threads": args.threads,
+                   "spec_policy": args.spec_policy, "prefix_caching": args.prefix_caching,
+                   "max_tokens": args.max_tokens, "threads": args.threads,
                    "device": args.device, "prompts": ds, "distinct_prompts": len(set(ps)), "temperature": 0.0},
         "env": {"python": platform.python_version(), "torch": torch.__version__, "cpus": os.cpu_count(),
                 "machine": platform.machine(), "loadavg_before": load_before, "loadavg_after": load_after},
@@ -366,8 +382,10 @@ def main():
             r = level[mode]
             t = r["time_to_first_token"] or {}
             q = r["request_queue_time"] or {}
+            hit = r["prefix_cache"]["hit_rate"]
             print(f"  {mode:7s} {r['completed']:4d} completed, {r['errors']} errors, {r['output_tok_per_s']:7.1f} out "
                   f"tok/s, ttft p50 {t.get('p50_ttft_ms') or 0:8.0f} ms, mean queue {q.get('mean_ms') or 0:8.0f} ms, "
+                  f"prefix cache {0 if hit is None else hit:.0%} of prompt tokens, "
                   f"{r['mismatches']} of {r['checked_against_offline']} differ from offline greedy")
         x = level["batched_over_serial"]
         fmt = lambda v: "n/a" if v is None else f"{v:.2f}x"   # noqa: E731

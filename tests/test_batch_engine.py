@@ -61,23 +61,32 @@ def offline(target, drafter, cfg, prompt, max_new, sampling):
 
 
 def random_requests(rng, n, greedy=True):
+    """Mixed lengths, some at the context's edge; some prompts repeat an earlier one or extend its prefix (what
+    prefix caching reuses)."""
     reqs = []
     for i in range(n):
         max_new = rng.randint(1, 14)
         T = rng.choice([1, 2, rng.randint(3, 20), CTX - max_new - rng.randint(0, 3)])   # some at the edge
         T = max(1, min(T, CTX - max_new))
         prompt = [rng.randrange(2, VOCAB) for _ in range(T)]
+        if reqs and rng.random() < 0.4:
+            old = rng.choice(reqs).prompt_ids
+            keep = rng.choice([len(old), rng.randint(1, len(old))])
+            prompt = (old[:keep] + prompt)[:max(keep, T)]
+            max_new = min(max_new, CTX - len(prompt))
         sp = SamplingParams() if greedy else SamplingParams(temperature=rng.choice([0.7, 1.0]), seed=rng.randrange(99))
         reqs.append(Request(f"r{i}", prompt, max_new, sp, stop_ids=(1,)))
     return reqs
 
 
-def run_schedule(engine, reqs, rng, cancel_p=0.0):
-    """Add requests at random steps, cancel some; -> {id: Finished}."""
+def run_schedule(engine, reqs, rng, cancel_p=0.0, follow_up_p=0.0):
+    """Add requests at random steps, cancel some; a finished one may be followed by its next chat turn (its
+    prompt + answer + more, appended to `reqs`: what prefix caching reuses in a conversation); -> {id: Finished}."""
     pending, done, streamed = list(reqs), {}, {r.id: [] for r in reqs}
     for r in reqs:
         r.on_tokens = streamed[r.id].extend
     cancelled = set()
+    by_id = {r.id: r for r in reqs}
     while pending or engine.busy:
         for _ in range(rng.randint(0, 3)):
             if pending:
@@ -89,6 +98,14 @@ def run_schedule(engine, reqs, rng, cancel_p=0.0):
         for f in engine.step():
             assert f.id not in done
             done[f.id] = f
+            r = by_id[f.id]
+            turn = r.prompt_ids + f.token_ids + [rng.randrange(2, VOCAB) for _ in range(rng.randint(1, 3))]
+            if f.stop_reason != "cancelled" and len(turn) < CTX - 2 and rng.random() < follow_up_p:
+                nxt = Request(f.id + "+", turn, rng.randint(1, min(8, CTX - len(turn))), r.sampling, r.stop_ids)
+                streamed[nxt.id], by_id[nxt.id] = [], nxt
+                nxt.on_tokens = streamed[nxt.id].extend
+                reqs.append(nxt)
+                pending.insert(0, nxt)
     for f in done.values():
         assert f.token_ids == streamed[f.id], "streamed tokens are the result's"
     return done, cancelled
@@ -99,11 +116,14 @@ def run_schedule(engine, reqs, rng, cancel_p=0.0):
 def test_batch_composition_never_changes_a_sequence(target, name, greedy):
     drafter, cfg = drafters(target)[name]
     rng = random.Random(hash((name, greedy)) % 1000)
-    for max_seqs, budget in [(4, 64), (3, 8), (1, 2048)]:       # budget 8: long prompts wait for a quiet step
+    hits = 0
+    for max_seqs, budget in [(4, 64), (3, 8), (1, 2048), (2, 5)]:    # small budgets: prompts prefilled in chunks
         reqs = random_requests(rng, 10, greedy)
         engine = BatchEngine(target, drafter, cfg, max_num_seqs=max_seqs, max_seq_len=CTX,
                              max_num_batched_tokens=budget)
-        done, cancelled = run_schedule(engine, reqs, rng, cancel_p=0.15)
+        done, cancelled = run_schedule(engine, reqs, rng, cancel_p=0.15, follow_up_p=0.5)
+        hits += engine.prefix_hits
+        assert sum(f.cached_tokens for f in done.values()) == engine.prefix_hits
         assert set(done) == {r.id for r in reqs}
         for r in reqs:
             f = done[r.id]
@@ -115,6 +135,8 @@ def test_batch_composition_never_changes_a_sequence(target, name, greedy):
                 assert f.token_ids == want, (name, r.id, max_seqs)
         assert not engine.running and not engine.waiting
         assert sorted(engine.free) == list(range(0, engine.region * max_seqs, engine.region)), "every region freed"
+    # prefix caching reuses a freed region's keys unless the drafter needs the prompt's hidden states (EAGLE-3)
+    assert (hits > 0) == (name in ("plain", "ngram")), hits
 
 
 def test_speculative_batches_accept_drafts_and_count_them(target):

@@ -468,6 +468,11 @@ def test_serve_concurrency_bench_parses_and_its_numbers_are_right():
     assert (sm["completed"], sm["errors"], sm["mismatches"], sm["checked_against_offline"]) == (3, 1, 1, 3)
     assert sm["output_tokens"] == 7 and sm["output_tok_per_s"] == 3.5 and sm["completed_per_s"] == 1.5
     assert sm["server_cancelled"] == 1 and sm["rejected_429"] == 0
+    assert sm["prefix_cache"] == {"queries": 0, "hits": 0, "hit_rate": None}
+    met.prefix_cache_queries.inc(80)
+    met.prefix_cache_hits.inc(20)
+    pc = m.summarize(run, 2.0, ref, parse_text(met.render().decode()))["prefix_cache"]
+    assert pc == {"queries": 80, "hits": 20, "hit_rate": 0.25}
     assert sm["time_to_first_token"]["p50_ttft_ms"] == pytest.approx(200)
     assert sm["request_queue_time"]["count"] == 21 and sm["mismatch_examples"][0]["server"] == [4, 6]
     c = m.checks_of(sm, 0.5, 200, 0)
@@ -483,7 +488,9 @@ def test_serve_concurrency_bench_parses_and_its_numbers_are_right():
     assert x["mean_request_queue_time_ms"] is None and x["p99_ttft_ms"] is None
     assert m.ratios(dict(serial, completed=0), batched)["completed"] is None
 
-    args = argparse.Namespace(spec_policy="always", max_seq_len=None)
+    args = argparse.Namespace(spec_policy="always", max_seq_len=None, prefix_caching="on")
     assert m.serve_flags(args, 1) == ["--max-num-seqs", "1", "--spec-policy", "always"]
     args.max_seq_len = 512
     assert m.serve_flags(args, 16)[-2:] == ["--max-seq-len", "512"]
+    args.prefix_caching = "off"
+    assert "--no-enable-prefix-caching" in m.serve_flags(args, 16)

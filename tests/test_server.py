@@ -60,8 +60,9 @@ def test_completions_match_offline_greedy_and_report_usage(engine):
         ch = body["choices"][0]
         assert ch["token_ids"] == want
         assert ch["text"] == engine.tokenizer.decode(want)
-        assert body["usage"] == {"prompt_tokens": len(ids), "completion_tokens": len(want),
-                                 "total_tokens": len(ids) + len(want)}
+        u = dict(body["usage"])
+        assert 0 <= u.pop("prompt_tokens_details")["cached_tokens"] < len(ids)
+        assert u == {"prompt_tokens": len(ids), "completion_tokens": len(want), "total_tokens": len(ids) + len(want)}
         assert body["object"] == "text_completion" and body["model"] == engine.name
         m = c.get("/v1/models").json()
         assert m["data"][0]["id"] == engine.name
@@ -86,7 +87,10 @@ def test_chat_stream_concatenates_to_non_stream_text(engine):
     assert text == full["choices"][0]["message"]["content"]
     finishes = [e["choices"][0]["finish_reason"] for e in events[:-1] if e["choices"]]
     assert finishes[-1] == full["choices"][0]["finish_reason"] and set(finishes[:-1]) == {None}
-    assert events[-2]["usage"] == full["usage"]
+    # the same prompt again: the prefix cache supplies all of it but the last token, the answer is the same
+    assert events[-2]["usage"]["prompt_tokens_details"]["cached_tokens"] == full["usage"]["prompt_tokens"] - 1
+    assert {k: v for k, v in events[-2]["usage"].items() if k != "prompt_tokens_details"} == \
+        {k: v for k, v in full["usage"].items() if k != "prompt_tokens_details"}
 
 
 @pytest.mark.parametrize("path,body,param", [
@@ -422,6 +426,32 @@ def test_metrics_prefix_vllm_gives_vllm_names(model_dir):
     assert "vllm:spec_decode_num_drafts_total" in text and "specscope:" not in text
     d = spec_delta(before, parse_text(text))
     assert d["engine"] == "vllm" and d["num_drafts"] == r["spec"]["verify_ct"]
+
+
+def test_prefix_cache_reuses_a_shared_prompt_prefix_and_counts_it(model_dir):
+    """A conversation's second turn shares its first turn's prompt and answer: the engine computes only the rest
+    (usage's cached_tokens, vLLM's prefix_cache_* counters), and the answer is offline greedy decoding's; with
+    --no-enable-prefix-caching nothing is reused."""
+    from specscope.ingest.prometheus import parse_text
+    from specscope.server.app import create_app
+
+    for enabled in (True, False):
+        eng = _engine(model_dir, metrics_prefix="vllm", enable_prefix_caching=enabled)
+        with TestClient(create_app(eng)) as c:
+            turn = [{"role": "user", "content": "the quick brown fox"}]
+            first = c.post("/v1/chat/completions", json={"messages": turn, "max_tokens": 6, "temperature": 0,
+                                                         "return_token_ids": True}).json()
+            turn += [{"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+                     {"role": "user", "content": "the lazy dog"}]
+            second = c.post("/v1/chat/completions", json={"messages": turn, "max_tokens": 6, "temperature": 0,
+                                                          "return_token_ids": True}).json()
+            m = parse_text(c.get("/metrics").text)
+        ids = eng.tokenizer.encode_messages(turn)
+        assert second["choices"][0]["token_ids"] == _offline(eng, ids, 6)
+        cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert (cached > first["usage"]["prompt_tokens"]) if enabled else cached == 0, cached
+        hits, queries = m.total("vllm:prefix_cache_hits_total"), m.total("vllm:prefix_cache_queries_total")
+        assert hits == cached and queries == first["usage"]["prompt_tokens"] + len(ids)
 
 
 def test_speculative_stream_with_a_wide_tree_at_the_context_end(model_dir):

@@ -55,7 +55,12 @@ def bind_socket(host: str, port: int):
 @click.option("--max-num-seqs", type=click.IntRange(1, 4096), default=16, show_default=True,
               help="Sequences decoded together (continuous batching); 1 decodes one request at a time.")
 @click.option("--max-num-batched-tokens", type=click.IntRange(min=1), default=2048, show_default=True,
-              help="Tokens one engine step may take (new prompts + running rows); a prompt over it runs alone.")
+              help="Tokens one engine step may take (running rows + prompt chunks); a longer prompt is prefilled in "
+                   "chunks over several steps while the running sequences keep decoding.")
+@click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=True, show_default=True,
+              help="A new request reuses the cached keys/values of the longest prompt prefix it shares with the "
+                   "sequence that last used a free slot (a system prompt, the earlier turns of a chat). Not with "
+                   "an EAGLE-3 drafter, which needs the target's states over the whole prompt.")
 @click.option("--max-seq-len", type=click.IntRange(min=2), default=None,
               help="Prompt + completion tokens per sequence, i.e. each sequence's KV region (default: the model's "
                    "context, at most 4096). The KV cache holds --max-num-seqs of them.")
@@ -78,7 +83,8 @@ def bind_socket(host: str, port: int):
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="warning",
               show_default=True)
 def serve(model_name, served_model_name, draft, steps, topk, draft_tokens, ngram_tokens, dtype, device, threads, host,
-          port, api_key, max_queue, max_num_seqs, max_num_batched_tokens, max_seq_len, spec_policy, max_prompt_tokens,
+          port, api_key, max_queue, max_num_seqs, max_num_batched_tokens, enable_prefix_caching, max_seq_len,
+          spec_policy, max_prompt_tokens,
           max_tokens_cap, metrics_prefix, no_phase_profile, shutdown_timeout, body_timeout, log_level):
     """Serve the model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /metrics)."""
     import ipaddress
@@ -108,7 +114,8 @@ def serve(model_name, served_model_name, draft, steps, topk, draft_tokens, ngram
     cfg = ServeConfig(model=model_name, served_name=served_model_name, draft=draft, steps=steps, topk=topk,
                       draft_tokens=draft_tokens, ngram_tokens=ngram_tokens, dtype=dtype, device=str(dev),
                       max_queue=max_queue, max_num_seqs=max_num_seqs,
-                      max_num_batched_tokens=max_num_batched_tokens, max_seq_len=max_seq_len, spec_policy=spec_policy,
+                      max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
+                      max_seq_len=max_seq_len, spec_policy=spec_policy,
                       max_prompt_tokens=max_prompt_tokens, max_tokens_cap=max_tokens_cap,
                       api_key=api_key, profile_phases=not no_phase_profile, metrics_prefix=metrics_prefix,
                       body_timeout_s=body_timeout)

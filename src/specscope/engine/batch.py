@@ -51,6 +51,7 @@ class Finished:
     t_finished: float
     stats: object | None = None           # SpecStats for a speculative sequence
     exc: BaseException | None = None      # what on_tokens (or committing the sequence) raised, for "aborted"
+    cached_tokens: int = 0                # prompt tokens whose keys/values were reused, not computed
 
 
 class _Seq:
@@ -60,6 +61,10 @@ class _Seq:
         self.req, self.base, self.drafter, self.cfg = req, base, drafter, cfg
         self.length = 0                   # committed target tokens (slots base .. base + length - 1)
         self.root: int | None = None      # the token the next step feeds (None until prefilled)
+        self.prefilled = 0                # prompt tokens in the region so far (reused, then computed in chunks)
+        self.cached = 0                   # of which reused from the region's previous sequence
+        self.chunk = 0                    # prompt rows this step computes
+        self.aux: list[list[torch.Tensor]] = []   # the chunks' aux states, for a drafter's start
         self.produced: list[int] = []
         self.stop = StopCriteria(req.max_new_tokens, req.stop_ids)
         self.gen = make_generator(req.sampling, torch.device("cpu"))
@@ -90,9 +95,19 @@ def batch_inputs(parts: list[Rows], device=None) -> tuple[torch.Tensor, torch.Te
 
 
 def _prefill_rows(seq: _Seq, dev) -> Rows:
-    T = len(seq.req.prompt_ids)
-    ar = torch.arange(T, device=dev)
-    return Rows(torch.tensor(seq.req.prompt_ids, device=dev), ar, ar, ar[None, :] <= ar[:, None], seq.base)
+    """The prompt's next chunk: positions lo..hi-1, each attending to the prompt up to itself."""
+    lo, hi = seq.prefilled, seq.prefilled + seq.chunk
+    ar = torch.arange(lo, hi, device=dev)
+    return Rows(torch.tensor(seq.req.prompt_ids[lo:hi], device=dev), ar, ar,
+                torch.arange(hi, device=dev)[None, :] <= ar[:, None], seq.base)
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
 
 
 def _slice(out: ForwardOutput, r0: int, r1: int, l0: int, l1: int) -> ForwardOutput:
@@ -102,15 +117,24 @@ def _slice(out: ForwardOutput, r0: int, r1: int, l0: int, l1: int) -> ForwardOut
 
 class BatchEngine:
     """Continuous batching over one target: `add` requests, call `step` until `busy` is False; each step admits
-    waiting requests (their prefill joins the step), runs one forward for every sequence and returns the requests
-    that finished. `spec_policy(batch_size) -> SpecConfig | None` picks the draft shape for the step's speculative
-    sequences (None: a plain step; their drafters catch up later)."""
+    waiting requests, runs one forward for every sequence and returns the requests that finished.
+
+    A step's rows are its decoding sequences' (one token, or root + draft tree) and, within the token budget
+    (--max-num-batched-tokens), chunks of prompts: a long prompt is prefilled over several steps (chunked prefill)
+    while the others keep decoding. With `prefix_caching`, a new request takes the free region whose previous
+    sequence shares the longest prefix with its prompt and starts its prefill after that prefix (the keys there
+    are the bits it would compute: the kernels are row-invariant); sequences whose drafter needs the target's
+    hidden states over the whole prompt (EAGLE-3) always compute it. `spec_policy(batch_size) -> SpecConfig |
+    None` picks the draft shape for the step's speculative sequences (None: a plain step; their drafters catch up
+    later)."""
 
     def __init__(self, target, drafter: Drafter | None = None, cfg=None, max_num_seqs: int = 16,
                  max_seq_len: int | None = None, max_num_batched_tokens: int = 2048,
-                 spec_policy: Callable[[int], object] | None = None):
+                 spec_policy: Callable[[int], object] | None = None, prefix_caching: bool = True):
         if max_num_seqs < 1:
             raise SpecscopeError(f"--max-num-seqs must be >= 1, got {max_num_seqs}")
+        if max_num_batched_tokens < 1:
+            raise SpecscopeError(f"--max-num-batched-tokens must be >= 1, got {max_num_batched_tokens}")
         self.target, self.drafter, self.cfg = target, drafter, cfg
         if drafter is not None and cfg is None:
             raise SpecscopeError("a drafter needs its SpecConfig")
@@ -129,6 +153,10 @@ class BatchEngine:
         # every sequence (speculative/drafters.py run_together); else each spawn keeps its own
         self.draft_region = self.region + 1 + (cfg.expansion_slots if cfg is not None else 0)
         self.draft_cache = drafter.region_cache(self.draft_region * max_num_seqs) if drafter is not None else None
+        # prefix caching: the tokens whose keys/values each free region still holds (slots base .. base + len - 1)
+        self.prefix_caching = prefix_caching and not self.aux_layers
+        self.held: dict[int, list[int]] = {}
+        self.prefix_queries = self.prefix_hits = 0   # prompt tokens admitted / reused (vLLM's counters)
 
     # -- requests -----------------------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -156,30 +184,34 @@ class BatchEngine:
             return done
         shape = self.spec_policy(len(self.running)) if self.drafter is not None else None
         self._draft(shape)
+        self._chunk()
+        stepping = [s for s in self.running if s.root is not None or s.chunk]
         parts, plans = [], []
-        for seq in self.running:
+        for seq in stepping:
             rows, plan = self._plan(seq)
             parts.append(rows)
             plans.append(plan)
         dev = self.target.device
         ids, pos, slots, mask = batch_inputs(parts, dev)
-        # logits only where a token is chosen: a prefill's last row, every verified row otherwise
+        # logits only where a token is chosen: a prompt's last row, every verified row; none for other chunks
         need, r = [], 0
         for p, plan in zip(parts, plans):
             n = int(p.ids.numel())
-            need.extend([r + n - 1] if plan == "prefill" else range(r, r + n))
+            need.extend(range(r, r + n) if plan == "verify" else [r + n - 1] if plan == "prefill" else [])
             r += n
         out = self.target(ids, pos, self.cache, slots, mask, logits_idx=need, aux_layers=self.aux_layers)
         r = l = 0
         now = time.perf_counter()
-        for seq, p, plan in zip(list(self.running), parts, plans):
+        for seq, p, plan in zip(stepping, parts, plans):
             n = int(p.ids.numel())
-            nl = 1 if plan == "prefill" else n
+            nl = n if plan == "verify" else 1 if plan == "prefill" else 0
             try:
                 new_tokens = self._finish(seq, plan, _slice(out, r, r + n, l, l + nl))
-                if seq.t_first is None:
-                    seq.t_first = now
-                reason = seq.stop.emit(seq.produced, new_tokens, seq.req.on_tokens)
+                reason = None
+                if new_tokens:
+                    if seq.t_first is None:
+                        seq.t_first = now
+                    reason = seq.stop.emit(seq.produced, new_tokens, seq.req.on_tokens)
             except Exception as e:       # the client's callback (cancelled, a stop string) or a bug: only it ends
                 reason, seq.exc = "aborted", e
             if reason is not None:
@@ -200,33 +232,66 @@ class BatchEngine:
         return done
 
     def _admit(self) -> list[_Seq]:
-        """Waiting requests join, first come first served, while a region is free and their prompts fit the
-        step's token budget (one always joins an otherwise empty step)."""
-        budget = self.token_budget - sum(1 + (s.cfg.verify_tokens if s.drafter else 0) for s in self.running)
+        """Waiting requests join, first come first served, while a region is free and the step's token budget
+        has room left for prompt rows (a prompt too long for it is prefilled in chunks over several steps)."""
+        budget = self.token_budget - sum(1 + (s.cfg.verify_tokens if s.drafter else 0) if s.root is not None
+                                         else len(s.req.prompt_ids) - s.prefilled for s in self.running)
         new = []
-        while self.waiting and self.free:
-            req, tq = self.waiting[0]
-            if len(req.prompt_ids) > budget and (self.running or new):
-                break
-            self.waiting.pop(0)
-            budget -= len(req.prompt_ids)
-            base = heapq.heappop(self.free)
+        while self.waiting and self.free and budget > 0:
+            req, tq = self.waiting.pop(0)
+            base, reuse = self._region_for(req.prompt_ids)
+            budget -= len(req.prompt_ids) - reuse
             drafter = self.drafter.spawn() if self.drafter is not None else None
             if self.draft_cache is not None:
                 drafter.use_region(self.draft_cache, base // self.region * self.draft_region)
             seq = _Seq(req, base, drafter, self.cfg, tq)
+            seq.prefilled = seq.cached = reuse
             seq.t_scheduled = time.perf_counter()
+            self.prefix_queries += len(req.prompt_ids)
+            self.prefix_hits += reuse
             self.running.append(seq)
             new.append(seq)
         return new
+
+    def _region_for(self, prompt: list[int]) -> tuple[int, int]:
+        """A free region for `prompt` -> (its first slot, prompt tokens whose keys/values it already holds): the
+        one sharing the longest prefix (at most all but the prompt's last token, whose logits are needed), else
+        the lowest."""
+        best, reuse = self.free[0], 0
+        if self.prefix_caching:
+            for base in self.free:
+                n = min(common_prefix(self.held.get(base, []), prompt), len(prompt) - 1)
+                if n > reuse or (n == reuse and reuse and base < best):
+                    best, reuse = base, n
+        self.free.remove(best)
+        heapq.heapify(self.free)
+        self.held.pop(best, None)
+        if reuse:   # the reused slots' positions, cleared when the region was freed (windowed masks read them)
+            self.cache.pos[0, best:best + reuse] = torch.arange(reuse, device=self.cache.pos.device)
+        return best, reuse
+
+    def _chunk(self) -> None:
+        """This step's prompt rows per prefilling sequence: what the token budget leaves after the decoding
+        sequences' rows, first come first served (with none left, prompts wait: decoding sequences end, and a
+        step without them gives prompts the whole budget)."""
+        budget = self.token_budget - sum(1 + int(s.tree.size if s.tree is not None else 0)
+                                         for s in self.running if s.root is not None)
+        for seq in self.running:
+            seq.chunk = 0
+            if seq.root is None:
+                seq.chunk = max(0, min(len(seq.req.prompt_ids) - seq.prefilled, budget))
+                budget -= seq.chunk
 
     def _retire(self, seq: _Seq, reason: str) -> Finished:
         self.running.remove(seq)
         heapq.heappush(self.free, seq.base)
         self.cache.pos[0, seq.base:seq.base + self.region] = -1
+        if self.prefix_caching and reason != "aborted":   # what the region's committed slots hold, for reuse
+            self.held[seq.base] = (seq.req.prompt_ids + seq.produced)[:seq.length] if seq.root is not None \
+                else seq.req.prompt_ids[:seq.prefilled]
         stats = seq.tally.stats() if seq.tally is not None and seq.tally.accept_lengths else None
         return Finished(seq.req.id, seq.produced, reason, len(seq.req.prompt_ids), seq.t_queued, seq.t_scheduled,
-                        seq.t_first, time.perf_counter(), stats, seq.exc)
+                        seq.t_first, time.perf_counter(), stats, seq.exc, seq.cached)
 
     def _draft(self, shape) -> None:
         """Every prefilled sequence's tree for this step: drafted together (shape given) or empty (a plain step;
@@ -244,19 +309,27 @@ class BatchEngine:
             seq.tree = tree
 
     def _plan(self, seq: _Seq) -> tuple[Rows, str]:
-        if seq.root is None:
-            return _prefill_rows(seq, self.target.device), "prefill"
+        if seq.root is None:   # "prefill": the chunk that ends the prompt; "chunk": an earlier one
+            last = seq.prefilled + seq.chunk == len(seq.req.prompt_ids)
+            return _prefill_rows(seq, self.target.device), "prefill" if last else "chunk"
         v = seq.tree.verify_inputs(seq.root, seq.length, seq.length)
         return Rows(v.ids[0], v.positions[0], v.slots[0], v.mask[0], seq.base), "verify"
 
     def _finish(self, seq: _Seq, plan: str, out: ForwardOutput) -> list[int]:
         """Choose the sequence's tokens from its logits and commit them -> the new tokens."""
         logits = out.logits[0]
-        if plan == "prefill":
+        if plan != "verify":
+            seq.prefilled += seq.chunk
+            if self.aux_layers:
+                seq.aux.append(out.aux_hidden)
+            if plan == "chunk":
+                return []
             seq.length = len(seq.req.prompt_ids)
             seq.root = int(next_token(logits[-1:], seq.req.sampling, seq.gen))
-            if seq.drafter is not None:
-                seq.drafter.start(list(seq.req.prompt_ids), seq.root, out,
+            if seq.drafter is not None:   # the drafter starts from the whole prompt's states, chunks joined
+                aux = [torch.cat(a, dim=1) for a in zip(*seq.aux)] if seq.aux else []
+                seq.aux = []
+                seq.drafter.start(list(seq.req.prompt_ids), seq.root, ForwardOutput(out.logits, aux),
                                   seq.length + seq.req.max_new_tokens + 1 + self.cfg.expansion_slots)
             return [seq.root]
         tree = seq.tree

@@ -160,5 +160,7 @@ class Transformer(nn.Module):
         if logits_idx is not None:
             h = h[:, logits_idx]
         hn = self.norm(h) if (compute_logits or return_hidden) else None
-        logits = self.lm_head(hn) if compute_logits else None
+        logits = None
+        if compute_logits:   # no rows (a step of prompt chunks only): the kernels are not asked for an empty gemm
+            logits = self.lm_head(hn) if hn.shape[1] else hn.new_empty(hn.shape[0], 0, self.config.vocab_size)
         return ForwardOutput(logits, [aux[i] for i in aux_layers], hn if return_hidden else None)

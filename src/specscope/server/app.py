@@ -180,7 +180,7 @@ def create_app(served: ServedModel, metrics: ServerMetrics | None = None) -> Fas
                 if ev[0] == "done":
                     d = ev[1]
                     return P.full_response(p, rid, served.name, d["text"], d["finish"], d["prompt_tokens"],
-                                           d["token_ids"], d["spec"])
+                                           d["token_ids"], d["spec"], d["cached_tokens"])
                 if ev[0] == "error":
                     raise ev[1]
                 if ev[0] == "cancelled":
@@ -205,7 +205,7 @@ def create_app(served: ServedModel, metrics: ServerMetrics | None = None) -> Fas
                 if p.include_usage:
                     last = {"id": rid, "object": "chat.completion.chunk" if p.kind == "chat" else "text_completion",
                             "created": created, "model": served.name, "choices": [],
-                            "usage": P.usage(d["prompt_tokens"], len(d["token_ids"]))}
+                            "usage": P.usage(d["prompt_tokens"], len(d["token_ids"]), d["cached_tokens"])}
                     if d["spec"] is not None:
                         last["spec"] = d["spec"]
                     yield P.sse(last)

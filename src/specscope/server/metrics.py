@@ -32,6 +32,11 @@ class ServerMetrics:
         self.phase_seconds = Histogram(P + "cycle_phase_seconds", "Time per engine step (phase 'step').",
                                        ["phase"], buckets=PHASE_BUCKETS, registry=r)
         self.prompt_tokens = Counter(P + "prompt_tokens", "Prompt tokens processed.", registry=r)
+        # vLLM's prefix-cache counters, in tokens: hits / queries is the share of prompt tokens not computed
+        self.prefix_cache_queries = Counter(P + "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                                            registry=r)
+        self.prefix_cache_hits = Counter(P + "prefix_cache_hits", "Prompt tokens found in the prefix cache (reused).",
+                                         registry=r)
         self.generation_tokens = Counter(P + "generation_tokens", "Tokens generated.", registry=r)
         self.request_success = Counter(P + "request_success", "Finished requests.", ["finished_reason"], registry=r)
         self.request_failed = Counter(P + "request_failed", "Requests that ended in an error or were cancelled.",

@@ -225,13 +225,15 @@ def new_id(kind: str) -> str:
     return ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's usage block; prompt_tokens_details.cached_tokens: prompt tokens the prefix cache supplied."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def full_response(p: GenParams, rid: str, model: str, text: str, finish: str, prompt_tokens: int,
-                  token_ids: list[int], spec: dict | None) -> dict:
+                  token_ids: list[int], spec: dict | None, cached_tokens: int = 0) -> dict:
     if p.kind == "chat":
         choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
                   "finish_reason": finish}
@@ -242,7 +244,7 @@ def full_response(p: GenParams, rid: str, model: str, text: str, finish: str, pr
     if p.return_token_ids:
         choice["token_ids"] = token_ids
     out = {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [choice],
-           "usage": usage(prompt_tokens, len(token_ids))}
+           "usage": usage(prompt_tokens, len(token_ids), cached_tokens)}
     if spec is not None:
         out["spec"] = spec  # like SGLang's meta_info.spec_verify_ct: lets a client compute τ per request
     return out

@@ -52,6 +52,7 @@ class ServeConfig:
     max_num_seqs: int = 16                 # sequences decoded together (1 = one request at a time)
     max_num_batched_tokens: int = 2048     # prompt tokens + decode rows one engine step may take
     max_seq_len: int | None = None         # prompt + completion per sequence; default min(context, 4096)
+    enable_prefix_caching: bool = True     # a new request reuses the keys of the longest prompt prefix it shares
     spec_policy: str = "always"            # economics.policy.spec_policy: the draft shape per batch size
     max_prompt_tokens: int | None = None   # default: max_seq_len - 1
     max_tokens_cap: int = 2048
@@ -133,7 +134,7 @@ class ServedModel:
         c = self.cfg
         return BatchEngine(self.model, self.drafter, self.spec_cfg, max_num_seqs=c.max_num_seqs,
                            max_seq_len=self.max_seq_len, max_num_batched_tokens=c.max_num_batched_tokens,
-                           spec_policy=self.policy)
+                           spec_policy=self.policy, prefix_caching=c.enable_prefix_caching)
 
     # -- called on the event loop ---------------------------------------------------------------------------------
     def encode(self, p: GenParams) -> list[int]:
@@ -205,7 +206,7 @@ class ServedModel:
                     "draft_tokens": sum(st.drafts_per_pos) if st else 0,
                     "accept_length": round(st.accept_length, 4) if st else 0.0}
         job.post("done", {"text": text, "finish": finish, "token_ids": ids, "prompt_tokens": len(job.prompt_ids),
-                          "spec": spec})
+                          "cached_tokens": f.cached_tokens, "spec": spec})
 
     def _emit(self, job: Job, new_ids: list[int]) -> None:
         text, stops = job.text, job.params.stop
@@ -341,6 +342,8 @@ class Worker:
             m.inference_time.observe(took)
             self.service_s = 0.8 * self.service_s + 0.2 * took
             m.prompt_tokens.inc(f.prompt_len)
+            m.prefix_cache_queries.inc(f.prompt_len)
+            m.prefix_cache_hits.inc(f.cached_tokens)
         m.generation_tokens.inc(len(f.token_ids))
         exc = f.exc
         if f.stop_reason == "cancelled" or isinstance(exc, Cancelled):

@@ -227,17 +227,20 @@ def main(argv=None):
     bad = []
 
     def engine_for(m: str, C: int):
-        d = base_draft(m)
+        # no prefix caching: an EAGLE-3 drafter cannot use it, and plain decoding alone skipping shared prompt
+        # prefixes would make the ratio about prefill, not about decoding
+        d, kw = base_draft(m), {"prefix_caching": False}
         if m == "plain":
-            return BatchEngine(target, None, None, C, seq_len)
+            return BatchEngine(target, None, None, C, seq_len, **kw)
         if m in drafters:
-            return BatchEngine(target, drafters[m], shapes[m], C, seq_len)
+            return BatchEngine(target, drafters[m], shapes[m], C, seq_len, **kw)
         if m.endswith(" (tuned)"):
             b = next(r for r in pred[d]["best"] if r["batch"] == C)
             shape = SpecConfig(b["steps"], b["topk"], b["draft_tokens"], int(b.get("ngram_tokens") or 0))
-            return BatchEngine(target, drafters[d], shape, C, seq_len)
+            return BatchEngine(target, drafters[d], shape, C, seq_len, **kw)
         env = envelope(pred[d]["table"])
-        return BatchEngine(target, drafters[d], env, C, seq_len, spec_policy=policy_from_table(pred[d]["table"], env))
+        return BatchEngine(target, drafters[d], env, C, seq_len, spec_policy=policy_from_table(pred[d]["table"], env),
+                           **kw)
 
     for C in levels:
         for rnd in range(args.rounds):

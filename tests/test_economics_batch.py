@@ -4,6 +4,7 @@ table `serve --spec-policy` reads, bad --batch values, and a real surface measur
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -208,6 +209,20 @@ def test_predictions_by_concurrency_by_hand():
     assert [r["batch"] for r in rows] == [1] and skipped == [2, 4, 8, 16]
     with pytest.raises(SpecscopeError, match="verify-curve --batch"):
         predict(acc, no_surface, 2, 1, 3, batch=2)
+
+
+def test_verify_is_priced_against_decode_from_one_surface():
+    """With a surface, verify(n, B) = the run's decode step × T(B, n)/T(1, 1), whatever the run's own verify time
+    at its wide shape says (measured apart from its decode, it drifts); without one, that verify time × the batch-1
+    curve's ratio, as before surfaces."""
+    acc, cost = _chain_cost()
+    drifted = replace(cost, verify_ms=7.0, decode_ms=12.0)
+    for B in LEVELS:
+        for n in (1, 3, 5):
+            assert drifted.verify(n, B) == pytest.approx(12.0 * T(B, n) / T(1, 1))
+            assert drifted.verify(n, B) / drifted.decode(B) == pytest.approx(T(B, n) / T(B, 1))
+    no_surface = replace(drifted, surface=None)
+    assert no_surface.verify(5) == pytest.approx(7.0 * T(1, 5) / T(1, 4))
 
 
 def test_crossover_edges():

@@ -293,10 +293,16 @@ class CostModel:
         return self.engine.other_per_seq(batch) if self._engine(batch) else self.other_ms
 
     def verify(self, n: float, batch: int = 1) -> float:
-        """One verify forward over `batch` sequences of n tokens each: the measured time at (1, n0) × T(B, n)/T(1,
-        n0) (at batch 1 the curve's ratio, as before surfaces)."""
+        """One verify forward over `batch` sequences of n tokens each. With a verify surface: this run's decode step
+        × T(B, n)/T(1, 1), so verify and plain decoding are priced from one measurement (the surface's, taken
+        interleaved) -- anchored at the run's verify time at its own wide shape instead, the two drifted apart
+        (bench/results/spec_concurrency.json: a 5-token verify priced below a plain step, a 3-token one at 1.3 of
+        it). Without one: the run's verify time × the batch-1 curve's T(n)/T(n0)."""
         if self._engine(batch):
             return self.engine.verify(n, batch)
+        if self.surface is not None and self.surface.covers(batch):
+            S = self.surface
+            return self.decode_ms * S(batch, n, self.context) / S(1, 1, self.context)
         if batch == 1:
             return self.verify_ms * self._scale(n, self.n0)
         S = self._surface(batch)

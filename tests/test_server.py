@@ -302,6 +302,7 @@ def test_serve_cli_rejects_bad_setups_with_one_line_errors(model_dir, capsys):
     # the batching knobs fail before the model loads, on one line
     for argv, says in ((["--max-seq-len", "300"], "--max-seq-len 300 is over the model's context of 256"),
                        (["--draft", "ngram", "--spec-policy", "sometimes"], "--spec-policy 'sometimes'"),
+                       (["--spec-policy", "auto"], "no --draft is given"),
                        (["--max-num-seqs", "0"], "--max-num-seqs"),
                        (["--max-num-batched-tokens", "0"], "--max-num-batched-tokens")):
         assert run(["serve", "--model", str(model_dir), *argv]) == 2, argv

@@ -110,6 +110,9 @@ def serve(model_name, served_model_name, draft, steps, topk, draft_tokens, ngram
 
     if draft:   # an unknown --spec-policy, or a table that does not fit the shape, is one error line here
         check_policy(spec_policy, spec_cfg, model=model_name, draft=draft)
+    elif click.get_current_context().get_parameter_source("spec_policy") != click.core.ParameterSource.DEFAULT:
+        raise SpecscopeError(f"--spec-policy {spec_policy} picks draft shapes, but no --draft is given; add a "
+                             f"drafter (e.g. --draft ngram) or drop --spec-policy")
     dev = setup_runtime(threads, device)
     cfg = ServeConfig(model=model_name, served_name=served_model_name, draft=draft, steps=steps, topk=topk,
                       draft_tokens=draft_tokens, ngram_tokens=ngram_tokens, dtype=dtype, device=str(dev),

@@ -376,8 +376,15 @@ int rows_attention(const float* q, int64_t q_row, int64_t T, int64_t Hq, int64_t
     const int64_t items = T * Hkv * (G / gb);
     #pragma omp parallel num_threads(nthreads) if (nthreads > 1 && items > 1)
     {
-        std::vector<float> sc((size_t)(gb * (S > 0 ? S : 1)));
-        std::vector<int32_t> idx(S > 0 ? S : 1);
+        // per-thread scratch kept across calls: sized by the mask's width (all regions of a batch), so zero-filling
+        // fresh vectors cost more than the attention itself at 16 regions of 4096 slots
+        static thread_local std::vector<float> sc_buf;
+        static thread_local std::vector<int32_t> idx_buf;
+        const size_t need = (size_t)(S > 0 ? S : 1);
+        if (sc_buf.size() < (size_t)gb * need) sc_buf.resize((size_t)gb * need);
+        if (idx_buf.size() < need) idx_buf.resize(need);
+        float* sc = sc_buf.data();
+        int32_t* idx = idx_buf.data();
         int64_t cur_t = -1, m = 0;
         #pragma omp for schedule(static)
         for (int64_t it = 0; it < items; ++it) {
@@ -387,7 +394,14 @@ int rows_attention(const float* q, int64_t q_row, int64_t T, int64_t Hq, int64_t
                 const uint8_t* mr = mask ? mask + t * mask_row : nullptr;
                 m = 0;
                 for (int64_t s = 0; s < S;) {
-                    uint64_t w;   // a batch's row opens one region of many: skip closed slots 8 at a time
+                    // a batch's row opens one region of many: skip closed slots 64, then 8 at a time
+                    if (mr && s + 64 <= S) {
+                        uint64_t w[8], any = 0;
+                        memcpy(w, mr + s, 64);
+                        for (int j = 0; j < 8; ++j) any |= w[j];
+                        if (!any) { s += 64; continue; }
+                    }
+                    uint64_t w;
                     if (mr && s + 8 <= S && (memcpy(&w, mr + s, 8), w == 0)) { s += 8; continue; }
                     if (!mr || mr[s]) idx[m++] = (int32_t)s;
                     ++s;
@@ -404,7 +418,7 @@ int rows_attention(const float* q, int64_t q_row, int64_t T, int64_t Hq, int64_t
                 for (int64_t u = 0; u < gb; ++u) memset(outs[u], 0, D * sizeof(float));
                 continue;
             }
-            fns[gb](qs, k + g * kv_head, v + g * kv_head, D, idx.data(), m, scale, sc.data(), outs);
+            fns[gb](qs, k + g * kv_head, v + g * kv_head, D, idx, m, scale, sc, outs);
         }
     }
     return 0;

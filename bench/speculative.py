@@ -2,7 +2,8 @@
 
 Methods: our baseline, EAGLE-3 (tree and chain, the shipped drafter), n-gram copying (the suffix index, `ngram`, and
 prompt lookup, `ngram_lookup`), the hybrid of the EAGLE-3 tree and n-gram copying in one verified tree
-(`eagle3_ngram`), transformers `generate` and transformers prompt-lookup decoding. For each: tok/s (Spec-Bench: Σ new tokens / Σ wall time per prompt, plain
+(`eagle3_ngram`; `eagle3_ngram_adaptive`: its drafter sits out short-copy cycles while its own nodes earn
+under 0.5 accepted tokens a cycle), transformers `generate` and transformers prompt-lookup decoding. For each: tok/s (Spec-Bench: Σ new tokens / Σ wall time per prompt, plain
 mean over prompts of a task), speedup over our baseline, τ (accepted + 1 per cycle, pooled over cycles), and whether
 the output is token-identical to our baseline greedy output.
 
@@ -76,6 +77,7 @@ def main(argv=None):
     ap.add_argument("--ngram", default="4,1,5", help="steps,topk,draft_tokens of both n-gram sources")
     ap.add_argument("--hybrid", default="2,4,8,6",
                     help="steps,topk,draft_tokens,ngram_tokens of the hybrid (--draft + n-gram); '' skips it")
+    ap.add_argument("--methods", default="", help="comma-separated methods to run beside the baseline (default: all)")
     ap.add_argument("--hf", action="store_true", help="also run transformers generate and prompt lookup")
     ap.add_argument("--no-hf", action="store_true", help=argparse.SUPPRESS)   # the old default-on spelling
     ap.add_argument("--fresh", action="store_true", help="ignore the state file of an earlier, killed run")
@@ -114,11 +116,18 @@ def main(argv=None):
         methods["eagle3_chain"] = ("eagle", knobs(args.chain))
         if args.hybrid:
             methods["eagle3_ngram"] = ("hybrid", knobs(args.hybrid))
+            methods["eagle3_ngram_adaptive"] = ("hybrid-adaptive", knobs(args.hybrid))
     except SpecscopeError as e:
         console.print(f"[yellow]EAGLE-3 skipped: {e}")
         eagle = None
     methods["ngram"] = ("ngram", knobs(args.ngram))
     methods["ngram_lookup"] = ("ngram-lookup", knobs(args.ngram))
+    if args.methods:
+        keep = {"baseline", *args.methods.split(",")}
+        unknown = keep - set(methods) - {"hf_generate", "hf_prompt_lookup"}
+        if unknown:
+            ap.error(f"--methods: unknown {sorted(unknown)}; choose from {sorted(methods)}")
+        methods = {m: v for m, v in methods.items() if m in keep}
     hf = None
     if args.hf and not args.no_hf:
         from transformers import AutoModelForCausalLM
@@ -163,8 +172,9 @@ def main(argv=None):
                 elif isinstance(spec, tuple):
                     if spec[0] == "eagle":
                         d = eagle
-                    elif spec[0] == "hybrid":     # fresh n-gram state, the loaded EAGLE-3 drafter shared
-                        d = HybridDrafter(eagle, target.config.max_position_embeddings)
+                    elif spec[0] in ("hybrid", "hybrid-adaptive"):   # fresh n-gram state, EAGLE-3 shared
+                        d = HybridDrafter(eagle, target.config.max_position_embeddings,
+                                          adaptive=spec[0] == "hybrid-adaptive")
                     else:
                         d = build_drafter(spec[0], target)
                     r = speculative_generate(target, d, ids, args.max_new_tokens, stop_ids=stop, cfg=spec[1])

@@ -172,6 +172,50 @@ def test_hybrid_shapes_near_the_context_end_equal_greedy(target, eagle, monkeypa
     assert seen.get("ngram", 0) >= 20 and seen.get("both", 0) >= 20 and seen.get("eagle3", 0) >= 5, seen
 
 
+def _adaptive(inner, target, source, min_gain, seed=0):
+    h = _hybrid(inner, target, source, seed)
+    h.adaptive, h.min_gain = True, min_gain
+    return h
+
+
+def test_adaptive_hybrid_equals_greedy(target, eagle):
+    """The adaptive rule only chooses which tree is verified: greedy output is still plain greedy decoding's, with
+    the drafter sitting out every short-copy cycle it may (min_gain 10) or none (0), real and fuzzing sources."""
+    counter = iter(range(10 ** 6))
+    drafters = {f"adaptive{g}+{src}": (lambda g=g, src=src: _adaptive(Eagle3TreeDrafter(eagle, target), target, src,
+                                                                       g, next(counter)))
+                for g in (0.0, 0.5, 10.0) for src in ("suffix", "fuzz")}
+    rng = random.Random(8)
+    cases = []
+    for cfg, T, max_new in sample_cases(12, CTX, seed=33, max_dt=12):
+        cfg.ngram_tokens = rng.choice([1, 3, 6])
+        cases.append((cfg, T, max_new))
+    stats = check_grid(target, drafters, cases, _prompt)
+    assert all(s["accepted"] > 0 for s in stats.values()), stats
+
+
+def test_adaptive_hybrid_sits_out_where_its_drafter_earns_little(target, eagle):
+    """Below min_gain (drafted-only accepted tokens per tree cycle, a running mean) the drafter sits out short-copy
+    cycles and drafts again every `probe` cycles; never below it, the cycles are those of the rule-less hybrid."""
+    g = torch.Generator().manual_seed(11)
+    p = torch.randint(3, VOCAB, (20,), generator=g).tolist()
+    cfg = SpecConfig(2, 2, 4, 3)
+    want = generate(target, p, 24, stop_ids=[]).token_ids
+    tree_cycles, gains = {}, {}
+    for name, adaptive, min_gain in (("plain rule", False, 0.5), ("never below", True, -1.0),
+                                     ("always below", True, 10.0)):
+        h = _hybrid(Eagle3TreeDrafter(eagle, target), target, "suffix")
+        h.adaptive, h.min_gain, h.probe = adaptive, min_gain, 3
+        h.copy_match = 10 ** 6            # every cycle is a short-copy one: the rule alone decides who drafts
+        res = speculative_generate(target, h, p, 24, stop_ids=[], cfg=cfg)
+        assert res.token_ids == want, name
+        tree_cycles[name] = sum(v for k, v in res.stats.hybrid_cycles.items() if k.startswith("tree"))
+        gains[name] = h.gain
+    assert tree_cycles["never below"] == tree_cycles["plain rule"] >= 8, tree_cycles
+    assert 2 <= tree_cycles["always below"] <= tree_cycles["plain rule"] // 2, tree_cycles
+    assert gains["plain rule"] is not None and 0 <= gains["never below"]
+
+
 def test_eos_inside_an_accepted_copy(target, eagle):
     p = _prompt(20)
     full = generate(target, p, 20, stop_ids=[]).token_ids

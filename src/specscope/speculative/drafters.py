@@ -23,7 +23,7 @@ from specscope.models.context import region_inputs
 from specscope.models.rope import rope_table
 from specscope.runtime.sampling import SamplingParams, probs_from_logits
 from specscope.speculative.ngram import SOURCES
-from specscope.speculative.tree import DraftTree, select_nodes
+from specscope.speculative.tree import DRAFTED, DraftTree, select_nodes
 
 
 class Drafter:
@@ -399,23 +399,31 @@ class HybridDrafter(Drafter):
     proposed them."""
 
     copy_match = 4
+    # adaptive (opt-in): where the model drafter's own nodes have been earning less than `min_gain` accepted tokens
+    # a tree cycle (a running mean), it sits out the short-copy cycles too, and is tried again every `probe` cycles
+    min_gain, probe, ema = 0.5, 8, 0.25
 
-    def __init__(self, drafter: Drafter, context: int, source: str = "suffix"):
+    def __init__(self, drafter: Drafter, context: int, source: str = "suffix", adaptive: bool = False):
         self.drafter = drafter
         self.context = context                   # the target's: a node at depth d sits at position root + d
         self.source_name = source
         self.source = SOURCES[source]()
         self.kind = f"{drafter.kind}+ngram"
         self.aux_layers = drafter.aux_layers
+        self.adaptive = adaptive
+        self.gain: float | None = None           # drafted-only accepted tokens per tree cycle (running mean)
+        self.idle = 0                            # short-copy cycles the drafter sat out since it last drafted
+        self._tree: DraftTree | None = None      # this cycle's tree, when the drafter drafted
 
     def spawn(self):
-        h = HybridDrafter(self.drafter.spawn(), self.context, self.source_name)
-        h.copy_match = self.copy_match
+        h = HybridDrafter(self.drafter.spawn(), self.context, self.source_name, self.adaptive)
+        h.copy_match, h.min_gain, h.probe, h.ema = self.copy_match, self.min_gain, self.probe, self.ema
         return h
 
     def start(self, prompt_ids, root, target_out, max_len):
         self.drafter.start(prompt_ids, root, target_out, max_len)
         self.source.reset(list(prompt_ids) + [root])
+        self.gain, self.idle, self._tree = None, 0, None
 
     def region_cache(self, slots):
         return self.drafter.region_cache(slots)
@@ -428,16 +436,27 @@ class HybridDrafter(Drafter):
         budget = min(cfg.draft_tokens - 1 + cfg.ngram_tokens, room)
         chain, match = self.source.propose(budget)
         chain = chain[:budget]                   # a source may offer more than asked
+        self._tree = None
         if match >= self.copy_match:
             return DraftTree.empty(self.device).graft(chain)
+        if self.adaptive and self.gain is not None and self.gain < self.min_gain and self.idle < self.probe:
+            self.idle += 1   # a short match: only the copy's first ngram_tokens, as a tree cycle would graft
+            return DraftTree.empty(self.device).graft(chain[:cfg.ngram_tokens])
+        self.idle = 0
         tree = yield from self.drafter.drafting(cfg, sampling, gen, profiler)
-        return tree.graft(chain[:cfg.ngram_tokens]) if chain else tree
+        self._tree = tree.graft(chain[:cfg.ngram_tokens]) if chain else tree
+        return self._tree
 
     @property
     def device(self):
         return self.drafter.device
 
     def commit(self, rows, verify_out, new_tokens):
+        if self._tree is not None:   # what the drafter's own nodes earned this cycle (rows: 0 = root, i = node i-1)
+            src = self._tree.sources or [DRAFTED] * self._tree.size
+            got = sum(1 for r in rows[1:] if src[r - 1] == DRAFTED)
+            self.gain = got if self.gain is None else (1 - self.ema) * self.gain + self.ema * got
+            self._tree = None
         self.drafter.commit(rows, verify_out, new_tokens)
         self.source.extend(new_tokens)
 

@@ -274,8 +274,7 @@ class BatchEngine:
         """This step's prompt rows per prefilling sequence: what the token budget leaves after the decoding
         sequences' rows, first come first served (with none left, prompts wait: decoding sequences end, and a
         step without them gives prompts the whole budget)."""
-        budget = self.token_budget - sum(1 + int(s.tree.size if s.tree is not None else 0)
-                                         for s in self.running if s.root is not None)
+        budget = self.token_budget - sum(1 + s.tree.size for s in self.running if s.root is not None)
         for seq in self.running:
             seq.chunk = 0
             if seq.root is None:

@@ -176,7 +176,7 @@ class SourceCounts:
 
     def add(self, tree: DraftTree, rows: list[int]) -> list[str]:
         """One cycle; returns the source of each accepted draft token, in order."""
-        src = tree.sources if tree.sources is not None else [DRAFTED] * tree.size
+        src = tree.node_sources()
         acc = [src[r - 1] for r in rows[1:]]
         for s in acc:
             self.accepted[self.names[s]] += 1

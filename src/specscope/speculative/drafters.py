@@ -453,7 +453,7 @@ class HybridDrafter(Drafter):
 
     def commit(self, rows, verify_out, new_tokens):
         if self._tree is not None:   # what the drafter's own nodes earned this cycle (rows: 0 = root, i = node i-1)
-            src = self._tree.sources or [DRAFTED] * self._tree.size
+            src = self._tree.node_sources()
             got = sum(1 for r in rows[1:] if src[r - 1] == DRAFTED)
             self.gain = got if self.gain is None else (1 - self.ema) * self.gain + self.ema * got
             self._tree = None

@@ -37,6 +37,10 @@ class DraftTree:
     def size(self) -> int:
         return int(self.tokens.numel())
 
+    def node_sources(self) -> list[int]:
+        """The source bits of every node (all DRAFTED for a single-source tree)."""
+        return list(self.sources) if self.sources is not None else [DRAFTED] * self.size
+
     @classmethod
     def empty(cls, device="cpu") -> "DraftTree":
         z = torch.zeros(0, dtype=torch.long, device=device)
@@ -79,7 +83,7 @@ class DraftTree:
         and every node of it keeps its rank among siblings: a sampled child stays before the deterministic new
         ones, which the acceptance rule needs."""
         toks, pars, dep = self.tokens.tolist(), self.parents.tolist(), self.depth.tolist()
-        src = list(self.sources) if self.sources is not None else [DRAFTED] * len(toks)
+        src = self.node_sources()
         child = {(p, t): i for i, (p, t) in enumerate(zip(pars, toks))}
         cur = -1
         for t in chain:

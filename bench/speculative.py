@@ -3,7 +3,8 @@
 Methods: our baseline, EAGLE-3 (tree and chain, the shipped drafter), n-gram copying (the suffix index, `ngram`, and
 prompt lookup, `ngram_lookup`), the hybrid of the EAGLE-3 tree and n-gram copying in one verified tree
 (`eagle3_ngram`; `eagle3_ngram_adaptive`: its drafter sits out short-copy cycles while its own nodes earn
-under 0.5 accepted tokens a cycle), transformers `generate` and transformers prompt-lookup decoding. For each: tok/s (Spec-Bench: Σ new tokens / Σ wall time per prompt, plain
+under 0.5 accepted tokens a cycle; `eagle3_ngram_priced` and `ngram_priced`: each cycle's copy length and whether the
+drafter runs chosen from this host's measured verify cost by rows, speculative/budget.py), transformers `generate` and transformers prompt-lookup decoding. For each: tok/s (Spec-Bench: Σ new tokens / Σ wall time per prompt, plain
 mean over prompts of a task), speedup over our baseline, τ (accepted + 1 per cycle, pooled over cycles), and whether
 the output is token-identical to our baseline greedy output.
 
@@ -77,6 +78,8 @@ def main(argv=None):
     ap.add_argument("--ngram", default="4,1,5", help="steps,topk,draft_tokens of both n-gram sources")
     ap.add_argument("--hybrid", default="2,4,8,6",
                     help="steps,topk,draft_tokens,ngram_tokens of the hybrid (--draft + n-gram); '' skips it")
+    ap.add_argument("--priced-ngram", default="12,1,13",
+                    help="steps,topk,draft_tokens of the priced n-gram (draft_tokens - 1: its longest copy)")
     ap.add_argument("--methods", default="", help="comma-separated methods to run beside the baseline (default: all)")
     ap.add_argument("--hf", action="store_true", help="also run transformers generate and prompt lookup")
     ap.add_argument("--no-hf", action="store_true", help=argparse.SUPPRESS)   # the old default-on spelling
@@ -117,11 +120,13 @@ def main(argv=None):
         if args.hybrid:
             methods["eagle3_ngram"] = ("hybrid", knobs(args.hybrid))
             methods["eagle3_ngram_adaptive"] = ("hybrid-adaptive", knobs(args.hybrid))
+            methods["eagle3_ngram_priced"] = ("hybrid-priced", knobs(args.hybrid))
     except SpecscopeError as e:
         console.print(f"[yellow]EAGLE-3 skipped: {e}")
         eagle = None
     methods["ngram"] = ("ngram", knobs(args.ngram))
     methods["ngram_lookup"] = ("ngram-lookup", knobs(args.ngram))
+    methods["ngram_priced"] = ("ngram-priced", knobs(args.priced_ngram))
     if args.methods:
         keep = {"baseline", *args.methods.split(",")}
         unknown = keep - set(methods) - {"hf_generate", "hf_prompt_lookup"}
@@ -135,6 +140,22 @@ def main(argv=None):
         hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=target.dtype).eval()
         methods["hf_generate"] = "hf"
         methods["hf_prompt_lookup"] = "hf_pld"
+
+    # priced methods (speculative/budget.py): this host's verify cost by rows, measured once; their drafters live
+    # across prompts, as a server's would, so what they learn about acceptance carries over
+    prices, priced = None, {}
+    if any(isinstance(v, tuple) and v[0].endswith("-priced") for v in methods.values()):
+        from specscope.economics.prices import measure_prices
+        from specscope.speculative.drafters import NgramDrafter
+
+        prices = measure_prices(target)
+        console.print("verify cost by rows (decode steps): " +
+                      " ".join(f"{n}:{r:.2f}" for n, r in prices.verify_ratio.items()) +
+                      f" · decode {prices.decode_ms:.1f} ms")
+        if "ngram_priced" in methods:
+            priced["ngram-priced"] = NgramDrafter(target.device, prices=prices)
+        if "eagle3_ngram_priced" in methods:
+            priced["hybrid-priced"] = HybridDrafter(eagle, target.config.max_position_embeddings, prices=prices)
 
     per = {m: [] for m in methods}
     # resume: one line per finished prompt (all methods), keyed by the flags that change the numbers
@@ -172,6 +193,8 @@ def main(argv=None):
                 elif isinstance(spec, tuple):
                     if spec[0] == "eagle":
                         d = eagle
+                    elif spec[0] in priced:
+                        d = priced[spec[0]]
                     elif spec[0] in ("hybrid", "hybrid-adaptive"):   # fresh n-gram state, EAGLE-3 shared
                         d = HybridDrafter(eagle, target.config.max_position_embeddings,
                                           adaptive=spec[0] == "hybrid-adaptive")
@@ -239,7 +262,8 @@ def main(argv=None):
     Console().print(table)
     from specscope.registry.fingerprint import collect
 
-    result = {"config": {**vars(args), "model": str(path)}, "env": collect(), "summary": summary, "per_prompt": per}
+    result = {"config": {**vars(args), "model": str(path), **({"prices": prices.to_dict()} if prices else {})},
+              "env": collect(), "summary": summary, "per_prompt": per}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1, default=str))
     print(f"wrote {args.out}", file=sys.stderr)

@@ -16,6 +16,7 @@ from specscope.generate import generate
 from specscope.runtime.sampling import SamplingParams, probs_from_logits
 from specscope.speculative.acceptance import accept_sampling
 from specscope.speculative.decode import SpecConfig, speculative_generate
+from specscope.speculative.budget import Prices
 from specscope.speculative.drafters import Eagle3TreeDrafter, HybridDrafter
 from spec_helpers import random_eagle3, tiny_target
 
@@ -69,7 +70,12 @@ def chi2_p(counts, probs):
 CASES = {"chain_q": SpecConfig(2, 1, 3), "tree": SpecConfig(2, 2, 5),
          # the hybrid: a copy grafted onto a top-k tree, and onto a chain sampled from q (siblings with q and
          # one-hot siblings under one node; merged nodes keep q), with copy-only cycles between
-         "hybrid_tree": SpecConfig(2, 2, 5, 3), "hybrid_chain_q": SpecConfig(2, 1, 3, 2)}
+         "hybrid_tree": SpecConfig(2, 2, 5, 3), "hybrid_chain_q": SpecConfig(2, 1, 3, 2),
+         # priced (speculative/budget.py): each cycle verifies a subset of those nodes, chosen by past acceptance
+         # and row costs, and some cycles only the copy or nothing; one drafter across samples, as in a server
+         "hybrid_priced_tree": SpecConfig(2, 2, 5, 3), "hybrid_priced_chain_q": SpecConfig(2, 1, 3, 2)}
+PRICES = Prices({1: 1.0, 2: 1.1, 4: 1.3, 8: 1.7}, 10.0)
+PRICED: dict = {}
 
 
 class ContextCopy:
@@ -95,6 +101,11 @@ def drafter_for(target, d, name):
         h = HybridDrafter(Eagle3TreeDrafter(d, target), target.config.max_position_embeddings)
         h.source = ContextCopy()
         return h
+    if "priced" in name:
+        h = HybridDrafter(Eagle3TreeDrafter(d, target), target.config.max_position_embeddings, prices=PRICES)
+        h.source = ContextCopy()
+        PRICED[name] = h
+        return lambda: h
     return make
 
 
@@ -104,6 +115,9 @@ def test_speculative_sampling_matches_target(target, name):
     probs = exact_pair_dist(target)
     counts = sample_pairs(target, drafter_for(target, d, name), CASES[name])
     assert chi2_p(counts, probs) > 1e-3
+    if name in PRICED:       # both choices were taken: drafted (and priced) trees, and cycles without the drafter
+        ts = PRICED[name].tree_stats
+        assert sum(ts.count[True]) >= 20 and sum(ts.count[False]) >= 20, ts.count
 
 
 def test_baseline_sampling_matches_target(target):

@@ -35,7 +35,7 @@ from specscope.report import write_report
 from specscope.runtime.tokenizer import StreamDecoder
 from specscope.speculative import decode
 from specscope.speculative.acceptance import RankCounts, SourceCounts
-from specscope.speculative.decode import (DEFAULT_DRAFTER, NGRAM_SPECS, SpecConfig, build_drafter, drafter_path,
+from specscope.speculative.decode import (DEFAULT_DRAFTER, NGRAM_SPECS, SpecConfig, drafter_path,
                                           speculative_generate, split_draft)
 
 # Used only when the packaged Spec-Bench question file is missing (a broken install); said loudly.
@@ -52,7 +52,9 @@ FALLBACK_PROMPTS = (
 def demo_drafter() -> str:
     """The drafter the demo uses without --draft: the shipped EAGLE-3 drafter and n-gram copying in one tree, the
     fastest lossless method on MT-bench (the demo's prompts) in bench/results/speculative.json (2026-12-01, AVX2
-    host, all 80 first turns: 1.49x at τ 2.42, against n-gram 1.44x and EAGLE-3 alone 1.25x)."""
+    host, all 80 first turns: 1.49x at τ 2.42, against n-gram 1.44x and EAGLE-3 alone 1.25x) and, priced (the
+    default --draft-budget), in bench/results/speculative_priced.json (2026-12-02, a 2-core AVX-512 host where the
+    unpriced hybrid lost to n-gram alone)."""
     return f"{DEFAULT_DRAFTER}+ngram"
 
 
@@ -60,6 +62,7 @@ def demo_drafter() -> str:
 class DemoOptions:
     model: str = "smollm2-135m"
     draft: str | None = None              # None: demo_drafter()
+    draft_budget: str = "priced"          # n-gram and hybrid drafters: session.drafter_for
     prompts: int = 4
     max_new_tokens: int = 112
     steps: int | None = None
@@ -135,7 +138,7 @@ def run_demo(opts: DemoOptions, ui: DemoUI | None = None) -> dict:
     dtype = dtype_name(parse_dtype(opts.dtype, dev))
     target, tok, path = session.load_target(opts.model, opts.dtype, dev)
     ui.stage(f"loading drafter {draft}")
-    drafter = build_drafter(draft, target)
+    drafter = session.drafter_for(draft, target, opts.draft_budget, ui.note)
     stop = session.stop_ids_for(target, tok)
     ids = [tok.encode(p["prompt"], chat=True) for p in prompts]
     if any(not x for x in ids):
@@ -253,9 +256,10 @@ def _method_name(draft: str, drafter) -> str:
     model, source = split_draft(draft)
     kind = str(getattr(drafter, "kind", "") or "")
     if model is None:
-        return "n-gram"
+        return "n-gram, priced" if getattr(drafter, "prices", None) is not None else "n-gram"
     name = "EAGLE-3" if "eagle" in kind.lower() or "eagle" in model.lower() else "draft model"
-    return f"{name} + n-gram" if source else name
+    name = f"{name} + n-gram" if source else name
+    return f"{name}, priced" if getattr(drafter, "prices", None) is not None else name
 
 
 def _prompt_stats(p: dict, ids: list[int], b, s) -> dict:
@@ -317,6 +321,7 @@ def _records(config, draft, drafter, spec_cfg, bprof, sprof, per_prompt, opts) -
             + (f" g{spec_cfg.ngram_tokens}" if spec_cfg.ngram_tokens else "") + f" ({n_prompts})")
     srec = make_record("speculative", name,
                        config={**config, "draft": _draft_ref(draft), "drafter_kind": getattr(drafter, "kind", None),
+                               **({"draft_budget": opts.draft_budget} if split_draft(draft)[1] else {}),
                                **drafting_config(spec_cfg), "engine": "speculative"},
                        profiler=sprof, results=sres, samples={"per_prompt": flat("speculative")},
                        tags=opts.tags, env=env)

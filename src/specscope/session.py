@@ -16,7 +16,8 @@ from specscope.registry import (check_registry, drafting_config, machine_config,
                                 prompt_set_hash)
 from specscope.runtime.sampling import SamplingParams
 from specscope.runtime.tokenizer import StreamDecoder, Tokenizer, check_tokenizer_files
-from specscope.speculative.decode import SpecConfig, build_drafter, drafter_path, speculative_generate, split_draft
+from specscope.speculative.decode import (SpecConfig, build_drafter, drafter_path, speculative_generate,
+                                         split_draft)
 from specscope.speculative.formats import is_eagle3_config, parse_config, read_config
 
 
@@ -34,6 +35,7 @@ class GenerateRequest:
     device: str = "cpu"
     threads: int | None = None
     draft: str | None = None
+    draft_budget: str = "priced"
     steps: int | None = None
     topk: int | None = None
     draft_tokens: int | None = None
@@ -91,6 +93,23 @@ def preflight(model: str, max_new_tokens: int | None = None, draft: str | None =
     return path, cfg, spec_cfg
 
 
+DRAFT_BUDGETS = ("priced", "fixed")
+
+
+def drafter_for(draft: str, target, budget: str = "priced", note=None):
+    """build_drafter with the --draft-budget rule: "priced" (the default) prices n-gram and hybrid drafters'
+    cycles with this host's verify cost by rows (economics/prices.py: measured once, cached); "fixed" verifies the
+    declared shape. A model drafter alone keeps its shape either way."""
+    if budget not in DRAFT_BUDGETS:
+        raise SpecscopeError(f"--draft-budget must be one of {', '.join(DRAFT_BUDGETS)}, got {budget!r}")
+    prices = None
+    if budget == "priced" and split_draft(draft)[1] is not None:
+        from specscope.economics.prices import host_prices
+
+        prices = host_prices(target, note)
+    return build_drafter(draft, target, prices)
+
+
 def run_generate(req: GenerateRequest, on_text=None) -> dict:
     preflight(req.model, req.max_new_tokens, req.draft, req.steps, req.topk, req.draft_tokens, req.ngram_tokens)
     if req.record:      # a registry that cannot take the run is refused now, not warned about after the work
@@ -109,7 +128,7 @@ def run_generate(req: GenerateRequest, on_text=None) -> dict:
         spec_cfg = None
     else:
         spec_cfg = SpecConfig.for_drafter(req.draft, req.steps, req.topk, req.draft_tokens, req.ngram_tokens)
-        drafter = build_drafter(req.draft, model)
+        drafter = drafter_for(req.draft, model, req.draft_budget)
         res = speculative_generate(model, drafter, prompt_ids, req.max_new_tokens, sp, stop, spec_cfg,
                                    on_tokens=on_tokens, profiler=prof)
     out = {
@@ -143,6 +162,7 @@ def run_generate(req: GenerateRequest, on_text=None) -> dict:
 def _record_run(req: GenerateRequest, path, model, spec_cfg, res, prof, out: dict, lines: list[str]) -> None:
     """Store this run in the registry; a failure to store warns instead of losing the generation."""
     config = {**machine_config(path, model.dtype, model.device), "draft": req.draft, **drafting_config(spec_cfg),
+              **({"draft_budget": req.draft_budget} if req.draft and split_draft(req.draft)[1] else {}),
               "sampling": out["sampling"], "max_new_tokens": req.max_new_tokens, "chat": req.chat,
               "prompt_set": "single prompt", "prompt_set_hash": prompt_set_hash([req.prompt]),
               "engine": "baseline" if spec_cfg is None else "speculative"}

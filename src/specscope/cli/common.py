@@ -141,6 +141,15 @@ def spec_options(steps_help="Draft depth: drafter steps per cycle (tree depth / 
     return deco
 
 
+def draft_budget_option():
+    return click.option("--draft-budget", "draft_budget", type=click.Choice(["priced", "fixed"]), default="priced",
+                        show_default=True,
+                        help="n-gram and hybrid drafters: 'priced' verifies, each cycle, the nodes worth their rows "
+                             "at this host's verify cost by rows (measured once, cached), and a hybrid's model "
+                             "drafter sits out where copying alone has been faster; 'fixed' verifies the declared "
+                             "shape.")
+
+
 def draft_option(help="Drafter: an EAGLE-3 directory, shipped name or Hugging Face id (org/name[@revision]), "
                       "'ngram' (n-gram copying; 'ngram-lookup' for prompt lookup), a small HF model, or "
                       "DRAFTER+ngram (both in one tree). SGLang --speculative-draft-model-path."):

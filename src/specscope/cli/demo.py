@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from specscope.cli.common import (alias_option, db_option, draft_option, dtype_option, emit_json, json_option,
+from specscope.cli.common import (alias_option, db_option, draft_budget_option, draft_option, dtype_option, emit_json, json_option,
                                   output_option, setup_runtime, spec_options, stderr_console)
 
 
@@ -84,13 +84,15 @@ class _RichUI:
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="CPU threads for torch.")
 @click.option("--model", "model_name", default="smollm2-135m", show_default=True,
               help="Target: a known name (pulled on first use), a Hugging Face checkpoint directory or id (org/name).")
+@draft_budget_option()
 @spec_options("Draft depth (default: the drafter's declared shape, specscope_shape.json; else 5).")
 @dtype_option()
 @click.option("--device", type=click.Choice(["cpu", "cuda", "auto"]), default="cpu", show_default=True)
 @click.option("--no-verify-curve", is_flag=True, help="Skip the short verify-cost measurement.")
 @db_option
 @json_option("Print one JSON object (no streaming).")
-def demo(num_prompts, output, draft, max_new_tokens, threads, model_name, steps, topk, draft_tokens, ngram_tokens,
+def demo(num_prompts, output, draft, max_new_tokens, threads, model_name, draft_budget, steps, topk, draft_tokens,
+         ngram_tokens,
          dtype, device, no_verify_curve, db, as_json):
     """The tour: plain vs speculative (EAGLE-3) decoding of a few MT-bench prompts on the demo model, with the
     profile, τ, the speedup and the break-even, both runs stored and an HTML report written."""
@@ -98,7 +100,8 @@ def demo(num_prompts, output, draft, max_new_tokens, threads, model_name, steps,
 
     dev = setup_runtime(threads, device)
     opts = DemoOptions(model=model_name, draft=draft, prompts=num_prompts, max_new_tokens=max_new_tokens,
-                       steps=steps, topk=topk, draft_tokens=draft_tokens, ngram_tokens=ngram_tokens, dtype=dtype,
+                       draft_budget=draft_budget, steps=steps, topk=topk, draft_tokens=draft_tokens,
+                       ngram_tokens=ngram_tokens, dtype=dtype,
                        device=str(dev), out=output, db=db, verify_curve=not no_verify_curve)
     if as_json:
         emit_json(run_demo(opts, DemoUI()))

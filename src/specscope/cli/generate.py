@@ -7,7 +7,7 @@ import sys
 import click
 
 from specscope.cli.checks import THREADS
-from specscope.cli.common import (SEED, TEMPERATURE, TOP_K, TOP_P, db_option, device_option, draft_option,
+from specscope.cli.common import (SEED, TEMPERATURE, TOP_K, TOP_P, db_option, device_option, draft_budget_option, draft_option,
                                   dtype_option, emit_json, json_option, read_stdin_text, setup_runtime, spec_options)
 
 
@@ -27,12 +27,13 @@ from specscope.cli.common import (SEED, TEMPERATURE, TOP_K, TOP_P, db_option, de
 @device_option()
 @click.option("--threads", type=THREADS, default=None, help="CPU threads for torch.")
 @draft_option()
+@draft_budget_option()
 @spec_options()
 @json_option("Print one JSON object (with run_id) instead of streaming.")
 @click.option("--no-record", is_flag=True, help="Do not store this run in the registry.")
 @db_option
 def generate(model_name, prompt, chat, max_new_tokens, temperature, top_p, top_k, seed, dtype, device, threads,
-             draft, steps, topk, draft_tokens, ngram_tokens, as_json, no_record, db):
+             draft, draft_budget, steps, topk, draft_tokens, ngram_tokens, as_json, no_record, db):
     """Generate text from one prompt with baseline or speculative decoding."""
     from specscope.session import GenerateRequest, run_generate
 
@@ -41,7 +42,7 @@ def generate(model_name, prompt, chat, max_new_tokens, temperature, top_p, top_k
     dev = setup_runtime(threads, device)
     req = GenerateRequest(model=model_name, prompt=prompt, chat=chat, max_new_tokens=max_new_tokens,
                           temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, dtype=dtype,
-                          device=str(dev), threads=threads, draft=draft, steps=steps, topk=topk,
+                          device=str(dev), threads=threads, draft=draft, draft_budget=draft_budget, steps=steps, topk=topk,
                           draft_tokens=draft_tokens, ngram_tokens=ngram_tokens, record=not no_record, db=db)
 
     if as_json:

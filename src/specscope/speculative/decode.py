@@ -120,14 +120,17 @@ class SpecConfig:
                           self.ngram_tokens)
 
 
-def build_drafter(draft: str, target) -> Drafter:
+def build_drafter(draft: str, target, prices=None) -> Drafter:
     """'ngram' (or 'ngram-lookup'), a shipped drafter name, an EAGLE-3 checkpoint directory, a small HF model
-    directory/name, or one of those + 'ngram' (the hybrid); placed on the target's device and dtype."""
+    directory/name, or one of those + 'ngram' (the hybrid); placed on the target's device and dtype. `prices`
+    (speculative/budget.py): n-gram and hybrid drafters choose each cycle's verified nodes by this host's verify
+    cost (a model drafter alone keeps its declared shape)."""
     model, source = split_draft(draft)
     if model is None:
-        return NgramDrafter(target.device, source)
+        return NgramDrafter(target.device, source, prices)
     if source is not None:
-        return HybridDrafter(build_drafter(model, target), target.config.max_position_embeddings, source)
+        return HybridDrafter(build_drafter(model, target), target.config.max_position_embeddings, source,
+                             prices=prices)
     path = drafter_path(draft)
     raw = read_config(path)
     if is_eagle3_config(raw):

@@ -14,16 +14,20 @@ one shared cache, and the trees come out the same.
 
 from __future__ import annotations
 
-import torch
-
+import math
+import time
 from dataclasses import dataclass
+
+import torch
 
 from specscope.errors import SpecscopeError
 from specscope.models.context import region_inputs
 from specscope.models.rope import rope_table
 from specscope.runtime.sampling import SamplingParams, probs_from_logits
+from specscope.speculative.budget import (Calibration, CopyStats, Prices, TreeStats, best_copy, best_nodes,
+                                         node_probs)
 from specscope.speculative.ngram import SOURCES
-from specscope.speculative.tree import DRAFTED, DraftTree, select_nodes
+from specscope.speculative.tree import COPIED, DRAFTED, DraftTree, select_nodes
 
 
 class Drafter:
@@ -362,22 +366,36 @@ class NgramDrafter(Drafter):
 
     kind = "ngram"
 
-    def __init__(self, device, source: str = "suffix"):
+    def __init__(self, device, source: str = "suffix", prices: Prices | None = None):
         self.device = device
         self.source_name = source
         self.source = SOURCES[source]()
+        # priced (budget.py): each cycle verifies the copy's cost-optimal prefix, up to draft_tokens - 1 tokens;
+        # the acceptance counts outlive a request (start() keeps them), as a server's would
+        self.prices = prices
+        self.copy_stats = CopyStats() if prices is not None else None
+        self._cycle: tuple[int, int] | None = None
 
     def spawn(self):
-        return NgramDrafter(self.device, self.source_name)
+        return NgramDrafter(self.device, self.source_name, self.prices)
 
     def start(self, prompt_ids, root, target_out, max_len):
         self.source.reset(list(prompt_ids) + [root])
 
     def propose(self, cfg, sampling, gen, profiler=None) -> DraftTree:
-        chain, _ = self.source.propose(cfg.draft_tokens - 1)
+        chain, match = self.source.propose(cfg.draft_tokens - 1)
+        chain = chain[:cfg.draft_tokens - 1]
+        if self.prices is not None:
+            cls = CopyStats.match_class(match, len(chain))
+            L, _ = best_copy(self.copy_stats.rates(cls, len(chain)), self.prices, len(chain))
+            chain = chain[:L]
+            self._cycle = (cls, L)
         return DraftTree.chain(chain, device=self.device)
 
     def commit(self, rows, verify_out, new_tokens):
+        if self._cycle is not None:
+            self.copy_stats.update(*self._cycle, len(rows) - 1)
+            self._cycle = None
         self.source.extend(new_tokens)
 
 
@@ -403,7 +421,8 @@ class HybridDrafter(Drafter):
     # a tree cycle (a running mean), it sits out the short-copy cycles too, and is tried again every `probe` cycles
     min_gain, probe, ema = 0.5, 8, 0.25
 
-    def __init__(self, drafter: Drafter, context: int, source: str = "suffix", adaptive: bool = False):
+    def __init__(self, drafter: Drafter, context: int, source: str = "suffix", adaptive: bool = False,
+                 prices: Prices | None = None):
         self.drafter = drafter
         self.context = context                   # the target's: a node at depth d sits at position root + d
         self.source_name = source
@@ -414,9 +433,18 @@ class HybridDrafter(Drafter):
         self.gain: float | None = None           # drafted-only accepted tokens per tree cycle (running mean)
         self.idle = 0                            # short-copy cycles the drafter sat out since it last drafted
         self._tree: DraftTree | None = None      # this cycle's tree, when the drafter drafted
+        # priced (budget.py; replaces the copy_match and adaptive rules): each cycle drafts a tree only where the
+        # drafter's cycles have yielded more tokens per ms than the copy's cost-optimal prefix alone, and verifies
+        # the nodes worth their rows; counts outlive a request (start() keeps them), as a server's would
+        self.prices = prices
+        self.copy_stats = CopyStats() if prices is not None else None
+        self.tree_stats = TreeStats() if prices is not None else None
+        self.calib = Calibration() if prices is not None else None
+        self._cycle: tuple | None = None         # (class, copied tokens verified, drafting cost or None, tree)
+        self._t0 = 0.0                           # when this cycle's drafting began
 
     def spawn(self):
-        h = HybridDrafter(self.drafter.spawn(), self.context, self.source_name, self.adaptive)
+        h = HybridDrafter(self.drafter.spawn(), self.context, self.source_name, self.adaptive, self.prices)
         h.copy_match, h.min_gain, h.probe, h.ema = self.copy_match, self.min_gain, self.probe, self.ema
         return h
 
@@ -437,6 +465,8 @@ class HybridDrafter(Drafter):
         chain, match = self.source.propose(budget)
         chain = chain[:budget]                   # a source may offer more than asked
         self._tree = None
+        if self.prices is not None:
+            return (yield from self._priced(cfg, sampling, gen, profiler, chain, match))
         if match >= self.copy_match:
             return DraftTree.empty(self.device).graft(chain)
         if self.adaptive and self.gain is not None and self.gain < self.min_gain and self.idle < self.probe:
@@ -447,11 +477,44 @@ class HybridDrafter(Drafter):
         self._tree = tree.graft(chain[:cfg.ngram_tokens]) if chain else tree
         return self._tree
 
+    def _priced(self, cfg, sampling, gen, profiler, chain, match):
+        cls = CopyStats.match_class(match, len(chain))
+        L, _ = best_copy(self.copy_stats.rates(cls, len(chain)), self.prices, len(chain))
+        t0 = self._t0 = time.perf_counter()
+        if not self.tree_stats.wants(cls):
+            tree = DraftTree.empty(self.device).graft(chain[:L])
+            self._cycle = (cls, L, None, tree)
+            return tree
+        tree = yield from self.drafter.drafting(cfg, sampling, gen, profiler)
+        cost = self.tree_stats.drafted(time.perf_counter() - t0, self.prices)
+        # every drafted node and the whole copy are candidates; the verified ones are those worth their rows
+        full = tree.graft(chain) if chain else tree
+        probs = node_probs(full, self.copy_stats.rates(cls, len(chain)), self.calib)
+        # no more nodes than the declared verify budget (the cache's room is sized for it)
+        keep, _ = best_nodes(probs, full.parents.tolist(), full.depth.tolist(), self.prices, cost,
+                             cfg.draft_tokens - 1 + cfg.ngram_tokens)
+        tree = full.subset(keep)
+        src = tree.node_sources()
+        self._cycle = (cls, sum(1 for x in src if x & COPIED), cost, tree)
+        return tree
+
     @property
     def device(self):
         return self.drafter.device
 
     def commit(self, rows, verify_out, new_tokens):
+        if self._cycle is not None:
+            cls, offered, cost, tree = self._cycle
+            src = tree.node_sources()
+            self.copy_stats.update(cls, offered, sum(1 for r in rows[1:] if src[r - 1] & COPIED))
+            self.tree_stats.add(cls, cost is not None, len(rows), (time.perf_counter() - self._t0) * 1e3)
+            if cost is not None:
+                if tree.scores is not None:
+                    took = set(rows[1:])
+                    for i, (d, x) in enumerate(zip(tree.depth.tolist(), tree.scores)):
+                        if src[i] & DRAFTED:
+                            self.calib.update(d, math.exp(x), i + 1 in took)
+            self._cycle = None
         if self._tree is not None:   # what the drafter's own nodes earned this cycle (rows: 0 = root, i = node i-1)
             src = self._tree.node_sources()
             got = sum(1 for r in rows[1:] if src[r - 1] == DRAFTED)

@@ -32,6 +32,8 @@ class DraftTree:
     # nodes when None, are deterministic proposals (top-k or copied): q = one-hot
     q: torch.Tensor | None = None
     sources: list[int] | None = None   # [n] DRAFTED | COPIED bits per node (hybrid trees); None = one source
+    # [n] the drafter's cumulative log-prob of each node (-inf for nodes it did not propose); None = not known
+    scores: list[float] | None = None
 
     @property
     def size(self) -> int:
@@ -84,6 +86,7 @@ class DraftTree:
         ones, which the acceptance rule needs."""
         toks, pars, dep = self.tokens.tolist(), self.parents.tolist(), self.depth.tolist()
         src = self.node_sources()
+        scores = list(self.scores) if self.scores is not None else None
         child = {(p, t): i for i, (p, t) in enumerate(zip(pars, toks))}
         cur = -1
         for t in chain:
@@ -91,10 +94,32 @@ class DraftTree:
             if nxt is None:
                 nxt = child[(cur, t)] = len(toks)
                 toks.append(t); pars.append(cur); dep.append(dep[cur] + 1 if cur >= 0 else 1); src.append(0)
+                if scores is not None:
+                    scores.append(float("-inf"))
             src[nxt] |= COPIED
             cur = nxt
         as_t = lambda x: torch.tensor(x, dtype=torch.long, device=self.tokens.device)   # noqa: E731
-        return DraftTree(as_t(toks), as_t(pars), as_t(dep), self.q, src)
+        return DraftTree(as_t(toks), as_t(pars), as_t(dep), self.q, src, scores)
+
+    def subset(self, keep: list[int]) -> "DraftTree":
+        """The tree of the nodes `keep` (each one's parent kept too), in their order here: parents still come
+        before children, siblings keep their ranks, and the sampled nodes `q` covers stay first."""
+        keep = sorted(keep)
+        index = {c: j for j, c in enumerate(keep)}
+        pars = self.parents.tolist()
+        if any(pars[i] != -1 and pars[i] not in index for i in keep):
+            raise ValueError("subset: a kept node's parent is not kept")
+        dev = self.tokens.device
+        at = torch.tensor(keep, dtype=torch.long, device=dev)
+        q = None
+        if self.q is not None:
+            m = sum(1 for i in keep if i < self.q.shape[0])
+            q = self.q[at[:m]] if m else None
+        return DraftTree(self.tokens[at], torch.tensor([index[pars[i]] if pars[i] != -1 else -1 for i in keep],
+                                                       dtype=torch.long, device=dev),
+                         self.depth[at], q,
+                         [self.sources[i] for i in keep] if self.sources is not None else None,
+                         [self.scores[i] for i in keep] if self.scores is not None else None)
 
 
 def select_nodes(cand_tokens, cand_parents, cand_scores, cand_depth, budget: int):
@@ -119,4 +144,4 @@ def select_nodes(cand_tokens, cand_parents, cand_scores, cand_depth, budget: int
     tokens = torch.tensor([cand_tokens[i] for i in kept], dtype=torch.long)
     parents = torch.tensor([index[cand_parents[i]] if cand_parents[i] != -1 else -1 for i in kept], dtype=torch.long)
     depth = torch.tensor([cand_depth[i] for i in kept], dtype=torch.long)
-    return DraftTree(tokens, parents, depth), kept
+    return DraftTree(tokens, parents, depth, scores=[float(cand_scores[i]) for i in kept]), kept

@@ -122,6 +122,14 @@ def test_tree_predictions_are_calibrated_to_the_profiled_tree():
     assert predict(acc, cost, 2, 1, 3)["tau"] == pytest.approx(predict(raw, cost, 2, 1, 3)["tau"])
 
 
+def test_a_priced_run_is_named_in_the_notes():
+    run = _tree_run()
+    assert not any("priced" in n for n in CostModel.from_runs(run, None, decode_ms=25.0).notes)
+    run["config"]["draft_budget"] = "priced"
+    assert any("spec1 was priced" in n and "--draft-budget fixed" in n
+               for n in CostModel.from_runs(run, None, decode_ms=25.0).notes)
+
+
 def test_cost_model_reproduces_the_profiled_cycle():
     run = _tree_run()
     cost = CostModel.from_runs(run, {"results": {"decode_ms_per_token": 25.0}})

@@ -345,6 +345,10 @@ class CostModel:
             raise SpecscopeError(f"no plain-decoding time for run {rid}: pass --baseline-run ID or --decode-ms")
         n0 = res.get("verify_tokens_mean") or (steps + 1 if topk == 1 else cfg.get("draft_tokens") or steps + 1)
         context = res.get("mean_context") or cfg.get("mean_context") or 256
+        if cfg.get("draft_budget") == "priced":
+            notes.append(f"run {rid} was priced (--draft-budget priced: each cycle verified its own subset of the "
+                         f"shape, and the drafter sat some out); these predictions are for fixed shapes "
+                         f"(--draft-budget fixed), which priced cycles then choose within")
         if curve is None and not (engine is not None and engine.covers(1)):
             notes.append("no verify curve: verify and draft-step costs taken as flat in the number of tokens")
         if engine is not None:

@@ -13,8 +13,8 @@ import torch
 
 from specscope.generate import generate
 from specscope.economics.prices import host_prices, measure_prices, prices_path
-from specscope.speculative.budget import (Calibration, CopyStats, Prices, TreeStats, best_copy, best_nodes,
-                                          copy_value, node_probs)
+from specscope.speculative.budget import (Calibration, CopyStats, LivePrices, Prices, TreeStats, best_copy,
+                                          best_nodes, copy_value, node_probs)
 from specscope.speculative.decode import SpecConfig, speculative_generate
 from specscope.speculative.drafters import Eagle3TreeDrafter, HybridDrafter, NgramDrafter
 from specscope.speculative.tree import COPIED, DRAFTED, DraftTree
@@ -33,6 +33,23 @@ def test_prices_interpolate_and_extend_the_last_slope():
     assert p.verify(2) == pytest.approx(1.1) and p.verify(4) == pytest.approx(1.6)
     assert p.verify(7) == pytest.approx(2.8)
     assert Prices.from_dict(p.to_dict()) == p
+
+
+def test_live_prices_follow_the_run_and_start_from_the_measured_curve():
+    base = Prices({1: 1.0, 4: 1.3, 8: 1.7, 16: 2.5}, 10.0)
+    live = LivePrices(base)
+    assert live.verify(1) == 1.0 and live.verify(8) == pytest.approx(1.7, abs=0.08)   # the prior's fit
+    rng = random.Random(1)
+    for _ in range(300):                          # the machine changed: T(n) = 20 + 0.5 n ms
+        n = rng.randint(1, 14)
+        live.observe(n, 20 + 0.5 * n + rng.uniform(-0.3, 0.3))
+    assert live.decode_ms == pytest.approx(20.5, abs=0.3)
+    assert live.verify(11) == pytest.approx(25.5 / 20.5, abs=0.03)
+    assert live.verify(0.5) == 1.0               # never below a plain step
+    cheap = LivePrices(base)
+    for _ in range(50):
+        cheap.observe(4, 0.0)                     # nonsense: the measured curve's scale stays
+    assert cheap.decode_ms > 0 and cheap.verify(8) >= 1.0
 
 
 def test_copy_stats_count_only_the_depths_a_copy_reached():
@@ -124,7 +141,11 @@ def test_tree_stats_drafts_where_faster_and_probes():
     s.add(1, True, tokens=2, ms=20.0)             # 0.1 tokens/ms
     assert not s.wants(1)                         # sitting out not tried yet
     s.add(1, False, tokens=1, ms=5.0)             # 0.2 tokens/ms: faster
-    assert [s.wants(1) for _ in range(8)] == [False, False, False, True, False, False, False, True]
+    # half the rate: tried again after probe x (1 + 8 x 0.5) = 15 cycles; at equal rates after probe = 3
+    assert [s.wants(1) for _ in range(32)] == ([False] * 15 + [True]) * 2
+    s.add(3, True, tokens=2, ms=10.0)
+    s.add(3, False, tokens=2, ms=10.0)
+    assert [s.wants(3) for _ in range(8)] == [False, False, False, True, False, False, False, True]
     s.add(1, True, tokens=4, ms=20.0)             # the plain mean of the first cycles: 3 tokens, 20 ms
     assert s.value(1, True) == pytest.approx(0.15) and s.value(2, True) is None
     for _ in range(200):
@@ -167,14 +188,14 @@ def test_priced_drafters_equal_greedy(target, eagle, monkeypatch):
     def hybrid(prices, src):
         key = ("h", id(prices), src)
         if key not in kept:
-            kept[key] = HybridDrafter(Eagle3TreeDrafter(eagle, target), CTX, prices=prices)
+            kept[key] = HybridDrafter(Eagle3TreeDrafter(eagle, target), CTX, prices=prices, live=prices is not FLAT)
         h = kept[key]
         if src == "fuzz":
             h.source = FuzzSource(target, next(counter))
         return h
 
     def ngram(prices):
-        return kept.setdefault(("n", id(prices)), NgramDrafter(target.device, prices=prices))
+        return kept.setdefault(("n", id(prices)), NgramDrafter(target.device, prices=prices, live=prices is not FLAT))
 
     drafters = {f"priced-{pn}+{src}": (lambda p=p, src=src: hybrid(p, src))
                 for pn, p in (("flat", FLAT), ("steep", STEEP)) for src in ("suffix", "fuzz")}
@@ -212,7 +233,7 @@ def test_priced_ngram_verifies_less_where_rows_cost_more(target):
     want = generate(target, p, 16, stop_ids=[]).token_ids
     rows = {}
     for name, prices in (("flat", FLAT), ("steep", STEEP)):
-        d = NgramDrafter(target.device, prices=prices)
+        d = NgramDrafter(target.device, prices=prices, live=False)
         res = speculative_generate(target, d, p, 16, stop_ids=[], cfg=SpecConfig(12, 1, 13))
         assert res.token_ids == want
         rows[name] = res.stats.verify_tokens_mean

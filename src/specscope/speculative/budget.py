@@ -51,6 +51,69 @@ class Prices:
         return cls(ratio, decode_ms)
 
 
+class LivePrices:
+    """Prices kept current by the run's own cycles. On a shared machine the curve moves within minutes (here T(16)/T(1)
+    read 2.7 and 1.8 in two measurements a second apart, decode 14 and 21 ms: when memory is slow, the extra rows'
+    FMAs hide under it), so a curve measured once prices some runs wrongly. Each cycle's verify (plus its
+    bookkeeping) is a sample of T(rows); T(n) ~ a + b n is fitted by least squares over recent samples (each weight
+    decays by `decay` a cycle), with the measured curve as a few prior samples so that it rules until the run has
+    its own. Same interface as Prices."""
+
+    def __init__(self, base: Prices, decay: float = 0.98, prior_weight: float = 0.5):
+        self.base, self.decay = base, decay
+        self.prior = sorted(base.verify_ratio.items())
+        self.prior_weight = prior_weight / len(self.prior)
+        # decayed sums over the run's samples: w, w n, w n^2, w y, w n y, and w T_measured(n)/T_measured(1)
+        self.s = [0.0] * 6
+        self._fit = self._solve()
+
+    def observe(self, rows: int, ms: float):
+        d = self.decay
+        self.s = [d * x for x in self.s]
+        for i, v in enumerate((1.0, rows, rows * rows, ms, rows * ms, self.base.verify(rows))):
+            self.s[i] += v
+        self._fit = self._solve()
+
+    def _solve(self) -> tuple[float, float]:
+        w0 = self.prior_weight
+        s0, s1, s2, sy, sny, sr = self.s
+        # the measured curve's shape at the run's own scale (a machine 50x faster than the one measured keeps the
+        # shape until its samples say otherwise)
+        scale = sy / sr if sr > 0 and sy > 0 else self.base.decode_ms
+        for n, r in self.prior:
+            y = r * scale
+            s0, s1, s2, sy, sny = s0 + w0, s1 + w0 * n, s2 + w0 * n * n, sy + w0 * y, sny + w0 * n * y
+        det = s0 * s2 - s1 * s1
+        b = max(0.0, (s0 * sny - s1 * sy) / det) if det > 1e-12 else 0.0
+        a = (sy - b * s1) / s0
+        if a + b <= 0:           # nonsense samples: the measured curve
+            return self.base.decode_ms, 0.0
+        return a, b
+
+    @property
+    def decode_ms(self) -> float:
+        a, b = self._fit
+        return a + b
+
+    @property
+    def verify_ratio(self) -> dict[int, float]:
+        return {n: self.verify(n) for n in self.base.verify_ratio}
+
+    def verify(self, rows: float) -> float:
+        a, b = self._fit
+        return max(1.0, (a + b * rows) / (a + b))
+
+
+class FixedPrices(Prices):
+    """The given prices, unchanged by the run (what LivePrices would be with no samples, exactly)."""
+
+    def __init__(self, base: Prices):
+        super().__init__(dict(base.verify_ratio), base.decode_ms)
+
+    def observe(self, rows: int, ms: float):
+        pass
+
+
 class CopyStats:
     """P(copied token d is accepted | tokens 1..d-1 were), per match class, counted over cycles. Each depth's
     estimate is shrunk towards the one above it (a depth seldom reached borrows its parent's rate)."""
@@ -105,7 +168,7 @@ class TreeStats:
     acceptance, wall clock) of the cycles it drafted and of those it sat out (the copy's cost-optimal prefix, or a
     plain step), compared as measured in this run -- a price curve measured once drifts with the machine, the rates
     do not. Until both are known the drafter drafts where it has not yet, and sits out where the copy has not been
-    tried; then the faster one runs and the other is tried again after `probe` cycles."""
+    tried; then the faster one runs and the other is tried again after `probe` cycles (more as the gap widens)."""
 
     def __init__(self, ema: float = 0.05, probe: int = 8):
         self.ema, self.probe = ema, probe
@@ -126,8 +189,11 @@ class TreeStats:
         t, c = self.value(cls, True), self.value(cls, False)
         if t is None or c is None:
             return t is None         # what has not been tried yet: drafting first, then sitting out
+        # the slower choice, once, so that its rate stays current: every `probe` cycles while the two are close
+        # (a probe then costs little, and the order may flip), up to 9x as seldom as the gap widens
+        gap = 1.0 - min(t, c) / max(t, c)
         self.idle[cls] += 1
-        if self.idle[cls] > self.probe:   # the slower choice, once, so that its rate stays current
+        if self.idle[cls] > self.probe * (1.0 + 8.0 * gap):
             self.idle[cls] = 0
             return not t > c
         return t > c

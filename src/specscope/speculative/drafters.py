@@ -24,8 +24,8 @@ from specscope.errors import SpecscopeError
 from specscope.models.context import region_inputs
 from specscope.models.rope import rope_table
 from specscope.runtime.sampling import SamplingParams, probs_from_logits
-from specscope.speculative.budget import (Calibration, CopyStats, Prices, TreeStats, best_copy, best_nodes,
-                                         node_probs)
+from specscope.speculative.budget import (Calibration, CopyStats, FixedPrices, LivePrices, Prices, TreeStats,
+                                         best_copy, best_nodes, node_probs)
 from specscope.speculative.ngram import SOURCES
 from specscope.speculative.tree import COPIED, DRAFTED, DraftTree, select_nodes
 
@@ -366,18 +366,21 @@ class NgramDrafter(Drafter):
 
     kind = "ngram"
 
-    def __init__(self, device, source: str = "suffix", prices: Prices | None = None):
+    def __init__(self, device, source: str = "suffix", prices: Prices | None = None, live: bool = True):
         self.device = device
         self.source_name = source
         self.source = SOURCES[source]()
         # priced (budget.py): each cycle verifies the copy's cost-optimal prefix, up to draft_tokens - 1 tokens;
         # the acceptance counts outlive a request (start() keeps them), as a server's would
         self.prices = prices
+        # live: the prices follow the run's own verify times (LivePrices); False keeps them as given
+        self.live = (LivePrices(prices) if live else FixedPrices(prices)) if prices is not None else None
         self.copy_stats = CopyStats() if prices is not None else None
         self._cycle: tuple[int, int] | None = None
+        self._t0 = 0.0
 
     def spawn(self):
-        return NgramDrafter(self.device, self.source_name, self.prices)
+        return NgramDrafter(self.device, self.source_name, self.prices, isinstance(self.live, LivePrices))
 
     def start(self, prompt_ids, root, target_out, max_len):
         self.source.reset(list(prompt_ids) + [root])
@@ -386,14 +389,16 @@ class NgramDrafter(Drafter):
         chain, match = self.source.propose(cfg.draft_tokens - 1)
         chain = chain[:cfg.draft_tokens - 1]
         if self.prices is not None:
+            self._t0 = time.perf_counter()
             cls = CopyStats.match_class(match, len(chain))
-            L, _ = best_copy(self.copy_stats.rates(cls, len(chain)), self.prices, len(chain))
+            L, _ = best_copy(self.copy_stats.rates(cls, len(chain)), self.live, len(chain))
             chain = chain[:L]
             self._cycle = (cls, L)
         return DraftTree.chain(chain, device=self.device)
 
     def commit(self, rows, verify_out, new_tokens):
         if self._cycle is not None:
+            self.live.observe(self._cycle[1] + 1, (time.perf_counter() - self._t0) * 1e3)
             self.copy_stats.update(*self._cycle, len(rows) - 1)
             self._cycle = None
         self.source.extend(new_tokens)
@@ -422,7 +427,7 @@ class HybridDrafter(Drafter):
     min_gain, probe, ema = 0.5, 8, 0.25
 
     def __init__(self, drafter: Drafter, context: int, source: str = "suffix", adaptive: bool = False,
-                 prices: Prices | None = None):
+                 prices: Prices | None = None, live: bool = True):
         self.drafter = drafter
         self.context = context                   # the target's: a node at depth d sits at position root + d
         self.source_name = source
@@ -437,14 +442,16 @@ class HybridDrafter(Drafter):
         # drafter's cycles have yielded more tokens per ms than the copy's cost-optimal prefix alone, and verifies
         # the nodes worth their rows; counts outlive a request (start() keeps them), as a server's would
         self.prices = prices
+        self.live = (LivePrices(prices) if live else FixedPrices(prices)) if prices is not None else None
         self.copy_stats = CopyStats() if prices is not None else None
         self.tree_stats = TreeStats() if prices is not None else None
         self.calib = Calibration() if prices is not None else None
         self._cycle: tuple | None = None         # (class, copied tokens verified, drafting cost or None, tree)
-        self._t0 = 0.0                           # when this cycle's drafting began
+        self._t0 = self._drafted_at = 0.0        # when this cycle's drafting began, and ended
 
     def spawn(self):
-        h = HybridDrafter(self.drafter.spawn(), self.context, self.source_name, self.adaptive, self.prices)
+        h = HybridDrafter(self.drafter.spawn(), self.context, self.source_name, self.adaptive, self.prices,
+                          isinstance(self.live, LivePrices))
         h.copy_match, h.min_gain, h.probe, h.ema = self.copy_match, self.min_gain, self.probe, self.ema
         return h
 
@@ -479,19 +486,20 @@ class HybridDrafter(Drafter):
 
     def _priced(self, cfg, sampling, gen, profiler, chain, match):
         cls = CopyStats.match_class(match, len(chain))
-        L, _ = best_copy(self.copy_stats.rates(cls, len(chain)), self.prices, len(chain))
+        L, _ = best_copy(self.copy_stats.rates(cls, len(chain)), self.live, len(chain))
         t0 = self._t0 = time.perf_counter()
         if not self.tree_stats.wants(cls):
             tree = DraftTree.empty(self.device).graft(chain[:L])
             self._cycle = (cls, L, None, tree)
             return tree
         tree = yield from self.drafter.drafting(cfg, sampling, gen, profiler)
-        cost = self.tree_stats.drafted(time.perf_counter() - t0, self.prices)
+        self._drafted_at = time.perf_counter()
+        cost = self.tree_stats.drafted(self._drafted_at - t0, self.live)
         # every drafted node and the whole copy are candidates; the verified ones are those worth their rows
         full = tree.graft(chain) if chain else tree
         probs = node_probs(full, self.copy_stats.rates(cls, len(chain)), self.calib)
         # no more nodes than the declared verify budget (the cache's room is sized for it)
-        keep, _ = best_nodes(probs, full.parents.tolist(), full.depth.tolist(), self.prices, cost,
+        keep, _ = best_nodes(probs, full.parents.tolist(), full.depth.tolist(), self.live, cost,
                              cfg.draft_tokens - 1 + cfg.ngram_tokens)
         tree = full.subset(keep)
         src = tree.node_sources()
@@ -507,7 +515,9 @@ class HybridDrafter(Drafter):
             cls, offered, cost, tree = self._cycle
             src = tree.node_sources()
             self.copy_stats.update(cls, offered, sum(1 for r in rows[1:] if src[r - 1] & COPIED))
-            self.tree_stats.add(cls, cost is not None, len(rows), (time.perf_counter() - self._t0) * 1e3)
+            now = time.perf_counter()
+            self.tree_stats.add(cls, cost is not None, len(rows), (now - self._t0) * 1e3)
+            self.live.observe(tree.size + 1, (now - (self._t0 if cost is None else self._drafted_at)) * 1e3)
             if cost is not None:
                 if tree.scores is not None:
                     took = set(rows[1:])

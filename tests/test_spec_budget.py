@@ -18,8 +18,8 @@ from specscope.speculative.budget import (Calibration, CopyStats, LivePrices, Pr
 from specscope.speculative.decode import SpecConfig, speculative_generate
 from specscope.speculative.drafters import Eagle3TreeDrafter, HybridDrafter, NgramDrafter
 from specscope.speculative.tree import COPIED, DRAFTED, DraftTree
-from spec_helpers import check_grid, sample_cases, tiny_target
-from test_spec_hybrid import CTX, FuzzSource, _prompt, eagle, target  # noqa: F401 (fixtures)
+from spec_helpers import check_grid, tiny_target
+from test_spec_hybrid import CTX, FuzzSource, _prompt, eagle, hybrid_cases, target  # noqa: F401 (fixtures)
 
 FLAT = Prices({1: 1.0, 16: 1.0}, 10.0)                 # a GPU below its knee: rows are free
 STEEP = Prices({1: 1.0, 2: 1.05, 4: 1.2, 8: 1.6}, 10.0)  # a 2-core CPU: every row costs
@@ -216,11 +216,7 @@ def test_priced_drafters_equal_greedy(target, eagle, monkeypatch):
         return tree
 
     monkeypatch.setattr(HybridDrafter, "_priced", spy)
-    rng = random.Random(7)
-    cases = []
-    for cfg, T, max_new in sample_cases(16, CTX, seed=41, max_dt=12):
-        cfg.ngram_tokens = rng.choice([1, 3, 6])
-        cases.append((cfg, T, max_new))
+    cases = hybrid_cases(16, 41, [1, 3, 6], rng_seed=7)
     stats = check_grid(target, drafters, cases, _prompt)
     chains = [(SpecConfig(max(1, c.draft_tokens - 1), 1, max(2, c.draft_tokens)), T, m) for c, T, m in cases]
     stats.update(check_grid(target, ngrams, chains, _prompt))

@@ -134,6 +134,16 @@ def _hybrid(inner, target, source, seed=0):
     return h
 
 
+def hybrid_cases(n: int, seed: int, budgets, rng_seed: int) -> list:
+    """sample_cases with a random n-gram budget from `budgets` on each."""
+    rng = random.Random(rng_seed)
+    cases = []
+    for cfg, T, max_new in sample_cases(n, CTX, seed=seed, max_dt=12):
+        cfg.ngram_tokens = rng.choice(budgets)
+        cases.append((cfg, T, max_new))
+    return cases
+
+
 def _stats(res, stats):
     cyc = res.stats.hybrid_cycles
     stats["copy"] += sum(v for k, v in cyc.items() if k.startswith("copy"))
@@ -149,11 +159,7 @@ def test_hybrid_shapes_near_the_context_end_equal_greedy(target, eagle, monkeypa
     drafters = {f"{inner}+{src}": (lambda inner=inner, src=src: _hybrid(
         Eagle3TreeDrafter(eagle, target) if inner == "eagle3" else DraftModelDrafter(target, target), target, src,
         next(counter))) for inner in ("eagle3", "self") for src in ("suffix", "lookup", "fuzz")}
-    rng = random.Random(5)
-    cases = []
-    for cfg, T, max_new in sample_cases(40, CTX, seed=21, max_dt=12):
-        cfg.ngram_tokens = rng.choice([0, 1, 3, 6, 12])
-        cases.append((cfg, T, max_new))
+    cases = hybrid_cases(40, 21, [0, 1, 3, 6, 12], rng_seed=5)
     seen = {"copy": 0, "grafted": 0}
 
     import spec_helpers
@@ -185,11 +191,7 @@ def test_adaptive_hybrid_equals_greedy(target, eagle):
     drafters = {f"adaptive{g}+{src}": (lambda g=g, src=src: _adaptive(Eagle3TreeDrafter(eagle, target), target, src,
                                                                        g, next(counter)))
                 for g in (0.0, 0.5, 10.0) for src in ("suffix", "fuzz")}
-    rng = random.Random(8)
-    cases = []
-    for cfg, T, max_new in sample_cases(12, CTX, seed=33, max_dt=12):
-        cfg.ngram_tokens = rng.choice([1, 3, 6])
-        cases.append((cfg, T, max_new))
+    cases = hybrid_cases(12, 33, [1, 3, 6], rng_seed=8)
     stats = check_grid(target, drafters, cases, _prompt)
     assert all(s["accepted"] > 0 for s in stats.values()), stats
 

@@ -15,6 +15,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from specscope.speculative.tree import COPIED, DRAFTED
+
 MATCH_CLASSES = 4      # a copy's class: min(matched suffix length, 4); 0 = no copy
 MAX_DEPTH = 32
 
@@ -52,8 +54,8 @@ class Prices:
 
 
 class LivePrices:
-    """Prices kept current by the run's own cycles. On a shared machine the curve moves within minutes (here T(16)/T(1)
-    read 2.7 and 1.8 in two measurements a second apart, decode 14 and 21 ms: when memory is slow, the extra rows'
+    """Prices kept current by the run's own cycles. On a shared machine the curve moves within seconds (here
+    T(16)/T(1) read 2.7 and 1.8 in two measurements a second apart, decode 14 and 21 ms: when memory is slow, the extra rows'
     FMAs hide under it), so a curve measured once prices some runs wrongly. Each cycle's verify (plus its
     bookkeeping) is a sample of T(rows); T(n) ~ a + b n is fitted by least squares over recent samples (each weight
     decays by `decay` a cycle), with the measured curve as a few prior samples so that it rules until the run has
@@ -95,17 +97,14 @@ class LivePrices:
         a, b = self._fit
         return a + b
 
-    @property
-    def verify_ratio(self) -> dict[int, float]:
-        return {n: self.verify(n) for n in self.base.verify_ratio}
-
     def verify(self, rows: float) -> float:
         a, b = self._fit
         return max(1.0, (a + b * rows) / (a + b))
 
 
 class FixedPrices(Prices):
-    """The given prices, unchanged by the run (what LivePrices would be with no samples, exactly)."""
+    """The given prices as they are, whatever the run's cycles take (observe() ignores them): for tests and for
+    comparing a fixed curve with live ones."""
 
     def __init__(self, base: Prices):
         super().__init__(dict(base.verify_ratio), base.decode_ms)
@@ -142,15 +141,13 @@ class CopyStats:
             self.hits[cls][d] += d < accepted
 
 
-def copy_value(rates: list[float], prices: Prices, L: int, extra_rows: int = 0, extra_cost: float = 0.0,
-               base: float = 1.0) -> float:
-    """Expected tokens per decode step of a cycle verifying the first L copied tokens (plus `extra_rows` nodes
-    and `extra_cost` steps of drafting that yield `base` tokens on their own)."""
+def copy_value(rates: list[float], prices: Prices, L: int) -> float:
+    """Expected tokens per decode step of a cycle verifying the first L copied tokens."""
     e, p = 0.0, 1.0
     for a in rates[:L]:
         p *= a
         e += p
-    return (base + e) / (extra_cost + prices.verify(1 + extra_rows + L))
+    return (1.0 + e) / prices.verify(1 + L)
 
 
 def best_copy(rates: list[float], prices: Prices, max_len: int) -> tuple[int, float]:
@@ -239,8 +236,6 @@ class Calibration:
 def node_probs(tree, copy_rates: list[float], calib: Calibration) -> list[float]:
     """P(node accepted) for every node of a hybrid tree: the drafter's calibrated probability, the copy's
     depth-wise acceptance, the larger where both proposed it; never above the parent's."""
-    from specscope.speculative.tree import COPIED, DRAFTED
-
     depth, parents, src = tree.depth.tolist(), tree.parents.tolist(), tree.node_sources()
     scores = tree.scores
     c = calib.factors(max(depth, default=0))

@@ -374,13 +374,13 @@ class NgramDrafter(Drafter):
         # the acceptance counts outlive a request (start() keeps them), as a server's would
         self.prices = prices
         # live: the prices follow the run's own verify times (LivePrices); False keeps them as given
-        self.live = (LivePrices(prices) if live else FixedPrices(prices)) if prices is not None else None
+        self.pricing = (LivePrices(prices) if live else FixedPrices(prices)) if prices is not None else None
         self.copy_stats = CopyStats() if prices is not None else None
         self._cycle: tuple[int, int] | None = None
         self._t0 = 0.0
 
     def spawn(self):
-        return NgramDrafter(self.device, self.source_name, self.prices, isinstance(self.live, LivePrices))
+        return NgramDrafter(self.device, self.source_name, self.prices, isinstance(self.pricing, LivePrices))
 
     def start(self, prompt_ids, root, target_out, max_len):
         self.source.reset(list(prompt_ids) + [root])
@@ -391,14 +391,14 @@ class NgramDrafter(Drafter):
         if self.prices is not None:
             self._t0 = time.perf_counter()
             cls = CopyStats.match_class(match, len(chain))
-            L, _ = best_copy(self.copy_stats.rates(cls, len(chain)), self.live, len(chain))
+            L, _ = best_copy(self.copy_stats.rates(cls, len(chain)), self.pricing, len(chain))
             chain = chain[:L]
             self._cycle = (cls, L)
         return DraftTree.chain(chain, device=self.device)
 
     def commit(self, rows, verify_out, new_tokens):
         if self._cycle is not None:
-            self.live.observe(self._cycle[1] + 1, (time.perf_counter() - self._t0) * 1e3)
+            self.pricing.observe(self._cycle[1] + 1, (time.perf_counter() - self._t0) * 1e3)
             self.copy_stats.update(*self._cycle, len(rows) - 1)
             self._cycle = None
         self.source.extend(new_tokens)
@@ -442,7 +442,7 @@ class HybridDrafter(Drafter):
         # drafter's cycles have yielded more tokens per ms than the copy's cost-optimal prefix alone, and verifies
         # the nodes worth their rows; counts outlive a request (start() keeps them), as a server's would
         self.prices = prices
-        self.live = (LivePrices(prices) if live else FixedPrices(prices)) if prices is not None else None
+        self.pricing = (LivePrices(prices) if live else FixedPrices(prices)) if prices is not None else None
         self.copy_stats = CopyStats() if prices is not None else None
         self.tree_stats = TreeStats() if prices is not None else None
         self.calib = Calibration() if prices is not None else None
@@ -451,7 +451,7 @@ class HybridDrafter(Drafter):
 
     def spawn(self):
         h = HybridDrafter(self.drafter.spawn(), self.context, self.source_name, self.adaptive, self.prices,
-                          isinstance(self.live, LivePrices))
+                          isinstance(self.pricing, LivePrices))
         h.copy_match, h.min_gain, h.probe, h.ema = self.copy_match, self.min_gain, self.probe, self.ema
         return h
 
@@ -486,7 +486,7 @@ class HybridDrafter(Drafter):
 
     def _priced(self, cfg, sampling, gen, profiler, chain, match):
         cls = CopyStats.match_class(match, len(chain))
-        L, _ = best_copy(self.copy_stats.rates(cls, len(chain)), self.live, len(chain))
+        L, _ = best_copy(self.copy_stats.rates(cls, len(chain)), self.pricing, len(chain))
         t0 = self._t0 = time.perf_counter()
         if not self.tree_stats.wants(cls):
             tree = DraftTree.empty(self.device).graft(chain[:L])
@@ -494,12 +494,12 @@ class HybridDrafter(Drafter):
             return tree
         tree = yield from self.drafter.drafting(cfg, sampling, gen, profiler)
         self._drafted_at = time.perf_counter()
-        cost = self.tree_stats.drafted(self._drafted_at - t0, self.live)
+        cost = self.tree_stats.drafted(self._drafted_at - t0, self.pricing)
         # every drafted node and the whole copy are candidates; the verified ones are those worth their rows
         full = tree.graft(chain) if chain else tree
         probs = node_probs(full, self.copy_stats.rates(cls, len(chain)), self.calib)
         # no more nodes than the declared verify budget (the cache's room is sized for it)
-        keep, _ = best_nodes(probs, full.parents.tolist(), full.depth.tolist(), self.live, cost,
+        keep, _ = best_nodes(probs, full.parents.tolist(), full.depth.tolist(), self.pricing, cost,
                              cfg.draft_tokens - 1 + cfg.ngram_tokens)
         tree = full.subset(keep)
         src = tree.node_sources()
@@ -517,7 +517,7 @@ class HybridDrafter(Drafter):
             self.copy_stats.update(cls, offered, sum(1 for r in rows[1:] if src[r - 1] & COPIED))
             now = time.perf_counter()
             self.tree_stats.add(cls, cost is not None, len(rows), (now - self._t0) * 1e3)
-            self.live.observe(tree.size + 1, (now - (self._t0 if cost is None else self._drafted_at)) * 1e3)
+            self.pricing.observe(tree.size + 1, (now - (self._t0 if cost is None else self._drafted_at)) * 1e3)
             if cost is not None:
                 if tree.scores is not None:
                     took = set(rows[1:])

@@ -486,7 +486,8 @@ class HybridDrafter(Drafter):
 
     def _priced(self, cfg, sampling, gen, profiler, chain, match):
         cls = CopyStats.match_class(match, len(chain))
-        L, _ = best_copy(self.copy_stats.rates(cls, len(chain)), self.pricing, len(chain))
+        rates = self.copy_stats.rates(cls, len(chain))
+        L, _ = best_copy(rates, self.pricing, len(chain))
         t0 = self._t0 = time.perf_counter()
         if not self.tree_stats.wants(cls):
             tree = DraftTree.empty(self.device).graft(chain[:L])
@@ -497,7 +498,7 @@ class HybridDrafter(Drafter):
         cost = self.tree_stats.drafted(self._drafted_at - t0, self.pricing)
         # every drafted node and the whole copy are candidates; the verified ones are those worth their rows
         full = tree.graft(chain) if chain else tree
-        probs = node_probs(full, self.copy_stats.rates(cls, len(chain)), self.calib)
+        probs = node_probs(full, rates, self.calib)
         # no more nodes than the declared verify budget (the cache's room is sized for it)
         keep, _ = best_nodes(probs, full.parents.tolist(), full.depth.tolist(), self.pricing, cost,
                              cfg.draft_tokens - 1 + cfg.ngram_tokens)
@@ -518,12 +519,11 @@ class HybridDrafter(Drafter):
             now = time.perf_counter()
             self.tree_stats.add(cls, cost is not None, len(rows), (now - self._t0) * 1e3)
             self.pricing.observe(tree.size + 1, (now - (self._t0 if cost is None else self._drafted_at)) * 1e3)
-            if cost is not None:
-                if tree.scores is not None:
-                    took = set(rows[1:])
-                    for i, (d, x) in enumerate(zip(tree.depth.tolist(), tree.scores)):
-                        if src[i] & DRAFTED:
-                            self.calib.update(d, math.exp(x), i + 1 in took)
+            if cost is not None and tree.scores is not None:
+                took = set(rows[1:])
+                for i, (d, x) in enumerate(zip(tree.depth.tolist(), tree.scores)):
+                    if src[i] & DRAFTED:
+                        self.calib.update(d, math.exp(x), i + 1 in took)
             self._cycle = None
         if self._tree is not None:   # what the drafter's own nodes earned this cycle (rows: 0 = root, i = node i-1)
             src = self._tree.node_sources()

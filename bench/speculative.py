@@ -4,7 +4,8 @@ Methods: our baseline, EAGLE-3 (tree and chain, the shipped drafter), n-gram cop
 prompt lookup, `ngram_lookup`), the hybrid of the EAGLE-3 tree and n-gram copying in one verified tree
 (`eagle3_ngram`; `eagle3_ngram_adaptive`: its drafter sits out short-copy cycles while its own nodes earn
 under 0.5 accepted tokens a cycle; `eagle3_ngram_priced` and `ngram_priced`: each cycle's copy length and whether the
-drafter runs chosen from this host's measured verify cost by rows, speculative/budget.py), transformers `generate` and transformers prompt-lookup decoding. For each: tok/s (Spec-Bench: Σ new tokens / Σ wall time per prompt, plain
+drafter runs chosen from this host's measured verify cost by rows, speculative/budget.py; `eagle3_priced`: EAGLE-3
+alone under the same rule, drafting where it has paid and verifying the nodes worth their rows), transformers `generate` and transformers prompt-lookup decoding. For each: tok/s (Spec-Bench: Σ new tokens / Σ wall time per prompt, plain
 mean over prompts of a task), speedup over our baseline, τ (accepted + 1 per cycle, pooled over cycles), and whether
 the output is token-identical to our baseline greedy output.
 
@@ -80,6 +81,8 @@ def main(argv=None):
                     help="steps,topk,draft_tokens,ngram_tokens of the hybrid (--draft + n-gram); '' skips it")
     ap.add_argument("--priced-ngram", default="12,1,13",
                     help="steps,topk,draft_tokens of the priced n-gram (draft_tokens - 1: its longest copy)")
+    ap.add_argument("--priced-tree", default="2,4,8",
+                    help="steps,topk,draft_tokens of EAGLE-3 alone under priced budgets (the shipped drafter's shape)")
     ap.add_argument("--methods", default="", help="comma-separated methods to run beside the baseline (default: all)")
     ap.add_argument("--hf", action="store_true", help="also run transformers generate and prompt lookup")
     ap.add_argument("--no-hf", action="store_true", help=argparse.SUPPRESS)   # the old default-on spelling
@@ -117,6 +120,7 @@ def main(argv=None):
             name = "eagle3_tree" if ";" not in args.tree else f"eagle3_tree_{k.steps}x{k.topk}x{k.draft_tokens}"
             methods[name] = ("eagle", k)
         methods["eagle3_chain"] = ("eagle", knobs(args.chain))
+        methods["eagle3_priced"] = ("eagle-priced", knobs(args.priced_tree))
         if args.hybrid:
             methods["eagle3_ngram"] = ("hybrid", knobs(args.hybrid))
             methods["eagle3_ngram_adaptive"] = ("hybrid-adaptive", knobs(args.hybrid))
@@ -146,7 +150,7 @@ def main(argv=None):
     prices, priced = None, {}
     if any(isinstance(v, tuple) and v[0].endswith("-priced") for v in methods.values()):
         from specscope.economics.prices import measure_prices
-        from specscope.speculative.drafters import NgramDrafter
+        from specscope.speculative.drafters import NgramDrafter, priced_alone
 
         prices = measure_prices(target)
         console.print("verify cost by rows (decode steps): " +
@@ -156,6 +160,8 @@ def main(argv=None):
             priced["ngram-priced"] = NgramDrafter(target.device, prices=prices)
         if "eagle3_ngram_priced" in methods:
             priced["hybrid-priced"] = HybridDrafter(eagle, target.config.max_position_embeddings, prices=prices)
+        if "eagle3_priced" in methods:
+            priced["eagle-priced"] = priced_alone(eagle.spawn(), target.config.max_position_embeddings, prices)
 
     per = {m: [] for m in methods}
     # resume: one line per finished prompt (all methods), keyed by the flags that change the numbers
@@ -173,6 +179,14 @@ def main(argv=None):
     done = {rec["question_id"]: rec["per"] for rec in read_jsonl(state) if "question_id" in rec}
     if done:
         console.print(f"resuming: {len(done)} of {len(prompts)} prompts already measured ({state})")
+    if len(done) < len(prompts):
+        # the first forwards of a process run slow (thread pool, buffers, caches: a first plain decode read 46 tok/s
+        # where the next read 68), and the baseline goes first: warm each path up on a few tokens, untimed
+        ids = tok.encode(prompts[0]["prompt"], chat=True)
+        generate(target, ids, 16, stop_ids=stop)
+        if eagle is not None:
+            speculative_generate(target, HybridDrafter(eagle, target.config.max_position_embeddings), ids, 16,
+                                 stop_ids=stop, cfg=knobs(args.hybrid) if args.hybrid else None)
     measured, t_start = 0, time.perf_counter()
     with Progress(*Progress.get_default_columns(), console=console, transient=True) as prog:
         task = prog.add_task("prompts", total=len(prompts) * len(methods))

@@ -1,5 +1,5 @@
-"""Cost-aware draft budgets (speculative/budget.py): the pieces, and the priced n-gram and hybrid drafters, which
-choose per cycle which nodes are verified and must still give plain greedy decoding's output. Their sampling side
+"""Cost-aware draft budgets (speculative/budget.py): the pieces, and the priced n-gram, hybrid and model-alone
+drafters, which choose per cycle which nodes are verified and must still give plain greedy decoding's output. Their sampling side
 is in test_spec_sampling.py."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from specscope.economics.prices import host_prices, measure_prices, prices_path
 from specscope.speculative.budget import (Calibration, CopyStats, LivePrices, Prices, TreeStats, best_copy,
                                           best_nodes, copy_value, node_probs)
 from specscope.speculative.decode import SpecConfig, speculative_generate
-from specscope.speculative.drafters import Eagle3TreeDrafter, HybridDrafter, NgramDrafter
+from specscope.speculative.drafters import Eagle3TreeDrafter, HybridDrafter, NgramDrafter, priced_alone
 from specscope.speculative.tree import COPIED, DRAFTED, DraftTree
 from spec_helpers import check_grid, tiny_target
 from test_spec_hybrid import CTX, FuzzSource, _prompt, eagle, hybrid_cases, target  # noqa: F401 (fixtures)
@@ -234,3 +234,26 @@ def test_priced_ngram_verifies_less_where_rows_cost_more(target):
         assert res.token_ids == want
         rows[name] = res.stats.verify_tokens_mean
     assert rows["steep"] < rows["flat"], rows
+
+
+def test_priced_model_drafter_alone_equals_greedy_and_prunes(target, eagle):
+    """EAGLE-3 alone under the priced rule (no copy): greedy output is plain greedy decoding's at flat and steep
+    prices, it reports as the model drafter (no per-source counts), and where rows cost more it verifies fewer
+    nodes than the declared shape."""
+    kept = {pn: priced_alone(Eagle3TreeDrafter(eagle, target), CTX, p, live=False)
+            for pn, p in (("flat", FLAT), ("steep", STEEP))}
+    assert all(d.kind == "eagle3" and d.model_kind is None for d in kept.values())
+    cases = [(c, T, m) for c, T, m in hybrid_cases(10, 43, [0], rng_seed=3)]
+    stats = check_grid(target, {f"alone-{pn}": (lambda d=d: d) for pn, d in kept.items()}, cases, _prompt)
+    assert all(s["accepted"] > 0 for s in stats.values()), stats
+    assert sum(kept["steep"].tree_stats.count[True]) > 0      # it drafted, priced trees
+    p = _prompt(20, seed=5)
+    want = generate(target, p, 20, stop_ids=[]).token_ids
+    rows = {}
+    for pn, d in kept.items():
+        res = speculative_generate(target, d, p, 20, stop_ids=[], cfg=SpecConfig(3, 4, 12))
+        assert res.token_ids == want and res.stats.accepted_by_source is None
+        rows[pn] = res.stats.verify_tokens_mean
+    assert rows["steep"] < 12 and rows["steep"] <= rows["flat"], rows
+    with pytest.raises(ValueError, match="prices"):
+        HybridDrafter(Eagle3TreeDrafter(eagle, target), CTX, source=None)

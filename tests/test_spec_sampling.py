@@ -17,7 +17,7 @@ from specscope.runtime.sampling import SamplingParams, probs_from_logits
 from specscope.speculative.acceptance import accept_sampling
 from specscope.speculative.decode import SpecConfig, speculative_generate
 from specscope.speculative.budget import Prices
-from specscope.speculative.drafters import Eagle3TreeDrafter, HybridDrafter
+from specscope.speculative.drafters import Eagle3TreeDrafter, HybridDrafter, priced_alone
 from spec_helpers import random_eagle3, tiny_target
 
 V = 6
@@ -73,7 +73,9 @@ CASES = {"chain_q": SpecConfig(2, 1, 3), "tree": SpecConfig(2, 2, 5),
          "hybrid_tree": SpecConfig(2, 2, 5, 3), "hybrid_chain_q": SpecConfig(2, 1, 3, 2),
          # priced (speculative/budget.py): each cycle verifies a subset of those nodes, chosen by past acceptance
          # and row costs, and some cycles only the copy or nothing; one drafter across samples, as in a server
-         "hybrid_priced_tree": SpecConfig(2, 2, 5, 3), "hybrid_priced_chain_q": SpecConfig(2, 1, 3, 2)}
+         "hybrid_priced_tree": SpecConfig(2, 2, 5, 3), "hybrid_priced_chain_q": SpecConfig(2, 1, 3, 2),
+         # the drafter alone under the priced rule (no copy): pruned trees and plain steps
+         "priced_tree": SpecConfig(2, 2, 5), "priced_chain_q": SpecConfig(2, 1, 3)}
 PRICES = Prices({1: 1.0, 2: 1.1, 4: 1.3, 8: 1.7}, 10.0)
 PRICED: dict = {}
 
@@ -94,6 +96,10 @@ class ContextCopy:
 
 
 def drafter_for(target, d, name):
+    if name.startswith("priced"):
+        h = priced_alone(Eagle3TreeDrafter(d, target), target.config.max_position_embeddings, PRICES)
+        PRICED[name] = h
+        return lambda: h
     if not name.startswith("hybrid"):
         return lambda: Eagle3TreeDrafter(d, target)
 

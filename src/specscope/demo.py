@@ -62,7 +62,7 @@ def demo_drafter() -> str:
 class DemoOptions:
     model: str = "smollm2-135m"
     draft: str | None = None              # None: demo_drafter()
-    draft_budget: str = "priced"          # n-gram and hybrid drafters: session.drafter_for
+    draft_budget: str = "priced"          # every drafter: session.drafter_for
     prompts: int = 4
     max_new_tokens: int = 112
     steps: int | None = None
@@ -321,7 +321,7 @@ def _records(config, draft, drafter, spec_cfg, bprof, sprof, per_prompt, opts) -
             + (f" g{spec_cfg.ngram_tokens}" if spec_cfg.ngram_tokens else "") + f" ({n_prompts})")
     srec = make_record("speculative", name,
                        config={**config, "draft": _draft_ref(draft), "drafter_kind": getattr(drafter, "kind", None),
-                               **({"draft_budget": opts.draft_budget} if split_draft(draft)[1] else {}),
+                               "draft_budget": opts.draft_budget,
                                **drafting_config(spec_cfg), "engine": "speculative"},
                        profiler=sprof, results=sres, samples={"per_prompt": flat("speculative")},
                        tags=opts.tags, env=env)

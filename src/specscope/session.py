@@ -97,13 +97,13 @@ DRAFT_BUDGETS = ("priced", "fixed")
 
 
 def drafter_for(draft: str, target, budget: str = "priced", note=None):
-    """build_drafter with the --draft-budget rule: "priced" (the default) prices n-gram and hybrid drafters'
-    cycles with this host's verify cost by rows (economics/prices.py: measured once, cached); "fixed" verifies the
-    declared shape. A model drafter alone keeps its shape either way."""
+    """build_drafter with the --draft-budget rule: "priced" (the default) prices every drafter's cycles with this
+    host's verify cost by rows (economics/prices.py: measured once, cached) within its declared shape; "fixed"
+    verifies the declared shape every cycle."""
     if budget not in DRAFT_BUDGETS:
         raise SpecscopeError(f"--draft-budget must be one of {', '.join(DRAFT_BUDGETS)}, got {budget!r}")
     prices = None
-    if budget == "priced" and split_draft(draft)[1] is not None:
+    if budget == "priced":
         from specscope.economics.prices import host_prices
 
         prices = host_prices(target, note)
@@ -162,7 +162,7 @@ def run_generate(req: GenerateRequest, on_text=None) -> dict:
 def _record_run(req: GenerateRequest, path, model, spec_cfg, res, prof, out: dict, lines: list[str]) -> None:
     """Store this run in the registry; a failure to store warns instead of losing the generation."""
     config = {**machine_config(path, model.dtype, model.device), "draft": req.draft, **drafting_config(spec_cfg),
-              **({"draft_budget": req.draft_budget} if req.draft and split_draft(req.draft)[1] else {}),
+              **({"draft_budget": req.draft_budget} if req.draft else {}),
               "sampling": out["sampling"], "max_new_tokens": req.max_new_tokens, "chat": req.chat,
               "prompt_set": "single prompt", "prompt_set_hash": prompt_set_hash([req.prompt]),
               "engine": "baseline" if spec_cfg is None else "speculative"}

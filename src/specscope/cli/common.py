@@ -144,10 +144,10 @@ def spec_options(steps_help="Draft depth: drafter steps per cycle (tree depth / 
 def draft_budget_option():
     return click.option("--draft-budget", "draft_budget", type=click.Choice(["priced", "fixed"]), default="priced",
                         show_default=True,
-                        help="n-gram and hybrid drafters: 'priced' verifies, each cycle, the nodes worth their rows "
-                             "at this host's verify cost by rows (measured once, cached), and a hybrid's model "
-                             "drafter sits out where copying alone has been faster; 'fixed' verifies the declared "
-                             "shape.")
+                        help="'priced' verifies, each cycle, the nodes worth their rows at this host's verify "
+                             "cost by rows (measured once, cached), within the declared shape, and a model drafter "
+                             "sits out (plain steps, or the copy alone in a hybrid) where that has been faster; "
+                             "'fixed' verifies the declared shape every cycle.")
 
 
 def draft_option(help="Drafter: an EAGLE-3 directory, shipped name or Hugging Face id (org/name[@revision]), "

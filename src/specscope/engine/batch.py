@@ -24,7 +24,7 @@ from specscope.models.context import region_inputs
 from specscope.models.llama import ForwardOutput
 from specscope.runtime.sampling import SamplingParams, make_generator, next_token
 from specscope.speculative.acceptance import accept
-from specscope.speculative.drafters import Drafter, HybridDrafter, run_together
+from specscope.speculative.drafters import Drafter, run_together
 from specscope.speculative.stats import SpecTally
 from specscope.speculative.tree import DraftTree
 
@@ -68,8 +68,7 @@ class _Seq:
         self.produced: list[int] = []
         self.stop = StopCriteria(req.max_new_tokens, req.stop_ids)
         self.gen = make_generator(req.sampling, torch.device("cpu"))
-        self.tally = SpecTally(cfg, drafter.kind, drafter.drafter.kind if isinstance(drafter, HybridDrafter)
-                               else None) if drafter is not None else None
+        self.tally = SpecTally(cfg, drafter.kind, drafter.model_kind) if drafter is not None else None
         self.t_queued, self.t_scheduled, self.t_first = t_queued, None, None
         self.tree: DraftTree | None = None
         self.drafted = False              # this step's tree came from the drafter (a plain step's did not)

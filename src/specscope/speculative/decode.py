@@ -18,7 +18,7 @@ from specscope.models.linear import pack_linears
 from specscope.runtime.sampling import SamplingParams, make_generator, next_token
 from specscope.speculative.acceptance import accept
 from specscope.speculative.drafters import (DraftModelDrafter, Drafter, Eagle3TreeDrafter, HybridDrafter, NgramDrafter,
-                                            _phase)
+                                            _phase, priced_alone)
 from specscope.speculative.formats import is_eagle3_config, load_drafter, read_config
 from specscope.speculative.stats import SpecTally
 
@@ -123,8 +123,8 @@ class SpecConfig:
 def build_drafter(draft: str, target, prices=None) -> Drafter:
     """'ngram' (or 'ngram-lookup'), a shipped drafter name, an EAGLE-3 checkpoint directory, a small HF model
     directory/name, or one of those + 'ngram' (the hybrid); placed on the target's device and dtype. `prices`
-    (speculative/budget.py): n-gram and hybrid drafters choose each cycle's verified nodes by this host's verify
-    cost (a model drafter alone keeps its declared shape)."""
+    (speculative/budget.py): every drafter chooses each cycle's verified nodes by this host's verify cost, within
+    its declared shape (a model drafter alone: drafting only where it has paid, `priced_alone`)."""
     model, source = split_draft(draft)
     if model is None:
         return NgramDrafter(target.device, source, prices)
@@ -137,9 +137,10 @@ def build_drafter(draft: str, target, prices=None) -> Drafter:
         d = load_drafter(path, target=target, raw=raw)    # validated against the target, on its device and dtype
         if target.device.type == "cpu":   # inference only: the drafter's linears take the target's fast kernels
             pack_linears(d, keep_dense=())
-        return Eagle3TreeDrafter(d, target)
-    dm = loader.load_model(path, dtype=target.dtype, device=target.device)
-    return DraftModelDrafter(dm, target)
+        drafter = Eagle3TreeDrafter(d, target)
+    else:
+        drafter = DraftModelDrafter(loader.load_model(path, dtype=target.dtype, device=target.device), target)
+    return priced_alone(drafter, target.config.max_position_embeddings, prices) if prices is not None else drafter
 
 
 def shipped_drafter(name: str) -> Path | None:
@@ -213,7 +214,7 @@ def speculative_generate(target, drafter: Drafter, prompt_ids: list[int], max_ne
 
     produced: list[int] = []
     reason = stop.emit(produced, [root], on_tokens)
-    tally = SpecTally(cfg, drafter.kind, drafter.drafter.kind if isinstance(drafter, HybridDrafter) else None)
+    tally = SpecTally(cfg, drafter.kind, drafter.model_kind)
     cycle_ms = []
     while reason is None:
         tc = time.perf_counter()
@@ -235,7 +236,7 @@ def _checked(cfg: SpecConfig, drafter: Drafter) -> SpecConfig:
     cfg.validate()
     if isinstance(drafter, NgramDrafter) and cfg.topk != 1:
         raise SpecscopeError("n-gram drafting proposes a chain; use --topk 1")
-    if cfg.ngram_tokens and not isinstance(drafter, HybridDrafter):
+    if cfg.ngram_tokens and drafter.model_kind is None:
         raise SpecscopeError("--ngram-tokens is the n-gram branch of a hybrid drafter (--draft DRAFTER+ngram)")
     return cfg
 

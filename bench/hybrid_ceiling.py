@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from speculative import TASKS, draft_files, pick_prompts   # bench/ is on the path: this script's own folder
+from speculative import TASKS, draft_files, pick_prompts, prompt_args   # bench/ is on the path: this script's own folder
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -289,10 +289,7 @@ def prompt_costs(rec, overhead_ms: float) -> dict:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tasks", default=",".join(TASKS))
-    ap.add_argument("--limit", type=int, default=10, help="prompts per task (other than MT-bench)")
-    ap.add_argument("--mt-bench-limit", type=int, default=80, help="MT-bench first turns (80 = all)")
-    ap.add_argument("--max-new-tokens", type=int, default=128)
+    prompt_args(ap)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--draft", default="smollm2-135m-eagle3")
     ap.add_argument("--shapes", default="2,4,8;3,2,6;5,4,12", help="EAGLE-3 trees: steps,topk,draft_tokens;...")

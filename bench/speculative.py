@@ -64,12 +64,17 @@ def pick_prompts(tasks, limit, mt_limit=None):
     return out
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def prompt_args(ap: argparse.ArgumentParser) -> None:
+    """The Spec-Bench selection flags (pick_prompts) and the answer length, shared by the benches that replay it."""
     ap.add_argument("--tasks", default=",".join(TASKS))
     ap.add_argument("--limit", type=int, default=10, help="prompts per task (other than MT-bench)")
     ap.add_argument("--mt-bench-limit", type=int, default=80, help="MT-bench first turns (80 = all)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    prompt_args(ap)
     ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--draft", default="smollm2-135m-eagle3")

@@ -16,7 +16,8 @@ from specscope.economics.prices import host_prices, measure_prices, prices_path
 from specscope.speculative.budget import (Calibration, CopyStats, LivePrices, Prices, TreeStats, best_copy,
                                           best_nodes, copy_value, node_probs)
 from specscope.speculative.decode import SpecConfig, speculative_generate
-from specscope.speculative.drafters import Eagle3TreeDrafter, HybridDrafter, NgramDrafter, priced_alone
+from specscope.speculative.drafters import (DraftModelDrafter, Eagle3TreeDrafter, HybridDrafter, NgramDrafter,
+                                           priced_alone)
 from specscope.speculative.tree import COPIED, DRAFTED, DraftTree
 from spec_helpers import check_grid, tiny_target
 from test_spec_hybrid import CTX, FuzzSource, _prompt, eagle, hybrid_cases, target  # noqa: F401 (fixtures)
@@ -243,8 +244,12 @@ def test_priced_model_drafter_alone_equals_greedy_and_prunes(target, eagle):
     kept = {pn: priced_alone(Eagle3TreeDrafter(eagle, target), CTX, p, live=False)
             for pn, p in (("flat", FLAT), ("steep", STEEP))}
     assert all(d.kind == "eagle3" and d.model_kind is None for d in kept.values())
+    # and a separate draft model (the target drafting for itself) under the same rule
+    own = priced_alone(DraftModelDrafter(target, target), CTX, STEEP, live=False)
     cases = [(c, T, m) for c, T, m in hybrid_cases(10, 43, [0], rng_seed=3)]
-    stats = check_grid(target, {f"alone-{pn}": (lambda d=d: d) for pn, d in kept.items()}, cases, _prompt)
+    stats = check_grid(target, {**{f"alone-{pn}": (lambda d=d: d) for pn, d in kept.items()},
+                                "alone-draft-model": lambda: own}, cases, _prompt)
+    assert own.kind == "draft_model" and sum(own.tree_stats.count[True]) > 0
     assert all(s["accepted"] > 0 for s in stats.values()), stats
     assert sum(kept["steep"].tree_stats.count[True]) > 0      # it drafted, priced trees
     p = _prompt(20, seed=5)

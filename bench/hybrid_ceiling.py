@@ -14,15 +14,18 @@ speculative cycle (acceptance and cache bookkeeping; ~1 ms in the profiler's row
 Then, per task, the speedup over plain decoding of:
   - every fixed method (every cycle the same tree shape, or the same copy length): a check of this cost model
     against bench/speculative.py's measured numbers;
+  - the shipped priced rule (speculative/budget.py) replayed on the recorded positions, as the priced hybrid of the
+    first shape + 6 copied tokens and as that shape's drafter alone (`PricedRule`);
   - `oracle_select`: each cycle the best of a plain step, a copy of any length, each tree, and each tree with a
     copy of any length grafted on (one verify), chosen knowing which tokens the target will accept -- a bound on
     any rule that picks sources, copy lengths and whether to draft (as the priced hybrid does);
   - `oracle_prune`: the same, and trees pruned to exactly their accepted path (no wasted rows at all) -- a bound on
     any budget rule whatever with these drafters on this host.
 The speedups are pooled (sum of plain decode time / sum of the method's time over the task's prompts), each prompt
-priced at its own costs. The oracles at zero bookkeeping cost are reported too: the most generous bound.
+priced at its own costs. The oracles at zero bookkeeping cost are reported too: the most generous bound. Last, the
+drafter's calibration: how often a node whose parent was accepted is accepted, by its own step probability.
 
-    .venv/bin/python bench/hybrid_ceiling.py                      # 80 MT-bench + 10 per task (~15 min here)
+    .venv/bin/python bench/hybrid_ceiling.py                      # 80 MT-bench + 10 per task (~12 min here)
     .venv/bin/python bench/hybrid_ceiling.py --limit 2 --mt-bench-limit 4   # a quick look
 
 Resumable: every finished prompt's replay is appended to a state file in the cache directory (named after the
@@ -287,6 +290,23 @@ def prompt_costs(rec, overhead_ms: float) -> dict:
     return {"decode_ms": mono[1], "verify": curve.verify, "draft_ms": rec["draft_ms"], "overhead_ms": overhead_ms}
 
 
+def parse_shapes(ap, text: str) -> list:
+    """'steps,topk,draft_tokens;...' -> SpecConfigs, or a one-line usage error naming the bad one."""
+    from specscope.errors import SpecscopeError
+    from specscope.speculative.decode import SpecConfig
+
+    out = []
+    for part in text.split(";"):
+        try:
+            steps, topk, tokens = (int(x) for x in part.split(","))
+            cfg = SpecConfig(steps, topk, tokens)
+            cfg.validate()
+        except (ValueError, SpecscopeError) as e:
+            ap.error(f"--shapes: {part!r} is not steps,topk,draft_tokens of a valid tree ({e})")
+        out.append(cfg)
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     prompt_args(ap)
@@ -300,20 +320,20 @@ def main(argv=None):
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "hybrid_ceiling.json"))
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    shapes = parse_shapes(ap, args.shapes)
+    if args.copy_max < 1:
+        ap.error(f"--copy-max must be >= 1, got {args.copy_max}")
 
     from specscope.economics.verify_curve import measure_curve
     from specscope.generate import generate
     from specscope.models.hub import cache_dir
     from specscope.session import load_target, stop_ids_for
-    from specscope.speculative.decode import SpecConfig, build_drafter
+    from specscope.speculative.decode import build_drafter
     from specscope.speculative.ngram import SuffixIndex
     from specscope.train.data import open_for_append, read_jsonl
 
     target, tok, path = load_target("smollm2-135m", "fp32", "cpu")
     stop = stop_ids_for(target, tok)
-    shapes = [SpecConfig(*(int(x) for x in s.split(","))) for s in args.shapes.split(";")]
-    for s in shapes:
-        s.validate()
     eagle = build_drafter(args.draft, target)
     drafters = [eagle] + [eagle.spawn() for _ in shapes[1:]]
     prompts = pick_prompts(args.tasks.split(","), args.limit, args.mt_bench_limit)

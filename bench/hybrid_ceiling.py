@@ -177,34 +177,28 @@ def methods_for(shapes, copy_max):
 
 
 class PricedRule:
-    """The shipped priced rule (speculative/budget.py, as HybridDrafter._priced applies it) replayed on the recorded
-    positions: the copy's length from the copy counts, whether to draft from the realized rates, the verified nodes
-    by calibrated probability. `copy=False`: the model drafter alone (`priced_alone`). One rule across prompts, as
-    the bench's priced drafters are; prices: the prompt's own measured curve (the live prices' target)."""
+    """The shipped priced rule (speculative/budget.py's BudgetRule, as HybridDrafter applies it) replayed on the
+    recorded positions: the copy's length from the copy counts, whether to draft from the realized rates, the
+    verified nodes by calibrated probability. `copy=False`: the model drafter alone (`priced_alone`). One rule across
+    prompts, as the bench's priced drafters are; prices: the prompt's own measured curve (the live prices' target)."""
 
     def __init__(self, shape: int, limit: int, copy: bool = True):
-        from specscope.speculative import budget
+        from specscope.speculative.budget import BudgetRule
 
-        self.b, self.k, self.limit, self.copy = budget, shape, limit, copy
-        self.copy_stats, self.tree_stats, self.calib = budget.CopyStats(), budget.TreeStats(), budget.Calibration()
+        self.rule, self.k, self.limit, self.copy = BudgetRule(), shape, limit, copy
 
     def cycle(self, row, c, prices) -> tuple[int, float]:
         from specscope.speculative.tree import COPIED, DRAFTED
 
-        b = self.b
         n = min(row["copy_len"], self.limit) if self.copy else 0
-        cls = b.CopyStats.match_class(row["match"], n)
-        rates = self.copy_stats.rates(cls, n)
-        L, _ = b.best_copy(rates, prices, n)
-        if not self.tree_stats.wants(cls):
+        cls, rates, L, draft = self.rule.plan(row["match"], n, prices)
+        if not draft:
             acc = min(row["copy_acc"], L)
             ms = c["verify"](1 + L) + c["overhead_ms"] if L else c["decode_ms"]
-            if L:
-                self.copy_stats.update(cls, L, acc)
-            self.tree_stats.add(cls, False, 1 + acc, ms)
+            self.rule.learn(cls, False, L, acc, 1 + acc, ms)
             return acc, ms
         t, draft_ms = row["trees"][self.k], c["draft_ms"][self.k]
-        cost = self.tree_stats.drafted(draft_ms / 1e3, prices)
+        cost = self.rule.tree_stats.drafted(draft_ms / 1e3, prices)
         # the drafted tree with the first n copied tokens grafted on (the shared prefix is already in it)
         pars, scores = list(t["parents"]), list(t["scores"])
         src = [DRAFTED] * len(pars)
@@ -219,19 +213,14 @@ class PricedRule:
         depth = []
         for q in pars:
             depth.append(1 if q < 0 else depth[q] + 1)
-        probs = b.node_probs(_Tree(pars, depth, src, scores), rates, self.calib)
-        keep, _ = b.best_nodes(probs, pars, depth, prices, cost, self.limit)
-        keep = set(keep)
+        keep = sorted(self.rule.keep(_Tree(pars, depth, src, scores), rates, prices, cost, self.limit))
         a_copy = min(row["copy_acc"], n)
         path = t["path"] if t["acc"] >= a_copy else copy_nodes[:a_copy]
         acc = next((j for j, i in enumerate(path) if i not in keep), len(path))
         took = set(path[:acc])
-        for i in keep:
-            if src[i] & DRAFTED:
-                self.calib.update(depth[i], math.exp(scores[i]), i in took)
-        self.copy_stats.update(cls, sum(1 for i in keep if src[i] & COPIED), sum(1 for i in took if src[i] & COPIED))
         ms = draft_ms + c["verify"](1 + len(keep)) + c["overhead_ms"]
-        self.tree_stats.add(cls, True, 1 + acc, ms)
+        self.rule.learn(cls, True, sum(1 for i in keep if src[i] & COPIED), sum(1 for i in took if src[i] & COPIED),
+                        1 + acc, ms, [(depth[i], scores[i], i in took) for i in keep if src[i] & DRAFTED])
         return acc, ms
 
 
@@ -402,7 +391,7 @@ def main(argv=None):
     for name, rule in ((f"priced hybrid {names[0]}+6 (rule)", PricedRule(0, limit)),
                        (f"priced eagle3 {names[0]} (rule)", PricedRule(0, shapes[0].draft_tokens - 1, copy=False))):
         def run(rows, costs, rule=rule):
-            rule.tree_stats.new_request()      # as HybridDrafter.start() does
+            rule.rule.tree_stats.new_request()      # as HybridDrafter.start() does
             T1 = costs["decode_ms"]
             prices = FixedPrices(Prices({n: costs["verify"](n) / T1 for n in range(1, ROWS[-1] + 1)}, T1))
             return fixed_cost(rows, lambda row: rule.cycle(row, costs, prices))

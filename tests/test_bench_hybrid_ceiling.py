@@ -71,7 +71,7 @@ def test_priced_rule_accepts_only_what_it_verified():
             t = row["trees"][0]
             assert 0 <= acc <= max(t["acc"], min(row["copy_acc"], row["copy_len"]) if copy else 0)
             assert ms >= c["decode_ms"] - 1e-9
-            drafted, sat_out = sum(rule.tree_stats.count[True]), sum(rule.tree_stats.count[False])
+            drafted, sat_out = sum(rule.rule.tree_stats.count[True]), sum(rule.rule.tree_stats.count[False])
         assert drafted > 0 and sat_out > 0        # both choices were taken
 
 

@@ -249,9 +249,9 @@ def test_priced_model_drafter_alone_equals_greedy_and_prunes(target, eagle):
     cases = [(c, T, m) for c, T, m in hybrid_cases(10, 43, [0], rng_seed=3)]
     stats = check_grid(target, {**{f"alone-{pn}": (lambda d=d: d) for pn, d in kept.items()},
                                 "alone-draft-model": lambda: own}, cases, _prompt)
-    assert own.kind == "draft_model" and sum(own.tree_stats.count[True]) > 0
+    assert own.kind == "draft_model" and sum(own.rule.tree_stats.count[True]) > 0
     assert all(s["accepted"] > 0 for s in stats.values()), stats
-    assert sum(kept["steep"].tree_stats.count[True]) > 0      # it drafted, priced trees
+    assert sum(kept["steep"].rule.tree_stats.count[True]) > 0      # it drafted, priced trees
     p = _prompt(20, seed=5)
     want = generate(target, p, 20, stop_ids=[]).token_ids
     rows = {}

@@ -122,7 +122,7 @@ def test_speculative_sampling_matches_target(target, name):
     counts = sample_pairs(target, drafter_for(target, d, name), CASES[name])
     assert chi2_p(counts, probs) > 1e-3
     if name in PRICED:       # both choices were taken: drafted (and priced) trees, and cycles without the drafter
-        ts = PRICED[name].tree_stats
+        ts = PRICED[name].rule.tree_stats
         assert sum(ts.count[True]) >= 20 and sum(ts.count[False]) >= 20, ts.count
 
 

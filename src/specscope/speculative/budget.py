@@ -246,6 +246,36 @@ class Calibration:
         self.accepted[d] += accepted
 
 
+class BudgetRule:
+    """The priced rule in one place: its learned counts and its three choices (the copy's length, whether the model
+    drafter drafts, which drafted and copied nodes are verified). HybridDrafter applies it to live cycles;
+    bench/hybrid_ceiling.py replays it on recorded ones."""
+
+    def __init__(self):
+        self.copy_stats, self.tree_stats, self.calib = CopyStats(), TreeStats(), Calibration()
+
+    def plan(self, match: int, copy_len: int, prices: Prices) -> tuple[int, list[float], int, bool]:
+        """(the copy's match class, its per-depth acceptance, the length worth verifying alone, whether to draft)."""
+        cls = CopyStats.match_class(match, copy_len)
+        rates = self.copy_stats.rates(cls, copy_len)
+        L, _ = best_copy(rates, prices, copy_len)
+        return cls, rates, L, self.tree_stats.wants(cls)
+
+    def keep(self, tree, rates: list[float], prices: Prices, cost: float, limit: int) -> list[int]:
+        """The nodes of a drafted tree (with the copy grafted on) worth their rows, at most `limit`."""
+        probs = node_probs(tree, rates, self.calib)
+        return best_nodes(probs, tree.parents.tolist(), tree.depth.tolist(), prices, cost, limit)[0]
+
+    def learn(self, cls: int, drafted: bool, offered: int, copied_taken: int, tokens: int, ms: float,
+              nodes=()) -> None:
+        """After a verify: `offered` copied tokens were verified and `copied_taken` accepted, the cycle yielded
+        `tokens` in `ms`; `nodes`: (depth, cumulative log-prob, accepted) of each verified drafted node."""
+        self.copy_stats.update(cls, offered, copied_taken)
+        self.tree_stats.add(cls, drafted, tokens, ms)
+        for d, score, hit in nodes:
+            self.calib.update(d, math.exp(score), hit)
+
+
 def node_probs(tree, copy_rates: list[float], calib: Calibration) -> list[float]:
     """P(node accepted) for every node of a hybrid tree: the drafter's calibrated probability, the copy's
     depth-wise acceptance, the larger where both proposed it; never above the parent's."""

@@ -14,7 +14,6 @@ one shared cache, and the trees come out the same.
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 
@@ -24,8 +23,7 @@ from specscope.errors import SpecscopeError
 from specscope.models.context import region_inputs
 from specscope.models.rope import rope_table
 from specscope.runtime.sampling import SamplingParams, probs_from_logits
-from specscope.speculative.budget import (Calibration, CopyStats, FixedPrices, LivePrices, Prices, TreeStats,
-                                         best_copy, best_nodes, node_probs)
+from specscope.speculative.budget import BudgetRule, CopyStats, FixedPrices, LivePrices, Prices, best_copy
 from specscope.speculative.ngram import SOURCES
 from specscope.speculative.tree import COPIED, DRAFTED, DraftTree, select_nodes
 
@@ -448,9 +446,7 @@ class HybridDrafter(Drafter):
         # the nodes worth their rows; counts outlive a request (start() keeps them), as a server's would
         self.prices = prices
         self.pricing = (LivePrices(prices) if live else FixedPrices(prices)) if prices is not None else None
-        self.copy_stats = CopyStats() if prices is not None else None
-        self.tree_stats = TreeStats() if prices is not None else None
-        self.calib = Calibration() if prices is not None else None
+        self.rule = BudgetRule() if prices is not None else None
         self._cycle: tuple | None = None         # (class, copied tokens verified, drafting cost or None, tree)
         self._t0 = self._drafted_at = 0.0        # when this cycle's drafting began, and ended
 
@@ -464,8 +460,8 @@ class HybridDrafter(Drafter):
         self.drafter.start(prompt_ids, root, target_out, max_len)
         self.source.reset(list(prompt_ids) + [root])
         self.gain, self.idle, self._tree = None, 0, None
-        if self.tree_stats is not None:
-            self.tree_stats.new_request()
+        if self.rule is not None:
+            self.rule.tree_stats.new_request()
 
     def region_cache(self, slots):
         return self.drafter.region_cache(slots)
@@ -492,24 +488,19 @@ class HybridDrafter(Drafter):
         return self._tree
 
     def _priced(self, cfg, sampling, gen, profiler, chain, match):
-        cls = CopyStats.match_class(match, len(chain))
-        rates = self.copy_stats.rates(cls, len(chain))
-        L, _ = best_copy(rates, self.pricing, len(chain))
+        cls, rates, L, draft = self.rule.plan(match, len(chain), self.pricing)
         t0 = self._t0 = time.perf_counter()
-        if not self.tree_stats.wants(cls):
+        if not draft:
             tree = DraftTree.empty(self.device).graft(chain[:L])
             self._cycle = (cls, L, None, tree)
             return tree
         tree = yield from self.drafter.drafting(cfg, sampling, gen, profiler)
         self._drafted_at = time.perf_counter()
-        cost = self.tree_stats.drafted(self._drafted_at - t0, self.pricing)
-        # every drafted node and the whole copy are candidates; the verified ones are those worth their rows
+        cost = self.rule.tree_stats.drafted(self._drafted_at - t0, self.pricing)
+        # every drafted node and the whole copy are candidates; the verified ones are those worth their rows, no
+        # more than the declared verify budget (the cache's room is sized for it)
         full = tree.graft(chain) if chain else tree
-        probs = node_probs(full, rates, self.calib)
-        # no more nodes than the declared verify budget (the cache's room is sized for it)
-        keep, _ = best_nodes(probs, full.parents.tolist(), full.depth.tolist(), self.pricing, cost,
-                             cfg.draft_tokens - 1 + cfg.ngram_tokens)
-        tree = full.subset(keep)
+        tree = full.subset(self.rule.keep(full, rates, self.pricing, cost, cfg.draft_tokens - 1 + cfg.ngram_tokens))
         src = tree.node_sources()
         self._cycle = (cls, sum(1 for x in src if x & COPIED), cost, tree)
         return tree
@@ -522,15 +513,13 @@ class HybridDrafter(Drafter):
         if self._cycle is not None:
             cls, offered, cost, tree = self._cycle
             src = tree.node_sources()
-            self.copy_stats.update(cls, offered, sum(1 for r in rows[1:] if src[r - 1] & COPIED))
+            took = set(rows[1:])
+            nodes = [(d, x, i + 1 in took) for i, (d, x) in enumerate(zip(tree.depth.tolist(), tree.scores))
+                     if src[i] & DRAFTED] if cost is not None and tree.scores is not None else []
             now = time.perf_counter()
-            self.tree_stats.add(cls, cost is not None, len(rows), (now - self._t0) * 1e3)
+            self.rule.learn(cls, cost is not None, offered, sum(1 for r in took if src[r - 1] & COPIED), len(rows),
+                            (now - self._t0) * 1e3, nodes)
             self.pricing.observe(tree.size + 1, (now - (self._t0 if cost is None else self._drafted_at)) * 1e3)
-            if cost is not None and tree.scores is not None:
-                took = set(rows[1:])
-                for i, (d, x) in enumerate(zip(tree.depth.tolist(), tree.scores)):
-                    if src[i] & DRAFTED:
-                        self.calib.update(d, math.exp(x), i + 1 in took)
             self._cycle = None
         if self._tree is not None:   # what the drafter's own nodes earned this cycle (rows: 0 = root, i = node i-1)
             src = self._tree.node_sources()

@@ -415,6 +415,80 @@ CLI_CASES = {
         random.Random(9).getrandbits(8) for _ in range(8192)))], ["g.db", "not a usable specscope registry"], True),
 }
 
+# -- what specscope keeps or reads around a command: the environment, impossible target configs, data files
+SG_LINE = ("[2025-10-22 10:27:57 TP0] Decode batch. #running-req: 1, #token: 186, token usage: 0.00, accept len: "
+           "1.95, accept rate: 0.49, cuda graph: True, gen throughput (token/s): 178.86, #queue-req: 0,")
+
+
+def train(w, *extra, stages="train"):
+    return ["train", "--workdir", w["tmp"] / "wd", "--model", w["model"], "--stages", stages, *extra]
+
+
+def with_env(argv, **env):
+    return {"argv": argv, "env": env}
+
+
+def _parquet(w, cut: bool):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    p = w["tmp"] / ("cut.parquet" if cut else "bad.parquet")
+    if not cut:
+        return fpath(w, p.name, b"PAR1 not a parquet file at all")
+    pq.write_table(pa.table({"messages": [[{"role": "user", "content": "hi"}]] * 8}), p)
+    p.write_bytes(p.read_bytes()[: p.stat().st_size // 2])
+    return p
+
+
+for _var, _val, _expect in (("LOCAL_RANK", "abc", ["LOCAL_RANK='abc'", "not an integer", "torchrun"]),
+                            ("LOCAL_RANK", "-1", ["LOCAL_RANK=-1", "0..0"]),
+                            ("LOCAL_RANK", "99", ["LOCAL_RANK=99", "0..0"]),
+                            ("WORLD_SIZE", "2", ["WORLD_SIZE=2", "MASTER_ADDR", "torchrun"]),
+                            ("WORLD_SIZE", "0", ["WORLD_SIZE=0", ">= 1"]),
+                            ("RANK", "1", ["RANK=1", "0..0", "WORLD_SIZE is 1"])):
+    CLI_CASES[f"train with {_var}={_val}"] = ((lambda v, x: lambda w: with_env(train(w), **{v: x}))(_var, _val),
+                                              _expect, True)
+CLI_CASES.update({
+    "SPECSCOPE_KERNELS=bogus": (lambda w: with_env(gen(w), SPECSCOPE_KERNELS="bogus"),
+                                ["SPECSCOPE_KERNELS='bogus'", "auto, avx512, avx2, neon, off"], True),
+    "SPECSCOPE_LINEAR_TUNE=yes": (lambda w: with_env(gen(w), SPECSCOPE_LINEAR_TUNE="yes"),
+                                  ["SPECSCOPE_LINEAR_TUNE='yes'", "1", "0"], True),
+    "SPECSCOPE_CACHE a file": (lambda w: with_env(gen(w), SPECSCOPE_CACHE=str(fpath(w, "cache", "x"))),
+                               ["SPECSCOPE_CACHE", "is a file"], True),
+    "generate --draft-budget fixed without --draft": (lambda w: gen(w, "--draft-budget", "fixed"),
+                                                      ["--draft-budget fixed", "--draft"], True),
+    "train --dataset a corrupt Parquet file": (
+        lambda w: train(w, "--dataset", _parquet(w, cut=False), stages="data"), ["bad.parquet", "Parquet"], True),
+    "train --dataset a truncated Parquet file": (
+        lambda w: train(w, "--dataset", _parquet(w, cut=True), stages="data"), ["cut.parquet"], True),
+    "ingest a good file and a missing one": (
+        lambda w: ["ingest", fpath(w, "good.log", SG_LINE + "\n"), w["tmp"] / "missing.log"],
+        ["1 of 2 files", "nothing was stored"], True),
+    "runs list --db an empty file": (lambda w: ["runs", "list", "--db", fpath(w, "empty.db", b"")],
+                                     ["empty.db", "empty file"], True),
+    "runs list --db another program's SQLite file": (
+        lambda w: ["runs", "list", "--db", _foreign_sqlite(w)], ["other.db", "not a specscope registry"], True),
+})
+for _cmd in ("export", "check-drafter"):
+    for _field, _val in (("hidden_size", "576"), ("max_position_embeddings", 0), ("num_attention_heads", 0),
+                         ("vocab_size", 0), ("num_hidden_layers", "32")):
+        CLI_CASES[f"{_cmd} against a target whose {_field} is {_val!r}"] = (
+            (lambda c, f, v: lambda w: [c, w["drafter"], "--model", variant(w["model"], w["tmp"] / "m", setitem(f, v)),
+                                        *(["--format", "speculators", "-o", w["tmp"] / "out"] if c == "export"
+                                          else ["--no-run"])])(_cmd, _field, _val),
+            ["target config.json", _field, repr(_val)], True)
+
+
+def _foreign_sqlite(w):
+    import sqlite3
+
+    p = w["tmp"] / "other.db"
+    con = sqlite3.connect(p)
+    con.execute("CREATE TABLE notes (t TEXT)")
+    con.commit()
+    con.close()
+    return p
+
 
 def _with_template(w, template):
     d = variant(w["model"], w["tmp"] / "m")
@@ -475,6 +549,10 @@ def guarded(world, tmp_path, monkeypatch, capsys):
 
     def run(make, preflight: bool):
         got = make(w)
+        if isinstance(got, dict):           # with_env: the command and the environment it runs in
+            for k, v in got["env"].items():
+                monkeypatch.setenv(k, v)
+            got = got["argv"]
         argv, stdin = got if isinstance(got, tuple) else (got, None)
         if stdin is not None:
             monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(stdin)))

@@ -5,6 +5,7 @@ import gzip
 import subprocess
 import sys
 import json
+import os
 
 import pytest
 
@@ -264,13 +265,16 @@ def test_series_stay_bounded_however_long_the_log(tmp_path):
 def test_ingest_cli_stores_runs_that_compare_and_breakeven_read(tmp_path):
     from specscope.cli import main
     from specscope.registry import open_registry
+    from specscope.registry.db import default_db_path
 
     a = write(tmp_path, "a.log", [SG_ARGS] + [sg_decode(i, 1, 100.0, accept=2.5) for i in range(5)])
     b = write(tmp_path, "b.log", [SG_ARGS] + [sg_decode(i, 1, 120.0, accept=3.0) for i in range(5)])
     bad = write(tmp_path, "c.log", ["nothing"])
     with pytest.raises(SystemExit) as e:
         main(["ingest", str(a), str(b), str(bad), "--tag", "prod", "--json"])
-    assert e.value.code == 2  # one file failed; the other two are stored
+    assert e.value.code == 2  # one file failed: a refused command stores nothing
+    assert not os.path.exists(default_db_path()) or open_registry().list_runs(kind="ingest") == []
+    main(["ingest", str(a), str(b), "--tag", "prod", "--json"])
     runs = open_registry().list_runs(kind="ingest")
     assert len(runs) == 2
     ids = [r["id"] for r in runs]

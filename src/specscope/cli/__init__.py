@@ -59,6 +59,8 @@ def cli():
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
+        if not {"-h", "--help", "--version"} & set(argv):
+            check_environment()
         cli.main(args=argv, prog_name="specscope", standalone_mode=False)
     except SpecscopeError as e:
         click.echo(f"error: {e}", err=True)
@@ -88,6 +90,25 @@ def main(argv=None):
 
 
 INTERNAL_ERROR = 70  # EX_SOFTWARE (sysexits.h)
+TRIVIAL_KERNELS = ("", "auto", "1", "on", "true", "0", "off", "none", "false")
+
+
+def check_environment() -> None:
+    """specscope's own environment variables are refused like flags, before any work: one line naming the
+    variable. (torchrun's are checked by `train`, which reads them.)"""
+    kernels = os.environ.get("SPECSCOPE_KERNELS", "").strip().lower()
+    if kernels not in TRIVIAL_KERNELS:
+        from specscope.models import rowgemm     # torch, only when an ISA is forced
+
+        rowgemm.requested_isa()
+    tune = os.environ.get("SPECSCOPE_LINEAR_TUNE")
+    if tune is not None and tune.strip() not in ("0", "1"):
+        raise SpecscopeError(f"SPECSCOPE_LINEAR_TUNE={tune!r} must be 1 (tune the kernels' tiles once per shape, "
+                             f"the default) or 0 (untuned: same results, maybe slower)")
+    cache = os.environ.get("SPECSCOPE_CACHE")
+    if cache and os.path.exists(cache) and not os.path.isdir(cache):
+        raise SpecscopeError(f"SPECSCOPE_CACHE={cache!r} is a file, not a directory; point it at a directory "
+                             f"(or unset it for ~/.cache/specscope)")
 
 
 def _internal_error(e: BaseException):

@@ -100,7 +100,7 @@ def demo(num_prompts, output, draft, max_new_tokens, threads, model_name, draft_
 
     dev = setup_runtime(threads, device)
     opts = DemoOptions(model=model_name, draft=draft, prompts=num_prompts, max_new_tokens=max_new_tokens,
-                       draft_budget=draft_budget, steps=steps, topk=topk, draft_tokens=draft_tokens,
+                       draft_budget=draft_budget or "priced", steps=steps, topk=topk, draft_tokens=draft_tokens,
                        ngram_tokens=ngram_tokens, dtype=dtype,
                        device=str(dev), out=output, db=db, verify_curve=not no_verify_curve)
     if as_json:

@@ -9,6 +9,7 @@ import click
 from specscope.cli.checks import THREADS
 from specscope.cli.common import (SEED, TEMPERATURE, TOP_K, TOP_P, db_option, device_option, draft_budget_option, draft_option,
                                   dtype_option, emit_json, json_option, read_stdin_text, setup_runtime, spec_options)
+from specscope.errors import SpecscopeError
 
 
 @click.command()
@@ -37,12 +38,15 @@ def generate(model_name, prompt, chat, max_new_tokens, temperature, top_p, top_k
     """Generate text from one prompt with baseline or speculative decoding."""
     from specscope.session import GenerateRequest, run_generate
 
+    if draft is None and draft_budget is not None:
+        raise SpecscopeError(f"--draft-budget {draft_budget} budgets a drafter's cycles, but no --draft is given; add "
+                             f"--draft (e.g. ngram or smollm2-135m-eagle3) or drop --draft-budget")
     if prompt == "-":
         prompt = read_stdin_text("--prompt -")
     dev = setup_runtime(threads, device)
     req = GenerateRequest(model=model_name, prompt=prompt, chat=chat, max_new_tokens=max_new_tokens,
                           temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, dtype=dtype,
-                          device=str(dev), threads=threads, draft=draft, draft_budget=draft_budget, steps=steps, topk=topk,
+                          device=str(dev), threads=threads, draft=draft, draft_budget=draft_budget or "priced", steps=steps, topk=topk,
                           draft_tokens=draft_tokens, ngram_tokens=ngram_tokens, record=not no_record, db=db)
 
     if as_json:

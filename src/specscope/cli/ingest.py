@@ -84,7 +84,7 @@ def ingest(files, engine, tags, name, no_record, progress, db, as_json):
     tabled in docs/engine-metrics.md; a per-file report says which lines were used, skipped, and why. A vLLM
     torch-profiler trace (*.pt.trace.json[.gz], recorded with VLLM_CUSTOM_SCOPES_FOR_PROFILING=1) becomes per-phase
     cycle timing, one cycle per decode step."""
-    from specscope.ingest.core import ingest_file
+    from specscope.ingest.core import ingest_file, store_parsed
 
     if not no_record:       # before streaming what may be gigabytes of logs, not after each file
         from specscope.registry import check_registry
@@ -96,14 +96,23 @@ def ingest(files, engine, tags, name, no_record, progress, db, as_json):
         try:
             if bar is not None:
                 with bar:
-                    done.append(ingest_file(f, engine=engine, tags=tags, name=name, record=not no_record, db=db,
-                                            progress=update))
+                    done.append(ingest_file(f, engine=engine, tags=tags, name=name, record=False, progress=update))
             else:
-                done.append(ingest_file(f, engine=engine, tags=tags, name=name, record=not no_record, db=db))
+                done.append(ingest_file(f, engine=engine, tags=tags, name=name, record=False))
         except SpecscopeError as e:
             failed.append(str(e))
-            if not as_json and len(files) > 1:
-                click.echo(f"error: {e}", err=True)
+    if failed:          # a refused command changes nothing: no file's run is stored when any file failed
+        if as_json:
+            emit_json({"runs": [], "errors": failed})
+        if len(files) == 1:
+            raise SpecscopeError(failed[0])
+        more = f" (and {len(failed) - 1} more)" if len(failed) > 1 else ""
+        raise SpecscopeError(f"{len(failed)} of {len(files)} files could not be ingested, so nothing was stored: "
+                             f"{failed[0]}{more}; fix or drop them and ingest again")
+    for s in done:
+        if not no_record:
+            store_parsed(s, db)
+        del s["record"]         # the record object stays internal: --json prints the summary
     if as_json:
         emit_json({"runs": done, "errors": failed})
     else:
@@ -146,7 +155,3 @@ def ingest(files, engine, tags, name, no_record, progress, db, as_json):
                 click.echo(f"  malformed line {ex['line']}: {ex['reason']}", err=True)
             for w in i["warnings"]:
                 click.echo(f"  note: {w}", err=True)
-    if failed:
-        if len(files) == 1:
-            raise SpecscopeError(failed[0])
-        raise SpecscopeError(f"{len(failed)} of {len(files)} files could not be ingested (see above)")

@@ -4,16 +4,13 @@ with the verify-curve machinery at one context and cached per host, model, dtype
 from __future__ import annotations
 
 import hashlib
-import json
-import os
-import tempfile
 from pathlib import Path
 
 import torch
 
+from specscope import cachedir
 from specscope.economics.verify_curve import measure_curve
 from specscope.models import rowgemm
-from specscope.models.hub import cache_dir
 from specscope.speculative.budget import Prices
 
 
@@ -32,32 +29,40 @@ def measure_prices(target, context: int = 256, rows=(1, 2, 3, 4, 5, 6, 8, 10, 12
     return Prices(ratio, one)
 
 
-def prices_path(target) -> Path:
-    """Where this host's prices for `target` live: keyed by what the timings depend on (the model's shape, its
-    device and dtype, the CPU, threads, kernels and torch, as the linear tuning cache is)."""
+def _key(target) -> str:
+    """What the timings depend on: the model's shape, its device and dtype, the CPU, threads, kernels and torch
+    (as the linear tuning cache is keyed)."""
     dev = target.device
     host = rowgemm.fingerprint() if dev.type == "cpu" else (
         torch.cuda.get_device_name(dev) if dev.type == "cuda" else dev.type)
     parts = [repr(target.config), str(dev), str(target.dtype), host, torch.__version__]
-    return cache_dir() / "prices" / (hashlib.sha256("|".join(parts).encode()).hexdigest()[:16] + ".json")
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()
+
+
+def _rel(key: str) -> str:
+    return f"prices/{key[:16]}.json"
+
+
+def prices_path(target) -> Path:
+    """Where this host's prices for `target` live in the cache dir (cachedir.locations also gives the fallback)."""
+    return cachedir.cache_dir() / _rel(_key(target))
 
 
 def host_prices(target, note=None) -> Prices:
-    """This host's prices for `target`: measured once (a few seconds), then read from the cache dir."""
-    path = prices_path(target)
-    try:
-        return Prices.from_dict(json.loads(path.read_text()))
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
+    """This host's prices for `target`: measured once (a few seconds), then read from the cache dir. A file that
+    is damaged, of the wrong shape or measured for another model or host is measured again (one warning)."""
+    key = _key(target)
+
+    def check(d) -> Prices:
+        if not isinstance(d, dict) or d.get("key") != key:
+            raise ValueError("it does not say it was measured for this model and host")
+        return Prices.from_dict(d)
+
+    cached = cachedir.load_json(_rel(key), check, "verify prices", "measuring them again")
+    if cached is not None:
+        return cached
     if note:
         note("measuring this host's verify cost by rows (once; cached)")
     p = measure_prices(target)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".json", dir=path.parent)
-        with os.fdopen(fd, "w") as f:
-            json.dump(p.to_dict(), f)
-        os.replace(tmp, path)
-    except OSError:
-        pass                     # an unwritable cache: measured again next time
+    cachedir.store_json(_rel(key), {**p.to_dict(), "key": key}, "verify prices")
     return p

@@ -175,13 +175,22 @@ def ingest_file(path, engine: str = "auto", tags=(), name: str | None = None, re
     results = dict(out["results"], ingest=ingest_info)
     summary = {"file": str(path), "format": main.name, "engine": config.get("engine"), "run_id": None,
                "source": source, "config": config, "results": results}
-    if record:
-        from specscope.registry import make_record, store_record
+    from specscope.registry import make_record
 
-        env = {k: v for k, v in out.get("env", {}).items() if v is not None}
-        env["ingested"] = True  # the engine ran elsewhere: this is not the local machine's fingerprint
-        label = "stdin" if str(path) == "-" else path.name
-        rec = make_record("ingest", name or f"{main.name} {label}", config=config, results=results,
-                          samples=out.get("samples", {}), tags=tags, env=env, source=source)
-        summary["run_id"] = store_record(rec, db)
+    env = {k: v for k, v in out.get("env", {}).items() if v is not None}
+    env["ingested"] = True  # the engine ran elsewhere: this is not the local machine's fingerprint
+    label = "stdin" if str(path) == "-" else path.name
+    summary["record"] = make_record("ingest", name or f"{main.name} {label}", config=config, results=results,
+                                    samples=out.get("samples", {}), tags=tags, env=env, source=source)
+    if record:
+        store_parsed(summary, db)
+    return summary
+
+
+def store_parsed(summary: dict, db=None) -> dict:
+    """Store a parsed file's run (ingest_file(..., record=False) parses without storing: a command refused for one
+    bad file of several stores none)."""
+    from specscope.registry import store_record
+
+    summary["run_id"] = store_record(summary["record"], db)
     return summary

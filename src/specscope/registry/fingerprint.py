@@ -99,12 +99,6 @@ def _simd(flags: set[str]) -> dict:
     kernels = rg._isa if rg is not None and rg._lib_state == "loaded" else None
     return {"simd": ",".join(simd) or None, "row_kernels": kernels}
 
-    flags = rowgemm.cpu_flags()
-    simd = [f for f in ("avx512f", "avx2", "fma", "asimd", "sve") if f in flags]
-    kernels = rowgemm._isa if rowgemm._lib_state == "loaded" else (
-        None if rowgemm._lib_state == "unavailable" else rowgemm.requested_isa()[0])
-    return {"simd": ",".join(simd) or None, "row_kernels": kernels}
-
 
 def _cgroup_cpu_quota():
     try:

@@ -30,10 +30,13 @@ class Prices:
     decode_ms: float
 
     def verify(self, rows: float) -> float:
-        """T(rows)/T(1): linear between measured row counts, the last segment's slope past them."""
+        """T(rows)/T(1): linear between measured row counts, the last segment's slope past them (one measured
+        count, on a model whose context holds no more: each further row priced as a whole step)."""
         pts = sorted(self.verify_ratio.items())
         if rows <= pts[0][0]:
             return pts[0][1]
+        if len(pts) == 1:
+            return pts[0][1] * rows / pts[0][0]
         for (n0, t0), (n1, t1) in zip(pts, pts[1:]):
             if rows <= n1:
                 return t0 + (t1 - t0) * (rows - n0) / (n1 - n0)
@@ -44,12 +47,19 @@ class Prices:
         return {"verify_ratio": {str(k): v for k, v in self.verify_ratio.items()}, "decode_ms": self.decode_ms}
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Prices":
-        """Raises ValueError (or KeyError / TypeError) for anything but a curve from 1 row with positive costs."""
-        ratio = {int(k): float(v) for k, v in d["verify_ratio"].items()}
-        decode_ms = float(d["decode_ms"])
-        if 1 not in ratio or not all(v > 0 and math.isfinite(v) for v in [*ratio.values(), decode_ms]):
-            raise ValueError(f"not a price curve: {d!r}")
+    def from_dict(cls, d) -> "Prices":
+        """Raises ValueError, naming what is wrong, for anything but a curve from 1 row with positive costs."""
+        if not isinstance(d, dict) or not isinstance(d.get("verify_ratio"), dict):
+            raise ValueError("not a price curve: verify_ratio must be an object of rows -> cost")
+        try:
+            ratio = {int(k): float(v) for k, v in d["verify_ratio"].items()}
+            decode_ms = float(d["decode_ms"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"not a price curve: {e}") from None
+        if 1 not in ratio or min(ratio) < 1:
+            raise ValueError("not a price curve: it must start at 1 row")
+        if not all(v > 0 and math.isfinite(v) for v in [*ratio.values(), decode_ms]):
+            raise ValueError("not a price curve: costs must be positive and finite")
         return cls(ratio, decode_ms)
 
 

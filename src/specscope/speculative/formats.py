@@ -431,18 +431,30 @@ class TargetFacts:
 
     @classmethod
     def from_raw(cls, raw: dict, name_or_path: str | None, path: Path | None = None) -> "TargetFacts":
+        """Checked as `generate` checks a config: integers in range (not "576", not 0), so that an impossible
+        target is refused here rather than exported against or passed by check-drafter."""
         text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else {}
-        get = lambda k: raw.get(k, text.get(k))   # noqa: E731  multimodal configs nest the LM under text_config
-        missing = [k for k in ("hidden_size", "vocab_size", "num_hidden_layers") if get(k) is None]
+        src = {**raw, **{k: v for k, v in text.items() if k not in raw}}   # multimodal: the LM under text_config
+        where = "target config.json"
+        missing = [k for k in ("hidden_size", "vocab_size", "num_hidden_layers") if src.get(k) is None]
         if missing:
             raise SpecscopeError(f"target config.json lacks {', '.join(missing)}; is it a causal LM config?")
+        hidden = cfg_int(src, "hidden_size", hi=MAX_HIDDEN, where=where)
+        heads = cfg_int(src, "num_attention_heads", None, hi=MAX_HEADS, where=where)
+        if heads is not None:
+            cfg_int(src, "num_key_value_heads", None, hi=heads, where=where)
+            if hidden % heads and src.get("head_dim") is None:
+                raise SpecscopeError(f"{where}: hidden_size {hidden} is not a multiple of num_attention_heads "
+                                     f"{heads} and no head_dim is given; fix the file or re-export the checkpoint")
+        cfg_int(src, "head_dim", None, hi=MAX_HEAD_DIM, where=where)
         try:
             return cls(name_or_path=name_or_path, architectures=list(raw.get("architectures") or []),
-                       hidden_size=int(get("hidden_size")), vocab_size=int(get("vocab_size")),
-                       num_hidden_layers=int(get("num_hidden_layers")),
+                       hidden_size=hidden, vocab_size=cfg_int(src, "vocab_size", hi=MAX_VOCAB, where=where),
+                       num_hidden_layers=cfg_int(src, "num_hidden_layers", hi=MAX_LAYERS, where=where),
                        rope_theta=float(rope_theta_of(text or raw)),
                        rope_scaling=rope_scaling_of(text or raw),
-                       max_position_embeddings=get("max_position_embeddings"),
+                       max_position_embeddings=cfg_int(src, "max_position_embeddings", None, hi=MAX_POSITIONS,
+                                                       where=where),
                        torch_dtype=raw.get("torch_dtype") or raw.get("dtype"), path=path)
         except (TypeError, ValueError) as e:
             raise SpecscopeError(f"target config.json has an invalid value: {e}") from None

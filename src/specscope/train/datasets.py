@@ -70,7 +70,9 @@ def _quiet():
     import datasets     # Hugging Face datasets: slow to import, needed only for non-JSONL data
 
     datasets.disable_progress_bars()
-    datasets.logging.set_verbosity_error()
+    # its loaders log an error line and then raise (a corrupt Parquet file: "Failed to read schema ..."); the
+    # exception becomes our one `error:` line, so its own log line would be a second
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
     return datasets
 
 

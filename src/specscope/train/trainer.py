@@ -76,8 +76,43 @@ def divergence(step: int, what: str, value: float, cfg: TrainConfig, first: bool
 
 # ---------------------------------------------------------------- distributed
 
+TORCHRUN = "start the processes with torchrun (torchrun --nproc-per-node N -m specscope train ...), " \
+           "or unset it for one process"
+
+
+def _env_int(name: str, lo: int, hi: int | None = None, bound: str = "") -> int | None:
+    v = os.environ.get(name)
+    if v is None or v.strip() == "":
+        return None
+    try:
+        n = int(v.strip())
+    except ValueError:
+        raise SpecscopeError(f"{name}={v!r} is not an integer; {TORCHRUN}") from None
+    if n < lo or (hi is not None and n > hi):
+        span = f"{lo}..{hi}" if hi is not None else f">= {lo}"
+        raise SpecscopeError(f"{name}={n} must be in {span}{bound}; {TORCHRUN}")
+    return n
+
+
+def dist_env() -> dict:
+    """torchrun's variables, checked like flags (a process that reads a bad one would train alone, or hang at the
+    rendezvous): RANK / WORLD_SIZE / LOCAL_RANK / LOCAL_WORLD_SIZE as integers in range, and for more than one
+    process the rendezvous address torchrun sets."""
+    world = _env_int("WORLD_SIZE", 1) or 1
+    rank = _env_int("RANK", 0, world - 1, f" (WORLD_SIZE is {world})")
+    local_world = _env_int("LOCAL_WORLD_SIZE", 1, world, f" (WORLD_SIZE is {world})") or world
+    local_rank = _env_int("LOCAL_RANK", 0, local_world - 1, f" ({local_world} process(es) on this node)")
+    if world > 1:
+        missing = [k for k in ("RANK", "MASTER_ADDR", "MASTER_PORT") if not os.environ.get(k)]
+        if missing:
+            raise SpecscopeError(f"WORLD_SIZE={world} but {', '.join(missing)} {'is' if len(missing) == 1 else 'are'}"
+                                 f" not set, so no other process can be found; {TORCHRUN}")
+    return {"rank": rank or 0, "world": world, "local_rank": local_rank}
+
+
 def dist_info() -> tuple[int, int]:
-    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    d = dist_env()
+    return d["rank"], d["world"]
 
 
 def rank_device(requested: str, local_rank: int | None, cuda_count: int) -> str:
@@ -101,8 +136,7 @@ def rank_device(requested: str, local_rank: int | None, cuda_count: int) -> str:
 def process_device(requested: str) -> torch.device:
     """rank_device for this process (LOCAL_RANK from torchrun), made the current CUDA device (NCCL and every bare
     .cuda() then use it)."""
-    lr = os.environ.get("LOCAL_RANK")
-    dev = torch.device(rank_device(requested, int(lr) if lr is not None else None,
+    dev = torch.device(rank_device(requested, dist_env()["local_rank"],
                                    torch.cuda.device_count() if torch.cuda.is_available() else 0))
     if dev.type == "cuda" and dev.index is not None:
         torch.cuda.set_device(dev)
@@ -123,7 +157,12 @@ def init_distributed(device: torch.device):
 
     rank, world = dist_info()
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        try:
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        except (RuntimeError, ValueError) as e:     # torch raises DistBackendError / DistStoreError on a timeout
+            raise SpecscopeError(f"process {rank} of {world} could not join the others at "
+                                 f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')} "
+                                 f"({str(e).splitlines()[0][:160]}); {TORCHRUN}") from None
     return rank, world
 
 

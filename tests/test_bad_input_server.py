@@ -313,8 +313,8 @@ OK = {"prompt": "the quick brown fox", "max_tokens": 2}
     ("frequency_penalty", -1),
     ("logit_bias", {"5": 100}),
     ("min_p", 0.1),
-    ("logprobs", True),
-    ("echo", True),
+    ("top_logprobs", 3),   # chat's field; completions take "logprobs": k
+    ("suffix", "!"),
 ])
 def test_unsupported_features_are_400_naming_the_field(server, field, value):
     r = httpx.post(server.url + "/v1/completions", json=dict(OK, **{field: value}))

@@ -14,7 +14,7 @@ from __future__ import annotations
 import heapq
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -29,6 +29,23 @@ from specscope.speculative.stats import SpecTally
 from specscope.speculative.tree import DraftTree
 
 
+class TokenLogprob(NamedTuple):
+    """One position under the target: the log-softmax of its raw logits (before temperature, top-k, top-p), at
+    the token that stands there and at the k likeliest tokens, as (id, logprob), likeliest first."""
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], k: int) -> list[TokenLogprob]:
+    """logits [n, V] (the rows that chose or predicted `tokens`, one each) -> a TokenLogprob per row."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = lp[torch.arange(len(tokens)), torch.tensor(tokens, dtype=torch.long)].tolist()
+    if not k:
+        return [TokenLogprob(c, []) for c in chosen]
+    vals, idx = torch.topk(lp, min(k, lp.shape[-1]), dim=-1)
+    return [TokenLogprob(c, list(zip(i, v))) for c, i, v in zip(chosen, idx.tolist(), vals.tolist())]
+
+
 @dataclass
 class Request:
     id: str
@@ -37,6 +54,13 @@ class Request:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop_ids: tuple = ()
     on_tokens: Callable[[list[int]], None] | None = None   # streamed as tokens are committed; raising cancels
+    # log-probabilities, taken from the logits the step chose each token by (a verify row when drafts were
+    # accepted): so speculation never changes them. None: not computed; k: also the k likeliest tokens
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None   # the same for prompt tokens 2..n: the prompt is then computed, not reused
+    # (records, prompt) -> None: the prompt's records once (its first token's is None), then each committed
+    # token's, always before on_tokens gets those tokens
+    on_logprobs: Callable[[list, bool], None] | None = None
 
 
 @dataclass
@@ -52,6 +76,8 @@ class Finished:
     stats: object | None = None           # SpecStats for a speculative sequence
     exc: BaseException | None = None      # what on_tokens (or committing the sequence) raised, for "aborted"
     cached_tokens: int = 0                # prompt tokens whose keys/values were reused, not computed
+    logprobs: list[TokenLogprob] | None = None          # per token_ids entry (Request.logprobs)
+    prompt_logprobs: list[TokenLogprob | None] | None = None   # per prompt token, None for the first
 
 
 class _Seq:
@@ -73,6 +99,9 @@ class _Seq:
         self.tree: DraftTree | None = None
         self.drafted = False              # this step's tree came from the drafter (a plain step's did not)
         self.exc: BaseException | None = None
+        self.lps = [] if req.logprobs is not None else None                # per committed token
+        self.prompt_lps = [None] if req.prompt_logprobs is not None else None
+        self.step_lps: list[TokenLogprob] = []                              # this step's new tokens'
 
 
 @dataclass
@@ -192,31 +221,50 @@ class BatchEngine:
             plans.append(plan)
         dev = self.target.device
         ids, pos, slots, mask = batch_inputs(parts, dev)
-        # logits only where a token is chosen: a prompt's last row, every verified row; none for other chunks
+        # logits only where a token is chosen (a prompt's last row, every verified row) or a prompt logprob is due
         need, r = [], 0
-        for p, plan in zip(parts, plans):
+        for seq, p, plan in zip(stepping, parts, plans):
             n = int(p.ids.numel())
-            need.extend(range(r, r + n) if plan == "verify" else [r + n - 1] if plan == "prefill" else [])
+            need.extend(range(r + n - self._logit_rows(seq, plan, n), r + n))
             r += n
         out = self.target(ids, pos, self.cache, slots, mask, logits_idx=need, aux_layers=self.aux_layers)
         r = l = 0
         now = time.perf_counter()
         for seq, p, plan in zip(stepping, parts, plans):
             n = int(p.ids.numel())
-            nl = n if plan == "verify" else 1 if plan == "prefill" else 0
+            nl = self._logit_rows(seq, plan, n)
             try:
                 new_tokens = self._finish(seq, plan, _slice(out, r, r + n, l, l + nl))
                 reason = None
                 if new_tokens:
                     if seq.t_first is None:
                         seq.t_first = now
-                    reason = seq.stop.emit(seq.produced, new_tokens, seq.req.on_tokens)
+                    reason = seq.stop.emit(seq.produced, new_tokens, lambda kept, s=seq: self._commit(s, kept))
             except Exception as e:       # the client's callback (cancelled, a stop string) or a bug: only it ends
                 reason, seq.exc = "aborted", e
             if reason is not None:
                 done.append(self._retire(seq, reason))
             r, l = r + n, l + nl
         return done
+
+    @staticmethod
+    def _logit_rows(seq: _Seq, plan: str, n: int) -> int:
+        """How many of a part's last rows need logits: all verified rows, all prompt rows when prompt logprobs
+        are asked for, else the prompt's last row only."""
+        if plan == "verify" or seq.prompt_lps is not None:
+            return n
+        return 1 if plan == "prefill" else 0
+
+    @staticmethod
+    def _commit(seq: _Seq, kept: list[int]) -> None:
+        """Stream the tokens StopCriteria kept: their logprobs first, then the tokens."""
+        if seq.lps is not None:
+            recs = seq.step_lps[:len(kept)]
+            seq.lps += recs
+            if seq.req.on_logprobs is not None:
+                seq.req.on_logprobs(recs, False)
+        if seq.req.on_tokens is not None:
+            seq.req.on_tokens(kept)
 
     def _drop_cancelled(self) -> list[Finished]:
         if not self.cancelled:
@@ -238,7 +286,7 @@ class BatchEngine:
         new = []
         while self.waiting and self.free and budget > 0:
             req, tq = self.waiting.pop(0)
-            base, reuse = self._region_for(req.prompt_ids)
+            base, reuse = self._region_for(req.prompt_ids, req.prompt_logprobs is None)
             budget -= len(req.prompt_ids) - reuse
             drafter = self.drafter.spawn() if self.drafter is not None else None
             if self.draft_cache is not None:
@@ -252,12 +300,12 @@ class BatchEngine:
             new.append(seq)
         return new
 
-    def _region_for(self, prompt: list[int]) -> tuple[int, int]:
+    def _region_for(self, prompt: list[int], reuse_ok: bool = True) -> tuple[int, int]:
         """A free region for `prompt` -> (its first slot, prompt tokens whose keys/values it already holds): the
         one sharing the longest prefix (at most all but the prompt's last token, whose logits are needed), else
-        the lowest."""
+        the lowest. reuse_ok False: none reused (prompt logprobs need every prompt row's logits)."""
         best, reuse = self.free[0], 0
-        if self.prefix_caching:
+        if self.prefix_caching and reuse_ok:
             for base in self.free:
                 n = min(common_prefix(self.held.get(base, []), prompt), len(prompt) - 1)
                 if n > reuse or (n == reuse and reuse and base < best):
@@ -289,7 +337,7 @@ class BatchEngine:
                 else seq.req.prompt_ids[:seq.prefilled]
         stats = seq.tally.stats() if seq.tally is not None and seq.tally.accept_lengths else None
         return Finished(seq.req.id, seq.produced, reason, len(seq.req.prompt_ids), seq.t_queued, seq.t_scheduled,
-                        seq.t_first, time.perf_counter(), stats, seq.exc, seq.cached)
+                        seq.t_first, time.perf_counter(), stats, seq.exc, seq.cached, seq.lps, seq.prompt_lps)
 
     def _draft(self, shape) -> None:
         """Every prefilled sequence's tree for this step: drafted together (shape given) or empty (a plain step;
@@ -317,6 +365,7 @@ class BatchEngine:
         """Choose the sequence's tokens from its logits and commit them -> the new tokens."""
         logits = out.logits[0]
         if plan != "verify":
+            self._prompt_logprobs(seq, logits)
             seq.prefilled += seq.chunk
             if self.aux_layers:
                 seq.aux.append(out.aux_hidden)
@@ -324,10 +373,12 @@ class BatchEngine:
                 return []
             seq.length = len(seq.req.prompt_ids)
             seq.root = int(next_token(logits[-1:], seq.req.sampling, seq.gen))
+            if seq.lps is not None:
+                seq.step_lps = token_logprobs(logits[-1:], [seq.root], seq.req.logprobs)
             if seq.drafter is not None:   # the drafter starts from the whole prompt's states, chunks joined
                 aux = [torch.cat(a, dim=1) for a in zip(*seq.aux)] if seq.aux else []
                 seq.aux = []
-                seq.drafter.start(list(seq.req.prompt_ids), seq.root, ForwardOutput(out.logits, aux),
+                seq.drafter.start(list(seq.req.prompt_ids), seq.root, ForwardOutput(out.logits[:, -1:], aux),
                                   seq.length + seq.req.max_new_tokens + 1 + self.cfg.expansion_slots)
             return [seq.root]
         tree = seq.tree
@@ -335,6 +386,8 @@ class BatchEngine:
             rows, new_tokens = [0], [int(next_token(logits[-1:], seq.req.sampling, seq.gen))]
         else:
             rows, new_tokens = accept(logits, tree, seq.req.sampling, seq.gen)
+        if seq.lps is not None:   # token i was chosen by verify row rows[i]: the target's own logits there
+            seq.step_lps = token_logprobs(logits[rows], new_tokens, seq.req.logprobs)
         self._compact(seq, rows)
         if seq.drafter is not None:
             seq.drafter.commit(rows, out, new_tokens)
@@ -342,6 +395,19 @@ class BatchEngine:
                 seq.tally.add(tree, rows)
         seq.root = new_tokens[-1]
         return new_tokens
+
+    @staticmethod
+    def _prompt_logprobs(seq: _Seq, logits: torch.Tensor) -> None:
+        """A prompt chunk's records: row j (position lo + j) predicts prompt token lo + j + 1; the prompt's last
+        row predicts the first generated token, recorded with it. Handed over once the prompt is complete."""
+        if seq.prompt_lps is None:
+            return
+        prompt, lo = seq.req.prompt_ids, seq.prefilled
+        nxt = prompt[lo + 1:lo + seq.chunk + 1]
+        if nxt:
+            seq.prompt_lps += token_logprobs(logits[:len(nxt)], nxt, seq.req.prompt_logprobs)
+        if lo + seq.chunk == len(prompt) and seq.req.on_logprobs is not None:
+            seq.req.on_logprobs(seq.prompt_lps, True)
 
     def _compact(self, seq: _Seq, rows: list[int]) -> None:
         """Move the accepted rows' cache entries to the end of the committed ones (as KVCache.compact does for

@@ -1,4 +1,5 @@
-"""FastAPI app: OpenAI-compatible routes, /health, /metrics, API-key check, JSON errors everywhere."""
+"""FastAPI app: OpenAI-compatible routes, vLLM's /tokenize and /detokenize, /health, /metrics, API-key check,
+x-request-id on every response, JSON errors everywhere."""
 
 from __future__ import annotations
 
@@ -15,9 +16,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from specscope.server import protocol as P
+from specscope.server import tokenize as T
 from specscope.server.metrics import ServerMetrics
 from specscope.server.protocol import ApiError
-from specscope.server.worker import Job, ServedModel, Worker
+from specscope.server.respond import Answer, wait_whole
+from specscope.server.worker import ServedModel, Worker
 
 log = logging.getLogger("specscope.server")
 
@@ -34,17 +37,40 @@ def error_response(e: ApiError, headers: dict | None = None) -> JSONResponse:
 
 
 class CancellingStream(StreamingResponse):
-    """A streaming response that cancels its job however it ends (done, client gone, server stopping)."""
+    """A streaming response that cancels its jobs however it ends (done, client gone, server stopping)."""
 
-    def __init__(self, content, job: Job, **kw):
+    def __init__(self, content, answer: Answer, **kw):
         super().__init__(content, **kw)
-        self.job = job
+        self.answer = answer
 
     async def __call__(self, scope, receive, send):
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self.job.cancel()
+            self.answer.cancel()
+
+
+class RequestIdMiddleware:
+    """Every response carries x-request-id: the client's own, echoed (as vLLM does), else one made here. Added
+    last, so it wraps the API-key check and the 404s too; the 500 handler runs outside all middleware and sets
+    the header itself from request.state.request_id."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        rid = dict(scope["headers"]).get(b"x-request-id") or uuid.uuid4().hex.encode()
+        scope.setdefault("state", {})["request_id"] = rid.decode("latin-1")
+
+        async def send_with_id(msg):
+            if msg["type"] == "http.response.start":
+                kept = [(k, v) for k, v in msg.get("headers", []) if k.lower() != b"x-request-id"]
+                msg = {**msg, "headers": kept + [(b"x-request-id", rid)]}
+            await send(msg)
+
+        return await self.app(scope, receive, send_with_id)
 
 
 class ApiKeyMiddleware:
@@ -66,6 +92,40 @@ class ApiKeyMiddleware:
         return await self.app(scope, receive, send)
 
 
+async def read_body(request: Request, cfg) -> dict:
+    cl = request.headers.get("content-length")
+    if cl is not None and cl.isdigit() and int(cl) > cfg.max_body_bytes:
+        raise ApiError(413, f"the request body is over {cfg.max_body_bytes} bytes")
+    raw = b""
+    # the whole body within body_timeout_s: a client that sends headers and then trickles (or nothing) would
+    # otherwise hold its connection forever, and a few of them are a denial of service
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + cfg.body_timeout_s
+    parts = request.stream()
+    while True:
+        try:
+            part = await asyncio.wait_for(anext(parts), max(deadline - loop.time(), 0))
+        except StopAsyncIteration:
+            break
+        except asyncio.TimeoutError:
+            log.info("%s %s: body not received within %g s; closing", request.method, request.url.path,
+                     cfg.body_timeout_s)
+            raise ApiError(408, f"the request body did not arrive within {cfg.body_timeout_s:g} s; send it "
+                                f"whole and promptly", close=True) from None
+        raw += part
+        if len(raw) > cfg.max_body_bytes:
+            raise ApiError(413, f"the request body is over {cfg.max_body_bytes} bytes")
+    return P.parse_json(raw)
+
+
+def check_model(served: ServedModel, name) -> None:
+    """A request's 'model' must name this server's model (its served name, --model, or its path)."""
+    if name is not None and not isinstance(name, str):
+        raise ApiError(400, "'model' must be a string", "model")
+    if name is not None and name not in (served.name, served.cfg.model, str(served.path)):
+        raise ApiError(404, f"the model {name!r} does not exist; this server serves {served.name!r}", "model")
+
+
 def create_app(served: ServedModel, metrics: ServerMetrics | None = None) -> FastAPI:
     cfg = served.cfg
     metrics = metrics or ServerMetrics(cfg.metrics_prefix)
@@ -80,7 +140,16 @@ def create_app(served: ServedModel, metrics: ServerMetrics | None = None) -> Fas
 
     app = FastAPI(title="specscope", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.served, app.state.worker, app.state.metrics = served, worker, metrics
+    _add_error_handlers(app)
+    if cfg.api_key:
+        app.add_middleware(ApiKeyMiddleware, key=cfg.api_key)
+    app.add_middleware(RequestIdMiddleware)
+    _add_info_routes(app, served, worker, metrics)
+    _add_generate_routes(app, served, worker)
+    return app
 
+
+def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(request, e: ApiError):
         return error_response(e)
@@ -94,7 +163,7 @@ def create_app(served: ServedModel, metrics: ServerMetrics | None = None) -> Fas
     @app.exception_handler(Exception)
     async def _bug(request, e: Exception):
         # a bug, not a bad request: the client gets an id to quote, the server log gets the traceback under it
-        rid = "err-" + uuid.uuid4().hex[:16]
+        rid = getattr(request.state, "request_id", None) or "err-" + uuid.uuid4().hex[:16]
         log.error("internal error in %s %s (request id %s)", request.method, request.url.path, rid,
                   exc_info=(type(e), e, e.__traceback__))
         return error_response(ApiError(500, f"internal error (request id {rid}); the server log has the traceback "
@@ -105,8 +174,11 @@ def create_app(served: ServedModel, metrics: ServerMetrics | None = None) -> Fas
         msg = {404: f"no route {request.url.path}", 405: f"{request.method} is not allowed on {request.url.path}"}
         return error_response(ApiError(e.status_code, msg.get(e.status_code, str(e.detail))))
 
-    if cfg.api_key:
-        app.add_middleware(ApiKeyMiddleware, key=cfg.api_key)
+
+def _add_info_routes(app: FastAPI, served: ServedModel, worker: Worker, metrics: ServerMetrics) -> None:
+    """/health, /metrics, the model list and card, vLLM's /tokenize and /detokenize."""
+    card = {"id": served.name, "object": "model", "created": int(time.time()), "owned_by": "specscope",
+            "root": str(served.path), "max_model_len": served.max_seq_len}
 
     @app.get("/health")
     async def health():
@@ -120,103 +192,48 @@ def create_app(served: ServedModel, metrics: ServerMetrics | None = None) -> Fas
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": served.name, "object": "model", "created": int(time.time()),
-                                            "owned_by": "specscope", "root": str(served.path),
-                                            "max_model_len": served.max_seq_len}]}
+        return {"object": "list", "data": [card]}
 
-    async def read_body(request: Request) -> dict:
-        cl = request.headers.get("content-length")
-        if cl is not None and cl.isdigit() and int(cl) > cfg.max_body_bytes:
-            raise ApiError(413, f"the request body is over {cfg.max_body_bytes} bytes")
-        raw = b""
-        # the whole body within body_timeout_s: a client that sends headers and then trickles (or nothing) would
-        # otherwise hold its connection forever, and a few of them are a denial of service
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + cfg.body_timeout_s
-        parts = request.stream()
-        while True:
-            try:
-                part = await asyncio.wait_for(anext(parts), max(deadline - loop.time(), 0))
-            except StopAsyncIteration:
-                break
-            except asyncio.TimeoutError:
-                log.info("%s %s: body not received within %g s; closing", request.method, request.url.path,
-                         cfg.body_timeout_s)
-                raise ApiError(408, f"the request body did not arrive within {cfg.body_timeout_s:g} s; send it "
-                                    f"whole and promptly", close=True) from None
-            raw += part
-            if len(raw) > cfg.max_body_bytes:
-                raise ApiError(413, f"the request body is over {cfg.max_body_bytes} bytes")
-        return P.parse_json(raw)
+    @app.get("/v1/models/{model_id:path}")   # :path: hub ids have a slash
+    async def model(model_id: str):
+        check_model(served, model_id)
+        return card
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        body = await read_body(request, served.cfg)
+        check_model(served, body.get("model"))
+        return T.tokenize(served, body)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        body = await read_body(request, served.cfg)
+        check_model(served, body.get("model"))
+        return T.detokenize(served, body)
+
+
+def _add_generate_routes(app: FastAPI, served: ServedModel, worker: Worker) -> None:
+    cfg = served.cfg
 
     async def handle(request: Request, kind: str):
-        body = await read_body(request)
+        body = await read_body(request, cfg)
         parse = P.parse_chat if kind == "chat" else P.parse_completion
         p = parse(body, cfg.max_tokens_cap)
-        if p.model is not None and p.model not in (served.name, cfg.model, str(served.path)):
-            raise ApiError(404, f"the model {p.model!r} does not exist; this server serves {served.name!r}",
-                           "model")
+        check_model(served, p.model)
+        if p.n > worker.q.maxsize:
+            raise ApiError(400, f"'n' must be at most {worker.q.maxsize} (this server's --max-queue), got {p.n}",
+                           "n")
         ids = served.encode(p)
-        rid = P.new_id(kind)
-        job = Job(p, ids, asyncio.get_running_loop(), rid)
-        worker.submit(job)
+        answer = Answer(served, p, P.new_id(kind, request.state.request_id), ids, asyncio.get_running_loop())
+        worker.submit(*answer.jobs)
         if p.stream:
-            return CancellingStream(stream_events(job, p, rid), job, media_type="text/event-stream",
+            return CancellingStream(answer.stream(), answer, media_type="text/event-stream",
                                     headers={"Cache-Control": "no-cache"})
-        next_check = time.monotonic() + 0.1
         try:
-            while True:
-                try:
-                    ev = await asyncio.wait_for(job.events.get(), timeout=0.1)
-                except asyncio.TimeoutError:
-                    ev = None
-                if time.monotonic() >= next_check:
-                    next_check = time.monotonic() + 0.1
-                    if await request.is_disconnected():  # nobody will read the answer: stop decoding it
-                        job.cancel()
-                        return Response(status_code=499)
-                if ev is None:
-                    continue
-                if ev[0] == "done":
-                    d = ev[1]
-                    return P.full_response(p, rid, served.name, d["text"], d["finish"], d["prompt_tokens"],
-                                           d["token_ids"], d["spec"], d["cached_tokens"])
-                if ev[0] == "error":
-                    raise ev[1]
-                if ev[0] == "cancelled":
-                    raise ApiError(503, "the request was cancelled")
+            whole = await wait_whole(answer, request)
+            return Response(status_code=499) if whole is None else whole
         finally:
-            job.cancel()  # a non-streaming client that hangs up stops its decode too
-
-    async def stream_events(job: Job, p: P.GenParams, rid: str):
-        created = int(time.time())
-        if p.kind == "chat":
-            yield P.sse(P.chunk(p, rid, served.name, created, role=True))
-        while True:
-            ev = await job.events.get()
-            if ev[0] == "tokens":
-                text, tids = ev[1], ev[2]
-                if text or (p.return_token_ids and tids):
-                    yield P.sse(P.chunk(p, rid, served.name, created, text=text, token_ids=tids))
-            elif ev[0] == "done":
-                d = ev[1]
-                yield P.sse(P.chunk(p, rid, served.name, created, text="" if p.kind == "completion" else None,
-                                    finish=d["finish"]))
-                if p.include_usage:
-                    last = {"id": rid, "object": "chat.completion.chunk" if p.kind == "chat" else "text_completion",
-                            "created": created, "model": served.name, "choices": [],
-                            "usage": P.usage(d["prompt_tokens"], len(d["token_ids"]), d["cached_tokens"])}
-                    if d["spec"] is not None:
-                        last["spec"] = d["spec"]
-                    yield P.sse(last)
-                yield P.sse("[DONE]")
-                return
-            elif ev[0] == "error":
-                yield P.sse(ev[1].body())
-                yield P.sse("[DONE]")
-                return
-            else:  # cancelled: the client is gone, nothing to say
-                return
+            answer.cancel()  # a non-streaming client that hangs up stops its decode too
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -225,5 +242,3 @@ def create_app(served: ServedModel, metrics: ServerMetrics | None = None) -> Fas
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         return await handle(request, "chat")
-
-    return app

@@ -50,6 +50,10 @@ class GenParams:
     return_token_ids: bool = False
     ignore_eos: bool = False       # vLLM / SGLang extension
     model: str | None = None
+    n: int = 1                     # independent choices (jobs) of one request
+    logprobs: int | None = None    # per generated token: None = off, k = with the k likeliest alternatives
+    prompt_logprobs: int | None = None   # the same per prompt token (completions' echo with logprobs)
+    echo: bool = False             # completions: the answer starts with the prompt
 
 
 def _num(body, key, typ, lo=None, hi=None, default=None):
@@ -113,7 +117,7 @@ def _off(value, harmless: tuple) -> bool:
 # other value is a 400 naming the field: a client that asked for JSON output, tool calls or a penalty must learn it
 # will not get them, not receive free text with a 200. Fields not listed here are ignored, as vLLM does.
 UNSUPPORTED = {
-    "logprobs": (0,), "top_logprobs": (0,), "echo": (), "suffix": (), "tools": (), "functions": (),
+    "suffix": (), "tools": (), "functions": (),
     "tool_choice": ("none",), "function_call": ("none",), "response_format": ({"type": "text"},),
     "logit_bias": (), "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,),
     "min_p": (0,), "min_tokens": (0,), "stop_token_ids": (), "bad_words": (), "use_beam_search": (),
@@ -122,8 +126,12 @@ UNSUPPORTED = {
 }
 
 
-def _unsupported(body: dict) -> None:
-    for key, harmless in UNSUPPORTED.items():
+MAX_LOGPROBS = 20   # alternatives per token, as vLLM's default --max-logprobs
+MAX_N = 128
+
+
+def _unsupported(body: dict, extra: dict | None = None) -> None:
+    for key, harmless in {**UNSUPPORTED, **(extra or {})}.items():
         v = body.get(key)
         if not _off(v, harmless):
             shown = json.dumps(v)
@@ -133,9 +141,9 @@ def _unsupported(body: dict) -> None:
                            key)
 
 
-def _common(body: dict, kind: str, max_tokens_cap: int) -> GenParams:
+def _common(body: dict, kind: str, max_tokens_cap: int, extra_unsupported: dict | None = None) -> GenParams:
     _finite_numbers(body)
-    _unsupported(body)
+    _unsupported(body, extra_unsupported)
     p = GenParams(kind=kind)
     model = body.get("model")
     if model is not None and not isinstance(model, str):
@@ -144,7 +152,7 @@ def _common(body: dict, kind: str, max_tokens_cap: int) -> GenParams:
     mt = body.get("max_completion_tokens", body.get("max_tokens"))
     key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     # OpenAI: completions default to 16 tokens; chat runs to the end of the context (None, set after tokenizing)
-    p.max_tokens = _num({key: mt}, key, int, 1, max_tokens_cap, default=16 if kind == "completion" else None)
+    p.max_tokens = _num({key: mt}, key, int, 0, max_tokens_cap, default=16 if kind == "completion" else None)
     # the CLI's schema (runtime/params.py); null means the default, as in OpenAI's API
     get = lambda k, d: d if body.get(k) is None else body[k]  # noqa: E731
     top_k = get("top_k", 0)
@@ -155,9 +163,7 @@ def _common(body: dict, kind: str, max_tokens_cap: int) -> GenParams:
                                                                  body.get("seed"), style="api")
     except ParamError as e:
         raise ApiError(400, str(e), e.field) from None
-    n = _num(body, "n", int, 1, None, default=1)
-    if n != 1:
-        raise ApiError(400, "only 'n': 1 is supported", "n")
+    p.n = _num(body, "n", int, 1, MAX_N, default=1)
     stop = body.get("stop")
     if stop is None:
         p.stop = []
@@ -175,13 +181,20 @@ def _common(body: dict, kind: str, max_tokens_cap: int) -> GenParams:
         p.include_usage = _bool(so, "include_usage")
     p.return_token_ids = _bool(body, "return_token_ids")
     p.ignore_eos = _bool(body, "ignore_eos")
-    if body.get("best_of") not in (None, 1):
-        raise ApiError(400, "only 'best_of': 1 is supported", "best_of")
+    if body.get("best_of") not in (None, 1, p.n):   # best_of == n returns all it draws: n independent choices
+        raise ApiError(400, "only 'best_of': 1 (or equal to 'n') is supported", "best_of")
     return p
 
 
 def parse_completion(body: dict, max_tokens_cap: int) -> GenParams:
-    p = _common(body, "completion", max_tokens_cap)
+    p = _common(body, "completion", max_tokens_cap, {"top_logprobs": (0,)})   # chat's name for it
+    if body.get("logprobs") is not False:   # legacy: the number of alternatives, 0 = the token's own only
+        p.logprobs = _num(body, "logprobs", int, 0, MAX_LOGPROBS)
+    p.echo = _bool(body, "echo")
+    if p.echo and p.logprobs is not None:
+        p.prompt_logprobs = p.logprobs
+    if p.max_tokens == 0 and not p.echo:
+        raise ApiError(400, "'max_tokens' must be at least 1 (0 is accepted only with 'echo': true)", "max_tokens")
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
@@ -199,7 +212,21 @@ def parse_completion(body: dict, max_tokens_cap: int) -> GenParams:
 
 
 def parse_chat(body: dict, max_tokens_cap: int) -> GenParams:
-    p = _common(body, "chat", max_tokens_cap)
+    p = _common(body, "chat", max_tokens_cap, {"echo": ()})
+    if p.max_tokens == 0:
+        raise ApiError(400, "'max_tokens' must be at least 1", "max_completion_tokens"
+                       if "max_completion_tokens" in body else "max_tokens")
+    top = _num(body, "top_logprobs", int, 0, MAX_LOGPROBS, default=0)
+    if _bool(body, "logprobs"):
+        p.logprobs = top
+    elif top:
+        raise ApiError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    p.messages = parse_messages(body)
+    return p
+
+
+def parse_messages(body: dict) -> list[dict]:
+    """A chat's 'messages' (chat completions, /tokenize) -> [{role, content}] with text content."""
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise ApiError(400, "'messages' must be a non-empty list", "messages")
@@ -215,14 +242,14 @@ def parse_chat(body: dict, max_tokens_cap: int) -> GenParams:
         if not isinstance(c, str):
             raise ApiError(400, f"messages[{i}].content must be a string or a list of text parts", "messages")
         out.append({"role": "system" if m["role"] == "developer" else m["role"], "content": c})
-    p.messages = out
-    return p
+    return out
 
 
 # ---- responses ---------------------------------------------------------------------------------------------------
 
-def new_id(kind: str) -> str:
-    return ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
+def new_id(kind: str, request_id: str | None = None) -> str:
+    """The completion's id: the request's id (x-request-id) behind the kind's prefix, as vLLM makes it."""
+    return ("chatcmpl-" if kind == "chat" else "cmpl-") + (request_id or uuid.uuid4().hex)
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
@@ -232,36 +259,46 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
-def full_response(p: GenParams, rid: str, model: str, text: str, finish: str, prompt_tokens: int,
-                  token_ids: list[int], spec: dict | None, cached_tokens: int = 0) -> dict:
+def choice(p: GenParams, index: int, text: str, finish: str, logprobs: dict | None = None,
+           token_ids: list[int] | None = None) -> dict:
+    """One entry of a whole answer's choices."""
     if p.kind == "chat":
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                  "finish_reason": finish}
-        obj = "chat.completion"
+        out = {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+               "finish_reason": finish}
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-        obj = "text_completion"
+        out = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
     if p.return_token_ids:
-        choice["token_ids"] = token_ids
-    out = {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [choice],
-           "usage": usage(prompt_tokens, len(token_ids), cached_tokens)}
+        out["token_ids"] = token_ids
+    return out
+
+
+def full_response(p: GenParams, rid: str, model: str, choices: list[dict], prompt_tokens: int,
+                  completion_tokens: int, spec: dict | None, cached_tokens: int = 0) -> dict:
+    out = {"id": rid, "object": "chat.completion" if p.kind == "chat" else "text_completion",
+           "created": int(time.time()), "model": model, "choices": choices,
+           "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
     if spec is not None:
         out["spec"] = spec  # like SGLang's meta_info.spec_verify_ct: lets a client compute τ per request
     return out
 
 
 def chunk(p: GenParams, rid: str, model: str, created: int, text: str | None = None, finish: str | None = None,
-          role: bool = False, token_ids: list[int] | None = None) -> dict:
+          role: bool = False, token_ids: list[int] | None = None, index: int = 0,
+          logprobs: dict | None = None) -> dict:
+    """One SSE event of a stream. role: this choice's first chunk (the role rides with its first content, as
+    vLLM sends it: a client that times the first chunk times the first token)."""
     if p.kind == "chat":
-        delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text is not None else {})
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        delta = {"role": "assistant"} if role else {}
+        if text is not None or role:
+            delta["content"] = text or ""
+        choice_ = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         obj = "chat.completion.chunk"
     else:
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        choice_ = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
         obj = "text_completion"
     if p.return_token_ids and token_ids is not None:
-        choice["token_ids"] = token_ids
-    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
+        choice_["token_ids"] = token_ids
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice_]}
 
 
 def sse(obj) -> bytes:

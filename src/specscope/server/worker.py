@@ -83,6 +83,10 @@ class Job:
         self.t_first: float | None = None
         self.text = ""      # streamed so far: decoded text, and how much of it was sent (the rest is holdback)
         self.sent = 0
+        # the engine's logprob records (engine/batch.py TokenLogprob), filled on the worker thread before the
+        # event that carries their tokens is posted: a reader of that event finds them here
+        self.lps: list = []
+        self.prompt_lps: list | None = None
 
     def post(self, *event) -> None:
         try:
@@ -160,7 +164,7 @@ class ServedModel:
         limit = self.max_seq_len   # one sequence's KV region: what the engine can hold, not only the model
         if p.max_tokens is None:
             p.max_tokens = min(self.cfg.max_tokens_cap, limit - len(ids))
-        if len(ids) + p.max_tokens > limit:
+        if len(ids) + max(p.max_tokens, 1) > limit:   # max_tokens 0 (echo) still decodes one token
             whose = (f"this model's maximum context length is {limit} tokens" if limit == self.context else
                      f"this server's maximum context length is {limit} tokens (--max-seq-len; the model's is "
                      f"{self.context})")
@@ -180,17 +184,29 @@ class ServedModel:
             if job.t_first is None:
                 job.t_first = time.perf_counter()
                 metrics.ttft.observe(job.t_first - job.t_enqueue)
+            if p.max_tokens == 0:   # echo of the prompt alone: the one token decoded for it is not part of it
+                return
             with self.tok_lock:
                 job.text += dec.push(new)
             self._emit(job, list(new))
 
+        def on_logprobs(records, prompt):
+            if prompt:
+                job.prompt_lps = records
+            elif p.max_tokens:
+                job.lps += records
+
         sp = SamplingParams(p.temperature, p.top_k, p.top_p, p.seed)
         stop_ids = () if p.ignore_eos else self.stop_ids    # ignore_eos: benchmarks want exactly max_tokens
-        return Request(job.rid, list(job.prompt_ids), p.max_tokens, sp, tuple(stop_ids), on_tokens)
+        # max_tokens 0 (echo): the engine decodes one token, as vLLM does, and the answer leaves it out
+        return Request(job.rid, list(job.prompt_ids), max(p.max_tokens, 1), sp, tuple(stop_ids), on_tokens,
+                       p.logprobs, p.prompt_logprobs, on_logprobs)
 
     def complete(self, job: Job, f: Finished, finish: str, metrics: ServerMetrics) -> None:
         """Send what the holdback kept and the `done` event of a request that finished normally."""
-        ids = list(f.token_ids)
+        ids = list(f.token_ids) if job.params.max_tokens else []
+        if not job.params.max_tokens:
+            finish = "length"
         with self.tok_lock:
             full = self.tokenizer.decode(ids)
         cut = self._find_stop(full, job.params.stop)
@@ -247,16 +263,22 @@ class Worker:
     def start(self) -> None:
         self.thread.start()
 
-    def submit(self, job: Job) -> None:
+    def submit(self, *jobs: Job) -> None:
+        """Queue one request's jobs (its n choices) all or none."""
         if self.stopping:
             raise ApiError(503, "the server is shutting down")
         try:
-            self.q.put_nowait(job)
+            if self.q.maxsize - self.q.qsize() < len(jobs):   # (stop()'s None racing in: Full below, 429)
+                raise queue.Full
+            for job in jobs:
+                self.q.put_nowait(job)
         except queue.Full:
+            for job in jobs:   # any already queued are dropped when their turn comes
+                job.cancel()
             # 429 + Retry-After (as vLLM / OpenAI do under load): the server is fine, it is just busy. The queue
             # drains max_num_seqs requests per service time.
             self.metrics.requests_rejected.inc()
-            rounds = math.ceil((self.q.qsize() + 1) / self.max_num_seqs)
+            rounds = math.ceil((self.q.qsize() + len(jobs)) / self.max_num_seqs)
             wait = max(1, min(600, math.ceil(self.service_s * rounds)))
             raise ApiError(429, f"the request queue is full ({self.q.maxsize} waiting); retry in about {wait} s",
                            retry_after=wait) from None

@@ -1,0 +1,178 @@
+"""One request's answer from its jobs (one per choice; `n` of them): the whole response, or its SSE stream.
+
+The jobs' events meet in one queue, tagged with the choice's index. A stream sends nothing until a choice has a
+token: a chat choice's role rides in its first chunk with content (as vLLM sends it), so a client that starts
+timing at the first chunk (vLLM's benchmark, the OpenAI SDK) times the first token, not the request's arrival.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+import uuid
+
+from specscope.runtime.params import SEED_MAX
+from specscope.server import protocol as P
+from specscope.server.logprobs import TokenText, chat_logprobs, completion_logprobs
+from specscope.server.protocol import ApiError, GenParams
+from specscope.server.worker import Job
+
+
+class _Tagged:
+    """Stands in for a job's event queue: puts (choice index, event) into the answer's one queue."""
+
+    def __init__(self, q: asyncio.Queue, index: int):
+        self.q, self.index = q, index
+
+    def put_nowait(self, event) -> None:
+        self.q.put_nowait((self.index, event))
+
+
+def choice_params(p: GenParams, i: int) -> GenParams:
+    """Choice i's parameters: with a seed, choice i draws from seed + i (choice 0 is the n = 1 answer)."""
+    return p if i == 0 or p.seed is None else dataclasses.replace(p, seed=(p.seed + i) % (SEED_MAX + 1))
+
+
+def merge_spec(specs: list[dict | None]) -> dict | None:
+    """The choices' speculative counters added up (τ weighted by their verify cycles)."""
+    if specs[0] is None or len(specs) == 1:
+        return specs[0]
+    out = {k: sum(s[k] for s in specs) for k in ("verify_ct", "accepted_tokens", "draft_tokens")}
+    out["accept_length"] = round(sum(s["accept_length"] * s["verify_ct"] for s in specs) / out["verify_ct"], 4) \
+        if out["verify_ct"] else 0.0
+    return out
+
+
+@dataclasses.dataclass
+class _Sent:
+    """What a stream has sent of one choice."""
+    ids: int = 0           # token ids (their logprob records are job.lps[:ids])
+    chars: int = 0         # text, for text_offset
+    started: bool = False  # any chunk (the chat role went with it; an echo's prompt too)
+
+
+class Answer:
+    """The jobs of one request (built here, submitted by the caller) and what their events become."""
+
+    def __init__(self, served, p: GenParams, rid: str, prompt_ids: list[int], loop):
+        self.served, self.p, self.rid = served, p, rid
+        self.q: asyncio.Queue = asyncio.Queue()
+        self.jobs = []
+        for i in range(p.n):   # engine ids unique even when clients reuse an x-request-id
+            job = Job(choice_params(p, i), prompt_ids, loop, f"{rid}-{i}-{uuid.uuid4().hex[:6]}")
+            job.events = _Tagged(self.q, i)
+            self.jobs.append(job)
+        self.text_of = TokenText(served.tokenizer, served.tok_lock)
+        self.prompt_text = ""
+        if p.echo:   # what the client sent, or its ids decoded as the answer's text is
+            if p.prompt is not None:
+                self.prompt_text = p.prompt
+            else:
+                with served.tok_lock:
+                    self.prompt_text = served.tokenizer.decode(prompt_ids)
+
+    def cancel(self) -> None:
+        for job in self.jobs:
+            job.cancel()
+
+    def _logprobs(self, i: int, ids: list[int], recs: list, echo: bool, offset: int) -> dict | None:
+        """Choice i's logprobs for `ids` (their records `recs`), the prompt's first when `echo`."""
+        p, job = self.p, self.jobs[i]
+        if p.logprobs is None:
+            return None
+        if p.kind == "chat":
+            return chat_logprobs(self.text_of, ids, recs)
+        if echo:
+            ids, recs = job.prompt_ids + ids, (job.prompt_lps or [None] * len(job.prompt_ids)) + recs
+        return completion_logprobs(self.text_of, ids, recs, offset)
+
+    # -- the whole answer -----------------------------------------------------------------------------------------
+    def whole(self, done: dict[int, dict]) -> dict:
+        p, choices = self.p, []
+        for i, job in enumerate(self.jobs):
+            d = done[i]
+            ids = d["token_ids"]
+            text = (self.prompt_text if p.echo else "") + d["text"]
+            lp = self._logprobs(i, ids, job.lps[:len(ids)], p.echo, 0)
+            choices.append(P.choice(p, i, text, d["finish"], lp, ids))
+        d0 = done[0]
+        return P.full_response(p, self.rid, self.served.name, choices, d0["prompt_tokens"],
+                               sum(len(d["token_ids"]) for d in done.values()),
+                               merge_spec([done[i]["spec"] for i in range(p.n)]), d0["cached_tokens"])
+
+    # -- the stream -----------------------------------------------------------------------------------------------
+    async def stream(self):
+        created, sent, done = int(time.time()), [_Sent() for _ in self.jobs], {}
+        while len(done) < len(self.jobs):
+            i, ev = await self.q.get()
+            if ev[0] == "tokens":
+                c = self._chunk(i, sent[i], created, ev[1], ev[2])
+                if c is not None:
+                    yield P.sse(c)
+            elif ev[0] == "done":
+                done[i] = ev[1]
+                yield P.sse(self._chunk(i, sent[i], created, None, [], ev[1]["finish"]))
+            elif ev[0] == "error":
+                yield P.sse(ev[1].body())
+                yield P.sse("[DONE]")
+                return
+            else:  # cancelled: the client is gone, nothing to say
+                return
+        if self.p.include_usage:
+            d0 = done[0]
+            last = {"id": self.rid, "object": "chat.completion.chunk" if self.p.kind == "chat" else "text_completion",
+                    "created": created, "model": self.served.name, "choices": [],
+                    "usage": P.usage(d0["prompt_tokens"], sum(len(d["token_ids"]) for d in done.values()),
+                                     d0["cached_tokens"])}
+            spec = merge_spec([done[i]["spec"] for i in range(len(self.jobs))])
+            if spec is not None:
+                last["spec"] = spec
+            yield P.sse(last)
+        yield P.sse("[DONE]")
+
+    def _chunk(self, i: int, s: _Sent, created: int, text: str | None, tids: list[int],
+               finish: str | None = None) -> dict | None:
+        """Choice i's next chunk (None: nothing to send yet); `finish` makes it the choice's last."""
+        p = self.p
+        recs = self.jobs[i].lps[s.ids:s.ids + len(tids)]
+        s.ids += len(tids)
+        echo = p.echo and not s.started
+        if echo:
+            text = self.prompt_text + (text or "")
+        has_lp = p.logprobs is not None and (tids or echo)
+        if finish is None and not (text or (p.return_token_ids and tids) or has_lp):
+            return None
+        lp = self._logprobs(i, tids, recs, echo, s.chars) if has_lp else None
+        if text is None and p.kind == "completion":
+            text = ""
+        s.chars += len(text or "")
+        role = p.kind == "chat" and not s.started
+        s.started = True
+        return P.chunk(p, self.rid, self.served.name, created, text=text, finish=finish, role=role,
+                       token_ids=tids if finish is None else None, index=i, logprobs=lp)
+
+
+async def wait_whole(answer: Answer, request) -> dict | None:
+    """Every choice's `done` -> the whole answer; None when the client hung up (its jobs are cancelled)."""
+    done: dict[int, dict] = {}
+    next_check = time.monotonic() + 0.1
+    while len(done) < len(answer.jobs):
+        try:
+            i, ev = await asyncio.wait_for(answer.q.get(), timeout=0.1)
+        except asyncio.TimeoutError:
+            i, ev = None, None
+        if time.monotonic() >= next_check:
+            next_check = time.monotonic() + 0.1
+            if await request.is_disconnected():  # nobody will read the answer: stop decoding it
+                answer.cancel()
+                return None
+        if ev is None or ev[0] == "tokens":
+            continue
+        if ev[0] == "done":
+            done[i] = ev[1]
+        elif ev[0] == "error":
+            raise ev[1]
+        else:
+            raise ApiError(503, "the request was cancelled")
+    return answer.whole(done)

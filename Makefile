@@ -33,6 +33,16 @@ kernel-tools:
 	  || echo "note: could not install g++-aarch64-linux-gnu qemu-user; the NEON kernel check will be skipped"; \
 	else echo "note: no root/apt-get: the NEON kernel check will be skipped (install g++-aarch64-linux-gnu qemu-user)"; fi
 
+# Debian's chromium, so tests/test_report_render.py renders the HTML report as a browser does (skipped with a note
+# where apt or root is missing -- the test then says why it skipped)
+report-tools:
+	@if command -v chromium >/dev/null || command -v chromium-browser >/dev/null; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  (apt-get install -y -qq chromium >/dev/null 2>&1 || \
+	   (apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq chromium >/dev/null 2>&1)) \
+	  || echo "note: could not install chromium; the report's browser check will be skipped"; \
+	else echo "note: no root/apt-get: the report's browser check will be skipped (install chromium)"; fi
+
 # optional: llama.cpp (built from source, ~5 min) for bench/llamacpp.py, specscope beside llama.cpp on the same weights
 bench-llamacpp-deps: $(STAMP)
 	$(BIN)/pip install -q llama-cpp-python==0.3.36
@@ -74,4 +84,4 @@ test-engines: $(STAMP) $(VLLM_STAMP)
 	SPECSCOPE_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(BIN)/python -m pytest -q -p no:cacheprovider \
 	  -o addopts="" tests/engines
 
-.PHONY: install demo test test-slow kernel-tools bench-llamacpp-deps lock engines-venv engines-lock test-engines
+.PHONY: install demo test test-slow kernel-tools report-tools bench-llamacpp-deps lock engines-venv engines-lock test-engines

@@ -103,8 +103,9 @@ def bench_dtype(name, path, tok, prompts, args, log) -> dict:
     import transformers
     from transformers import AutoModelForCausalLM
 
-    from specscope.session import stop_ids_for
     from specscope.models import load_model
+    from specscope.progress import Progress
+    from specscope.session import stop_ids_for
 
     transformers.logging.set_verbosity_error()
     dtype = DTYPES[name]
@@ -121,28 +122,31 @@ def bench_dtype(name, path, tok, prompts, args, log) -> dict:
     run_hf(hf, encoded[0][:16], 4, stop)
     bw = [gemv_bandwidth(dtype)]
     per_prompt = []
-    for i, (p, ids) in enumerate(zip(prompts, encoded)):
-        row = {"question_id": p["question_id"], "category": p["category"], "prompt_tokens": len(ids)}
-        order = list(variants) + ["transformers"]
-        if i % 2:  # alternate who goes first, so drifting machine load hits both sides alike
-            order = order[::-1]
-        for who in order:
-            if who == "transformers":
-                toks, wall = run_hf(hf, ids, args.max_new_tokens, stop)
-                row["transformers"] = {"tokens": len(toks), "seconds": wall, "tok_per_s": len(toks) / wall}
-                row["_hf_tokens"] = toks
-            else:
-                toks, wall, pre, steps = run_ours(variants[who], ids, args.max_new_tokens, stop)
-                row[who] = {"tokens": len(toks), "seconds": wall, "tok_per_s": len(toks) / wall,
-                            "prefill_s": pre, "decode_ms_per_token": statistics.fmean(steps) if steps else None,
-                            "decode_ms_median": statistics.median(steps) if steps else None}
-                row[f"_{who}_tokens"] = toks
-        row["identical"] = all(row[f"_{w}_tokens"] == row["_hf_tokens"] for w in variants)
-        for k in [k for k in row if k.startswith("_")]:
-            row.pop(k)
-        per_prompt.append(row)
-        log(f"{name} q{p['question_id']} ({i + 1}/{len(prompts)}): ours {row['ours']['tok_per_s']:.1f} tok/s, "
-            f"transformers {row['transformers']['tok_per_s']:.1f} tok/s, identical={row['identical']}")
+    # the shared progress (specscope.progress): a bar on a terminal, a line every 30 s in a log
+    with Progress(f"{name} prompts", len(prompts), "prompt", every_s=30) as prog:
+        for i, (p, ids) in enumerate(zip(prompts, encoded)):
+            row = {"question_id": p["question_id"], "category": p["category"], "prompt_tokens": len(ids)}
+            order = list(variants) + ["transformers"]
+            if i % 2:  # alternate who goes first, so drifting machine load hits both sides alike
+                order = order[::-1]
+            for who in order:
+                if who == "transformers":
+                    toks, wall = run_hf(hf, ids, args.max_new_tokens, stop)
+                    row["transformers"] = {"tokens": len(toks), "seconds": wall, "tok_per_s": len(toks) / wall}
+                    row["_hf_tokens"] = toks
+                else:
+                    toks, wall, pre, steps = run_ours(variants[who], ids, args.max_new_tokens, stop)
+                    row[who] = {"tokens": len(toks), "seconds": wall, "tok_per_s": len(toks) / wall,
+                                "prefill_s": pre, "decode_ms_per_token": statistics.fmean(steps) if steps else None,
+                                "decode_ms_median": statistics.median(steps) if steps else None}
+                    row[f"_{who}_tokens"] = toks
+            row["identical"] = all(row[f"_{w}_tokens"] == row["_hf_tokens"] for w in variants)
+            for k in [k for k in row if k.startswith("_")]:
+                row.pop(k)
+            per_prompt.append(row)
+            prog.advance()
+            prog.note(f"{name} q{p['question_id']} ({i + 1}/{len(prompts)}): ours {row['ours']['tok_per_s']:.1f} "
+                      f"tok/s, transformers {row['transformers']['tok_per_s']:.1f} tok/s, identical={row['identical']}")
     bw.append(gemv_bandwidth(dtype))
     best_bw = max(bw, key=lambda b: b["gb_per_s"])
     nbytes = bytes_per_token(ours)
@@ -237,11 +241,16 @@ def main(argv=None):
            "started_unix": t0, "wall_s": time.time() - t0,
            "loadavg_before": load_before, "loadavg_after": os.getloadavg(), "cpu_count": os.cpu_count(),
            "goal": {"fraction_of_floor": 0.9, "speedup_vs_transformers": 1.0}, "results": results, "env": env}
+    from specscope.registry.fingerprint import timing_warning
+
+    out["load_warning"] = timing_warning(env if "cpu" in env else None)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=2, default=str) + "\n")
     Console(width=180).print(table(results))
     con.print(f"load average before/after: {load_before[0]:.1f} / {out['loadavg_after'][0]:.1f} on "
               f"{os.cpu_count()} CPUs; wrote {args.out}")
+    if out["load_warning"]:
+        print(out["load_warning"], file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -249,17 +249,21 @@ def time_forwards(fws: dict, rounds: int, bw: Bandwidth, warmup: int = 2) -> tup
     rounds themselves: {"gbps": [...], label: [decode ms, ...]} in round order."""
     samples = {lab: {k: [] for k in ("decode", *ROWS)} for lab in fws}
     per_round = {"gbps": []}
-    for r in range(warmup + rounds):
-        gbps = bw.sample()
-        if r >= warmup:
-            per_round["gbps"].append(gbps)
-        for lab, fw in fws.items():
-            d = fw.decode()
-            v = {n: fw.verify_ms(n) for n in ROWS}
+    from specscope.progress import Progress
+
+    with Progress("rounds", warmup + rounds, "round", every_s=30) as prog:   # the shared bar / log lines
+        for r in range(warmup + rounds):
+            gbps = bw.sample()
             if r >= warmup:
-                samples[lab]["decode"].append(d)
-                for n in ROWS:
-                    samples[lab][n].append(v[n])
+                per_round["gbps"].append(gbps)
+            for lab, fw in fws.items():
+                d = fw.decode()
+                v = {n: fw.verify_ms(n) for n in ROWS}
+                if r >= warmup:
+                    samples[lab]["decode"].append(d)
+                    for n in ROWS:
+                        samples[lab][n].append(v[n])
+            prog.advance()
     for lab in fws:
         per_round[lab] = samples[lab]["decode"]
     return {lab: {k: statistics.median(v) for k, v in s.items()} for lab, s in samples.items()}, per_round
@@ -439,6 +443,11 @@ def main(argv=None):
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=1) + "\n")
     print(f"load average {load0[0]:.1f} -> {os.getloadavg()[0]:.1f}; {res['seconds']} s; wrote {out}")
+    from specscope.registry.fingerprint import timing_warning
+
+    w = timing_warning(res["env"] if "cpu" in res["env"] else None)
+    if w:
+        print(w, file=sys.stderr)
 
 
 if __name__ == "__main__":

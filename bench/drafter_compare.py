@@ -17,7 +17,6 @@ import argparse
 import hashlib
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -111,28 +110,27 @@ def main(argv=None):
         console.print(f"resuming: {len(done)} of {len(prompts)} prompts already decoded ({state})")
 
     per = {name[c]: [] for c in columns}
-    t0, measured = time.perf_counter(), 0
-    for p in prompts:
-        if p["question_id"] not in done:
-            ids = tok.encode(p["prompt"], chat=True)
-            base = generate(target, ids, args.max_new_tokens, stop_ids=stop).token_ids
-            rec = {}
+    from specscope.progress import Progress
+
+    # the shared progress: a bar on a terminal, a line every 30 s in a log; resumed prompts are not in the rate
+    with Progress("prompts", len(prompts), "prompt", start=sum(p["question_id"] in done for p in prompts),
+                  every_s=30) as prog:
+        for p in prompts:
+            if p["question_id"] not in done:
+                ids = tok.encode(p["prompt"], chat=True)
+                base = generate(target, ids, args.max_new_tokens, stop_ids=stop).token_ids
+                rec = {}
+                for c in columns:
+                    r = speculative_generate(target, drafters[c[0]], ids, args.max_new_tokens, stop_ids=stop,
+                                             cfg=shapes[c[1]])
+                    rec[name[c]] = {"question_id": p["question_id"], "task": p["task"], "category": p["category"],
+                                    "accept_lengths": r.stats.accept_lengths, "identical": r.token_ids == base}
+                with open_for_append(state) as f:        # a line torn by a kill is cut first
+                    f.write(json.dumps({"question_id": p["question_id"], "per": rec}) + "\n")
+                done[p["question_id"]] = rec
+                prog.advance()
             for c in columns:
-                r = speculative_generate(target, drafters[c[0]], ids, args.max_new_tokens, stop_ids=stop,
-                                         cfg=shapes[c[1]])
-                rec[name[c]] = {"question_id": p["question_id"], "task": p["task"], "category": p["category"],
-                                "accept_lengths": r.stats.accept_lengths, "identical": r.token_ids == base}
-            with open_for_append(state) as f:        # a line torn by a kill is cut first
-                f.write(json.dumps({"question_id": p["question_id"], "per": rec}) + "\n")
-            done[p["question_id"]] = rec
-            measured += 1
-            n = len(done)
-            if measured % 5 == 0 or n == len(prompts):
-                rate = measured / (time.perf_counter() - t0)
-                print(f"{n}/{len(prompts)} prompts ({rate * 60:.1f}/min, {(len(prompts) - n) / rate / 60:.1f} min left)",
-                      file=sys.stderr, flush=True)
-        for c in columns:
-            per[name[c]].append(done[p["question_id"]][name[c]])
+                per[name[c]].append(done[p["question_id"]][name[c]])
 
     summary = {col: summarise(items) for col, items in per.items()}
     groups = list(next(iter(summary.values())))

@@ -338,29 +338,29 @@ def main(argv=None):
     if done:
         print(f"resuming: {len(done)} of {len(prompts)} prompts already replayed ({state})", file=sys.stderr)
 
-    t_start, measured = time.perf_counter(), 0
-    for j, p in enumerate(prompts):
-        if p["question_id"] in done:
-            continue
-        ids = tok.encode(p["prompt"], chat=True)
-        r = generate(target, ids, args.max_new_tokens, stop_ids=stop)
-        rows = replay(target, drafters, shapes, SuffixIndex(), ids, r.token_ids, args.copy_max)
-        # this prompt's costs, measured now (the machine's state moves): verify by rows at its mid-answer context
-        res = measure_curve(target, [len(ids) + len(r.token_ids) // 2], ROWS, warmup=1, repeats=3)
-        curve = {int(q["tokens"]): float(q["median_ms"]) for q in res["points"]}
-        draft_ms = [statistics.median(row["trees"][k]["ms"] for row in rows) if rows else 0.0
-                    for k in range(len(shapes))]
-        rec = {"question_id": p["question_id"], "task": p["task"], "tokens": len(r.token_ids),
-               "verify_ms": curve, "draft_ms": draft_ms, "rows": rows}
-        with open_for_append(state) as f:
-            f.write(json.dumps(rec) + "\n")
-        done[p["question_id"]] = rec
-        measured += 1
-        left = sum(1 for q in prompts if q["question_id"] not in done)
-        rate = (time.perf_counter() - t_start) / measured
-        print(f"[{j + 1}/{len(prompts)}] {p['task']:<15} {len(r.token_ids)} tokens · T(1) {curve[1]:.1f} ms, "
-              f"T(8)/T(1) {curve[8] / curve[1]:.2f} · {rate:.1f} s/prompt · ~{left * rate / 60:.1f} min left",
-              file=sys.stderr)
+    from specscope.progress import Progress
+
+    # the shared progress: a bar on a terminal, a line every 30 s in a log; resumed prompts are not in the rate
+    with Progress("prompts", len(prompts), "prompt", start=sum(p["question_id"] in done for p in prompts),
+                  every_s=30) as prog:
+        for p in prompts:
+            if p["question_id"] in done:
+                continue
+            ids = tok.encode(p["prompt"], chat=True)
+            r = generate(target, ids, args.max_new_tokens, stop_ids=stop)
+            rows = replay(target, drafters, shapes, SuffixIndex(), ids, r.token_ids, args.copy_max)
+            # this prompt's costs, measured now (the machine's state moves): verify by rows at its mid-answer context
+            res = measure_curve(target, [len(ids) + len(r.token_ids) // 2], ROWS, warmup=1, repeats=3)
+            curve = {int(q["tokens"]): float(q["median_ms"]) for q in res["points"]}
+            draft_ms = [statistics.median(row["trees"][k]["ms"] for row in rows) if rows else 0.0
+                        for k in range(len(shapes))]
+            rec = {"question_id": p["question_id"], "task": p["task"], "tokens": len(r.token_ids),
+                   "verify_ms": curve, "draft_ms": draft_ms, "rows": rows}
+            with open_for_append(state) as f:
+                f.write(json.dumps(rec) + "\n")
+            done[p["question_id"]] = rec
+            prog.advance(info=f"{p['task']}: {len(r.token_ids)} tokens, T(1) {curve[1]:.1f} ms, "
+                              f"T(8)/T(1) {curve[8] / curve[1]:.2f}")
 
     recs = [dict(done[p["question_id"]]) for p in prompts]
     for rec in recs:   # JSON keys are strings
@@ -431,9 +431,14 @@ def main(argv=None):
               "config": {**vars(args), "model": str(path)}, "prompts": len(recs), "costs": summary, "tau": tau,
               "speedup": table, "best_single": best_single, "calibration": calib,
               "ceiling_over_best_single": {o: {c: table[o][c] / best_single[c] for c in cols} for o in oracles}}
+    from specscope.registry.fingerprint import timing_warning
+
+    result["load_warning"] = timing_warning()     # each prompt was priced by timings taken under this load
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {args.out}", file=sys.stderr)
+    if result["load_warning"]:
+        print(result["load_warning"], file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -85,6 +85,7 @@ def main(argv=None):
     from speculative import pick_prompts
 
     from specscope.generate import generate
+    from specscope.progress import Progress
     from specscope.session import load_target, stop_ids_for
     from specscope.models import rowgemm
     from specscope.models.hub import KNOWN_MODELS, _package_file, cache_dir
@@ -104,43 +105,44 @@ def main(argv=None):
     methods = ["llama.cpp", "plain", "ngram", "eagle3", "hybrid"]
     per = {m: [] for m in methods}
     prompts = pick_prompts(["mt_bench"], args.prompts, args.prompts)
-    for i, p in enumerate(prompts):
-        ids = tok.encode(p["prompt"], chat=True)
-        outs = {}
-        for m in methods:
-            if m == "llama.cpp":
-                llm.reset()
-                out = []
-                t0 = time.perf_counter()
-                for t in llm.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0,
-                                      reset=True):
-                    if t in stop:
-                        break
-                    out.append(t)
-                    if len(out) == args.max_new_tokens:
-                        break
-                secs, tau = time.perf_counter() - t0, None
-            elif m == "plain":
-                r = generate(target, ids, args.max_new_tokens, stop_ids=stop)
-                out, secs, tau = r.token_ids, r.seconds, None
-            else:
-                if m == "hybrid":   # fresh n-gram state around the loaded EAGLE-3 drafter
-                    d, cfg = HybridDrafter(eagle, target.config.max_position_embeddings), hybrid
+    with Progress("prompts × methods", len(prompts) * len(methods), "decode", every_s=30) as prog:
+        for i, p in enumerate(prompts):
+            ids = tok.encode(p["prompt"], chat=True)
+            outs = {}
+            for m in methods:
+                if m == "llama.cpp":
+                    llm.reset()
+                    out = []
+                    t0 = time.perf_counter()
+                    for t in llm.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0,
+                                          reset=True):
+                        if t in stop:
+                            break
+                        out.append(t)
+                        if len(out) == args.max_new_tokens:
+                            break
+                    secs, tau = time.perf_counter() - t0, None
+                elif m == "plain":
+                    r = generate(target, ids, args.max_new_tokens, stop_ids=stop)
+                    out, secs, tau = r.token_ids, r.seconds, None
                 else:
-                    d = eagle if m == "eagle3" else build_drafter("ngram", target)
-                    cfg = shape if m == "eagle3" else SpecConfig(4, 1, 5)
-                r = speculative_generate(target, d, ids, args.max_new_tokens, stop_ids=stop, cfg=cfg)
-                out, secs = r.token_ids, r.seconds
-                tau = statistics.fmean(r.stats.accept_lengths) if r.stats.accept_lengths else 1.0
-            out = [t for t in out if t not in stop]
-            outs[m] = out
-            per[m].append({"question_id": p["question_id"], "tokens": len(out), "seconds": secs,
-                           "tok_per_s": len(out) / secs, "accept_length": tau,
-                           "same_as_plain": None})
-        for m in methods:
-            per[m][-1]["same_as_plain"] = outs[m] == outs["plain"]
-        print(f"{i + 1}/{len(prompts)} " + "  ".join(f"{m} {per[m][-1]['tok_per_s']:.1f}" for m in methods),
-              file=sys.stderr, flush=True)
+                    if m == "hybrid":   # fresh n-gram state around the loaded EAGLE-3 drafter
+                        d, cfg = HybridDrafter(eagle, target.config.max_position_embeddings), hybrid
+                    else:
+                        d = eagle if m == "eagle3" else build_drafter("ngram", target)
+                        cfg = shape if m == "eagle3" else SpecConfig(4, 1, 5)
+                    r = speculative_generate(target, d, ids, args.max_new_tokens, stop_ids=stop, cfg=cfg)
+                    out, secs = r.token_ids, r.seconds
+                    tau = statistics.fmean(r.stats.accept_lengths) if r.stats.accept_lengths else 1.0
+                out = [t for t in out if t not in stop]
+                outs[m] = out
+                per[m].append({"question_id": p["question_id"], "tokens": len(out), "seconds": secs,
+                               "tok_per_s": len(out) / secs, "accept_length": tau,
+                               "same_as_plain": None})
+                prog.advance()
+            for m in methods:
+                per[m][-1]["same_as_plain"] = outs[m] == outs["plain"]
+            prog.note(f"{i + 1}/{len(prompts)} " + "  ".join(f"{m} {per[m][-1]['tok_per_s']:.1f}" for m in methods))
 
     base = statistics.fmean(x["tok_per_s"] for x in per["llama.cpp"])
     summary = {}
@@ -157,7 +159,7 @@ def main(argv=None):
         print(f"{m:<12}{tps:>8.1f}{tps / base:>13.2f}x{tau:>7}{same:>17}/{len(per[m])}")
     import llama_cpp
 
-    from specscope.registry.fingerprint import collect
+    from specscope.registry.fingerprint import collect, timing_warning
 
     isa = rowgemm.isa() or "off"
     out = args.out or ROOT / "bench" / "results" / f"llamacpp_{isa}.json"
@@ -165,9 +167,12 @@ def main(argv=None):
                       "gguf": gguf.name,
                       "llama_cpp_python": llama_cpp.__version__, "row_kernels": isa},
            "env": collect(), "summary": summary, "per_prompt": per}
+    res["load_warning"] = timing_warning(res["env"])
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=1, default=str))
     print(f"wrote {out}", file=sys.stderr)
+    if res["load_warning"]:
+        print(res["load_warning"], file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -337,10 +337,15 @@ def main():
     load_before = os.getloadavg()
     modes = {"serial": 1, "batched": args.max_num_seqs}
     runs = {}
-    for c in args.clients:
-        for mode, n in modes.items():
-            print(f"{c} clients, {mode} server (--max-num-seqs {n}): {args.duration:g} s ...", flush=True)
-            runs[(c, mode)] = run_server(args, ps, c, n)
+    from specscope.progress import Progress
+
+    # the shared progress (stderr): a bar on a terminal, a line every 30 s in a log; stdout keeps the results
+    with Progress("server runs", len(args.clients) * len(modes), "run", every_s=30) as prog:
+        for c in args.clients:
+            for mode, n in modes.items():
+                prog.note(f"{c} clients, {mode} server (--max-num-seqs {n}): {args.duration:g} s ...")
+                runs[(c, mode)] = run_server(args, ps, c, n)
+                prog.advance()
     load_after = os.getloadavg()
 
     completed = {r["prompt"] for run in runs.values() for r in run["finished"] if r.get("error") is None}
@@ -374,8 +379,14 @@ def main():
         "levels": levels,
         "checks": checks,
     }
+    from specscope.registry.fingerprint import timing_warning
+
+    # the load average after the runs, with the cores this process may use: a loaded machine slows every level
+    result["load_warning"] = timing_warning({"cpu": {"load_1m": round(load_after[0]), "cores_usable": os.cpu_count()}})
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    if result["load_warning"]:
+        print(result["load_warning"], file=sys.stderr)
     for level in levels:
         print(f"{level['clients']} clients:")
         for mode in modes:

@@ -183,7 +183,7 @@ def main(argv=None):
     from specscope.engine import BatchEngine
     from specscope.generate import generate
     from specscope.prompts import load_prompts
-    from specscope.registry.fingerprint import collect
+    from specscope.registry.fingerprint import collect, timing_warning
     from specscope.session import load_target, stop_ids_for
     from specscope.speculative.decode import SpecConfig, build_drafter
 
@@ -242,25 +242,30 @@ def main(argv=None):
         return BatchEngine(target, drafters[d], env, C, seq_len, spec_policy=policy_from_table(pred[d]["table"], env),
                            **kw)
 
-    for C in levels:
-        for rnd in range(args.rounds):
-            for m in (modes if rnd % 2 == 0 else modes[::-1]):    # ABBA: drift hits every mode alike
-                eng = engine_for(m, C)
-                r = closed_loop(eng, ids, args.max_new_tokens, stop, C)
-                del eng
-                wrong = mismatches(r.pop("outputs"), refs)
-                r["identical"] = len(ids) - len(wrong)
-                bad += [{"concurrency": C, "mode": m, "round": rnd, "request": i, "prompt": texts[i][:80]}
-                        for i in wrong]
-                prev = runs[m].get(C)
-                r["rounds_tok_per_s"] = (prev["rounds_tok_per_s"] if prev else []) + [r["tok_per_s"]]
-                if prev is None or r["tok_per_s"] > prev["tok_per_s"]:
-                    runs[m][C] = r
-                else:
-                    prev["rounds_tok_per_s"] = r["rounds_tok_per_s"]
-                tau = f", τ {r['accept_length']:.2f}" if r["accept_length"] else ""
-                say(f"C={C:>2} round {rnd + 1} {m}: {r['tok_per_s']:.1f} tok/s{tau}, {r['identical']}/{len(ids)} "
-                    f"identical, {r['wall_s']:.1f} s ({(time.perf_counter() - t_start) / 60:.1f} min so far)")
+    from specscope.progress import Progress
+
+    # the shared progress: a bar on a terminal, a line every 30 s in a log (rate and time left over all runs)
+    with Progress("closed-loop runs", len(levels) * args.rounds * len(modes), "run", every_s=30) as prog:
+        for C in levels:
+            for rnd in range(args.rounds):
+                for m in (modes if rnd % 2 == 0 else modes[::-1]):    # ABBA: drift hits every mode alike
+                    eng = engine_for(m, C)
+                    r = closed_loop(eng, ids, args.max_new_tokens, stop, C)
+                    del eng
+                    wrong = mismatches(r.pop("outputs"), refs)
+                    r["identical"] = len(ids) - len(wrong)
+                    bad += [{"concurrency": C, "mode": m, "round": rnd, "request": i, "prompt": texts[i][:80]}
+                            for i in wrong]
+                    prev = runs[m].get(C)
+                    r["rounds_tok_per_s"] = (prev["rounds_tok_per_s"] if prev else []) + [r["tok_per_s"]]
+                    if prev is None or r["tok_per_s"] > prev["tok_per_s"]:
+                        runs[m][C] = r
+                    else:
+                        prev["rounds_tok_per_s"] = r["rounds_tok_per_s"]
+                    tau = f", τ {r['accept_length']:.2f}" if r["accept_length"] else ""
+                    prog.advance()
+                    prog.note(f"C={C:>2} round {rnd + 1} {m}: {r['tok_per_s']:.1f} tok/s{tau}, {r['identical']}/"
+                              f"{len(ids)} identical, {r['wall_s']:.1f} s")
 
     summary = {}
     for m in modes[1:]:
@@ -344,9 +349,12 @@ def main(argv=None):
         "plot": plot,
         "wall_min": (time.perf_counter() - t_start) / 60,
     }
+    result["load_warning"] = timing_warning(result["env"])
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1, default=str) + "\n")
     print(f"wrote {args.out} and {plot}", file=sys.stderr)
+    if result["load_warning"]:
+        print(result["load_warning"], file=sys.stderr)
     if bad:
         print(f"FAIL: {len(bad)} output(s) differ from offline generate", file=sys.stderr)
         return 1

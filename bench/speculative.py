@@ -98,10 +98,10 @@ def main(argv=None):
 
     import transformers
     from rich.console import Console
-    from rich.progress import Progress
     from rich.table import Table
 
     from specscope.generate import generate
+    from specscope.progress import Progress
     from specscope.session import load_target, stop_ids_for
     from specscope.speculative.decode import SpecConfig, build_drafter, speculative_generate
     from specscope.speculative.drafters import HybridDrafter
@@ -192,14 +192,14 @@ def main(argv=None):
         if eagle is not None:
             speculative_generate(target, HybridDrafter(eagle, target.config.max_position_embeddings), ids, 16,
                                  stop_ids=stop, cfg=knobs(args.hybrid) if args.hybrid else None)
-    measured, t_start = 0, time.perf_counter()
-    with Progress(*Progress.get_default_columns(), console=console, transient=True) as prog:
-        task = prog.add_task("prompts", total=len(prompts) * len(methods))
+    # the shared progress (specscope.progress): a bar on a terminal, a line every 30 s in a log; the rate counts
+    # only this run's prompts, not the resumed ones
+    with Progress("prompts × methods", len(prompts) * len(methods), "decode",
+                  start=len(done) * len(methods), every_s=30) as prog:
         for p in prompts:
             if p["question_id"] in done:
                 for m in methods:
                     per[m].append(done[p["question_id"]][m])
-                prog.advance(task, len(methods))
                 continue
             ids = tok.encode(p["prompt"], chat=True)
             base = None
@@ -236,16 +236,9 @@ def main(argv=None):
                 per[m].append({"question_id": p["question_id"], "task": p["task"], "category": p["category"],
                                "tokens": len(out), "seconds": secs, "tok_per_s": len(out) / secs,
                                "identical": out == base, **extra})
-                prog.advance(task)
+                prog.advance()
             with open_for_append(state) as f:        # a line torn by a kill is cut first
                 f.write(json.dumps({"question_id": p["question_id"], "per": {m: per[m][-1] for m in methods}}) + "\n")
-            measured += 1
-            if not console.is_terminal:   # no live bar without a terminal: a line per 10 prompts, rate and time left
-                n_done = len(done) + measured
-                if measured % 10 == 0 or n_done == len(prompts):
-                    rate = measured / (time.perf_counter() - t_start)
-                    print(f"{n_done}/{len(prompts)} prompts ({rate * 60:.1f}/min, "
-                          f"{(len(prompts) - n_done) / rate / 60:.1f} min left)", file=sys.stderr, flush=True)
 
     # Spec-Bench aggregation
     rows = []
@@ -279,13 +272,16 @@ def main(argv=None):
             table.add_row(m, t, f"{v['tok_per_s']:.2f}", f"{v['speedup']:.2f}x", f"{v['accept_length']:.2f}",
                           f"{v['identical']}/{v['prompts']}")
     Console().print(table)
-    from specscope.registry.fingerprint import collect
+    from specscope.registry.fingerprint import collect, timing_warning
 
     result = {"config": {**vars(args), "model": str(path), **({"prices": prices.to_dict()} if prices else {})},
               "env": collect(), "summary": summary, "per_prompt": per}
+    result["load_warning"] = timing_warning(result["env"])
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1, default=str))
     print(f"wrote {args.out}", file=sys.stderr)
+    if result["load_warning"]:
+        print(result["load_warning"], file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -83,9 +83,10 @@ def main(argv=None) -> int:
     from specscope.economics.plots import plot_pred_vs_measured, plot_tau_needed
     from specscope.economics.probe import encode_prompts, profile, validate
     from specscope.economics.verify_curve import VerifyCurve, measure_curve
+    from specscope.progress import Progress
     from specscope.session import load_target, stop_ids_for
     from specscope.registry import default_db_path, make_record, prompt_set_hash, store_record
-    from specscope.registry.fingerprint import collect
+    from specscope.registry.fingerprint import collect, timing_warning
     from specscope.speculative.decode import SpecConfig, build_drafter
 
     if args.threads:
@@ -135,12 +136,14 @@ def main(argv=None) -> int:
         + ", ".join(f"s{r['steps']}k{r['topk']}n{r['draft_tokens']}={r['speedup']:.2f}x" for r in chosen))
     picks = [(r["steps"], r["topk"], r["draft_tokens"]) for r in chosen]
     passes = []
-    for i in range(max(1, args.passes)):
-        order = picks if i % 2 == 0 else picks[::-1]
-        got = validate(target, drafter, ids, order, args.max_new_tokens, stop,
-                       progress=lambda m: log(f"measured s{m['steps']}k{m['topk']}n{m['draft_tokens']}: "
-                                              f"{m['measured']:.2f}x, τ {m['measured_tau']:.2f}"))
-        passes.append({(m["steps"], m["topk"], m["draft_tokens"]): m for m in got})
+    # the shared progress over every validation prompt (plain + speculative), all passes
+    with Progress("validate", max(1, args.passes) * len(picks) * len(ids), "prompt", every_s=30) as prog:
+        for i in range(max(1, args.passes)):
+            order = picks if i % 2 == 0 else picks[::-1]
+            got = validate(target, drafter, ids, order, args.max_new_tokens, stop, tick=lambda knobs: prog.advance(),
+                           progress=lambda m: prog.note(f"measured s{m['steps']}k{m['topk']}n{m['draft_tokens']}: "
+                                                        f"{m['measured']:.2f}x, τ {m['measured_tau']:.2f}"))
+            passes.append({(m["steps"], m["topk"], m["draft_tokens"]): m for m in got})
     measured = []
     for c in picks:
         ms = [p[c] for p in passes]
@@ -179,6 +182,7 @@ def main(argv=None) -> int:
         "env": {"cpu": collect()["cpu"], "torch_threads": torch.get_num_threads()},
         "plots": [str(Path(p).relative_to(ROOT)) if Path(p).is_relative_to(ROOT) else p for p in plots],
         "wall_s": round(time.time() - t_start, 1),
+        "load_warning": timing_warning(srec.get("env")),
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2, default=str) + "\n")
@@ -188,6 +192,8 @@ def main(argv=None) -> int:
               f"{r['predicted_tau']:>8.2f}{r['measured_tau']:>8.2f}")
     print(f"median |pred - meas| / meas = {err['median_rel_error'] * 100:.1f}% over {err['n']} configurations "
           f"-> goal {'met' if ok else 'NOT met'}; wrote {args.out}")
+    if out["load_warning"]:
+        print(out["load_warning"], file=sys.stderr)
     return 0 if ok else 1
 
 

@@ -3,6 +3,7 @@ bench-serve pieces (datasets, Prometheus deltas)."""
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -90,6 +91,9 @@ def test_bench_serve_random_dataset_at_a_request_rate_writes_vllm_result(spec_se
                        capture_output=True, text=True, timeout=600, env=_env())
     assert r.returncode == 0, r.stderr
     assert "\r" not in r.stderr and "\r" not in r.stdout               # no in-place progress without a terminal
+    # progress that tells time, as vLLM's client shows it: the level's requests, their rate, how long it took
+    m = re.search(r"^max concurrency unbounded: 32/32 req \(([\d.]+) req/s, done in 0:\d\d\)$", r.stderr, re.M)
+    assert m and 1.0 < float(m.group(1)) < 8.0, r.stderr               # arrivals at 4 req/s pace the level
     assert max(len(line) for line in r.stdout.splitlines()) > 80      # the table is not cut at 80 columns
     files = list(res_dir.glob("openai-chat-4.0qps-*.json"))
     assert len(files) == 1, list(res_dir.iterdir())
@@ -137,6 +141,7 @@ def test_serve_and_bench_serve_end_to_end(model_dir, spec_server, tmp_path):
                             "--tag", "e2e"],
                            capture_output=True, text=True, timeout=300, env=_env())
         assert r.returncode == 0, r.stderr
+        assert "max concurrency" not in r.stderr                       # --json in a log: no progress chatter
         out = json.loads(r.stdout)
         run = open_registry().get_run(out["run_id"])
         assert run["kind"] == "bench_serve" and "e2e" in run["tags"]

@@ -286,3 +286,55 @@ def test_hidden_avx512_is_named_when_a_cpu_run_slows_down():
               env_over={"cpu__simd": "avx2,fma", "cpu__row_kernels": "avx2", "git__commit": "e" * 40})
     keys = [c["key"] for c in compare_runs([a, b])["attribution"][0]["likely_causes"]]
     assert keys[:2] == ["env.cpu.row_kernels", "env.cpu.simd"], keys
+
+
+def test_a_net_change_within_noise_is_not_split_into_shares():
+    """τ up 55 % and every phase 55 % slower: ms/token does not move. Saying "acceptance accounts for -5.3 of the
+    -0.002 ms/token change (355453%)" would attribute noise; the summary names the moves that cancelled instead."""
+    a = synth(60, tau_p=0.3)
+    b = synth(61, tau_p=0.6, scale={p: 3.4 / 2.2 for p in PHASES})
+    cmp = compare_runs([a, b])
+    rows = rows_by(cmp)
+    assert rows["ms_per_token"]["verdicts"][1] == "no significant change"
+    assert rows["accept_length"]["verdicts"][1] == "better" and rows["phase.verify"]["verdicts"][1] == "worse"
+    att = cmp["attribution"][0]
+    assert "accounts for" not in att["summary"] and "%;" not in att["summary"], att["summary"]
+    assert "ms/token: no significant change" in att["summary"] and "not split" in att["summary"]
+    assert "acceptance (τ) -" in att["summary"] and "verify +" in att["summary"]
+    assert att["explains"] is None and all(c["share"] is None for c in att["contributions"])
+    # the same pair with a real slowdown on top: the split is back, shares and all
+    c = synth(62, tau_p=0.6, scale={p: 3.4 / 2.2 * (1.4 if p == "verify" else 1.0) for p in PHASES})
+    att = compare_runs([a, c])["attribution"][0]
+    assert rows_by(compare_runs([a, c]))["ms_per_token"]["verdicts"][1] == "worse"
+    assert "verify accounts for" in att["summary"] and att["explains"] == "verify"
+
+
+def _plain(seed, n=300):
+    rng = np.random.default_rng(seed)
+    dec = (10.0 * rng.lognormal(0, 0.1, n)).tolist()
+    return {"kind": "baseline", "id": f"plain{seed:05d}", "config": {"model": "/m/llama"}, "env": env(),
+            "results": {"tok_per_s": 1e3 / float(np.mean(dec)), "accept_length": 1.0,
+                        "decode_ms_per_token": float(np.mean(dec)), "phases": {"decode": {"mean_ms": float(np.mean(dec)),
+                                                                                           "share": 1.0}}},
+            "samples": {"cycle_ms": {"decode": dec}, "cycle_total_ms": dec, "accept_lengths": [1] * n}}
+
+
+def test_rows_one_run_has_say_which_and_are_grouped(tmp_path, capsys):
+    from cli_util import cli
+
+    base, spec = _plain(70), dict(synth(71), id="spec000071")
+    cmp = compare_runs([base, spec])
+    rows = rows_by(cmp)
+    assert rows["accept_length"]["verdicts"][1] == "better"              # τ = 1 is a plain run's real value
+    assert rows["acceptance.0"]["verdicts"][1] == "only in spec000071"
+    assert rows["phase.decode"]["verdicts"][1] == "only in plain00070"
+    assert not any(v and v.startswith("n/a (missing)") for r in cmp["rows"] for v in r["verdicts"])
+    with open_registry() as reg:
+        ids = [reg.add_run(dict(r, id=None)) for r in (base, spec)]
+    code, out, err = cli(capsys, "compare", *ids)
+    assert code == 0, err
+    only = [ln for ln in out.splitlines() if ln.startswith("only in ")]
+    assert len(only) == 2, out                           # one line per run, not a table row per metric
+    assert only[0].startswith(f"only in {ids[1]}") and "acceptance @1" in only[0] and "Draft ms/cyc" in only[0]
+    assert only[1].startswith(f"only in {ids[0]}") and "Target decode ms/cyc" in only[1]
+    assert out.count("only in ") == 2                    # the table itself carries no such rows

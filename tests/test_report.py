@@ -313,3 +313,118 @@ def test_per_token_bars_add_up_to_the_run_tables_ms_per_token(records):
     phases = charts.top_phases(s)
     total = sum(v * charts._per_token_scale(s, phases) for v in phases.values())
     assert total == pytest.approx(s["results"]["decode_ms_per_token"], rel=1e-9)
+
+
+# ------------------------------------------------------------------------------------------ one rule, no clipping
+
+def _cycles_run(kind, rid, seed, n, per_cycle_ms, tau_p, sigma):
+    """A run with per-cycle samples: plain (tau_p None: one token a cycle, phase decode) or speculative."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    total = (per_cycle_ms * rng.lognormal(0, sigma, n)).tolist()
+    acc = [1] * n if tau_p is None else (1 + rng.binomial(3, tau_p, n)).tolist()
+    T, A = sum(total), sum(acc)
+    split = {"decode": 1.0} if tau_p is None else {"draft": 0.2, "verify": 0.8}
+    cycle_ms = {p: [x * f for x in total] for p, f in split.items()}
+    res = {"tok_per_s": A / T * 1e3, "decode_ms_per_token": T / A, "accept_length": A / n,
+           "phases": {p: {"mean_ms": T * f / n, "share": f} for p, f in split.items()}}
+    cfg = {"model": "tiny", "draft": None if tau_p is None else "ngram", "steps": None if tau_p is None else 3}
+    if tau_p is not None:
+        res["drafted_tokens"] = 3 * n
+    return {"id": rid, "kind": kind, "name": kind, "config": cfg, "env": {}, "results": res,
+            "samples": {"cycle_ms": cycle_ms, "cycle_total_ms": total, "accept_lengths": acc}}
+
+
+@pytest.mark.parametrize("sigma,n,word", [(1.2, 12, "no significant change"), (0.05, 400, "faster")])
+def test_headline_and_compare_table_judge_the_speed_by_one_rule(sigma, n, word):
+    from specscope.registry.compare import compare_runs
+    from specscope.report import build_report
+
+    base = _cycles_run("baseline", "base000001", 1, n, 10.0, None, sigma)
+    spec = _cycles_run("speculative", "spec000002", 2, n, 11.0, 0.6, sigma)    # τ ≈ 2.8: about 2.5× the speed
+    spec["config"]["baseline_run"] = base["id"]
+    spec["results"]["speedup"] = spec["results"]["tok_per_s"] / base["results"]["tok_per_s"]
+    page = build_report([base, spec])
+    head = re.search(r"<p class=headline>(.*?)</p>", page).group(1)
+    row = {r["metric"]: r for r in compare_runs([base, spec])["rows"]}["tok_per_s"]
+    expect = {"no significant change": "no significant change", "faster": "better"}[word]
+    assert row["verdicts"][1] == expect                      # the table's verdict ...
+    assert f": {word}" in head, head                         # ... is the headline's
+    assert ("faster" in head) == (word == "faster") and f"{1 + row['changes'][1]['change']:.2f}×" in head
+    compare = page.split("<h2>Compare</h2>")[1]
+    assert f"{expect}</span>" in compare.split("</tr>")[1]   # the tok/s row, first after the header
+    # the break-even's "achieved speedup" line follows the same rule
+    achieved = re.search(r"<li>(achieved speedup: [^<]*)</li>", page).group(1)
+    assert achieved.endswith("faster than plain decoding") == (word == "faster"), achieved
+
+
+def test_every_chart_keeps_its_text_on_the_canvas(records):
+    """Axis labels, tick labels and legends inside the PNG (the per-phase chart's x label was cut off), and no
+    axis label under a legend; with long run names too."""
+    from specscope.report import charts
+    from specscope.report.build import breakeven_analysis
+
+    b, c, s, s2, _ = copy.deepcopy(records)
+    s2["config"]["draft"] = "/very/long/path/to/a/drafter/directory/with-a-rather-long-name-eagle3"
+    runs = [b, s, s2]
+    for i, r in enumerate(runs):
+        r["id"] = f"run{i:07d}"
+    by_id = {r["id"]: r for r in runs}
+    items = [{"run": r, "analysis": breakeven_analysis(r, by_id, [b])} for r in (s, s2)]
+    for name, args in (("cycle_breakdown", (runs,)), ("cycle_breakdown", ([b, s],)), ("tau_histogram", (runs,)),
+                       ("per_position", (runs,)), ("breakeven", (items,)), ("verify_curve", (c,))):
+        assert getattr(charts, name).layout_problems(*args) == [], name
+
+
+def _analysis(mx, need, tau, sp, decode=14.4, cycle=15.7):
+    return {"max_accept_length": mx, "break_even_accept_length": need, "cycle_ms": cycle, "decode_ms": decode,
+            "measured_accept_length": tau, "speedup": sp}
+
+
+def test_breakeven_axes_frame_the_measured_point(records):
+    """A deep tree (steps 13) measured at τ 1.34: the axis ends a little past the point, not at τ 14 with the
+    y-axis at 20×, and the caption says the lines run on."""
+    from specscope.report import charts
+
+    s = records[2]
+    fig = charts.breakeven.figure([{"run": s, "analysis": _analysis(14.0, 1.09, 1.34, 1.23)}])
+    ax = fig.axes[0]
+    lo, hi = ax.get_xlim()
+    assert 1.34 < hi <= 2.5 and ax.get_ylim()[1] < 2.5
+    assert "axis cut at" in ax.get_xlabel() and "steps + 1 = 14" in ax.get_xlabel()
+    assert "the line ends" not in ax.get_xlabel() and "a line ends" not in ax.get_xlabel()
+    assert max(max(line.get_xdata()) for line in ax.get_lines()) <= hi      # nothing drawn past the axis
+    # a shallow chain: the axis reaches steps + 1, and the caption says the line ends there
+    fig2 = charts.breakeven.figure([{"run": s, "analysis": _analysis(4.0, 1.5, 2.8, 2.1)}])
+    assert fig2.axes[0].get_xlim()[1] == pytest.approx(4.0) and "a line ends at its steps + 1" in \
+        fig2.axes[0].get_xlabel()
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    plt.close(fig2)
+
+
+def test_verify_cost_chart_draws_no_knee_its_legend_disowns():
+    """A noisy context gets its points and no fit line, no dotted knee, and the title mentions no knee."""
+    import matplotlib.pyplot as plt
+
+    from specscope.report import charts
+
+    noisy = [{"context": 64, "tokens": n, "median_ms": m, "p10_ms": 200.0, "p90_ms": 1300.0}
+             for n, m in ((1, 320.0), (2, 600.0), (4, 450.0), (8, 900.0))]
+    fit = {"flat_ms": 300.0, "slope_ms_per_token": 40.0, "knee_tokens": 2.0, "rel_rmse": 0.4}
+    curve = {"id": "curve0001", "kind": "verify_curve", "results": {"points": noisy, "fits": {"64": fit}}}
+    fig = charts.verify_curve.figure(curve)
+    ax = fig.axes[0]
+    assert [ln for ln in ax.get_lines() if ln.get_linestyle() in (":", "-") and len(ln.get_xdata()) > 2] == []
+    assert "knee" not in ax.get_title() and "too noisy to fit: no fit drawn" in \
+        " ".join(t.get_text() for t in ax.get_legend().get_texts())
+    plt.close(fig)
+    quiet = [dict(p, median_ms=300.0 + 40 * max(0, p["tokens"] - 2), p10_ms=None, p90_ms=None) for p in noisy]
+    for p in quiet:
+        p["p10_ms"], p["p90_ms"] = p["median_ms"] * 0.98, p["median_ms"] * 1.02
+    fig = charts.verify_curve.figure({"id": "c2", "results": {"points": quiet, "fits": {"64": dict(fit, rel_rmse=0.01)}}})
+    ax = fig.axes[0]
+    assert "(dotted: knee)" in ax.get_title() and any(ln.get_linestyle() == ":" for ln in ax.get_lines())
+    plt.close(fig)

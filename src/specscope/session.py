@@ -14,6 +14,7 @@ from specscope.models.loader import load_config, weight_files
 from specscope.profile import CycleProfiler
 from specscope.registry import (check_registry, drafting_config, machine_config, make_record, open_registry,
                                 prompt_set_hash)
+from specscope.registry.fingerprint import timing_warning
 from specscope.runtime.sampling import SamplingParams
 from specscope.runtime.tokenizer import StreamDecoder, Tokenizer, check_tokenizer_files
 from specscope.speculative.decode import (SpecConfig, build_drafter, drafter_path, speculative_generate,
@@ -154,6 +155,9 @@ def run_generate(req: GenerateRequest, on_text=None) -> dict:
     out["profile"] = prof.summary()
     if req.record:
         _record_run(req, path, model, spec_cfg, res, prof, out, lines)
+    out["load_warning"] = timing_warning()      # the tok/s above is a timing: say what load it ran under
+    if out["load_warning"]:
+        lines.append(out["load_warning"])
     out["summary_lines"] = lines
     out["_result"] = res
     return _public(out)

@@ -234,10 +234,11 @@ async def run_levels(base: str, prompts: list, levels: list[int | None], endpoin
                      progress=None, *, request_rate: float = math.inf, burstiness: float = 1.0, seed: int = 0,
                      ignore_eos: bool = False, metric_names=DEFAULT_METRICS, percentiles=DEFAULT_PERCENTILES,
                      goodput: dict | None = None, path: str | None = None, extra_body: dict | None = None,
-                     extra_headers: dict | None = None, tokenizer=None) -> dict:
+                     extra_headers: dict | None = None, tokenizer=None, on_level=None) -> dict:
     """prompts: strings, (prompt, max_tokens) pairs (per-request output lengths) or datasets.Request.
     levels: max concurrency per level, None = unbounded. endpoint: "chat" or "completions" (the request shape);
-    path: the URL path (default /v1/chat/completions or /v1/completions)."""
+    path: the URL path (default /v1/chat/completions or /v1/completions). progress(c, result) after each request;
+    on_level(i, c) as level i (max concurrency c) starts: a per-level progress bar's clock."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     headers.update(extra_headers or {})
     path = path or PATHS[endpoint]
@@ -248,8 +249,10 @@ async def run_levels(base: str, prompts: list, levels: list[int | None], endpoin
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), limits=limits) as client:
         model = model or await _discover_model(client, base, headers)
         out_levels, out_lists, per_request = [], [], []
-        for c in levels:
+        for li, c in enumerate(levels):
             before = await _scrape(client, base, headers)
+            if on_level:
+                on_level(li, c)
             sem = asyncio.Semaphore(c) if c else None
             gaps = intervals(len(reqs), request_rate, burstiness, seed)
 

@@ -6,7 +6,6 @@ prompts, temperature 0) --help says so."""
 from __future__ import annotations
 
 import math
-import sys
 
 import click
 
@@ -378,27 +377,15 @@ def bench_serve(ctx, backend, endpoint, url, host, port, model, tokenizer, token
         from specscope.registry import check_registry
 
         check_registry(db)
-    total = len(requests) * len(levels)
-    done = {"n": 0}
-    tty = sys.stderr.isatty()
-    quiet = as_json or disable_tqdm
-
-    def progress(c, res):
-        done["n"] += 1
-        if quiet:
-            return
-        if tty:     # one line redrawn in place on a terminal; nothing per request in a log
-            click.echo(f"\r[{done['n']}/{total}] max concurrency {c or 'unbounded'}", nl=False, err=True)
-        elif done["n"] % len(requests) == 0:
-            click.echo(f"[{done['n']}/{total}] level max concurrency {c or 'unbounded'} done", err=True)
-
-    out = asyncio.run(run_levels(base, requests, levels, kind, model, 0, temperature, api_key, timeout_s,
-                                 progress, request_rate=request_rate, burstiness=burstiness, seed=seed,
-                                 ignore_eos=ignore_eos, metric_names=metric_names, percentiles=percentiles,
-                                 goodput=slos, path=path, extra_body=extra, extra_headers=extra_headers,
-                                 tokenizer=tok))
-    if tty and not quiet:
-        click.echo("", err=True)
+    bar = _LevelBars(len(requests), len(levels), json_mode=as_json, enabled=not disable_tqdm)
+    try:
+        out = asyncio.run(run_levels(base, requests, levels, kind, model, 0, temperature, api_key, timeout_s,
+                                     bar.request, request_rate=request_rate, burstiness=burstiness, seed=seed,
+                                     ignore_eos=ignore_eos, metric_names=metric_names, percentiles=percentiles,
+                                     goodput=slos, path=path, extra_body=extra, extra_headers=extra_headers,
+                                     tokenizer=tok, on_level=bar.level))
+    finally:
+        bar.close()
     first = out["levels"][0]
     results = {"levels": out["levels"], "tok_per_s": first["output_throughput"],
                "request_throughput": first["request_throughput"], "failed": sum(lv["failed"] for lv in out["levels"])}
@@ -436,12 +423,17 @@ def bench_serve(ctx, backend, endpoint, url, host, port, model, tokenizer, token
         # the model is remote: its "hash" is whatever the server calls it, not a local file
         rec["config"].pop("model_hash", None)
         run_id = store_record(rec, db)
+    # the client's clock (and a server on this machine) shared the CPUs with whatever else ran
+    from specscope.registry.fingerprint import timing_warning
+
+    warning = timing_warning(rec["env"] if run_id else None)
     files = []
     if save_result or append_result:
         files = save_results(out, config, run_id, result_dir or ".", result_filename, save_detailed,
                              num_prompts=num_prompts, append=append_result)
     if as_json:
-        emit_json({"run_id": run_id, "config": config, "results": results, "result_files": files})
+        emit_json({"run_id": run_id, "config": config, "results": results, "result_files": files,
+                   "load_warning": warning})
         return
     _print_table(base, out, len(requests), metric_names, percentiles, slos)
     for lv in out["levels"]:
@@ -454,6 +446,35 @@ def bench_serve(ctx, backend, endpoint, url, host, port, model, tokenizer, token
         click.echo(f"result: {f}", err=True)
     if run_id:
         click.echo(f"stored run {run_id}", err=True)
+    if warning:
+        click.echo(warning, err=True)
+
+
+class _LevelBars:
+    """One progress bar per concurrency level (requests, their rate, the level's time left), as `vllm bench
+    serve`'s tqdm bar shows per run; see specscope.progress for where it is drawn."""
+
+    def __init__(self, per_level: int, levels: int, json_mode: bool, enabled: bool):
+        self.per_level, self.levels = per_level, levels
+        self.json_mode, self.enabled, self.bar, self.failed = json_mode, enabled, None, 0
+
+    def level(self, i: int, c) -> None:
+        from specscope.progress import Progress
+
+        self.close()
+        where = f" (level {i + 1}/{self.levels})" if self.levels > 1 else ""
+        self.bar = Progress(f"max concurrency {c or 'unbounded'}{where}", self.per_level, "req",
+                            json_mode=self.json_mode, enabled=self.enabled)
+
+    def request(self, c, res) -> None:
+        if self.bar is not None:
+            self.failed += not getattr(res, "ok", True)
+            self.bar.advance(info=f"{self.failed} failed" if self.failed else "")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar, self.failed = None, 0
 
 
 def vllm_result(lv: dict, lists: dict, config: dict, run_id, date: str, num_prompts: int, detailed: bool) -> dict:

@@ -84,7 +84,10 @@ def _print(res: dict) -> None:
         t.add_column(rid, justify="right")
         t.add_column("Δ", justify="right")
         t.add_column("verdict")
-    for row in res["rows"]:
+    from specscope.registry.compare import one_sided
+
+    rows, only = one_sided(res["rows"])
+    for row in rows:
         cells = [row["label"], _v(row["values"][0])]
         for i in range(1, len(ids)):
             ch = row["changes"][i] or {}
@@ -97,6 +100,8 @@ def _print(res: dict) -> None:
             cells += [_v(row["values"][i]), delta, f"[{style}]{verdict}[/{style}]"]
         t.add_row(*cells)
     con.print(t)
+    for rid, labels in only.items():     # one line per run, not a row of "only in ..." per metric
+        con.print(f"only in {rid} (nothing to compare with): {', '.join(labels)}", highlight=False)
     for rid, w in (res.get("load_warnings") or {}).items():
         con.print(f"[bold yellow]warning:[/bold yellow] run {rid} was {w}")
     for title, diff in (("configuration differences", res["config_diff"]),

@@ -1,4 +1,4 @@
-"""`specscope verify-curve`, `specscope breakeven`, `specscope tune`: the economics of speculation."""
+"""`specscope breakeven`, `specscope tune` (and `verify-curve`, from cli/verify_curve.py): the economics of speculation."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ import click
 from specscope.cli.common import (FiniteFloat, alias_option, check_writable, db_option, device_option, draft_option,
                                   dtype_option, emit_json, json_option, output_option, setup_runtime, spec_options,
                                   stderr_console, stdout_console)
-from specscope.economics.verify_curve import DEFAULT_BATCHES, DEFAULT_CONTEXTS, DEFAULT_TOKENS, MAX_BATCH, MAX_REPEATS
+# verify-curve lives in its own module; named here too, where the command table and older imports look for it
+from specscope.cli.verify_curve import verify_curve  # noqa: F401
+from specscope.economics.verify_curve import DEFAULT_BATCHES, MAX_BATCH
 from specscope.errors import SpecscopeError
 from specscope.jsonio import dtype_name
 
@@ -21,201 +23,6 @@ def _open(db):
     from specscope.registry import open_registry
 
     return open_registry(db, create=False)
-
-
-# ------------------------------------------------------------------------------------------------ verify-curve
-
-@click.command("verify-curve")
-@click.option("--model", "model_name", default="smollm2-135m", show_default=True,
-              help="Target: a Hugging Face checkpoint directory, a Hugging Face id (org/name[@revision]) or a "
-                   "known name.")
-@click.option("--context", "contexts", default=",".join(map(str, DEFAULT_CONTEXTS)), show_default=True,
-              help="Context lengths (cached tokens), comma-separated.")
-@click.option("--tokens", default=",".join(map(str, DEFAULT_TOKENS)), show_default=True,
-              help="Query tokens per forward (what a cycle verifies), comma-separated.")
-@click.option("--warmup", type=int, default=1, show_default=True,
-              help=f"Untimed forwards per point (0..{MAX_REPEATS}).")
-@click.option("--repeats", type=int, default=5, show_default=True,
-              help=f"Timed forwards per point (1..{MAX_REPEATS}).")
-@click.option("--batch", "batches", default=None, metavar="B,B,...",
-              help=f"Also measure the batch axis: one forward over B sequences each verifying n tokens, as the "
-                   f"batched engine runs it, for each B (e.g. {','.join(map(str, DEFAULT_BATCHES))}; at most "
-                   f"{MAX_BATCH}); stored beside the batch-1 curve, printed and plotted per batch size.")
-@click.option("--batch-context", type=click.IntRange(min=1), default=None,
-              help="Cached tokens per sequence for --batch (default: the first --context).")
-@click.option("--max-seq-len", type=click.IntRange(min=1), default=None,
-              help="With --batch: tokens each sequence's KV region holds, as the engine's --max-seq-len (capped at "
-                   "the model's context); wider regions widen every row's mask. Default: just the batch context.")
-@dtype_option()
-@device_option()
-@click.option("--threads", type=click.IntRange(min=1), default=None, help="CPU threads for torch.")
-@output_option("PNG to write (default: verify-curve-<run id>.png in the current directory; with --batch the "
-               "batch plot goes beside it, <name>-batch.png).", hidden=("--plot",), dir_okay=False)
-@click.option("--no-plot", is_flag=True, help="Do not write a PNG.")
-@click.option("--no-record", is_flag=True, help="Do not store the curve in the registry.")
-@click.option("--name", default="", help="Run name in the registry.")
-@_DB
-@json_option()
-def verify_curve(model_name, contexts, tokens, warmup, repeats, batches, batch_context, max_seq_len, dtype, device,
-                 threads, output, no_plot, no_record, name, db, as_json):
-    """Measure the target's forward time for n query tokens at each context length, fit where it stops being
-    flat (the knee), store the curve as a run and plot it; with --batch, also T(B, n) over B sequences at once."""
-    from specscope.economics.verify_curve import (check_plan, check_surface_plan, knee_words, measure_curve,
-                                                  measure_surface, parse_int_list, surface_results)
-    from specscope.models.hub import resolve_model
-    from specscope.models.loader import load_config, load_model, parse_dtype, weight_files
-
-    # before the model loads and minutes of measuring, not after: the plot path, the registry, the plan
-    if output and not no_plot:
-        from specscope.economics.plots import plot_format
-
-        check_writable(output, "--output")
-        plot_format(output)
-    if not no_record:
-        from specscope.registry import check_registry
-
-        check_registry(db)
-    ctxs = parse_int_list(contexts, "--context")
-    toks = parse_int_list(tokens, "--tokens")
-    bs = parse_int_list(batches, "--batch") if batches is not None else None
-    if bs is None and (batch_context is not None or max_seq_len is not None):
-        raise SpecscopeError("--batch-context and --max-seq-len shape the batch axis; pass --batch too "
-                             "(e.g. --batch 1,2,4,8,16)")
-    bctx = batch_context or ctxs[0]
-    path = resolve_model(model_name)
-    mcfg, _ = load_config(path)                 # config.json and the weight files' presence: no weights read
-    weight_files(path)
-    check_plan(ctxs, toks, warmup, repeats, mcfg.max_position_embeddings)
-    if bs is not None:
-        check_surface_plan(bs, bctx, toks, mcfg.max_position_embeddings, max_seq_len)
-    dev = setup_runtime(threads, device)
-    dt = parse_dtype(dtype, str(dev))
-    model = load_model(path, dtype=dt, device=dev)
-    err = stderr_console()
-    total = len(ctxs) * len(toks)
-    done = [0]
-
-    def progress(row):
-        done[0] += 1
-        if not as_json:
-            err.print(f"[{done[0]}/{total}] context {row['context']:>5}, n = {row['tokens']:>3}: "
-                      f"{row['median_ms']:8.2f} ms (p10 {row['p10_ms']:.2f}, p90 {row['p90_ms']:.2f})")
-
-    res = measure_curve(model, ctxs, toks, warmup, repeats, progress)
-    surface = None
-    if bs is not None:
-        total, done[0] = len(bs) * len(toks), 0
-
-        def bprogress(row):
-            done[0] += 1
-            if not as_json:
-                err.print(f"[{done[0]}/{total}] batch {row['batch']:>4} × n = {row['tokens']:>3} at context "
-                          f"{row['context']}: {row['median_ms']:8.2f} ms (p10 {row['p10_ms']:.2f}, "
-                          f"p90 {row['p90_ms']:.2f})")
-
-        surface = measure_surface(model, bs, bctx, toks, warmup, repeats, max_seq_len, bprogress)
-    from specscope.registry import machine_config
-
-    config = {**machine_config(path, dt, dev), "model_name": model_name, "contexts": ctxs, "tokens": toks,
-              "warmup": warmup, "repeats": repeats}
-    results = {"points": res["points"], "fits": res["fits"],
-               "decode_ms": {str(L): next(p["median_ms"] for p in res["points"] if p["context"] == L
-                                          and p["tokens"] == min(toks)) for L in ctxs}}
-    samples = {"verify_ms": res["samples"]}
-    if surface is not None:
-        config.update({"batches": bs, "batch_context": bctx, "max_seq_len": max_seq_len})
-        results["surface"] = surface_results(surface)
-        samples["batch_verify_ms"] = surface["samples"]
-    run_id = None
-    if not no_record:
-        from specscope.registry import make_record, store_record
-
-        rec = make_record("verify_curve", name or f"verify curve {model_name}", config=config, results=results,
-                          samples=samples)
-        run_id = store_record(rec, db)
-    png = bpng = None
-    if not no_plot:
-        from pathlib import Path
-
-        from specscope.economics.plots import plot_verify_curve, plot_verify_surface
-
-        target = output or f"verify-curve-{run_id or 'unrecorded'}.png"
-        png = plot_verify_curve(res, target, title=f"verify cost: {model_name} {config['dtype']} {dev}")
-        if surface is not None:
-            t = Path(target)
-            bpng = plot_verify_surface(surface, t.with_name(f"{t.stem}-batch{t.suffix or '.png'}"),
-                                       title=f"verify cost by batch size: {model_name} {config['dtype']} {dev}, "
-                                             f"context {bctx}")
-    words = {L: knee_words(f, max(toks), [p for p in res["points"] if str(p["context"]) == L])
-             for L, f in res["fits"].items()}
-    if as_json:
-        emit_json({"run_id": run_id, "config": config, **results, "knee": words, "plot": png,
-                   **({"batch_plot": bpng} if surface is not None else {})})
-        return
-    _print_curve_table(res, ctxs, toks)
-    for L in ctxs:
-        d1 = res["fits"][str(L)]
-        click.echo(f"context {L}: {words[str(L)]} (fit error {d1['rel_rmse'] * 100:.0f}%)")
-    base = {L: next(p["median_ms"] for p in res["points"] if p["context"] == L and p["tokens"] == min(toks))
-            for L in ctxs}
-    for L in ctxs:
-        cheap = [p["tokens"] for p in res["points"] if p["context"] == L and p["median_ms"] <= 1.1 * base[L]]
-        click.echo(f"context {L}: up to {max(cheap)} tokens verify within 10% of one decode step "
-                   f"({base[L]:.2f} ms)")
-    if surface is not None:
-        _print_surface(surface)
-    if run_id:
-        click.echo(f"stored as run {run_id}")
-    for p in (png, bpng):
-        if p:
-            click.echo(f"plot: {p}")
-
-
-def _print_surface(surface):
-    """T(B, n) as a table (× the plain step at the same batch size), then per batch size what a plain step costs
-    per sequence-token and how many tokens per sequence verify for about its price."""
-    from rich.markup import escape
-    from rich.table import Table
-
-    bs, toks = surface["batches"], surface["tokens"]
-    by = {(p["batch"], p["tokens"]): p for p in surface["points"]}
-    t = Table(title=escape(f"one forward over B sequences × n tokens each at context {surface['context']}, ms: "
-                           f"median and × the plain step T(B, {toks[0]})"))
-    t.add_column("n per seq", justify="right")
-    for B in bs:
-        t.add_column(f"batch {B}", justify="right")
-    for n in toks:
-        cells = []
-        for B in bs:
-            ms = by[(B, n)]["median_ms"]
-            cells.append(escape(f"{ms:.2f} {ms / by[(B, toks[0])]['median_ms']:.2f}×"))
-        t.add_row(str(n), *cells)
-    stdout_console().print(t)
-    for B in bs:
-        base = by[(B, toks[0])]["median_ms"]
-        cheap = max(n for n in toks if by[(B, n)]["median_ms"] <= 1.1 * base)
-        click.echo(f"batch {B}: a plain step {base:.2f} ms = {base / B:.2f} ms per sequence-token; up to {cheap} "
-                   f"token(s) per sequence verify within 10% of it")
-
-
-def _print_curve_table(res, ctxs, toks):
-    from rich.table import Table
-
-    from rich.markup import escape
-
-    t = Table(title=escape("target forward time, ms: median [p10–p90], and × the one-token time"))
-    t.add_column("n tokens", justify="right")
-    for L in ctxs:
-        t.add_column(f"context {L}", justify="right")
-    by = {(p["context"], p["tokens"]): p for p in res["points"]}
-    for n in toks:
-        cells = []
-        for L in ctxs:
-            p, p1 = by[(L, n)], by[(L, toks[0])]
-            cells.append(escape(f"{p['median_ms']:.2f} [{p['p10_ms']:.2f}–{p['p90_ms']:.2f}] "
-                                f"{p['median_ms'] / p1['median_ms']:.2f}×"))
-        t.add_row(str(n), *cells)
-    stdout_console().print(t)
 
 
 # ------------------------------------------------------------------------------------------------ breakeven
@@ -475,13 +282,17 @@ def tune(run_ref, baseline_ref, curve_ref, decode_ms, do_profile, model_name, dr
     validation = None
     if n_validate:
         picks = [(r["steps"], r["topk"], r["draft_tokens"], r.get("ngram_tokens", 0)) for r in rows[:n_validate]]
-        measured = ctx.validate(picks, say)
+        measured = ctx.validate(picks, say, as_json)
         validation = []
         for r, m in zip(rows[:n_validate], measured):
             validation.append({**m, "predicted": r["speedup"], "predicted_tau": r["tau"],
                                "label": _label(r)})
         out["validation"] = validation
         out["validation_error"] = T.error_summary(validation)
+    if do_profile or n_validate:        # this command timed decoding itself: say what load it ran under
+        from specscope.registry.fingerprint import timing_warning
+
+        out["load_warning"] = timing_warning(run.get("env") if do_profile else None)
     plot_dir = output
     if plot_dir:
         from pathlib import Path
@@ -508,6 +319,8 @@ def tune(run_ref, baseline_ref, curve_ref, decode_ms, do_profile, model_name, dr
     if out.get("policy"):
         click.echo(f"policy table: {out['policy']} (serve --spec-policy "
                    + ("auto" if save_policy == "auto" else out["policy"]) + ")")
+    if out.get("load_warning"):
+        click.echo(out["load_warning"], err=True)
 
 
 def _policy_file(save_policy: str, ctx, run) -> str:
@@ -660,13 +473,22 @@ class _TuneContext:
         rec["id"] = store_record(rec, db)
         return VerifyCurve.from_run(rec), (VerifySurface.from_run(rec) if max(levels) > 1 else None)
 
-    def validate(self, picks, say):
+    def validate(self, picks, say, as_json=False):
+        """The picks measured for real, with a bar over their prompts (each: plain and speculative)."""
         from specscope.economics.probe import validate
+        from specscope.progress import Progress
 
         target, drafter, ids, stop, _ = self.load()
-        return validate(target, drafter, ids, picks, self.max_new_tokens, stop,
-                        progress=lambda r: say(f"measured {_label(r)}: "
-                                               f"{r['measured']:.2f}x (τ {r['measured_tau']:.2f})"))
+        with Progress("tune --validate", len(picks) * len(ids), "prompt", json_mode=as_json) as bar:
+            def tick(knobs):
+                s, k, n, *g = knobs
+                bar.advance(info=f"s{s} k{k} n{n}" + (f" g{g[0]}" if g and g[0] else ""))
+
+            def measured(r):
+                if not as_json:
+                    bar.note(f"measured {_label(r)}: {r['measured']:.2f}x (τ {r['measured_tau']:.2f})")
+
+            return validate(target, drafter, ids, picks, self.max_new_tokens, stop, progress=measured, tick=tick)
 
 
 def _label(r: dict) -> str:

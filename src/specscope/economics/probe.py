@@ -54,9 +54,10 @@ def _decode(res) -> tuple[int, float]:
 
 
 def run_pair(target, drafter, prompt_ids, max_new_tokens, stop_ids, cfg, base_prof=None, spec_prof=None,
-             baseline=True) -> dict:
+             baseline=True, tick=None) -> dict:
     """Plain and speculative decoding alternated prompt by prompt, so that a machine whose load drifts (shared
-    CPUs) slows both sides alike and their ratio stays meaningful. Returns ms/token of each side and τ."""
+    CPUs) slows both sides alike and their ratio stays meaningful. Returns ms/token of each side and τ.
+    tick(): after each prompt (both sides), for progress."""
     bt = bs = st = ss = 0.0
     acc = cycles = 0
     stats = []
@@ -70,6 +71,8 @@ def run_pair(target, drafter, prompt_ids, max_new_tokens, stop_ids, cfg, base_pr
         acc += sum(r.stats.accept_lengths)
         cycles += r.stats.cycles
         stats.append(r.stats)
+        if tick:
+            tick()
     if st <= 0 or (baseline and bt <= 0):
         raise SpecscopeError("no decode tokens were produced; raise --max-new-tokens")
     return {"baseline_ms_per_token": bs * 1e3 / bt if baseline else None, "ms_per_token": ss * 1e3 / st,
@@ -128,14 +131,16 @@ def profile(target, drafter, prompt_ids, cfg, max_new_tokens, stop_ids, config: 
     return brec, srec
 
 
-def validate(target, drafter, prompt_ids, configs, max_new_tokens, stop_ids, progress=None):
+def validate(target, drafter, prompt_ids, configs, max_new_tokens, stop_ids, progress=None, tick=None):
     """Run each (steps, topk, draft_tokens) — or (steps, topk, draft_tokens, ngram_tokens) for a hybrid — for real,
-    alternating with plain decoding prompt by prompt; measured speedup = plain ms/token ÷ speculative ms/token."""
+    alternating with plain decoding prompt by prompt; measured speedup = plain ms/token ÷ speculative ms/token.
+    progress(row) after each configuration; tick(knobs) after each of its prompts."""
     out = []
     for knobs in configs:
         cfg = SpecConfig(*knobs)
         cfg.validate()
-        r = run_pair(target, drafter, prompt_ids, max_new_tokens, stop_ids, cfg)
+        r = run_pair(target, drafter, prompt_ids, max_new_tokens, stop_ids, cfg,
+                     tick=(lambda: tick(knobs)) if tick else None)
         row = {"steps": cfg.steps, "topk": cfg.topk, "draft_tokens": cfg.draft_tokens,
                **({"ngram_tokens": cfg.ngram_tokens} if len(knobs) > 3 else {}),
                "measured": r["baseline_ms_per_token"] / r["ms_per_token"], "measured_tau": r["accept_length"],

@@ -211,8 +211,10 @@ def check_plan(contexts, tokens, warmup: int, repeats: int, limit: int) -> None:
                              f"lower --context or --tokens")
 
 
-def measure_curve(model, contexts, tokens, warmup: int = 2, repeats: int = 5, progress=None) -> dict:
-    """Measure every (context, n) point and fit each context. Returns {"points", "fits", "samples"}."""
+def measure_curve(model, contexts, tokens, warmup: int = 2, repeats: int = 5, progress=None, tick=None) -> dict:
+    """Measure every (context, n) point and fit each context. Returns {"points", "fits", "samples"}.
+    progress(row): each point once its context is measured; tick(): after every forward, warmup included (the
+    points of a context finish together, round-robin, so only forwards can tell the time left)."""
     check_plan(contexts, tokens, warmup, repeats, model.config.max_position_embeddings)
     points, samples, fits = [], {}, {}
     for L in contexts:
@@ -225,6 +227,8 @@ def measure_curve(model, contexts, tokens, warmup: int = 2, repeats: int = 5, pr
                 t = pts[n].time_ms()
                 if i >= warmup:
                     times[n].append(t)
+                if tick:
+                    tick()
         meds = []
         for n in tokens:
             row = {"context": L, "tokens": n, **summarize(times[n])}
@@ -268,6 +272,28 @@ def knee_words(fit: dict, max_tokens: int, points: list[dict] | None = None) -> 
         return (f"no flat region: rises from the first token, +{slope:.3f} ms per extra token "
                 f"(compute-bound already at n = 1)")
     return (f"flat at {flat:.2f} ms up to a knee at n ≈ {knee:.1f} tokens, then +{slope:.3f} ms per extra token")
+
+
+def cheap_words(points: list[dict], fit: dict | None = None, per: str = "", ref: str = "one decode step") -> str | None:
+    """How many query tokens verify within 10 % of the narrowest forward (n = 1: one decode step), from one
+    context's (or one batch size's) points: the widest n up to which every measured width stays within 10 %. None
+    when that cannot be read: one width only, or points too noisy to fit (knee_words says so; a number read off
+    noise would contradict it)."""
+    pts = sorted(points, key=lambda p: p["tokens"])
+    if len(pts) < 2 or noise_words(pts, fit):
+        return None
+    base = pts[0]
+    ref = ref if base["tokens"] == 1 else f"the {base['tokens']}-token forward"
+    cheap = base
+    for p in pts[1:]:
+        if p["median_ms"] > 1.1 * base["median_ms"]:
+            break
+        cheap = p
+    if cheap is base:
+        nxt = pts[1]
+        return (f"no wider verify stays within 10% of {ref} ({base['median_ms']:.2f} ms): {nxt['tokens']} "
+                f"tokens{per} already cost {nxt['median_ms'] / base['median_ms']:.2f}× as much")
+    return f"up to {cheap['tokens']} tokens{per} verify within 10% of {ref} ({base['median_ms']:.2f} ms)"
 
 
 # ------------------------------------------------------------------------------------------------ batch axis
@@ -325,7 +351,7 @@ class _BatchPoint:
 
 
 def measure_surface(model, batches, context: int, tokens, warmup: int = 2, repeats: int = 5,
-                    max_seq_len: int | None = None, progress=None) -> dict:
+                    max_seq_len: int | None = None, progress=None, tick=None) -> dict:
     """T(B, n) at one per-sequence context: for each batch size B one cache of B regions (target.new_cache(region
     * B)), every (B, n) timed once a round, round-robin (a batch-1 row timed apart from the others once came out
     1.5x slow: its T(1, 1) above T(2, 1)). Returns {"context", "region", "batches", "tokens", "points", "fits",
@@ -343,6 +369,8 @@ def measure_surface(model, batches, context: int, tokens, warmup: int = 2, repea
             t = p.time_ms()
             if i >= warmup:
                 times[k].append(t)
+            if tick:
+                tick()
     for B in batches:
         meds = []
         for n in tokens:

@@ -184,27 +184,29 @@ def compare_runs(runs: list[dict], alpha: float = 0.05, min_effect: float = 0.02
     defs = _metric_defs(runs)
     tested = sum(1 for d in defs if any(d["samples"](r) for r in runs))
     level = 1 - alpha / max(tested, 1)
+    names = [run_name(r, i) for i, r in enumerate(runs)]
     rows = []
     for d in defs:
         ref_s = d["samples"](runs[0])
+        values = [_value(d, r) for r in runs]
         row = {"metric": d["key"], "label": d["label"], "better": "higher" if d["higher"] else "lower",
-               "values": [_round(_value(d, r)) for r in runs], "changes": [None], "verdicts": [None]}
-        for r in runs[1:]:
-            va, vb = _value(d, runs[0]), _value(d, r)
+               "values": [_round(v) for v in values], "present": [_is_num(v) for v in values],
+               "changes": [None], "verdicts": [None]}
+        for i, r in enumerate(runs[1:], 1):
+            va, vb = values[0], values[i]
             s = d["samples"](r)
             if ref_s and s and d.get("paired") and _same_prompts(runs[0], r):
                 ch = stats.paired_ratio_change(ref_s[0], s[0], level=level)
             elif ref_s and s:
                 ch = stats.ratio_change(*ref_s, *s, level=level)
             else:
-                change = (vb / va - 1) if isinstance(va, (int, float)) and isinstance(vb, (int, float)) and va \
-                    else None
+                change = (vb / va - 1) if _is_num(va) and _is_num(vb) and va else None
                 ch = {"change": change, "lo": None, "hi": None, "reason": "no per-cycle samples"}
             # a zero reference makes the ratio NaN/inf: no number (JSON has none for it), the verdict says why
             row["changes"].append({k: (None if not math.isfinite(v) else _round(v, 5)) if isinstance(v, float) else v
                                    for k, v in ch.items()})
             row["verdicts"].append(stats.verdict(ch, d["higher"], min_effect) if ch["change"] is not None
-                                   else "n/a (missing)")
+                                   else _missing(row["present"][0], row["present"][i], names[0], names[i]))
         rows.append(row)
     diff = settings_diff(runs)
     attributions = [_attribute(runs[0], runs[i], rows, i) for i in range(1, len(runs))]
@@ -222,6 +224,73 @@ def compare_runs(runs: list[dict], alpha: float = 0.05, min_effect: float = 0.02
         "load_warnings": {r.get("id") or f"#{i}": w for i, r in enumerate(runs)
                           if (w := load_warning(r.get("env")))},
     }
+
+
+def run_name(rec: dict, i: int) -> str:
+    """How a run is named in verdicts: its id, else its place (#0 = the reference), as `compare` heads columns."""
+    return rec.get("id") or f"#{i}"
+
+
+def _is_num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _missing(in_ref: bool, in_run: bool, ref: str, run: str) -> str:
+    """The verdict of a row that cannot be compared: which run lacks it (a metric only one kind of run has, e.g.
+    acceptance in a speculative run against a plain one), or a zero reference."""
+    if in_ref and in_run:
+        return "n/a (zero reference)"
+    if in_ref or in_run:
+        return f"only in {ref if in_ref else run}"
+    return "n/a (in neither run)"
+
+
+ONLY_IN = "only in "
+
+
+def one_sided(rows: list[dict]) -> tuple[list[dict], dict[str, list[str]]]:
+    """(rows compared in at least one pair, {run name: labels of the rows only that run has}): tables list the
+    one-sided rows once, grouped by run, instead of a row of "only in ..." each."""
+    kept, only = [], {}
+    for row in rows:
+        vs = [v for v in row["verdicts"][1:] if v]
+        if vs and all(v.startswith(ONLY_IN) for v in vs) and len(set(vs)) == 1:
+            only.setdefault(vs[0][len(ONLY_IN):], []).append(row["label"])
+        else:
+            kept.append(row)
+    return kept, only
+
+
+def speed_change(res: dict, i: int = 1) -> dict | None:
+    """The speed of run i against the reference, as the Compare table judges it: the decode tok/s row (the
+    cycles, prefill left out) where there is one, else tok/s. {"label", "ratio", "lo", "hi", "verdict",
+    "confidence"} with ratios (1.0 = the same speed; lo/hi None without samples), or None. The report's headline
+    reads this, so it never calls faster what the table calls no significant change."""
+    by = {r["metric"]: r for r in res["rows"]}
+    row = by.get("decode_tok_per_s") or by.get("tok_per_s")
+    ch = (row or {"changes": [None] * (i + 1)})["changes"][i] or {}
+    if ch.get("change") is None:
+        return None
+    lo, hi = ch.get("lo"), ch.get("hi")
+    return {"label": row["label"], "ratio": 1 + ch["change"], "lo": None if lo is None else 1 + lo,
+            "hi": None if hi is None else 1 + hi, "verdict": row["verdicts"][i], "confidence": res["confidence"],
+            "min_effect": res["min_effect"]}
+
+
+def speed_words(sc: dict, than: str = "plain decoding", ratio: bool = True) -> str:
+    """'2.01× the decode tok/s of plain decoding: faster (1.62×–2.48× at 99.72 %)', or '...: no significant
+    change (the interval 0.88×–3.65× at 99.72 % includes 1×)'; ratio=False leaves out the leading '2.01× '."""
+    head = (f"{sc['ratio']:.2f}× " if ratio else "") + f"the {sc['label']} of {than}"
+    if sc["lo"] is None:
+        return f"{head}; {sc['verdict']}: the noise is unknown, so this is not judged"
+    span = f"{sc['lo']:.2f}×–{sc['hi']:.2f}× at {sc['confidence'] * 100:.2f} %"
+    if sc["verdict"] == "better":
+        return f"{head}: faster ({span})"
+    if sc["verdict"] == "worse":
+        return f"{head}: slower ({span})"
+    why = (f"the interval {span} includes 1×" if sc["lo"] <= 1 <= sc["hi"]
+           else f"{span}, under the {sc['min_effect'] * 100:.0f} % smallest change called")
+    return f"{head}: no significant change ({why})"
 
 
 def _value(d: dict, rec: dict):
@@ -298,31 +367,7 @@ def _attribute(a: dict, b: dict, rows: list[dict], i: int) -> dict:
             f"no significant change in {', '.join(judged)}; not judged (no per-cycle samples): "
             + ", ".join(r["label"] for r in unjudged))
     else:
-        total = out.get("delta_ms_per_token") or 0.0
-        # the phase that moved most in the direction of the total change; opposite moves are named as offsets
-        same = [c for c in contributions if c["delta_ms_per_token"] * total > 0]
-        lead = same[0] if same else None
-        out["explains"] = lead["phase"] if lead else None
-        parts = []
-        if "tok_per_s_change" in out:
-            parts.append(f"tok/s {out['tok_per_s_change'] * 100:+.1f}% ({out['tok_per_s_verdict']})")
-        if lead:
-            msg = (f"{lead['phase']} accounts for {_ms(lead['delta_ms_per_token'])} of the {_ms(total)} ms/token "
-                   f"change ({lead['share'] * 100:.0f}%")
-            offsets = [c for c in contributions if c["delta_ms_per_token"] * total < 0
-                       and abs(c["delta_ms_per_token"]) > 0.25 * abs(total)]
-            if lead["share"] is not None and lead["share"] > 1.005:
-                # the phases do not all move together: the others made up part of it
-                msg += "; over 100% because other changes went the other way"
-            msg += ")"
-            if offsets:
-                msg += ", offset by " + ", ".join(f"{c['phase']} {_ms(c['delta_ms_per_token'])}" for c in offsets)
-            parts.append(msg)
-        if oop:
-            parts.append(oop["message"])
-        if unjudged:
-            parts.append("not judged (no per-cycle samples): " + ", ".join(r["label"] for r in unjudged))
-        out["summary"] = "; ".join(parts)
+        out["summary"] = _change_summary(out, contributions, by, i, unjudged, oop)
     shape = {"out_of_proportion": oop["phase"] if oop else None, "tau_changed": tau_changed,
              "changed_phases": changed_phases}
     pair = settings_diff([a, b])
@@ -332,6 +377,62 @@ def _attribute(a: dict, b: dict, rows: list[dict], i: int) -> dict:
     elif not judged and not any_change:
         out["note"] = "to judge: " + HOW_TO_JUDGE
     return out
+
+
+def _net_changed(by: dict, i: int) -> bool:
+    """Is the net ms/token change beyond noise? Its own row decides; without samples for it, tok/s's does."""
+    for key in ("ms_per_token", "decode_tok_per_s", "tok_per_s"):
+        row = by.get(key)
+        if row and row["verdicts"][i] in JUDGED:
+            return _changed(row["verdicts"][i])
+    return True     # neither judged: the split is of a measured difference whose noise is unknown (said below)
+
+
+def _change_summary(out: dict, contributions: list[dict], by: dict, i: int, unjudged: list[dict], oop) -> str:
+    """The words of an attribution where some metric changed: tok/s, then the split of the ms/token change into
+    phases and acceptance. A net change within noise gets no split (a share of noise is no finding, and its
+    ratios explode: -5.34 of -0.002 ms is 355453 %); the moves that cancelled are named instead."""
+    total = out.get("delta_ms_per_token") or 0.0
+    parts = []
+    if "tok_per_s_change" in out:
+        parts.append(f"tok/s {out['tok_per_s_change'] * 100:+.1f}% ({out['tok_per_s_verdict']})")
+    if contributions and not _net_changed(by, i):
+        for c in contributions:
+            c["share"] = None
+        out["explains"] = None
+        moved = [c for c in contributions if _changed(_row_verdict(by, c["phase"], i))]
+        msg = f"ms/token: no significant change ({_ms(total)} ms/token, within noise), so it is not split"
+        if moved:
+            msg += "; what moved, cancelling out: " + ", ".join(f"{c['phase']} {_ms(c['delta_ms_per_token'])}"
+                                                                for c in moved)
+        parts.append(msg)
+    else:
+        # the phase that moved most in the direction of the total change; opposite moves are named as offsets
+        same = [c for c in contributions if c["delta_ms_per_token"] * total > 0]
+        lead = same[0] if same else None
+        out["explains"] = lead["phase"] if lead else None
+        if lead and lead["share"] is not None:
+            msg = (f"{lead['phase']} accounts for {_ms(lead['delta_ms_per_token'])} of the {_ms(total)} ms/token "
+                   f"change ({lead['share'] * 100:.0f}%")
+            offsets = [c for c in contributions if c["delta_ms_per_token"] * total < 0
+                       and abs(c["delta_ms_per_token"]) > 0.25 * abs(total)]
+            if lead["share"] > 1.005:
+                # the phases do not all move together: the others made up part of it
+                msg += "; over 100% because other changes went the other way"
+            msg += ")"
+            if offsets:
+                msg += ", offset by " + ", ".join(f"{c['phase']} {_ms(c['delta_ms_per_token'])}" for c in offsets)
+            parts.append(msg)
+    if oop:
+        parts.append(oop["message"])
+    if unjudged:
+        parts.append("not judged (no per-cycle samples): " + ", ".join(r["label"] for r in unjudged))
+    return "; ".join(parts)
+
+
+def _row_verdict(by: dict, phase: str, i: int) -> str | None:
+    row = by.get("accept_length" if phase == "acceptance (τ)" else f"phase.{phase}")
+    return row["verdicts"][i] if row else None
 
 
 def _out_of_proportion(rows, i, a, b) -> dict | None:

@@ -292,9 +292,8 @@ def flatten(d: dict, prefix: str = "") -> dict:
     return out
 
 
-def load_warning(env: dict | None) -> str | None:
-    """A run timed while the machine was oversubscribed (1-minute load average above the usable cores): its
-    timings measure the contention as much as the code, so it is not comparable with a quiet run."""
+def _overloaded(env: dict | None) -> tuple | None:
+    """(load, cores) when the 1-minute load average was above the usable cores, else None."""
     env = env or {}
     if env.get("ingested"):
         return None             # the engine ran elsewhere; the local load says nothing about it
@@ -302,5 +301,44 @@ def load_warning(env: dict | None) -> str | None:
     load, cores = cpu.get("load_1m"), cpu.get("cores_usable") or cpu.get("cores_logical")
     if not isinstance(load, (int, float)) or not isinstance(cores, int) or cores < 1 or load <= cores:
         return None
-    return (f"recorded with a 1-minute load average of {load} on {cores} usable core{'s' if cores > 1 else ''}: "
-            f"other work competed for the CPUs, so its timings are not comparable with a quiet run")
+    return load, cores
+
+
+def _load_words(load, cores) -> str:
+    return f"a 1-minute load average of {load} on {cores} usable core{'s' if cores > 1 else ''}"
+
+
+def load_warning(env: dict | None) -> str | None:
+    """A run timed while the machine was oversubscribed (1-minute load average above the usable cores): its
+    timings measure the contention as much as the code, so it is not comparable with a quiet run."""
+    over = _overloaded(env)
+    if over is None:
+        return None
+    return (f"recorded with {_load_words(*over)}: other work competed for the CPUs, so its timings are not "
+            f"comparable with a quiet run")
+
+
+def load_now() -> dict:
+    """The part of the fingerprint `load_warning` reads, measured now: the 1-minute load average (rounded, as
+    collect() stores it) and the usable cores. Cheap: no packages, no GPU query."""
+    try:
+        load = round(os.getloadavg()[0])
+    except OSError:
+        load = None
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count()
+    return {"cpu": {"load_1m": load, "cores_usable": cores}}
+
+
+def timing_warning(*envs: dict | None) -> str | None:
+    """One line for a command that times something (verify-curve, bench-serve, tune --validate, generate, the
+    benches): the first of these environments (a stored record's, then load_now() at the end of the timing) that
+    was oversubscribed, or None. Measured at the end: the 1-minute average then covers the last minute of work."""
+    for env in (*envs, load_now()):
+        over = _overloaded(env)
+        if over:
+            return (f"warning: timed with {_load_words(*over)}: other work competed for the CPUs, so these timings "
+                    f"are not comparable with a quiet run; measure again on a quieter machine before trusting them")
+    return None

@@ -24,7 +24,7 @@ from specscope.economics.verify_curve import knee_words
 from specscope.errors import SpecscopeError
 from specscope.fileio import write_atomic
 from specscope.profile.cycle import PHASE_LABELS
-from specscope.registry.compare import compare_runs
+from specscope.registry.compare import compare_runs, one_sided, speed_change, speed_words
 from specscope.registry.fingerprint import VOLATILE, flatten, load_warning
 from specscope.report import charts
 
@@ -75,14 +75,15 @@ def build_report(runs: list[dict], linked: dict | None = None, title: str | None
             f"<p class=meta>{len(runs)} run(s) · written {_dt.datetime.now().astimezone().strftime('%Y-%m-%d %H:%M %Z')}"
             f" · specscope {_e(_version())}</p>"]
     body += _load_section(runs + [r for r in linked.values() if r not in runs])
-    body += _summary(runs)
+    cmp = _compare(perf) if len(perf) >= 2 else None      # one comparison feeds the headline and the table
+    body += _summary(runs, perf, by_id, cmp)
     body += _ingest_section(runs)
     body += _profile_section(perf)
-    body += _breakeven_section(perf, by_id)
+    body += _breakeven_section(perf, by_id, cmp)
     for c in curves:
         body += _curve_section(c)
-    if len(perf) >= 2:
-        body += _compare_section(perf)
+    if cmp is not None:
+        body += _compare_section(cmp)
     body += _per_prompt_section(perf)
     body += _env_section(runs)
     return PAGE.format(title=_e(title), css=CSS, body="\n".join(body))
@@ -90,7 +91,7 @@ def build_report(runs: list[dict], linked: dict | None = None, title: str | None
 
 # ---------------------------------------------------------------------------------------------- sections
 
-def _summary(runs):
+def _summary(runs, perf, by_id, cmp):
     rows = []
     for r in runs:
         cfg, res = r.get("config") or {}, r.get("results") or {}
@@ -102,20 +103,55 @@ def _summary(runs):
                      _drafter_cell(r) + (f"<br><small>{_e(shape)}</small>" if shape else ""),
                      _f(res.get("tok_per_s")), _f(res.get("decode_ms_per_token")), _f(res.get("accept_length")),
                      _f(res.get("speedup"), "×"), _e((r.get("created_at") or "")[:19].replace("T", " "))])
-    heads = []
-    for r in runs:
-        res = r.get("results") or {}
-        sp, tau = res.get("speedup"), res.get("accept_length")
-        if isinstance(sp, (int, float)) and isinstance(tau, (int, float)):
-            cls = "good" if sp > 1 else "bad"
-            heads.append(f"<p class=headline><b>{_e(charts.label(r))}</b>: <span class={cls}>{sp:.2f}×</span> "
-                         f"the speed of plain decoding ({'faster' if sp > 1 else 'slower'}), τ = {tau:.2f} tokens per cycle, "
-                         f"{_f(res.get('tok_per_s'))} tok/s</p>")
+    heads = [h for r in runs if (h := _headline(r, perf, by_id, cmp))]
     return heads + ["<h2>Runs</h2>",
             _table(["run", "kind", "name", "model", "drafter", "tok/s", "ms/token", "τ", "speedup", "created"],
                    rows, num_cols={5, 6, 7, 8}, raw=True),
             "<p class=note>tok/s and ms/token are decode-only (the cycles; prefill excluded) where the run was "
             "profiled. τ = tokens per cycle (accepted drafts + the bonus token); plain decoding has τ = 1.</p>"]
+
+
+def _headline(r: dict, perf: list[dict], by_id: dict, cmp: dict | None) -> str | None:
+    """A speculative run's speed against plain decoding in one line, judged by the rule the Compare table uses
+    (registry.compare on the same pair), so the page never calls faster what its table calls noise."""
+    res = r.get("results") or {}
+    tau = res.get("accept_length")
+    if r.get("kind") == "verify_curve" or _is_plain(r) or not isinstance(tau, (int, float)):
+        return None
+    sc = _speed_against_plain(r, perf, by_id, cmp)
+    tail = f", τ = {tau:.2f} tokens per cycle, {_f(res.get('tok_per_s'))} tok/s"
+    if sc is not None:
+        cls = {"better": "good", "worse": "bad"}.get(sc["verdict"], "dim")
+        return (f"<p class=headline><b>{_e(charts.label(r))}</b>: <span class={cls}>{sc['ratio']:.2f}×</span> "
+                f"{_e(speed_words(sc, ratio=False))}{_e(tail)}</p>")
+    sp = res.get("speedup")
+    if not isinstance(sp, (int, float)):
+        return None
+    return (f"<p class=headline><b>{_e(charts.label(r))}</b>: <span class=dim>{sp:.2f}×</span> the speed of plain "
+            f"decoding as the run recorded it (no plain run in this report to judge its noise){_e(tail)}</p>")
+
+
+def _baseline_of(run: dict, by_id: dict, plain: list[dict]) -> dict | None:
+    """The plain run a speculative run is measured against: its linked baseline, else a plain run of the same
+    model among those given."""
+    base = by_id.get((run.get("config") or {}).get("baseline_run"))
+    if base is None:
+        model = (run.get("config") or {}).get("model")
+        base = next((p for p in plain if (p.get("config") or {}).get("model") == model and p is not run), None)
+    return base
+
+
+def _speed_against_plain(run, perf, by_id, cmp) -> dict | None:
+    base = _baseline_of(run, by_id, [p for p in perf if _is_plain(p)])
+    if base is None:
+        return None
+    ids = [x["id"] for x in (cmp or {}).get("runs", [])]
+    if ids and ids[0] == base.get("id") and run.get("id") in ids[1:]:
+        return speed_change(cmp, ids.index(run["id"]))        # the very row the Compare table shows
+    try:
+        return speed_change(compare_runs([base, run]), 1)
+    except SpecscopeError:
+        return None
 
 
 def _drafter_cell(r) -> str:
@@ -201,10 +237,7 @@ def breakeven_analysis(run: dict, by_id: dict, plain: list[dict] = ()) -> dict |
     of the same model among `plain` (e.g. `specscope report BASE SPEC` of two generate runs)."""
     if not (run.get("results") or {}).get("drafted_tokens") and run.get("kind") not in ("speculative",):
         return None
-    base = by_id.get((run.get("config") or {}).get("baseline_run"))
-    if base is None:
-        model = (run.get("config") or {}).get("model")
-        base = next((p for p in plain if (p.get("config") or {}).get("model") == model), None)
+    base = _baseline_of(run, by_id, plain)
     try:
         inp = inputs_from_runs(run, base, BreakevenInputs())
         res = breakeven(inp)
@@ -217,7 +250,7 @@ def breakeven_analysis(run: dict, by_id: dict, plain: list[dict] = ()) -> dict |
             "measured_accept_length": inp.measured_accept_length, "lines": describe(res, inp)}
 
 
-def _breakeven_section(perf, by_id):
+def _breakeven_section(perf, by_id, cmp=None):
     plain = [r for r in perf if _is_plain(r)]
     items = [{"run": r, "analysis": breakeven_analysis(r, by_id, plain)} for r in perf]
     items = [it for it in items if it["analysis"] is not None]
@@ -230,9 +263,21 @@ def _breakeven_section(perf, by_id):
     for it in items:
         a = it["analysis"]
         lines = a.get("lines") or [f"not computed: {a.get('error')}"]
+        lines = _judged_lines(lines, _speed_against_plain(it["run"], perf, by_id, cmp))
         out.append(f"<p><b>{_e(charts.label(it['run']))}</b></p><ul>"
                    + "".join(f"<li>{_e(x)}</li>" for x in lines) + "</ul>")
     return out
+
+
+def _judged_lines(lines: list[str], sc: dict | None) -> list[str]:
+    """The break-even's "achieved speedup: 1.23x (...): faster than plain decoding" says faster or slower by the
+    point value alone; where the compare rule finds the difference within noise, the line says that instead, so
+    no section of the page contradicts the headline."""
+    if sc is None or sc["verdict"] in ("better", "worse"):
+        return lines
+    tail = re.compile(r": (faster|slower) than plain decoding$")
+    return [tail.sub(f": {sc['verdict']} by the noise-aware comparison (see the headline)", x)
+            if x.startswith("achieved speedup:") else x for x in lines]
 
 
 def _curve_section(curve):
@@ -250,15 +295,21 @@ def _curve_section(curve):
             "the knee, where the forward stops being bandwidth-bound.</p>"]
 
 
-def _compare_section(perf):
+def _compare(perf) -> dict:
     try:
-        res = compare_runs(perf)
+        return compare_runs(perf)
     except SpecscopeError as e:
-        return ["<h2>Compare</h2>", f"<p class=note>{_e(str(e))}</p>"]
+        return {"error": str(e)}
+
+
+def _compare_section(res):
+    if "error" in res:
+        return ["<h2>Compare</h2>", f"<p class=note>{_e(res['error'])}</p>"]
     ids = [(r.get("id") or f"#{i}")[:8] for i, r in enumerate(res["runs"])]
     head = ["metric", f"{ids[0]} (reference)"] + ids[1:]
+    kept, only = one_sided(res["rows"])
     rows = []
-    for row in res["rows"]:
+    for row in kept:
         cells = [_e(row["label"]), _f(row["values"][0])]
         for i in range(1, len(ids)):
             ch = row["changes"][i] or {}
@@ -276,6 +327,10 @@ def _compare_section(perf):
            f"(Bonferroni over rows), block bootstrap over cycles; changes under {res['min_effect'] * 100:.0f}% "
            f"are not called.</p>",
            _table(head, rows, num_cols=set(range(1, len(head))), raw=True)]
+    if only:        # metrics one run has and the other cannot have (acceptance of a plain run): said once
+        out.append("<ul class=notes>" + "".join(f"<li>only in <code>{_e(rid[:8])}</code>, nothing to compare "
+                                                f"with: {_e(', '.join(labels))}</li>" for rid, labels in only.items())
+                   + "</ul>")
     for att in res["attribution"]:
         out.append(f"<p><b>{_e((att.get('run') or '')[:8])} vs {_e((att.get('against') or '')[:8])}:</b> "
                    f"{_e(att.get('summary') or '')}</p>")

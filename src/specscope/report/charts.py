@@ -28,24 +28,73 @@ def _plt():
     return plt
 
 
-def _plain_text(fn):
-    """Run labels are user text (names, paths): a '$' in one must not switch matplotlib into mathtext."""
-    @functools.wraps(fn)
-    def wrapper(*a, **kw):
-        import matplotlib
+def _chart(fn):
+    """fn draws a figure (or returns None when no run has what it needs); the chart function returns the PNG.
+    Run labels are user text (names, paths): a '$' in one must not switch matplotlib into mathtext, so drawing and
+    saving happen with math parsing off. `.layout_problems(...)` draws the same figure and returns what
+    `layout_problems` finds (tests hold every chart to it); `.figure(...)` returns it drawn."""
+    import matplotlib
 
+    def draw(*a, **kw):
         with matplotlib.rc_context({"text.parse_math": False}):
-            return fn(*a, **kw)
+            fig = fn(*a, **kw)
+            return None if fig is None else png(fig)
 
-    return wrapper
+    def problems(*a, **kw):
+        with matplotlib.rc_context({"text.parse_math": False}):
+            fig = fn(*a, **kw)
+            if fig is None:
+                return None
+            try:
+                return layout_problems(fig)
+            finally:
+                _plt().close(fig)
+
+    def figure(*a, **kw):       # the figure itself, laid out as the PNG is, for tests; the caller closes it
+        with matplotlib.rc_context({"text.parse_math": False}):
+            fig = fn(*a, **kw)
+            if fig is not None:
+                _finish(fig)
+                fig.canvas.draw()
+            return fig
+
+    functools.update_wrapper(draw, fn)
+    draw.layout_problems, draw.figure = problems, figure
+    return draw
+
+
+def _finish(fig) -> None:
+    if fig.get_layout_engine() is None:       # figures laid out by "constrained" place themselves
+        fig.tight_layout()
 
 
 def png(fig) -> bytes:
     buf = io.BytesIO()
-    fig.tight_layout()
+    _finish(fig)
     fig.savefig(buf, format="png", dpi=DPI)
     _plt().close(fig)
     return buf.getvalue()
+
+
+def layout_problems(fig) -> list[str]:
+    """What a reader would see as broken: drawn content (a label, a legend, tick labels) running past the canvas
+    (cut off in the PNG), or an axis label or title under a legend."""
+    _finish(fig)
+    fig.canvas.draw()
+    r = fig.canvas.get_renderer()
+    out = []
+    tb, w, h = fig.get_tightbbox(r), fig.get_figwidth(), fig.get_figheight()     # inches
+    tol = 1.5 / DPI
+    if tb.x0 < -tol or tb.y0 < -tol or tb.x1 > w + tol or tb.y1 > h + tol:
+        out.append(f"content runs past the canvas: it spans ({tb.x0:.2f}, {tb.y0:.2f})–({tb.x1:.2f}, {tb.y1:.2f}) "
+                   f"in, the canvas is {w:.2f} × {h:.2f} in")
+    legends = list(fig.legends) + [ax.get_legend() for ax in fig.axes if ax.get_legend() is not None]
+    boxes = [lg.get_window_extent(r) for lg in legends]
+    for ax in fig.axes:
+        for t in (ax.xaxis.label, ax.yaxis.label, ax.title):
+            if t.get_text() and t.get_visible() and any(t.get_window_extent(r).overlaps(b) for b in boxes):
+                out.append(f"{t.get_text()!r} lies under a legend")
+    return out
 
 
 def label(rec: dict) -> str:
@@ -83,7 +132,7 @@ def _legend_below(ax, ncol: int = 1):
     ax.legend(fontsize=7.5, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=ncol, frameon=False)
 
 
-@_plain_text
+@_chart
 def cycle_breakdown(runs: list[dict]) -> bytes | None:
     """Stacked bars per run: ms per cycle by phase (left) and ms per generated token = cycle ÷ τ (right)."""
     rows = [(r, top_phases(r)) for r in runs]
@@ -91,8 +140,9 @@ def cycle_breakdown(runs: list[dict]) -> bytes | None:
     if not rows:
         return None
     plt = _plt()
-    h = 1.6 + 0.55 * len(rows)
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(WIDTH_IN, h), sharey=True)
+    h = 2.1 + 0.55 * len(rows)
+    # constrained layout with the legend "outside": it reserves the legend's room, so the x labels are never cut
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(WIDTH_IN, h), sharey=True, layout="constrained")
     names = [label(r) for r, _ in rows]
     ys = list(range(len(rows)))[::-1]
     used = []
@@ -113,17 +163,13 @@ def cycle_breakdown(runs: list[dict]) -> bytes | None:
             ax.text(total, y, f" {total:.2f}", va="center", fontsize=8)
         ax.set_xlim(0, max(left) * 1.18 if max(left) > 0 else 1)
         ax.grid(axis="x", alpha=0.3)
-        ax.set_xlabel("ms per generated token (measured, split by phase)" if per_token else "ms per cycle")
+        ax.set_xlabel("ms per token (measured, by phase)" if per_token else "ms per cycle")
     a1.set_yticks(ys)
     a1.set_yticklabels(names, fontsize=8)
     a1.set_title("time per cycle, by phase", fontsize=10)
     a2.set_title("time per token (lower is faster)", fontsize=10)
-    fig.legend(loc="lower center", ncol=len(used), fontsize=8, frameon=False, bbox_to_anchor=(0.5, 0.0))
-    fig.tight_layout(rect=(0, 0.12 if len(rows) < 3 else 0.07, 1, 1))
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=DPI)
-    plt.close(fig)
-    return buf.getvalue()
+    fig.legend(loc="outside lower center", ncol=len(used), fontsize=8, frameon=False)
+    return fig
 
 
 def _per_token_scale(rec: dict, phases: dict) -> float:
@@ -142,7 +188,7 @@ def _spec_runs(runs):
                                 and (r.get("results") or {}).get("drafted_tokens"))]
 
 
-@_plain_text
+@_chart
 def tau_histogram(runs: list[dict]) -> bytes | None:
     """Share of cycles yielding τ = 1, 2, ... tokens, per speculative run, mean τ dashed."""
     spec = _spec_runs(runs)
@@ -172,10 +218,10 @@ def tau_histogram(runs: list[dict]) -> bytes | None:
     ax.set_title("accept length τ", fontsize=10)
     ax.grid(axis="y", alpha=0.3)
     _legend_below(ax)
-    return png(fig)
+    return fig
 
 
-@_plain_text
+@_chart
 def per_position(runs: list[dict]) -> bytes | None:
     """Acceptance per draft position: unconditional (solid) and conditional on the previous one (dashed)."""
     spec = [r for r in runs if (r.get("results") or {}).get("per_position_acceptance")]
@@ -203,10 +249,10 @@ def per_position(runs: list[dict]) -> bytes | None:
     ax.plot([], [], "k-", label="solid: accepted, of all cycles")
     ax.plot([], [], "k--", alpha=0.7, label="dashed: given the previous one accepted")
     _legend_below(ax)
-    return png(fig)
+    return fig
 
 
-def _single_position(spec: list[dict]) -> bytes:
+def _single_position(spec: list[dict]):
     """One draft position (steps 1): a line through one point says nothing; one bar per run does."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(WIDTH_IN / 2, 1.6 + 0.45 * len(spec)))
@@ -221,10 +267,10 @@ def _single_position(spec: list[dict]) -> bytes:
     ax.set_xlabel("first draft position accepted, % of cycles")
     ax.set_title("acceptance (one draft position per cycle)", fontsize=10)
     ax.grid(axis="x", alpha=0.3)
-    return png(fig)
+    return fig
 
 
-@_plain_text
+@_chart
 def verify_curve(curve: dict) -> bytes | None:
     """A verify_curve run: median forward time vs query tokens per context, with the piecewise fit."""
     res = curve.get("results") or {}
@@ -232,23 +278,24 @@ def verify_curve(curve: dict) -> bytes | None:
     if not points or not fits:
         return None
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(WIDTH_IN, 3.8))
+    fig, ax = plt.subplots(figsize=(WIDTH_IN, 3.8 + 0.25 * len(fits)))
+    knees = 0
     for i, L in enumerate(sorted({p["context"] for p in points})):
         pts = sorted((p for p in points if p["context"] == L), key=lambda p: p["tokens"])
         ns, med = [p["tokens"] for p in pts], [p["median_ms"] for p in pts]
         err = [[m - p.get("p10_ms", m) for m, p in zip(med, pts)], [p.get("p90_ms", m) - m for m, p in zip(med, pts)]]
-        ax.errorbar(ns, med, yerr=err, fmt="o", color=f"C{i}", capsize=3, label=f"context {L} tokens (measured)")
-        if str(L) in fits:
+        noisy = str(L) in fits and noise_words(pts, fits[str(L)])
+        # a line through noise would read as a finding: a noisy context gets its points and no fit, no knee
+        ax.errorbar(ns, med, yerr=err, fmt="o", color=f"C{i}", capsize=3,
+                    label=f"context {L} tokens (measured" + ("; too noisy to fit: no fit drawn)" if noisy else ")"))
+        if str(L) in fits and not noisy:
             fit = PiecewiseFit.from_dict(fits[str(L)])
             lo, hi = min(ns), max(ns)
             xs = [lo * (hi / lo) ** (j / 200) for j in range(201)]
-            if noise_words(pts, fits[str(L)]):      # a line through noise would read as a finding
-                ax.plot(xs, [fit(x) for x in xs], ":", color=f"C{i}", alpha=0.5,
-                        label="fit not shown as a finding: too noisy (p10–p90 spread comparable to the median)")
-                continue
             ax.plot(xs, [fit(x) for x in xs], "-", color=f"C{i}", alpha=0.7,
                     label=f"fit: flat {fit.flat_ms:.1f} ms to n≈{fit.knee:.0f}, then +{fit.slope_ms:.2f} ms/token")
             if fit.slope_ms > 0 and lo < fit.knee < hi:
+                knees += 1
                 ax.axvline(fit.knee, color=f"C{i}", ls=":", alpha=0.6)
     ax.set_xscale("log", base=2)
     ticks = sorted({p["tokens"] for p in points})
@@ -257,13 +304,14 @@ def verify_curve(curve: dict) -> bytes | None:
     ax.minorticks_off()
     ax.set_xlabel("query tokens n verified in one forward (log scale)")
     ax.set_ylabel("target forward, ms (median, p10–p90)")
-    ax.set_title(f"verify cost T(n) · run {(curve.get('id') or '')[:8]} (dotted: knee)", fontsize=10)
+    ax.set_title(f"verify cost T(n) · run {(curve.get('id') or '')[:8]}" + (" (dotted: knee)" if knees else ""),
+                 fontsize=10)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    return png(fig)
+    _legend_below(ax)
+    return fig
 
 
-@_plain_text
+@_chart
 def breakeven(items: list[dict]) -> bytes | None:
     """Speedup vs τ for each analysed speculative run: S(τ) = τ · T_decode / T_cycle, with the break-even τ
     (S = 1), the most a cycle can yield (steps + 1) and the measured point. items: {"run", "analysis"} where
@@ -273,12 +321,14 @@ def breakeven(items: list[dict]) -> bytes | None:
         return None
     plt = _plt()
     fig, ax = plt.subplots(figsize=(WIDTH_IN, 3.8 + 0.4 * len(items)))
+    x_hi, ends = _breakeven_range(items)
     top = 1.0
     for i, it in enumerate(items):
         a = it["analysis"]
         mx = a["max_accept_length"]
         cyc, dec = a["cycle_ms"], a["decode_ms"]
-        xs = [1 + (mx - 1) * j / 100 for j in range(101)]
+        end = min(mx, x_hi)         # drawn only as far as the axis goes: nothing is clipped mid-line
+        xs = [1 + (end - 1) * j / 100 for j in range(101)]
         ys = [x * dec / cyc for x in xs]
         top = max(top, max(ys))
         c = f"C{i}"
@@ -286,7 +336,7 @@ def breakeven(items: list[dict]) -> bytes | None:
         where = f"break-even τ = {need:.2f} (dotted)" if need <= mx else f"break-even τ = {need:.2f} > max {mx:.0f}"
         ax.plot(xs, ys, "-", color=c, label=f"{label(it['run'])}: τ·T_decode/T_cycle with {dec:.1f} ms/token, "
                                            f"{cyc:.1f} ms/cycle; {where}")
-        if need <= mx:
+        if need <= min(mx, x_hi):
             ax.axvline(need, color=c, ls=":", alpha=0.8)
         tau = _num(a.get("measured_accept_length"))
         sp = _num(a.get("speedup"))
@@ -294,12 +344,27 @@ def breakeven(items: list[dict]) -> bytes | None:
             top = max(top, sp)
             ax.plot([tau], [sp], "*", color=c, ms=14, mec="black", label=f"measured: τ = {tau:.2f}, {sp:.2f}×")
     ax.axhline(1.0, color="gray", lw=1)
-    right = max(it["analysis"]["max_accept_length"] for it in items)
-    ax.text(right, 1.0, "plain decoding (1×)", fontsize=8, color="gray", va="bottom", ha="right")
+    ax.text(x_hi, 1.0, "plain decoding (1×)", fontsize=8, color="gray", va="bottom", ha="right")
+    ax.set_xlim(1.0, x_hi)
     ax.set_ylim(0, top * 1.15)
-    ax.set_xlabel("τ: tokens per cycle (accepted drafts + bonus); the line ends at steps + 1")
+    ax.set_xlabel("τ: tokens per cycle (accepted drafts + bonus); " + ends)
     ax.set_ylabel("speedup over plain decoding (×)")
     ax.set_title("break-even: speculation pays above 1×", fontsize=10)
     ax.grid(alpha=0.3)
     _legend_below(ax, ncol=1)
-    return png(fig)
+    return fig
+
+
+def _breakeven_range(items: list[dict]) -> tuple[float, str]:
+    """The τ axis's right end and what the caption says of where the lines end. The axis runs a little past the
+    measured τ and the break-even τ, not to steps + 1: a deep tree's steps + 1 (14, say) would stretch the line to
+    20× and squeeze the measured point into a corner."""
+    mxs = [it["analysis"]["max_accept_length"] for it in items]
+    focus = [_num(it["analysis"].get("measured_accept_length")) for it in items]
+    focus += [it["analysis"]["break_even_accept_length"] for it in items
+              if it["analysis"]["break_even_accept_length"] <= it["analysis"]["max_accept_length"]]
+    focus = [x for x in focus if x is not None]
+    x_hi = min(max(mxs), max(2.0, 1.6 * max(focus))) if focus else max(mxs)
+    if x_hi >= max(mxs):
+        return x_hi, "a line ends at its steps + 1, the most a cycle yields"
+    return x_hi, f"axis cut at {x_hi:.1f}: the lines run on to steps + 1 = {'/'.join(f'{m:.0f}' for m in sorted(set(mxs)))}"

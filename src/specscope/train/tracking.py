@@ -75,7 +75,7 @@ class Tracker:
 
 
 class Rate:
-    """Progress lines with the measured rate and the time left ("answered 512/7900 (41.2/s, 3m00s left)").
+    """Progress lines with the measured rate and the time left ("answered 512/7900 (41.2/s, 3:00 left)").
 
     The rate counts only work done in this run: `start` is what was already done when it began (a resumed run),
     or, left None, the first call's count, which callers report before doing any work."""
@@ -95,8 +95,9 @@ class Rate:
         if not force and now - self.last < self.every and n < self.total:
             return
         self.last = now
-        rate = (n - self.start) / max(now - self.t0, 1e-9)
-        left = (self.total - n) / rate if rate > 0 else float("inf")
-        eta = f"{int(left // 60)}m{int(left % 60):02d}s left" if left != float("inf") else "rate unknown yet"
-        per_s = f"{rate:.2f}/s" if rate < 1 else f"{rate:.1f}/s"
-        self.log(f"{self.what} {n}/{self.total} ({per_s}, {eta}){' ' + info if info else ''}")
+        from specscope.progress import left_text, rate_text     # the wording every command's progress uses
+
+        elapsed = max(now - self.t0, 1e-9)
+        words = [x for x in (rate_text(n - self.start, elapsed, ""),
+                             left_text(n - self.start, self.total - self.start, elapsed)) if x]
+        self.log(f"{self.what} {n}/{self.total} ({', '.join(words)}){' ' + info if info else ''}")

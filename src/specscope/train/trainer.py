@@ -399,7 +399,7 @@ def train(drafter, embed: torch.Tensor, lm_head_w: torch.Tensor, data, out_dir: 
                     log(f"--max-minutes {cfg.max_minutes}: {fit} steps fit; schedule set to {fit} steps")
                     cfg.total_steps = max(fit, step + 1)
                     if bar:
-                        bar.p.update(bar.task, total=cfg.total_steps)
+                        bar.p.set_total(cfg.total_steps)
                     if lines:
                         lines.total = cfg.total_steps
             ntok = torch.tensor([float(batch["valid"].sum())])
@@ -484,30 +484,26 @@ def _avg_tokens(data, idx, bs):
 
 
 class _progress:
-    """A rich progress bar on a terminal's stderr; None when not wanted or when stderr is not a terminal."""
+    """The shared progress bar (specscope.progress: steps, rate, time left) on a terminal's stderr; None when not
+    wanted or when stderr is not a terminal (the trainer then logs a line a minute)."""
 
     def __new__(cls, enabled, total, start):
-        from rich.console import Console
+        import sys
 
-        if not enabled or not Console(stderr=True).is_terminal:
+        if not enabled or not sys.stderr.isatty():
             return None
         return super().__new__(cls)
 
     def __init__(self, enabled, total, start):
-        from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+        from specscope.progress import Progress
 
-        self.console = Console(stderr=True)
-        self.p = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                          TextColumn("{task.fields[info]}"), console=self.console)
-        self.p.start()
-        self.task = self.p.add_task("train", total=total, completed=start, info="")
+        self.p = Progress("train", total, "step", start=start)
 
     def update(self, step, loss, acc0, tau):
-        self.p.update(self.task, completed=step, info=f"loss {loss:.3f} acc0 {acc0:.3f} τ {tau:.2f}")
+        self.p.update(step, info=f"loss {loss:.3f} acc0 {acc0:.3f} τ {tau:.2f}")
 
     def note(self, text):
-        self.p.console.print(text)
+        self.p.note(text)
 
     def close(self):
-        self.p.stop()
+        self.p.close()

@@ -333,6 +333,48 @@ def test_export_errors(tmp_path, capsys, tdir):
     assert "nowhere" in line
 
 
+def test_shipped_drafter_exports_for_its_own_target_without_model(tmp_path, capsys, monkeypatch):
+    # the shipped drafter declares the embedded model it was trained for: no --model, no download, no pull
+    from specscope.models.hub import KNOWN_MODELS
+
+    monkeypatch.setenv("SPECSCOPE_CACHE", str(tmp_path / "empty-cache"))
+    code, out, err = cli(capsys, "export", "smollm2-135m-eagle3", "--format", "speculators", "-o", tmp_path / "v",
+                         "--json")
+    assert code == 0, err
+    info = json.loads(out)
+    want = {"name_or_path": KNOWN_MODELS["smollm2-135m"].hf_repo, "architectures": ["LlamaForCausalLM"]}
+    assert info["verifier"] == want and any("no --model" in n for n in info["notes"])
+    raw = json.loads((tmp_path / "v" / "config.json").read_text())
+    assert raw["speculators_config"]["verifier"] == want
+    assert not (tmp_path / "empty-cache" / "models").exists()
+    # a local copy's name, as with --model; an SGLang export is checked against the same target
+    code, out, err = cli(capsys, "export", "smollm2-135m-eagle3", "--format", "speculators", "-o", tmp_path / "w",
+                         "--verifier-name", "my-org/smollm2-copy", "--json")
+    assert code == 0 and json.loads(out)["verifier"]["name_or_path"] == "my-org/smollm2-copy", err
+    code, out, err = cli(capsys, "export", "smollm2-135m-eagle3", "--format", "sglang", "-o", tmp_path / "s")
+    assert code == 0 and "checked against HuggingFaceTB/SmolLM2-135M-Instruct" in out, err
+
+
+def test_declared_target_is_checked_and_must_be_well_formed(tmp_path, capsys):
+    from specscope.speculative.formats import TARGET_FILE
+
+    src = _tiny_drafter_dir(tmp_path)
+    shipped = Path(__file__).resolve().parents[1] / "src/specscope/assets/drafters/smollm2-135m-eagle3"
+    # a drafter that declares a target it does not fit is refused, every mismatch named (it is checked, not trusted)
+    (src / TARGET_FILE).write_bytes((shipped / TARGET_FILE).read_bytes())
+    line = one_error_line(*cli(capsys, "export", src, "--format", "speculators", "-o", tmp_path / "a")[::2])
+    assert "does not fit the target HuggingFaceTB/SmolLM2-135M-Instruct" in line and "hidden size is 576" in line
+    for bad in ('{"config": {}}', '{"name_or_path": "org/x"}', "[1]", "{not json"):
+        (src / TARGET_FILE).write_text(bad)
+        line = one_error_line(*cli(capsys, "export", src, "--format", "speculators", "-o", tmp_path / "b")[::2])
+        assert TARGET_FILE in line, line
+    # --model still names the target whatever the directory declares
+    cfgf = _target_config(tmp_path, arch="LlamaForCausalLM", model_type="llama")
+    code, out, err = cli(capsys, "export", src, "--format", "speculators", "-o", tmp_path / "c", "--model", cfgf,
+                         "--json")
+    assert code == 0 and not any("no --model" in n for n in json.loads(out)["notes"]), err
+
+
 def test_target_by_known_name(tmp_path, monkeypatch):
     # a pulled known model resolves by name and records the id engines know it by (config only, no weights)
     monkeypatch.setenv("SPECSCOPE_CACHE", str(tmp_path))

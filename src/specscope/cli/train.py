@@ -299,7 +299,7 @@ def _captured(work: Path, aux: list[int], dev):
 @alias_option("--model", "target_name", hidden=("--target",), default=None,
               help="The target (verifier): a Hugging Face directory, its config.json, a Hugging Face id (only its "
                    "config.json is fetched) or a known name. Checked against the drafter and recorded (default: the "
-                   "verifier the checkpoint names).")
+                   "target a shipped drafter declares, else the verifier the checkpoint names).")
 @click.option("--verifier-name", default=None,
               help="Record this as verifier.name_or_path (e.g. the Hugging Face id of a local --model copy).")
 @alias_option("--steps", "--num-speculative-tokens", "steps", hidden=("--speculative-tokens",),
@@ -312,16 +312,22 @@ def export(source, fmt, output, dtype, target_name, verifier_name, steps, as_jso
     Face id) in SGLang or speculators form."""
     from specscope.models.hub import resolve_drafter
     from specscope.models.loader import DTYPES
-    from specscope.speculative.formats import aux_conventions, load_drafter, read_config, resolve_target
+    from specscope.speculative.formats import (TARGET_FILE, aux_conventions, declared_target, load_drafter,
+                                               read_config, resolve_target)
     from specscope.train.pipeline import export as do_export
 
     if output is None:
         raise SpecscopeError("export needs -o/--output DIR (the directory to write)")
     check_writable(output, "--output", is_dir=True)
     source = resolve_drafter(source)
-    target = resolve_target(target_name, verifier_name) if target_name else None
+    # a shipped drafter names the target it was trained for, so it needs no --model (and no download)
+    target = resolve_target(target_name, verifier_name) if target_name else declared_target(source, verifier_name)
     tinfo = {"name_or_path": verifier_name} if verifier_name and not target else None
     notes = _export_notes(Path(source), fmt, target or tinfo)
+    if target is not None and not target_name:
+        done = "checked against and recorded as the verifier" if fmt == "speculators" else "checked against"
+        notes.append(f"no --model: {done} {target.name_or_path}, the target {Path(source).name}/{TARGET_FILE} "
+                     f"declares; --model names another")
     path = do_export(source, output, fmt, None if dtype == "keep" else DTYPES[dtype], tinfo, target=target,
                      speculative_tokens=steps)
     d = load_drafter(path, target)      # proves the written directory loads (and still fits the target)

@@ -491,6 +491,25 @@ def resolve_target(spec: str, record_as: str | None = None, files: str = "config
     return TargetFacts.from_raw(read_json_object(d / "config.json"), name, d)
 
 
+# a drafter directory's own record of the target it was trained for (the shipped drafters carry one)
+TARGET_FILE = "specscope_target.json"
+
+
+def declared_target(drafter_dir: str | Path, record_as: str | None = None) -> TargetFacts | None:
+    """The target `drafter_dir/specscope_target.json` names ({"name_or_path": hub id, "config": the fields of its
+    config.json a drafter is checked against}), so exporting a shipped drafter needs no --model and no download;
+    None when the directory declares none."""
+    f = Path(drafter_dir) / TARGET_FILE
+    if not f.is_file():
+        return None
+    raw = read_json_object(f)
+    name, cfg = raw.get("name_or_path"), raw.get("config")
+    if not isinstance(name, str) or not name or not isinstance(cfg, dict):
+        raise SpecscopeError(f"{f} must hold \"name_or_path\" (the target's id) and \"config\" (its config.json "
+                             f"fields); fix it, or delete it and pass --model")
+    return TargetFacts.from_raw(cfg, record_as or name)
+
+
 def pair_problems(cfg: DrafterConfig, t: TargetFacts) -> list[str]:
     """Every reason this drafter cannot serve this target (sizes and layer ids; each names both values)."""
     out = []

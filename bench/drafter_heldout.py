@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
+import sys
 from pathlib import Path
 
 
@@ -17,6 +17,8 @@ def main():
     import torch
 
     from specscope.generate import generate
+    from specscope.progress import Progress
+    from specscope.registry.fingerprint import timing_warning
     from specscope.runtime.sampling import SamplingParams
     from specscope.speculative.decode import SpecConfig, build_drafter, speculative_generate
     from specscope.train.data import read_conversations
@@ -43,25 +45,32 @@ def main():
               "tree": SpecConfig.from_knobs(steps=cfg["ttt_steps"], topk=4, draft_tokens=12)}
     rows = []
     sp = SamplingParams()
-    for i in held[:args.limit]:
-        ids = tok.encode_messages([convs[i][0]])
-        t = time.perf_counter()
-        base = generate(model, ids, args.max_new_tokens, sp, tok.eos_ids)
-        row = {"index": i, "prompt": convs[i][0]["content"][:80], "baseline_tok_s": base.tok_per_s}
-        for name, sc in shapes.items():
-            r = speculative_generate(model, drafter, ids, args.max_new_tokens, sp, tok.eos_ids, sc)
-            row[name] = {"tau": r.stats.accept_length, "tok_s": r.tok_per_s, "identical": r.token_ids == base.token_ids,
-                         "knobs": [sc.steps, sc.topk, sc.draft_tokens]}
-        rows.append(row)
-        print(json.dumps(row))
+    picked = held[:args.limit]
+    # plain, then each shape, per prompt: the shared bar on a terminal, lines in a log (stderr)
+    with Progress("held-out prompts", len(picked) * (1 + len(shapes)), "decode") as prog:
+        for i in picked:
+            ids = tok.encode_messages([convs[i][0]])
+            base = generate(model, ids, args.max_new_tokens, sp, tok.eos_ids)
+            prog.advance(info="plain")
+            row = {"index": i, "prompt": convs[i][0]["content"][:80], "baseline_tok_s": base.tok_per_s}
+            for name, sc in shapes.items():
+                r = speculative_generate(model, drafter, ids, args.max_new_tokens, sp, tok.eos_ids, sc)
+                row[name] = {"tau": r.stats.accept_length, "tok_s": r.tok_per_s,
+                             "identical": r.token_ids == base.token_ids, "knobs": [sc.steps, sc.topk, sc.draft_tokens]}
+                prog.advance(info=name)
+            rows.append(row)
+            prog.echo(json.dumps(row))
     summary = {name: {"mean_tau": sum(r[name]["tau"] for r in rows) / len(rows),
                       "all_identical": all(r[name]["identical"] for r in rows)} for name in shapes}
     out = {"workdir": str(work), "draft": args.draft, "max_new_tokens": args.max_new_tokens, "dtype": "fp32",
            "note": "held-out synthesised prompts of the drafter's own training run; tok/s on a shared 2-core CPU",
-           "summary": summary, "prompts": rows}
+           "summary": summary, "prompts": rows,
+           "load_warning": timing_warning()}        # the tok/s above ran under this machine's load
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=1) + "\n")
     print(json.dumps(summary))
+    if out["load_warning"]:
+        print(out["load_warning"], file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -86,12 +86,18 @@ def write(d: Path, fmt: str, shards: int = 1, small: bool = False) -> int:
 def main():
     import shutil
 
+    sys.path.insert(0, str(ROOT / "src"))
+    from specscope.progress import Progress
+
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
+    layouts = (("sglang", 1), ("speculators", 1), ("sglang", 2))
+    # each layout: ~1 GB of random weights written, then loaded in a fresh process; the shared bar / log lines.
+    # No load warning: peak memory does not depend on what else runs, and nothing here is timed
+    with tempfile.TemporaryDirectory() as tmp, Progress("drafter layouts", len(layouts), "layout") as prog:
         warm = Path(tmp) / "warm"
         write(warm, "sglang", small=True)
-        for fmt, shards in (("sglang", 1), ("speculators", 1), ("sglang", 2)):
+        for fmt, shards in layouts:
             d = Path(tmp) / f"{fmt}-{shards}"
             size = write(d, fmt, shards)
             base, peak, dtype = subprocess.run([sys.executable, "-c", SCRIPT, str(d), str(warm)], env=env, check=True,
@@ -100,6 +106,7 @@ def main():
             rows.append({"layout": fmt, "shards": shards, "file_mb": size / 1e6, "base_mb": int(base) / 1e6,
                          "peak_mb": int(peak) / 1e6, "added_mb": added / 1e6, "ratio": added / size, "dtype": dtype})
             shutil.rmtree(d)
+            prog.advance(info=f"{fmt}, {shards} shard{'s' if shards > 1 else ''}")
     print(f"{'layout':<12}{'shards':>7}{'file MB':>10}{'base MB':>10}{'peak MB':>10}{'added/file':>12}  dtype")
     for r in rows:
         print(f"{r['layout']:<12}{r['shards']:>7}{r['file_mb']:>10.0f}{r['base_mb']:>10.0f}{r['peak_mb']:>10.0f}"

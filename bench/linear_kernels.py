@@ -28,7 +28,8 @@ sys.path.insert(0, str(ROOT / "src"))
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]
 
 
-def measure(dtype: torch.dtype, rows: list[int], rounds: int) -> dict:
+def measure(dtype: torch.dtype, rows: list[int], rounds: int, tick=lambda: None) -> dict:
+    """Best time per (kernel, rows) over interleaved rounds; tick(): after each round."""
     Ws = [torch.randn(o, i).to(dtype) for o, i in SHAPES]
     kernels = {"F.linear": [(lambda x, w=w: F.linear(x, w)) for w in Ws]}
     Wts = [w.t().contiguous() for w in Ws]
@@ -58,6 +59,7 @@ def measure(dtype: torch.dtype, rows: list[int], rounds: int) -> dict:
                 for fn, (_, i) in zip(fns, SHAPES):
                     fn(xs[i])
                 best[(k, m)] = min(best[(k, m)], time.perf_counter() - t)
+        tick()
     return {"bytes": nbytes, "rows": {m: {k: {"ms": round(best[(k, m)] * 1e3, 2),
                                               "gb_per_s": round(nbytes / best[(k, m)] / 1e9, 2)} for k in kernels}
                                       for m in rows}}
@@ -73,19 +75,28 @@ def main(argv=None):
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     rows = [int(r) for r in args.rows.split(",")]
+    from specscope.progress import Progress
+    from specscope.registry.fingerprint import timing_warning
+
     load0 = os.getloadavg()
     res = {}
-    for name in args.dtypes.split(","):
-        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
-        res[name] = measure(dtype, rows, args.rounds)
-        for m, ks in res[name]["rows"].items():
-            line = "  ".join(f"{k} {v['ms']:7.1f} ms ({v['gb_per_s']:5.1f} GB/s)" for k, v in ks.items())
-            print(f"{name} rows={m:3d}  {line}", flush=True)
+    dtypes = args.dtypes.split(",")
+    # rounds over every kernel and row count, per dtype: the shared bar on a terminal, lines in a log (stderr)
+    with Progress("linear kernels", len(dtypes) * args.rounds, "round") as prog:
+        for name in dtypes:
+            dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
+            res[name] = measure(dtype, rows, args.rounds, tick=lambda n=name: prog.advance(info=n))
+            for m, ks in res[name]["rows"].items():
+                line = "  ".join(f"{k} {v['ms']:7.1f} ms ({v['gb_per_s']:5.1f} GB/s)" for k, v in ks.items())
+                prog.echo(f"{name} rows={m:3d}  {line}")
     out = {"threads": args.threads, "rounds": args.rounds, "torch": torch.__version__, "cpu_count": os.cpu_count(),
-           "loadavg_before": load0, "loadavg_after": os.getloadavg(), "results": res}
+           "loadavg_before": load0, "loadavg_after": os.getloadavg(), "results": res,
+           "load_warning": timing_warning()}    # the minimum of the rounds still waited for a shared CPU
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=2) + "\n")
     print(f"load average {load0[0]:.1f} -> {out['loadavg_after'][0]:.1f}; wrote {args.out}")
+    if out["load_warning"]:
+        print(out["load_warning"], file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -88,6 +88,37 @@ def prompts(n: int) -> tuple[str, list[str]]:
     return name, [rows[i % len(rows)] for i in range(n)]
 
 
+def load(url: str, ps: list[str], args) -> dict:
+    """The clients' requests (run_levels, as bench-serve sends them) under the shared progress: requests, their
+    rate and the time left, on stderr (a bar on a terminal, lines in a log), as `bench-serve` shows a level."""
+    from specscope.benchserve.run import run_levels
+    from specscope.progress import Progress
+
+    failed = [0]
+    with Progress(f"max concurrency {args.clients}", args.requests, "req") as prog:
+        def done(c, res):
+            failed[0] += not getattr(res, "ok", True)
+            prog.advance(info=f"{failed[0]} failed" if failed[0] else "")
+
+        return asyncio.run(run_levels(url, ps, [args.clients], "chat", None, args.max_tokens, 0.0, None, 600.0,
+                                      done, percentiles=(50, 90, 99)))
+
+
+def check(out: dict, scrape, health_after: int, exit_code, requests: int) -> dict:
+    """What must hold after the load: every request served and counted alike by both sides, a clean exit."""
+    lv = out["levels"][0]
+    served = scrape.total("specscope:request_success_total") or 0
+    gen = scrape.total("specscope:generation_tokens_total") or 0
+    return {
+        "all_requests_ok": lv["failed"] == 0 and lv["completed"] == requests,
+        "server_counted_every_request": served == requests,
+        "server_tokens_match_clients": gen == sum(r["completion_tokens"] for r in out["per_request"]),
+        "no_429": scrape.total("specscope:requests_rejected_total") in (0, None),
+        "healthy_after_load": health_after == 200,
+        "sigterm_exit_0": exit_code == 0,
+    }
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
@@ -101,33 +132,22 @@ def main():
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "serve_load.json"))
     args = ap.parse_args()
 
-    from specscope.benchserve.run import run_levels
     from specscope.ingest.prometheus import parse_text
+    from specscope.registry.fingerprint import timing_warning
 
     ds, ps = prompts(args.requests)
     load_before = os.getloadavg()
     proc, url = start_server(args)
     try:
         t0 = time.perf_counter()
-        out = asyncio.run(run_levels(url, ps, [args.clients], "chat", None, args.max_tokens, 0.0, None, 600.0,
-                                     percentiles=(50, 90, 99)))
+        out = load(url, ps, args)
         wall = time.perf_counter() - t0
         scrape = parse_text(httpx.get(url + "/metrics").text)
         health_after = httpx.get(url + "/health").status_code
     finally:
         exit_code = stop_server(proc)
     lv = out["levels"][0]
-    reqs = out["per_request"]
-    served = scrape.total("specscope:request_success_total") or 0
-    gen = scrape.total("specscope:generation_tokens_total") or 0
-    checks = {
-        "all_requests_ok": lv["failed"] == 0 and lv["completed"] == args.requests,
-        "server_counted_every_request": served == args.requests,
-        "server_tokens_match_clients": gen == sum(r["completion_tokens"] for r in reqs),
-        "no_429": scrape.total("specscope:requests_rejected_total") in (0, None),
-        "healthy_after_load": health_after == 200,
-        "sigterm_exit_0": exit_code == 0,
-    }
+    checks = check(out, scrape, health_after, exit_code, args.requests)
     import torch
 
     result = {
@@ -144,18 +164,26 @@ def main():
         "checks": checks,
         "wall_s": wall,
         "error_examples": lv.get("error_examples", []),
+        # the server and its clients shared this machine's CPUs with whatever else ran
+        "load_warning": timing_warning(),
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print_result(result, args.clients)
+    finish(checks, args.out)
+
+
+def print_result(result: dict, clients: int) -> None:
     r = result["results"]
     print(f"{r['completed']}/{r['num_prompts']} ok, {r['failed']} failed, {r['output_throughput']:.1f} out tok/s, "
-          f"{r['request_throughput']:.2f} req/s with {args.clients} clients")
+          f"{r['request_throughput']:.2f} req/s with {clients} clients")
     for k in ("ttft", "itl", "tpot", "e2el"):
         print(f"  {k:5s} ms: p50 {r[f'p50_{k}_ms']:8.1f}  p90 {r[f'p90_{k}_ms']:8.1f}  p99 {r[f'p99_{k}_ms']:8.1f}")
     sm = result["server_metrics"] or {}
     if sm.get("accept_length"):
         print(f"  τ from /metrics: {sm['accept_length']:.2f}")
-    finish(checks, args.out)
+    if result["load_warning"]:
+        print(result["load_warning"], file=sys.stderr)
 
 
 if __name__ == "__main__":

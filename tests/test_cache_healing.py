@@ -272,6 +272,9 @@ def test_an_unwritable_models_dir_converts_into_the_fallback_once(converter, fre
     (fresh / "cache" / "models").write_text("a file where the models directory belongs")
     d = hub.resolve_model("smollm2-135m")
     assert d == fresh / "fallback" / "models" / "smollm2-135m" and len(converter) == 1
-    (w,) = capsys.readouterr().err.splitlines()
+    err = capsys.readouterr().err.splitlines()
+    # the conversion that failed leaves no progress line; the one that worked, its closing line
+    assert [x for x in err if x.startswith("pull smollm2-135m:")] == [err[0]] and "4/4 step" in err[0]
+    (w,) = err[1:]
     assert "cannot write the cache dir" in w and str(d) in w
     assert hub.resolve_model("smollm2-135m") == d and len(converter) == 1 and capsys.readouterr().err == ""

@@ -77,6 +77,19 @@ def test_demo_eagle3_end_to_end(tiny, tmp_path, capsys):
         assert f"<h2>{h2}</h2>" in html, h2
     assert base["id"] in html and spec["id"] in html
     assert "http://" not in html and "https://" not in html    # self-contained: nothing to fetch
+    # the speedup carries the verdict the report's headline gives it (registry.compare's rule), in the same words
+    from specscope.registry.compare import speed_words
+
+    judged = summary["speedup_judged"]
+    assert judged["verdict"] in ("better", "worse", "no significant change"), judged
+    words = speed_words(judged, ratio=False)
+    assert re.search(rf"^Speedup: {judged['ratio']:.2f}× " + re.escape(words) + "$", stdout, re.M), stdout
+    assert words in html.replace("&#x27;", "'")
+    # progress as every command shows it (stderr not a terminal: a closing line with rate and time), not stdout
+    assert re.search(r"^remaining prompts \(.+\): 1/1 prompt \([\d.]+ (prompt/s|s/prompt), done in \d+:\d\d\)",
+                     err, re.M), err
+    assert re.search(r"^verify-cost curve: (\d+)/\1 forward \(", err, re.M), err
+    assert "remaining prompts" not in stdout and "forward" not in stdout
 
 
 def test_demo_try_next_commands_work(tiny, tmp_path, capsys, monkeypatch):
@@ -173,3 +186,11 @@ def test_pick_prompts_falls_back_without_the_spec_bench_file(tmp_path, monkeypat
     monkeypatch.setenv("SPECSCOPE_SPEC_BENCH", str(tmp_path / "missing.jsonl"))
     prompts, name = pick_prompts(3)
     assert "built-in" in name and [p["prompt"] for p in prompts] == list(FALLBACK_PROMPTS[:3])
+
+
+def test_demo_help_names_the_drafter_it_uses(capsys):
+    """--draft's help states the default demo_drafter() really is (the hybrid, not EAGLE-3 alone)."""
+    from specscope.demo import demo_drafter
+
+    code, out, _ = cli(capsys, "demo", "--help")
+    assert code == 0 and f"by default {demo_drafter()} " in " ".join(out.split())

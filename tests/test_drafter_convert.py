@@ -4,6 +4,7 @@ file size, and `check-drafter` names each fault of a broken pair or engine launc
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -545,6 +546,13 @@ def test_check_drafter_cli(tmp_path, capsys, target, tdir):
     assert code == 0, err
     rep = json.loads(out)
     assert rep["ok"] and rep["acceptance"]["predicted_tau"] >= 1
+    assert "check-drafter acceptance" not in err              # --json in a log: no progress chatter
+    code, out, err = cli(capsys, "check-drafter", good, "--model", tdir, "--num-prompts", "2", "--max-new-tokens",
+                         "8", "--steps", "2")
+    # the measurement's progress, as every command shows it off a terminal: a closing line with rate and time
+    assert code == 0 and re.search(r"^check-drafter acceptance: 2/2 prompt \([\d.]+ (prompt/s|s/prompt), done in "
+                                   r"\d+:\d\d\)$", err, re.M), err
+    assert "check-drafter acceptance" not in out
     line = one_error_line(*cli(capsys, "check-drafter", good, "--model", tdir, "--engine-args", "  ")[::2])
     assert "--engine-args" in line
 

@@ -14,6 +14,7 @@ import ast
 import json
 import re
 import shlex
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -443,9 +444,9 @@ def size_problem(facts: TargetFacts) -> str | None:
 
 
 def measure(report: Report, drafter_path: Path, facts: TargetFacts, tok, prompts: list[str], max_new_tokens: int,
-            steps: int, device: str = "cpu"):
+            steps: int, device: str = "cpu", tick=None):
     """Coverage of the target's greedy output, teacher-forced per-position acceptance (predicted τ) and the τ of a
-    real chain speculative run with `steps` draft tokens, on the same prompts."""
+    real chain speculative run with `steps` draft tokens, on the same prompts. tick(): after each prompt."""
     target = loader.load_model(facts.path, "fp32", device)
     drafter = load_drafter(drafter_path, target)
     K = steps
@@ -455,7 +456,7 @@ def measure(report: Report, drafter_path: Path, facts: TargetFacts, tok, prompts
     ok_sum = [0] * K
     rows = 0
     tokens = cycles = 0
-    for p in prompts:
+    for p in _ticking(prompts, tick):
         ids = tok.encode(p, chat=chat)
         res = speculative_generate(target, Eagle3TreeDrafter(drafter, target), ids, max_new_tokens,
                                    stop_ids=tok.eos_ids, cfg=cfgk)
@@ -502,11 +503,21 @@ def measure(report: Report, drafter_path: Path, facts: TargetFacts, tok, prompts
                    + ("; the drafter proposes almost nothing the target accepts" if low else ""))
 
 
+def _ticking(items, tick):
+    """The items, calling tick() once each one's work is done (when the loop asks for the next, so a `continue`
+    counts too)."""
+    for x in items:
+        yield x
+        if tick:
+            tick()
+
+
 # ---------------------------------------------------------------- the whole check
 
 def check_drafter(drafter_path: str | Path, facts: TargetFacts, engine_args: str | None = None,
                   run: bool = True, prompts: list[str] | None = None, max_new_tokens: int = 48,
-                  steps: int = 5, device: str = "cpu") -> Report:
+                  steps: int = 5, device: str = "cpu", progress=None) -> Report:
+    """progress(total): a specscope.progress.Progress over the measured prompts (made only when they are)."""
     path = Path(drafter_path)
     if not path.is_dir():
         raise SpecscopeError(f"drafter {str(path)!r} is not a directory")
@@ -527,7 +538,10 @@ def check_drafter(drafter_path: str | Path, facts: TargetFacts, engine_args: str
     elif (why := can_run(facts)) or tok is None:
         report.add("acceptance", SKIP, f"not measured: {why or 'the target has no tokenizer here'}")
     else:
-        measure(report, path, facts, tok, prompts or default_prompts(), max_new_tokens, steps, device)
+        prompts = prompts or default_prompts()
+        with (progress(len(prompts)) if progress else nullcontext()) as bar:
+            measure(report, path, facts, tok, prompts, max_new_tokens, steps, device,
+                    tick=bar.advance if bar else None)
     return report
 
 

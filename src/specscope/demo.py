@@ -1,15 +1,17 @@
 """`specscope demo`: the tour a newcomer sees first.
 
-Loads the demo model (pulling it on first use) and the shipped EAGLE-3 drafter, decodes a handful of MT-bench
-first turns twice each (plain greedy decoding, then speculative), profiles both, stores one baseline and one
-speculative run (aggregated over the prompts, per-prompt stats in the samples), measures a short verify-cost curve
-for the report, works out the break-even for the measured costs, and writes the HTML report.
+Loads the demo model (pulling it on first use) and its drafter (by default the shipped EAGLE-3 drafter with n-gram
+copying in one tree, `demo_drafter()`), decodes a handful of MT-bench first turns twice each (speculative, then
+plain greedy decoding), profiles both, stores one baseline and one speculative run (aggregated over the prompts,
+per-prompt stats in the samples), measures a short verify-cost curve for the report, judges the speedup by the
+report's noise-aware rule, works out the break-even for the measured costs, and writes the HTML report.
 
 The CLI (`specscope.cli.demo`) only renders: everything here reports through a `DemoUI`.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 from dataclasses import asdict, dataclass, field
@@ -30,6 +32,7 @@ from specscope.profile import CycleProfiler
 from specscope.prompts import PACKAGED, SPEC_BENCH_FILE, mt_bench_prompts, spec_bench_path, warn
 from specscope.registry import (check_registry, drafting_config, machine_config, make_record, open_registry,
                                 prompt_set_hash)
+from specscope.registry.compare import compare_runs, speed_change
 from specscope.registry.fingerprint import load_warning
 from specscope.report import write_report
 from specscope.runtime.tokenizer import StreamDecoder
@@ -86,8 +89,10 @@ class DemoUI:
     def stream_start(self, prompt: dict, method: str) -> None: ...
     def stream(self, text: str) -> None: ...
     def stream_end(self) -> None: ...
-    def progress_start(self, total: int, method: str) -> None: ...
-    def progress(self, done: int, text: str) -> None: ...
+    # done / total `unit`s of one long step (the remaining prompts, the verify curve's forwards), drawn as every
+    # command's progress is (specscope.progress); info: what the last one was
+    def progress_start(self, what: str, total: int, unit: str) -> None: ...
+    def progress(self, done: int, info: str = "") -> None: ...
     def progress_end(self) -> None: ...
 
 
@@ -110,110 +115,43 @@ def pick_prompts(n: int) -> tuple[list[dict], str]:
 def run_demo(opts: DemoOptions, ui: DemoUI | None = None) -> dict:
     """Run the whole demo; returns a JSON-ready summary (runs, numbers, break-even, report path)."""
     ui = ui or DemoUI()
-    if opts.max_new_tokens < 2:
-        raise SpecscopeError(f"--max-new-tokens must be >= 2, got {opts.max_new_tokens}")
-    prompts, prompt_set = pick_prompts(opts.prompts)
-    draft = opts.draft or demo_drafter()
-    # no knobs: the drafter's own best measured shape (a shipped drafter declares it), else the defaults
-    spec_cfg = SpecConfig.for_drafter(draft, opts.steps, opts.topk, opts.draft_tokens, opts.ngram_tokens)
-    if split_draft(draft)[0] is None and spec_cfg.topk != 1:
-        raise SpecscopeError("n-gram drafting proposes a chain; use --topk 1")
-    # now rather than after minutes of decoding: the output files, the registry, the drafter's files
-    out_dir = Path(opts.out).expanduser()
-    check_writable(out_dir, "--output", is_dir=True)
-    for name in ("report.html", "summary.json"):
-        check_output_file(out_dir / name, "--output")
-    check_registry(opts.db)
-    _check_shipped(draft)
-    if draft != "ngram":
-        drafter_path(draft)          # a missing --draft fails here, not after the target loads
+    prompts, prompt_set, draft, spec_cfg, out_dir = _plan(opts)
     dev = str(opts.device)
     t_start = time.perf_counter()
-    if opts.model in KNOWN_MODELS and not is_pulled(opts.model):
-        # first run on this machine: the pull draws its own progress bar, so no spinner meanwhile
-        ui.note(f"pulling {opts.model} into the model cache (first run only)")
-        resolve_model(opts.model)
-    session.preflight(opts.model, opts.max_new_tokens, draft, spec_cfg.steps, spec_cfg.topk, spec_cfg.draft_tokens)
-    ui.stage(f"loading {opts.model}")
     dtype = dtype_name(parse_dtype(opts.dtype, dev))
-    target, tok, path = session.load_target(opts.model, opts.dtype, dev)
-    ui.stage(f"loading drafter {draft}")
-    drafter = session.drafter_for(draft, target, opts.draft_budget, ui.note)
+    target, tok, path, drafter = _load(opts, draft, spec_cfg, ui)
     stop = session.stop_ids_for(target, tok)
     ids = [tok.encode(p["prompt"], chat=True) for p in prompts]
     if any(not x for x in ids):
         raise SpecscopeError("a demo prompt is empty after tokenisation")
-
-    # one short untimed pass of each path: first calls pay for allocator and kernel warm-up
-    ui.stage("warming up")
-    generate(target, ids[0], min(8, opts.max_new_tokens), None, stop)
-    speculative_generate(target, drafter, ids[0], min(8, opts.max_new_tokens), None, stop, spec_cfg)
-
     method = _method_name(draft, drafter)
     bprof, sprof = CycleProfiler(dev), CycleProfiler(dev)
-    per_prompt = []
-    shown_text = ""
-    for i, (p, pid) in enumerate(zip(prompts, ids)):
-        streaming = i == 0
-        if streaming:
-            dec = StreamDecoder(tok)
-            ui.stream_start(p, method)
-            on_tokens = lambda t: ui.stream(dec.push(t))  # noqa: E731
-        else:
-            if i == 1:
-                ui.progress_start(len(prompts) - 1, method)
-            on_tokens = None
-        # speculative first, then plain, prompt by prompt: load that drifts (shared CPUs) hits both alike
-        s = speculative_generate(target, drafter, pid, opts.max_new_tokens, None, stop, spec_cfg, on_tokens=on_tokens,
-                                 profiler=sprof)
-        if streaming:
-            ui.stream_end()
-            shown_text = tok.decode(s.token_ids)
-            if len(prompts) > 1:
-                ui.stage("plain decoding of the same prompt")
-        b = generate(target, pid, opts.max_new_tokens, None, stop, profiler=bprof)
-        per_prompt.append(_prompt_stats(p, pid, b, s))
-        if not streaming:
-            ui.progress(i, f"prompt {i + 1}/{len(prompts)} ({p.get('category') or 'prompt'})")
-    if len(prompts) > 1:
-        ui.progress_end()
-
+    per_prompt, shown_text = _decode_all(target, drafter, tok, prompts, ids, stop, spec_cfg, opts.max_new_tokens,
+                                         (bprof, sprof), method, ui)
     config = {**machine_config(path, dtype, dev), "model_name": opts.model,
               "sampling": {"temperature": 0.0, "greedy": True}, "max_new_tokens": opts.max_new_tokens, "chat": True,
-              "prompt_set": prompt_set,
-              "prompt_set_hash": _hash([p["prompt"] for p in prompts]), "num_prompts": len(prompts),
+              "prompt_set": prompt_set, "prompt_set_hash": _hash([p["prompt"] for p in prompts]),
               # the texts, so that `specscope tune --run` re-runs the same prompts
-              "prompts": [p["prompt"] for p in prompts], "source": "demo"}
+              "num_prompts": len(prompts), "prompts": [p["prompt"] for p in prompts], "source": "demo"}
     curve_rec = None
     if opts.verify_curve:
         ui.stage("measuring the verify-cost curve")
-        curve_rec = _verify_curve(target, per_prompt, spec_cfg, config)
+        curve_rec = _verify_curve(target, per_prompt, spec_cfg, config, ui)
     ui.stage("storing runs")
     brec, srec = _records(config, draft, drafter, spec_cfg, bprof, sprof, per_prompt, opts)
-    with open_registry(opts.db) as reg:
-        db_path = str(reg.path)
-        brec["id"] = reg.add_run(brec)
-        srec["config"]["baseline_run"] = brec["id"]
-        if curve_rec is not None:
-            curve_rec["id"] = reg.add_run(curve_rec)
-            srec["config"]["verify_curve_run"] = curve_rec["id"]
-        srec["id"] = reg.add_run(srec)
-        # the report reads the stored records, as `specscope report` would
-        brec, srec = reg.get_run(brec["id"]), reg.get_run(srec["id"])
-        curve_rec = reg.get_run(curve_rec["id"]) if curve_rec is not None else None
-
-    be = _breakeven(srec, brec)
+    brec, srec, curve_rec, db_path = _store(brec, srec, curve_rec, opts.db)
     result = {
         "model": str(path), "draft": draft, "method": method, "drafting": asdict(spec_cfg), "dtype": dtype,
         "device": dev, "threads": torch.get_num_threads(), "prompt_set": prompt_set, "prompts": len(prompts),
         "max_new_tokens": opts.max_new_tokens,
         "baseline": _side(brec), "speculative": _side(srec),
         "speedup": _ratio(srec["results"]["tok_per_s"], brec["results"]["tok_per_s"]),
+        "speedup_judged": _judged(brec, srec),
         "speedup_end_to_end": _ratio(srec["results"]["e2e_tok_per_s"], brec["results"]["e2e_tok_per_s"]),
         "identical_outputs": sum(r["identical"] for r in per_prompt),
         "accepted_by_source": srec["results"].get("accepted_by_source"),
         "profile_lines": {"baseline": bprof.lines(), "speculative": sprof.lines(brec["results"]["tok_per_s"])},
-        "breakeven": be, "shown": {"prompt": prompts[0]["prompt"], "text": shown_text},
+        "breakeven": _breakeven(srec, brec), "shown": {"prompt": prompts[0]["prompt"], "text": shown_text},
         "runs": {"baseline": brec["id"], "speculative": srec["id"],
                  "verify_curve": curve_rec["id"] if curve_rec else None},
         "db": db_path, "report": None,
@@ -230,6 +168,104 @@ def run_demo(opts: DemoOptions, ui: DemoUI | None = None) -> dict:
                                 make_parents=True)
     result["summary_json"] = str(summary_path)
     return result
+
+
+def _plan(opts: DemoOptions):
+    """What flags and files decide, before a model loads: (prompts, prompt set name, draft, SpecConfig, output
+    directory). The output files, the registry and the drafter's files are checked now rather than after minutes
+    of decoding."""
+    if opts.max_new_tokens < 2:
+        raise SpecscopeError(f"--max-new-tokens must be >= 2, got {opts.max_new_tokens}")
+    prompts, prompt_set = pick_prompts(opts.prompts)
+    draft = opts.draft or demo_drafter()
+    # no knobs: the drafter's own best measured shape (a shipped drafter declares it), else the defaults
+    spec_cfg = SpecConfig.for_drafter(draft, opts.steps, opts.topk, opts.draft_tokens, opts.ngram_tokens)
+    if split_draft(draft)[0] is None and spec_cfg.topk != 1:
+        raise SpecscopeError("n-gram drafting proposes a chain; use --topk 1")
+    out_dir = Path(opts.out).expanduser()
+    check_writable(out_dir, "--output", is_dir=True)
+    for name in ("report.html", "summary.json"):
+        check_output_file(out_dir / name, "--output")
+    check_registry(opts.db)
+    _check_shipped(draft)
+    if draft != "ngram":
+        drafter_path(draft)          # a missing --draft fails here, not after the target loads
+    return prompts, prompt_set, draft, spec_cfg, out_dir
+
+
+def _load(opts: DemoOptions, draft: str, spec_cfg: SpecConfig, ui: DemoUI):
+    """(target, tokenizer, model path, drafter), the target pulled first on a machine's first run."""
+    if opts.model in KNOWN_MODELS and not is_pulled(opts.model):
+        # first run on this machine: the pull draws its own progress bar, so no spinner meanwhile
+        ui.note(f"pulling {opts.model} into the model cache (first run only)")
+        resolve_model(opts.model)
+    session.preflight(opts.model, opts.max_new_tokens, draft, spec_cfg.steps, spec_cfg.topk, spec_cfg.draft_tokens)
+    ui.stage(f"loading {opts.model}")
+    target, tok, path = session.load_target(opts.model, opts.dtype, str(opts.device))
+    ui.stage(f"loading drafter {draft}")
+    return target, tok, path, session.drafter_for(draft, target, opts.draft_budget, ui.note)
+
+
+def _decode_all(target, drafter, tok, prompts, ids, stop, spec_cfg, max_new_tokens, profs, method, ui):
+    """After a warm-up, each prompt speculative, then plain (profiled by profs = (plain, speculative)): the first
+    streamed, the rest under a progress bar. Returns (per-prompt stats, the streamed text)."""
+    # one short untimed pass of each path: first calls pay for allocator and kernel warm-up
+    ui.stage("warming up")
+    generate(target, ids[0], min(8, max_new_tokens), None, stop)
+    speculative_generate(target, drafter, ids[0], min(8, max_new_tokens), None, stop, spec_cfg)
+    bprof, sprof = profs
+    per_prompt, shown_text = [], ""
+    for i, (p, pid) in enumerate(zip(prompts, ids)):
+        streaming = i == 0
+        if streaming:
+            dec = StreamDecoder(tok)
+            ui.stream_start(p, method)
+            on_tokens = lambda t: ui.stream(dec.push(t))  # noqa: E731
+        else:
+            if i == 1:
+                ui.progress_start(f"remaining prompts ({method}, then plain decoding)", len(prompts) - 1, "prompt")
+            on_tokens = None
+        # speculative first, then plain, prompt by prompt: load that drifts (shared CPUs) hits both alike
+        s = speculative_generate(target, drafter, pid, max_new_tokens, None, stop, spec_cfg, on_tokens=on_tokens,
+                                 profiler=sprof)
+        if streaming:
+            ui.stream_end()
+            shown_text = tok.decode(s.token_ids)
+            if len(prompts) > 1:
+                ui.stage("plain decoding of the same prompt")
+        b = generate(target, pid, max_new_tokens, None, stop, profiler=bprof)
+        per_prompt.append(_prompt_stats(p, pid, b, s))
+        if not streaming:
+            ui.progress(i, p.get("category") or "")
+    if len(prompts) > 1:
+        ui.progress_end()
+    return per_prompt, shown_text
+
+
+def _store(brec: dict, srec: dict, curve_rec: dict | None, db) -> tuple[dict, dict, dict | None, str]:
+    """The runs into the registry, linked (speculative -> baseline, verify curve); read back as `specscope
+    report` would read them. Returns (baseline, speculative, curve, registry path)."""
+    with open_registry(db) as reg:
+        db_path = str(reg.path)
+        brec["id"] = reg.add_run(brec)
+        srec["config"]["baseline_run"] = brec["id"]
+        if curve_rec is not None:
+            curve_rec["id"] = reg.add_run(curve_rec)
+            srec["config"]["verify_curve_run"] = curve_rec["id"]
+        srec["id"] = reg.add_run(srec)
+        # the report reads the stored records, as `specscope report` would
+        brec, srec = reg.get_run(brec["id"]), reg.get_run(srec["id"])
+        curve_rec = reg.get_run(curve_rec["id"]) if curve_rec is not None else None
+    return brec, srec, curve_rec, db_path
+
+
+def _judged(brec: dict, srec: dict) -> dict | None:
+    """The speedup as the report's headline judges it (registry.compare's speed_change on the same pair: ratio,
+    interval, verdict), so the summary never calls faster what the report calls noise. None when not comparable."""
+    try:
+        return speed_change(compare_runs([brec, srec]), 1)
+    except SpecscopeError:
+        return None
 
 
 def _warnings(prompt_set: str, brec: dict) -> list[str]:
@@ -335,16 +371,21 @@ def _draft_ref(draft: str) -> str:
     return str(p) if draft not in NGRAM_SPECS and p.exists() else draft
 
 
-def _verify_curve(target, per_prompt, spec_cfg, config) -> dict:
+def _verify_curve(target, per_prompt, spec_cfg, config, ui: DemoUI) -> dict:
     """T(n) at about the demo's mean context for n = 1 .. 2·draft_tokens: enough to see whether verifying the
-    drafted tokens costs about one decode step here."""
+    drafted tokens costs about one decode step here. Its forwards are counted on the UI's progress."""
     ctx = int(sum(r["prompt_tokens"] + r["speculative"]["tokens"] / 2 for r in per_prompt) / len(per_prompt))
     ctx = max(16, min(ctx, target.config.max_position_embeddings - 64))
     top = max(8, 2 * spec_cfg.verify_tokens)
     tokens = sorted({n for n in (1, 2, 4, 8, 16, 32, 64) if n <= top}
                     | {spec_cfg.draft_tokens, spec_cfg.verify_tokens})
     tokens = [n for n in tokens if ctx + n <= target.config.max_position_embeddings]
-    res = measure_curve(target, [ctx], tokens, warmup=1, repeats=5)
+    done = itertools.count(1)
+    ui.progress_start("verify-cost curve", len(tokens) * (1 + 5), "forward")      # warmup 1 + repeats 5 per width
+    try:
+        res = measure_curve(target, [ctx], tokens, warmup=1, repeats=5, tick=lambda: ui.progress(next(done)))
+    finally:
+        ui.progress_end()
     results = {"points": res["points"], "fits": res["fits"],
                "decode_ms": {str(ctx): next(p["median_ms"] for p in res["points"] if p["tokens"] == tokens[0])}}
     return make_record("verify_curve", f"demo verify curve (context {ctx})",

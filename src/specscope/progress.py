@@ -11,11 +11,13 @@ bench/ scripts), the one `vllm bench serve`'s users know from its tqdm bar:
   these lines are left out: a program that reads --json reads stderr for errors, not for chatter;
 * disabled (--disable-tqdm, --no-progress): nothing.
 
-`Progress.note(text)` prints a line above a live bar (per-point results, say) or plainly without one.
+`Progress.note(text)` prints a line on stderr above a live bar (per-point results, say) or plainly without one;
+`Progress.echo(text)` a result line meant for stdout (a bench's per-item line), kept clear of the bar.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -70,6 +72,14 @@ def _columns(unit: str):
     # a short bar: the counts, rate and times must fit an 80-column terminal beside a long description
     return (TextColumn("{task.description}"), BarColumn(bar_width=20), MofNCompleteColumn(), Rate(),
             Elapsed(), Left(), TextColumn("{task.fields[info]}"))
+
+
+def _same_terminal(a, b) -> bool:
+    """Are two streams the same terminal device (stdout and stderr both on the user's screen)?"""
+    try:
+        return a.isatty() and b.isatty() and os.fstat(a.fileno()).st_rdev == os.fstat(b.fileno()).st_rdev
+    except (AttributeError, OSError, ValueError):        # a StringIO, a closed or fd-less stream
+        return False
 
 
 class Progress:
@@ -140,6 +150,15 @@ class Progress:
             self.stream.write(text + "\n")
             self.stream.flush()
 
+    def echo(self, text: str) -> None:
+        """A result line for stdout. When stdout is the bar's own terminal it is drawn above the bar (through the
+        bar's stream): written past the live bar it would start after a stale copy of it, and on one terminal the
+        two streams read alike. Elsewhere (stdout a file or a pipe) it goes to stdout untouched."""
+        if self.mode == "bar" and _same_terminal(sys.stdout, self.stream):
+            self.note(text)
+        else:
+            print(text, flush=True)
+
     def close(self) -> None:
         if self.mode == "bar" and self._bar is not None:
             self._bar.stop()
@@ -151,5 +170,8 @@ class Progress:
     def __enter__(self) -> "Progress":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, *exc) -> None:
+        if exc_type is not None and self.mode == "lines":
+            # an error ends the work: its own line is what the log needs, not a last count that reads as a result
+            self.mode = "off"
         self.close()

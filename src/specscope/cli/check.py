@@ -50,9 +50,13 @@ def check_drafter(drafter, target_name, engine_args, num_prompts, max_new_tokens
             and not Path(target_name).expanduser().exists() and parse_hub_id(target_name) \
             and size_problem(facts) is None:
         facts = resolve_target(target_name, files="model")   # a hub target small enough to run: fetch its weights
+    from specscope.progress import Progress
+
+    # the acceptance measurement decodes every prompt (seconds to minutes): the progress every command shows
     report = run_check(path, facts, engine_args, run=not no_run,
                        prompts=None if no_run else default_prompts(num_prompts),
-                       max_new_tokens=max_new_tokens, steps=steps, device=str(dev))
+                       max_new_tokens=max_new_tokens, steps=steps, device=str(dev),
+                       progress=lambda n: Progress("check-drafter acceptance", n, "prompt", json_mode=as_json))
     d = report.to_dict()
     if as_json:
         emit_json(d)

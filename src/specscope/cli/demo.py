@@ -1,4 +1,5 @@
-"""`specscope demo`: baseline vs EAGLE-3 on the demo model, profiled, stored, explained, reported."""
+"""`specscope demo`: plain vs speculative decoding (EAGLE-3 + n-gram by default) on the demo model, profiled, stored,
+explained, reported."""
 
 from __future__ import annotations
 
@@ -10,15 +11,51 @@ from specscope.cli.common import (alias_option, db_option, draft_budget_option, 
                                   output_option, setup_runtime, spec_options, stderr_console)
 
 
-class _RichUI:
-    """Stages as a spinner, the first prompt's text streamed to stdout, the other prompts as a progress bar."""
+class _BarUI:
+    """Long steps (the remaining prompts, the verify curve) under the progress every command uses
+    (specscope.progress: stderr; a live bar with rate and time left on a terminal, a line every few seconds in a
+    log; under --json a bar on a terminal only). Everything else the demo says is left out."""
+
+    def __init__(self, json_mode: bool = False):
+        self.json_mode = json_mode
+        self._prog = None
+
+    def stage(self, text): ...
+    def note(self, text): ...
+    def stream_start(self, prompt, method): ...
+    def stream(self, text): ...
+    def stream_end(self): ...
+
+    def progress_start(self, what, total, unit):
+        from specscope.progress import Progress
+
+        self.progress_end()
+        self._stop_status()
+        self._prog = Progress(what, total, unit, json_mode=self.json_mode)
+
+    def progress(self, done, info=""):
+        if self._prog is not None:
+            self._prog.update(done, info)
+
+    def progress_end(self):
+        if self._prog is not None:
+            self._prog.close()
+            self._prog = None
+
+    def _stop_status(self): ...
+
+    def close(self):
+        self.progress_end()
+
+
+class _RichUI(_BarUI):
+    """Stages as a spinner, the first prompt's text streamed to stdout, the long steps as _BarUI draws them."""
 
     def __init__(self):
+        super().__init__()
         self.err = stderr_console()
         self.out = sys.stdout
         self._status = None
-        self._prog = None
-        self._task = None
 
     def _stop_status(self):
         if self._status is not None:
@@ -48,25 +85,6 @@ class _RichUI:
         self.out.write("\n\n")
         self.out.flush()
 
-    def progress_start(self, total, method):
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-        self._stop_status()
-        self._prog = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                              TimeElapsedColumn(), console=self.err, transient=True)
-        self._prog.start()
-        self._method = method
-        self._task = self._prog.add_task(f"remaining prompts: {method} and plain decoding", total=total)
-
-    def progress(self, done, text):
-        if self._prog is not None:
-            self._prog.update(self._task, completed=done, description=f"{text}: {self._method} and plain decoding")
-
-    def progress_end(self):
-        if self._prog is not None:
-            self._prog.stop()
-            self._prog = None
-
     def close(self):
         self._stop_status()
         self.progress_end()
@@ -77,8 +95,8 @@ class _RichUI:
               show_default=True, help="MT-bench first turns to decode (one per category in turn; packaged set).")
 @output_option("Directory for report.html and summary.json.", default="specscope-demo", hidden=("--out",),
                file_okay=False, show_default=True)
-@draft_option("Drafter: the shipped EAGLE-3 one by default; 'ngram', an EAGLE-3 directory or Hugging Face id, a "
-              "small HF model, or DRAFTER+ngram (e.g. smollm2-135m-eagle3+ngram: both in one tree).")
+@draft_option("Drafter: by default smollm2-135m-eagle3+ngram (the shipped EAGLE-3 drafter and n-gram copying in one "
+              "tree); 'ngram', an EAGLE-3 directory or Hugging Face id, a small HF model, or DRAFTER+ngram.")
 @click.option("--max-new-tokens", type=click.IntRange(2, 1 << 20), default=112, show_default=True,
               help="Most tokens to generate per prompt.")
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="CPU threads for torch.")
@@ -94,24 +112,43 @@ class _RichUI:
 def demo(num_prompts, output, draft, max_new_tokens, threads, model_name, draft_budget, steps, topk, draft_tokens,
          ngram_tokens,
          dtype, device, no_verify_curve, db, as_json):
-    """The tour: plain vs speculative (EAGLE-3) decoding of a few MT-bench prompts on the demo model, with the
-    profile, τ, the speedup and the break-even, both runs stored and an HTML report written."""
-    from specscope.demo import DemoOptions, DemoUI, run_demo
+    """The tour: plain vs speculative (EAGLE-3 + n-gram) decoding of a few MT-bench prompts on the demo model, with
+    the profile, τ, the speedup and the break-even, both runs stored and an HTML report written."""
+    from specscope.demo import DemoOptions, run_demo
 
     dev = setup_runtime(threads, device)
     opts = DemoOptions(model=model_name, draft=draft, prompts=num_prompts, max_new_tokens=max_new_tokens,
                        draft_budget=draft_budget or "priced", steps=steps, topk=topk, draft_tokens=draft_tokens,
                        ngram_tokens=ngram_tokens, dtype=dtype,
                        device=str(dev), out=output, db=db, verify_curve=not no_verify_curve)
-    if as_json:
-        emit_json(run_demo(opts, DemoUI()))
-        return
-    ui = _RichUI()
+    ui = _BarUI(json_mode=True) if as_json else _RichUI()
     try:
         res = run_demo(opts, ui)
     finally:
         ui.close()
+    if as_json:
+        emit_json(res)
+        return
     _print_summary(res)
+
+
+def _print_speedup(con, res: dict) -> None:
+    """The speedup with the verdict the report's headline gives it (registry.compare's rule: faster, slower or no
+    significant change, with its interval), so the two never disagree; the bare ratio where it could not be judged."""
+    from rich.markup import escape
+
+    from specscope.registry.compare import speed_words
+
+    sc = res.get("speedup_judged")
+    if sc is not None:
+        color = {"better": "green", "worse": "red"}.get(sc["verdict"], "yellow")
+        con.print(f"[bold]Speedup: [{color}]{sc['ratio']:.2f}×[/{color}][/bold] "
+                  f"{escape(speed_words(sc, ratio=False))}")
+    else:
+        sp = res["speedup"]
+        con.print(f"[bold]Speedup: {sp:.2f}×[/bold] decode (not judged: no comparable samples)")
+    con.print(f"  {res['speedup_end_to_end']:.2f}× end to end, prefill included; outputs identical to plain "
+              f"decoding: {res['identical_outputs']}/{res['prompts']}")
 
 
 def _print_summary(res: dict) -> None:
@@ -133,11 +170,7 @@ def _print_summary(res: dict) -> None:
         from specscope.profile.cycle import source_line
 
         con.print(source_line(res["accepted_by_source"]))
-    sp = res["speedup"]
-    color = "green" if sp and sp > 1 else "red"
-    con.print(f"[bold]Speedup: [{color}]{sp:.2f}×[/{color}][/bold] decode "
-              f"({res['speedup_end_to_end']:.2f}× end to end, prefill included); outputs identical to plain "
-              f"decoding: {res['identical_outputs']}/{res['prompts']}")
+    _print_speedup(con, res)
     for w in res.get("warnings") or []:
         con.print(f"[bold yellow]warning:[/bold yellow] {w}")
     con.print("\n[bold]Speculative cycle profile[/bold]")

@@ -204,7 +204,7 @@ def tune(run_ref, baseline_ref, curve_ref, decode_ms, do_profile, model_name, dr
         check_registry(db)
     err = stderr_console()
     say = (lambda m: None) if as_json else err.print
-    ctx = _TuneContext(model_name, draft, dtype, device, threads, prompts_file, num_prompts, max_new_tokens)
+    ctx = _TuneContext(model_name, draft, dtype, device, threads, prompts_file, num_prompts, max_new_tokens, as_json)
     if prompts_file is not None or do_profile:
         ctx.prompts = read_prompts(prompts_file, num_prompts)
     if do_profile:
@@ -381,11 +381,14 @@ def _print_concurrency(out, surface, engine=None):
 
 
 class _TuneContext:
-    """Loads the target, drafter and prompts once, on first need."""
+    """Loads the target, drafter and prompts once, on first need; measures under the shared progress
+    (specscope.progress), as verify-curve and bench-serve do. as_json: the command prints --json (no log lines)."""
 
-    def __init__(self, model_name, draft, dtype, device, threads, prompts_file, num_prompts, max_new_tokens):
+    def __init__(self, model_name, draft, dtype, device, threads, prompts_file, num_prompts, max_new_tokens,
+                 as_json=False):
         self.model_name, self.draft, self.dtype, self.device, self.threads = model_name, draft, dtype, device, threads
         self.prompts_file, self.num_prompts, self.max_new_tokens = prompts_file, num_prompts, max_new_tokens
+        self.as_json = as_json
         self.prompts = None
         self._loaded = None
 
@@ -419,6 +422,7 @@ class _TuneContext:
 
     def profile(self, steps, topk, draft_tokens, ngram_tokens, db, say):
         from specscope.economics.probe import profile
+        from specscope.progress import Progress
         from specscope.registry import machine_config, prompt_set_hash
         from specscope.speculative.decode import HYBRID_NGRAM_TOKENS, SpecConfig, split_draft
 
@@ -429,49 +433,54 @@ class _TuneContext:
         target, drafter, ids, stop, path = self.load()
         say(f"profiling {len(ids)} prompt(s) × {self.max_new_tokens} tokens: baseline, then "
             f"steps {cfg.steps} topk {cfg.topk} draft tokens {cfg.draft_tokens}"
-            + (f" n-gram tokens {cfg.ngram_tokens}" if cfg.ngram_tokens else "") + " ...")
+            + (f" n-gram tokens {cfg.ngram_tokens}" if cfg.ngram_tokens else ""))
         config = {**machine_config(path, target.dtype, target.device), "model_name": self.model_name,
                   "draft": self.draft, "prompts": self.prompts,
                   "prompt_set_hash": prompt_set_hash(self.prompts), "max_new_tokens": self.max_new_tokens,
                   "sampling": {"temperature": 0.0}}
-        brec, srec = profile(target, drafter, ids, cfg, self.max_new_tokens, stop, config, db)
+        with Progress("tune --profile", len(ids), "prompt", json_mode=self.as_json) as bar:   # plain + speculative
+            brec, srec = profile(target, drafter, ids, cfg, self.max_new_tokens, stop, config, db, tick=bar.advance)
         say(f"stored baseline run {brec['id']} and speculative run {srec['id']} "
             f"(τ {srec['results']['accept_length']:.2f})")
         return srec, brec
 
     def plain_decode_ms(self, say) -> float:
         from specscope.economics.probe import plain_decode_ms
+        from specscope.progress import Progress
 
         target, _, ids, stop, _ = self.load()
-        say(f"no baseline run recorded with this run: measuring plain decoding on {len(ids)} prompt(s) ...")
-        return plain_decode_ms(target, ids, self.max_new_tokens, stop)
+        say(f"no baseline run recorded with this run: measuring plain decoding on {len(ids)} prompt(s)")
+        with Progress("plain decoding", len(ids), "prompt", json_mode=self.as_json) as bar:
+            return plain_decode_ms(target, ids, self.max_new_tokens, stop, tick=bar.advance)
 
     def quick_curve(self, run, max_tokens, levels, db, say):
         """A verify curve at the run's mean context, over the widths the candidates need, and the surface over
         the concurrency levels above 1 -> (VerifyCurve, VerifySurface or None)."""
-        from specscope.economics.verify_curve import (VerifyCurve, VerifySurface, measure_curve, measure_surface,
-                                                      surface_results)
+        from specscope.cli.verify_curve import measure_with_progress
+        from specscope.economics.verify_curve import VerifyCurve, VerifySurface, surface_results
         from specscope.registry import make_record, store_record
 
         target = self.load()[0]
         L = int((run.get("results") or {}).get("mean_context") or 256)
         L = max(1, min(L, target.config.max_position_embeddings - max_tokens - 1))
         toks = sorted({n for n in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64) if n <= max_tokens})
-        say(f"measuring the verify curve at context {L} for n = {', '.join(map(str, toks))} ...")
-        res = measure_curve(target, [L], toks, warmup=1, repeats=5)
+        batched = max(levels) > 1
+        say(f"measuring the verify curve at context {L} for n = {', '.join(map(str, toks))}"
+            + (f", and the verify surface at batch sizes {', '.join(map(str, levels))}" if batched else ""))
+        # verify-curve's own bar and per-point lines (one rule for both commands)
+        res, surf = measure_with_progress(target, [L], toks, 1, 5, levels if batched else None, L, None,
+                                          self.as_json)
         config = {"model": str(self.load()[4]), "dtype": dtype_name(target.dtype), "device": str(target.device),
                   "contexts": [L], "tokens": toks, "warmup": 1, "repeats": 5}
         results, samples = {"points": res["points"], "fits": res["fits"]}, {"verify_ms": res["samples"]}
-        if max(levels) > 1:
-            say(f"measuring the verify surface at batch sizes {', '.join(map(str, levels))} ...")
-            surf = measure_surface(target, levels, L, toks, warmup=1, repeats=5)
+        if batched:
             config.update({"batches": list(levels), "batch_context": L})
             results["surface"] = surface_results(surf)
             samples["batch_verify_ms"] = surf["samples"]
         rec = make_record("verify_curve", f"tune verify curve L{L}", config=config, results=results,
                           samples=samples)
         rec["id"] = store_record(rec, db)
-        return VerifyCurve.from_run(rec), (VerifySurface.from_run(rec) if max(levels) > 1 else None)
+        return VerifyCurve.from_run(rec), (VerifySurface.from_run(rec) if batched else None)
 
     def validate(self, picks, say, as_json=False):
         """The picks measured for real, with a bar over their prompts (each: plain and speculative)."""

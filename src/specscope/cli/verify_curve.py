@@ -79,7 +79,7 @@ def verify_curve(model_name, contexts, tokens, warmup, repeats, batches, batch_c
     dev = setup_runtime(threads, device)
     dt = parse_dtype(dtype, str(dev))
     model = load_model(path, dtype=dt, device=dev)
-    res, surface = _measure_curve(model, ctxs, toks, warmup, repeats, bs, bctx, max_seq_len, as_json)
+    res, surface = measure_with_progress(model, ctxs, toks, warmup, repeats, bs, bctx, max_seq_len, as_json)
     from specscope.registry import machine_config
 
     config = {**machine_config(path, dt, dev), "model_name": model_name, "contexts": ctxs, "tokens": toks,
@@ -146,9 +146,10 @@ def _plots(res, surface, output, run_id, model_name, dtype, dev, bctx):
     return png, bpng
 
 
-def _measure_curve(model, ctxs, toks, warmup, repeats, bs, bctx, max_seq_len, as_json):
-    """measure_curve (and measure_surface with --batch) under one progress bar counting forwards; each point's
-    numbers are printed above it as its context finishes (not under --json)."""
+def measure_with_progress(model, ctxs, toks, warmup, repeats, bs, bctx, max_seq_len, as_json):
+    """measure_curve (and measure_surface with bs, batch sizes) under one progress bar counting forwards; each
+    point's numbers are printed above it as its context finishes (not under --json). `tune --profile` measures
+    its quick curve through this too."""
     from specscope.economics.verify_curve import measure_curve, measure_surface
     from specscope.progress import Progress
 

@@ -79,22 +79,26 @@ def run_pair(target, drafter, prompt_ids, max_new_tokens, stop_ids, cfg, base_pr
             "tokens": int(st), "accept_length": acc / cycles if cycles else 0.0, "stats": stats}
 
 
-def plain_decode_ms(target, prompt_ids, max_new_tokens, stop_ids) -> float:
-    """Plain decoding ms/token over the prompts (decode only; one short untimed pass first)."""
+def plain_decode_ms(target, prompt_ids, max_new_tokens, stop_ids, tick=None) -> float:
+    """Plain decoding ms/token over the prompts (decode only; one short untimed pass first). tick(): after each
+    prompt, for progress."""
     generate(target, prompt_ids[0], min(8, max_new_tokens), None, stop_ids)
     toks = secs = 0.0
     for ids in prompt_ids:
         n, s = _decode(generate(target, ids, max_new_tokens, None, stop_ids))
         toks, secs = toks + n, secs + s
+        if tick:
+            tick()
     if toks <= 0:
         raise SpecscopeError("no decode tokens were produced; raise --max-new-tokens")
     return secs * 1e3 / toks
 
 
 def profile(target, drafter, prompt_ids, cfg, max_new_tokens, stop_ids, config: dict, db=None, record=True,
-            rounds: int = 1):
+            rounds: int = 1, tick=None):
     """One profiled baseline and one profiled speculative run (with rank-wise acceptance) over the prompts,
-    `rounds` times over; stores both. Returns (baseline_record, speculative_record), ids filled in when recorded."""
+    `rounds` times over; stores both. Returns (baseline_record, speculative_record), ids filled in when recorded.
+    tick(): after each timed prompt (both sides), for progress."""
     if isinstance(drafter, NgramDrafter) and cfg.topk != 1:
         raise SpecscopeError("n-gram drafting proposes a chain; use --topk 1")
     dev = str(target.device)
@@ -102,7 +106,8 @@ def profile(target, drafter, prompt_ids, cfg, max_new_tokens, stop_ids, config: 
     run_pair(target, drafter, prompt_ids[:1], min(8, max_new_tokens), stop_ids, cfg)
     bprof, sprof = CycleProfiler(dev), CycleProfiler(dev)
     t0 = time.perf_counter()
-    pair = run_pair(target, drafter, list(prompt_ids) * max(1, rounds), max_new_tokens, stop_ids, cfg, bprof, sprof)
+    pair = run_pair(target, drafter, list(prompt_ids) * max(1, rounds), max_new_tokens, stop_ids, cfg, bprof, sprof,
+                    tick=tick)
     stats = pair["stats"]
     n_cycles = sum(x.cycles for x in stats)
     brec = make_record("baseline", "tune baseline", config={**config, "draft": None, **drafting_config()},

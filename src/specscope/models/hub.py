@@ -132,25 +132,24 @@ def pull(name: str, force: bool = False, progress: bool = True) -> Path:
 
 def _convert_into(dest: Path, name: str, gguf_path: Path, progress: bool) -> Path:
     km = KNOWN_MODELS[name]
-    from rich.progress import Progress, SpinnerColumn, TextColumn, BarColumn, TimeElapsedColumn
+    from specscope.progress import Progress
 
     steps = ["reading GGUF and de-quantizing", "writing safetensors", "writing tokenizer", "hashing"]
-    with Progress(SpinnerColumn(), TextColumn("[progress.description]{task.description}"), BarColumn(),
-                  TimeElapsedColumn(), disable=not progress, transient=True) as prog:
-        task = prog.add_task(f"pull {name}: {steps[0]}", total=len(steps))
+    # the progress every command shows (stderr: a bar on a terminal, lines in a log); info names the step under way
+    with Progress(f"pull {name}", len(steps), "step", enabled=progress) as prog:
+        prog.update(0, steps[0])
         tmp = dest.with_name(dest.name + ".tmp")
         cachedir.remove(tmp)
         tmp.mkdir(parents=True)
         try:
-            _convert_gguf(gguf_path, tmp, lambda i: prog.update(task, completed=i,
-                                                                description=f"pull {name}: {steps[min(i, 3)]}"))
+            _convert_gguf(gguf_path, tmp, lambda i: prog.update(i, steps[min(i, 3)]))
             files = {}
             for f in sorted(p for p in tmp.iterdir() if p.is_file()):
                 files[f.name] = {"sha256": sha256_file(f), "size": f.stat().st_size}
             (tmp / MANIFEST).write_text(json.dumps({"name": name, "source": f"{km.package}:{km.gguf_file}",
                                                     "source_sha256": sha256_file(gguf_path), "files": files},
                                                    indent=2))
-            prog.update(task, completed=len(steps))
+            prog.update(len(steps), "")
             # atomic swap: a killed pull never leaves a half-written model behind the final name
             if os.path.lexists(dest) and not cachedir.remove(dest):
                 raise IsADirectoryError(21, f"{dest} is in the way and cannot be removed")

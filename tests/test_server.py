@@ -9,15 +9,12 @@ from contextlib import contextmanager
 import pytest
 from fastapi.testclient import TestClient
 
-from tiny import make_hf_model, make_tiny_tokenizer
+from tiny import make_served_model
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tiny_serve")
-    make_hf_model(d, "llama", vocab=101, layers=2)
-    make_tiny_tokenizer(d, 101)
-    return d
+    return make_served_model(tmp_path_factory.mktemp("tiny_serve"))
 
 
 def _engine(model_dir, draft=None, **kw):

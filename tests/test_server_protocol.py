@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from serve_util import Background
-from tiny import make_hf_model, make_tiny_tokenizer
+from tiny import make_served_model
 
 openai = pytest.importorskip("openai")
 
@@ -29,10 +29,7 @@ LOOP = "the quick brown fox jumps over the lazy dog " * 4
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tiny_protocol")
-    make_hf_model(d, "llama", vocab=101, layers=2)
-    make_tiny_tokenizer(d, 101)
-    return d
+    return make_served_model(tmp_path_factory.mktemp("tiny_protocol"))
 
 
 def _serve(model_dir, tmp, *extra):

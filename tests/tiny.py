@@ -81,3 +81,10 @@ def make_tiny_tokenizer(path, vocab_size: int = 101):
     fast.chat_template = TINY_CHAT_TEMPLATE
     fast.save_pretrained(str(path))
     return fast
+
+
+def make_served_model(path):
+    """The servers' tiny model: a 2-layer llama over a 101-token tokenizer (tests/test_server*.py)."""
+    make_hf_model(path, "llama", vocab=101, layers=2)
+    make_tiny_tokenizer(path, 101)
+    return path

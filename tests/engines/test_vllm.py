@@ -92,8 +92,10 @@ class TestPlain:
 
 
     def test_bench_serve_agrees_with_vllms_own_bench_serve(self, srv, prompts, vllm_python, model_dir, work):
-        """Same prompts, seed and lengths against the same server: same request and token counts, throughput and
-        TPOT within this machine's noise, and the JSON keys a script written for vLLM's reads."""
+        """Same prompts, seed and lengths against the same server: same request and token counts, the JSON keys a
+        script written for vLLM's reads, and each client's throughput and TPOT agree with the server's own clock
+        over that client's requests (vLLM's e2e-latency and TPOT histograms). Two runs on a shared 2-core machine
+        land up to ~30 % apart, so each client is held to the server over its own window, not to the other run."""
         data = work / "bench-prompts.jsonl"
         data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts * 2))
         common = ["--backend", "openai-chat", "--endpoint", "/v1/chat/completions", "--base-url", srv.url,
@@ -103,18 +105,40 @@ class TestPlain:
         theirs_dir, ours_dir = work / "vllm-bench", work / "specscope-bench"
         theirs_dir.mkdir(exist_ok=True)
         ours_dir.mkdir(exist_ok=True)
+        before = _server_clock(srv)
         r = subprocess.run([vllm_python, "-c", VLLM_BENCH_SERVE, *common, "--result-dir", str(theirs_dir)],
                            capture_output=True, text=True, timeout=900)
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        between = _server_clock(srv)
         specscope_cli("bench-serve", *common, "--result-dir", ours_dir, timeout=900)
+        after = _server_clock(srv)
         theirs = json.loads(next(theirs_dir.glob("*.json")).read_text())
         ours = json.loads(next(ours_dir.glob("*.json")).read_text())
         for key in ("completed", "total_input_tokens", "total_output_tokens"):
             assert ours[key] == theirs[key], (key, ours[key], theirs[key])
-        for key in ("output_throughput", "mean_tpot_ms", "request_throughput"):
-            assert ours[key] == pytest.approx(theirs[key], rel=0.25), (key, ours[key], theirs[key])
+        for name, res, (a, b) in (("vllm", theirs, (before, between)), ("specscope", ours, (between, after))):
+            n = b["requests"] - a["requests"]          # vLLM's client sends one probe request first
+            assert res["completed"] == 8 and n in (8, 9), (name, n)
+            e2e_s = (b["e2e_s"] - a["e2e_s"]) / n * 8  # one request at a time: the run's busy time
+            server = {"output_throughput": res["total_output_tokens"] / e2e_s, "request_throughput": 8 / e2e_s,
+                      "mean_tpot_ms": (b["tpot_s"] - a["tpot_s"]) / (b["tpot_n"] - a["tpot_n"]) * 1e3}
+            print(name, {k: f"{res[k]:.2f} vs server {v:.2f}" for k, v in server.items()})
+            for key, want in server.items():
+                # the client's wall clock adds the HTTP round trip and its own gaps between requests
+                assert res[key] == pytest.approx(want, rel=0.05), (name, key, res[key], want)
         missing = sorted(k for k in theirs if k not in ours)
         assert not missing, f"keys of vLLM's result JSON that ours lacks: {missing}"
+
+
+def _server_clock(srv) -> dict:
+    """vLLM's own running totals: finished requests, their summed end-to-end latency and per-request TPOT."""
+    from specscope.ingest.prometheus import parse_text
+
+    s = parse_text(srv.metrics())
+    return {"requests": int(s.total("vllm:e2e_request_latency_seconds_count") or 0),
+            "e2e_s": s.total("vllm:e2e_request_latency_seconds_sum") or 0.0,
+            "tpot_s": s.total("vllm:request_time_per_output_token_seconds_sum") or 0.0,
+            "tpot_n": int(s.total("vllm:request_time_per_output_token_seconds_count") or 0)}
 
 
 # ---- the plugin: same outputs, decode phases ---------------------------------------------------------------------

@@ -375,6 +375,8 @@ def why_not_run(argv, real_model: bool) -> str | None:
         return None
     if argv[0] in ("train", "demo") or list(argv[:2]) == ["models", "pull"] or "--profile" in argv:
         return "minutes of work"
+    if argv[0] == "sweep":
+        return "launches an engine per cell (minutes; vLLM's is tests/engines/test_sweep.py)"
     named = [argv[i + 1] for i in range(len(argv) - 1) if argv[i] in NAMED]
     if argv[0] in ("export", "check-drafter") and len(argv) > 1:
         named.append(argv[1])

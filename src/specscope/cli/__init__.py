@@ -35,6 +35,7 @@ COMMANDS = {
     "check-drafter": "specscope.cli.check:check_drafter",
     "demo": "specscope.cli.demo:demo",
     "report": "specscope.cli.report:report",
+    "sweep": "specscope.cli.sweep:sweep",
 }
 
 

@@ -71,9 +71,9 @@ def build_report(runs: list[dict], linked: dict | None = None, title: str | None
             curves.append(by_id[cid])
     title = title or ("specscope report: " + ", ".join(charts.label(r) for r in runs[:4])
                       + (" …" if len(runs) > 4 else ""))
-    body = [f"<h1>{_e(title)}</h1>",
+    body = [f"<h1>{esc(title)}</h1>",
             f"<p class=meta>{len(runs)} run(s) · written {_dt.datetime.now().astimezone().strftime('%Y-%m-%d %H:%M %Z')}"
-            f" · specscope {_e(_version())}</p>"]
+            f" · specscope {esc(specscope_version())}</p>"]
     body += _load_section(runs + [r for r in linked.values() if r not in runs])
     cmp = _compare(perf) if len(perf) >= 2 else None      # one comparison feeds the headline and the table
     body += _summary(runs, perf, by_id, cmp)
@@ -86,7 +86,7 @@ def build_report(runs: list[dict], linked: dict | None = None, title: str | None
         body += _compare_section(cmp)
     body += _per_prompt_section(perf)
     body += _env_section(runs)
-    return PAGE.format(title=_e(title), css=CSS, body="\n".join(body))
+    return PAGE.format(title=esc(title), css=CSS, body="\n".join(body))
 
 
 # ---------------------------------------------------------------------------------------------- sections
@@ -98,14 +98,14 @@ def _summary(runs, perf, by_id, cmp):
         # ingested logs may name only some of the knobs
         shape = ", ".join(f"{k} {cfg[key]}" for k, key in (("steps", "steps"), ("topk", "topk"),
                                                             ("draft tokens", "draft_tokens")) if cfg.get(key))
-        rows.append([_code(r.get("id") or "-"), f"<span class=k>{_e(r.get('kind') or '-')}</span>", _e(r.get("name") or ""),
+        rows.append([_code(r.get("id") or "-"), f"<span class=k>{esc(r.get('kind') or '-')}</span>", esc(r.get("name") or ""),
                      _path(_short(cfg.get("model") or cfg.get("model_name"))),
-                     _drafter_cell(r) + (f"<br><small>{_e(shape)}</small>" if shape else ""),
+                     _drafter_cell(r) + (f"<br><small>{esc(shape)}</small>" if shape else ""),
                      _f(res.get("tok_per_s")), _f(res.get("decode_ms_per_token")), _f(res.get("accept_length")),
-                     _f(res.get("speedup"), "×"), _e((r.get("created_at") or "")[:19].replace("T", " "))])
+                     _f(res.get("speedup"), "×"), esc((r.get("created_at") or "")[:19].replace("T", " "))])
     heads = [h for r in runs if (h := _headline(r, perf, by_id, cmp))]
     return heads + ["<h2>Runs</h2>",
-            _table(["run", "kind", "name", "model", "drafter", "tok/s", "ms/token", "τ", "speedup", "created"],
+            html_table(["run", "kind", "name", "model", "drafter", "tok/s", "ms/token", "τ", "speedup", "created"],
                    rows, num_cols={5, 6, 7, 8}, raw=True),
             "<p class=note>tok/s and ms/token are decode-only (the cycles; prefill excluded) where the run was "
             "profiled. τ = tokens per cycle (accepted drafts + the bonus token); plain decoding has τ = 1.</p>"]
@@ -122,13 +122,13 @@ def _headline(r: dict, perf: list[dict], by_id: dict, cmp: dict | None) -> str |
     tail = f", τ = {tau:.2f} tokens per cycle, {_f(res.get('tok_per_s'))} tok/s"
     if sc is not None:
         cls = {"better": "good", "worse": "bad"}.get(sc["verdict"], "dim")
-        return (f"<p class=headline><b>{_e(charts.label(r))}</b>: <span class={cls}>{sc['ratio']:.2f}×</span> "
-                f"{_e(speed_words(sc, ratio=False))}{_e(tail)}</p>")
+        return (f"<p class=headline><b>{esc(charts.label(r))}</b>: <span class={cls}>{sc['ratio']:.2f}×</span> "
+                f"{esc(speed_words(sc, ratio=False))}{esc(tail)}</p>")
     sp = res.get("speedup")
     if not isinstance(sp, (int, float)):
         return None
-    return (f"<p class=headline><b>{_e(charts.label(r))}</b>: <span class=dim>{sp:.2f}×</span> the speed of plain "
-            f"decoding as the run recorded it (no plain run in this report to judge its noise){_e(tail)}</p>")
+    return (f"<p class=headline><b>{esc(charts.label(r))}</b>: <span class=dim>{sp:.2f}×</span> the speed of plain "
+            f"decoding as the run recorded it (no plain run in this report to judge its noise){esc(tail)}</p>")
 
 
 def _baseline_of(run: dict, by_id: dict, plain: list[dict]) -> dict | None:
@@ -161,7 +161,7 @@ def _drafter_cell(r) -> str:
         return _path(_short(cfg["draft"]))
     method = cfg.get("speculative_method") or cfg.get("method") or cfg.get("drafter_kind")
     if method:
-        return _e(method)
+        return esc(method)
     speculative = res.get("drafted_tokens") or (res.get("accept_length") or 1.0) > 1.0 \
         or res.get("per_position_acceptance")
     if r.get("kind") == "ingest" and speculative:
@@ -174,7 +174,7 @@ def _load_section(runs):
     if not warned:
         return []
     return ["<div class=warn><b>Were these runs comparable?</b><ul>"
-            + "".join(f"<li>run <code>{_e((r.get('id') or '?')[:8])}</code> ({_e(charts.label(r))}) was {_e(w)}.</li>"
+            + "".join(f"<li>run <code>{esc((r.get('id') or '?')[:8])}</code> ({esc(charts.label(r))}) was {esc(w)}.</li>"
                       for r, w in warned) + "</ul></div>"]
 
 
@@ -186,18 +186,18 @@ def _ingest_section(runs):
         if not isinstance(info, dict):
             continue
         rec = ", ".join(f"{k} {v}" for k, v in (info.get("recognised") or {}).items() if v) or "-"
-        rows.append([_code((r.get("id") or "?")[:8]), _e(info.get("format") or "-"), _e(info.get("lines")), _e(rec),
-                     f"<span class={'bad' if info.get('malformed') else 'dim'}>{_e(info.get('malformed', 0))}</span>",
-                     _e(info.get("other", 0))])
+        rows.append([_code((r.get("id") or "?")[:8]), esc(info.get("format") or "-"), esc(info.get("lines")), esc(rec),
+                     f"<span class={'bad' if info.get('malformed') else 'dim'}>{esc(info.get('malformed', 0))}</span>",
+                     esc(info.get("other", 0))])
         for ex in (info.get("malformed_examples") or [])[:3]:
-            notes.append(f"<li><code>{_e((r.get('id') or '?')[:8])}</code> malformed line {_e(ex.get('line'))}: "
-                         f"{_e(ex.get('reason'))}</li>")
+            notes.append(f"<li><code>{esc((r.get('id') or '?')[:8])}</code> malformed line {esc(ex.get('line'))}: "
+                         f"{esc(ex.get('reason'))}</li>")
         for w in info.get("warnings") or []:
-            notes.append(f"<li><code>{_e((r.get('id') or '?')[:8])}</code> {_e(w)}</li>")
+            notes.append(f"<li><code>{esc((r.get('id') or '?')[:8])}</code> {esc(w)}</li>")
     if not rows:
         return []
     return (["<h2>Ingested logs</h2>",
-             _table(["run", "format", "lines", "recognised", "malformed", "other"], rows, num_cols={2, 4, 5}, raw=True)]
+             html_table(["run", "format", "lines", "recognised", "malformed", "other"], rows, num_cols={2, 4, 5}, raw=True)]
             + (["<ul class=notes>" + "".join(notes) + "</ul>"] if notes else []))
 
 
@@ -218,11 +218,11 @@ def _profile_section(perf):
     for r in perf:
         for name, ph in ((r.get("results") or {}).get("phases") or {}).items():
             if isinstance(ph, dict):
-                rows.append([_code(charts.label(r)), _e(("  ↳ " if "." in name else "") + _phase_label(name)),
+                rows.append([_code(charts.label(r)), esc(("  ↳ " if "." in name else "") + _phase_label(name)),
                              _f(ph.get("mean_ms")), _f(ph.get("median_ms")), _f(ph.get("p90_ms")),
                              _f(100 * ph["share"], "%") if isinstance(ph.get("share"), (int, float)) else "-"])
     out.append("<details><summary>phase table (ms per cycle)</summary>"
-               + _table(["run", "phase", "mean", "median", "p90", "share"], rows, num_cols={2, 3, 4, 5}, raw=True)
+               + html_table(["run", "phase", "mean", "median", "p90", "share"], rows, num_cols={2, 3, 4, 5}, raw=True)
                + "</details>")
     return out + acceptance
 
@@ -264,8 +264,8 @@ def _breakeven_section(perf, by_id, cmp=None):
         a = it["analysis"]
         lines = a.get("lines") or [f"not computed: {a.get('error')}"]
         lines = _judged_lines(lines, _speed_against_plain(it["run"], perf, by_id, cmp))
-        out.append(f"<p><b>{_e(charts.label(it['run']))}</b></p><ul>"
-                   + "".join(f"<li>{_e(x)}</li>" for x in lines) + "</ul>")
+        out.append(f"<p><b>{esc(charts.label(it['run']))}</b></p><ul>"
+                   + "".join(f"<li>{esc(x)}</li>" for x in lines) + "</ul>")
     return out
 
 
@@ -290,7 +290,7 @@ def _curve_section(curve):
     words = [f"context {L}: {knee_words(f, max(toks), [p for p in pts if str(p['context']) == str(L)])}"
              for L, f in (res.get("fits") or {}).items()] if toks else []
     return ["<h2>Verify cost</h2>", _img(img, "verify cost curve with piecewise fit"),
-            "<ul>" + "".join(f"<li>{_e(w)}</li>" for w in words) + "</ul>",
+            "<ul>" + "".join(f"<li>{esc(w)}</li>" for w in words) + "</ul>",
             "<p class=note>Speculation assumes verifying n tokens costs about one decode step; that holds up to "
             "the knee, where the forward stops being bandwidth-bound.</p>"]
 
@@ -304,13 +304,13 @@ def _compare(perf) -> dict:
 
 def _compare_section(res):
     if "error" in res:
-        return ["<h2>Compare</h2>", f"<p class=note>{_e(res['error'])}</p>"]
+        return ["<h2>Compare</h2>", f"<p class=note>{esc(res['error'])}</p>"]
     ids = [(r.get("id") or f"#{i}")[:8] for i, r in enumerate(res["runs"])]
     head = ["metric", f"{ids[0]} (reference)"] + ids[1:]
     kept, only = one_sided(res["rows"])
     rows = []
     for row in kept:
-        cells = [_e(row["label"]), _f(row["values"][0])]
+        cells = [esc(row["label"]), _f(row["values"][0])]
         for i in range(1, len(ids)):
             ch = row["changes"][i] or {}
             d = ch.get("change")
@@ -319,29 +319,29 @@ def _compare_section(res):
                 delta += f" [{ch['lo'] * 100:+.0f}, {ch['hi'] * 100:+.0f}]"
             verdict = row["verdicts"][i] or ""
             cls = {"better": "good", "worse": "bad"}.get(verdict, "dim")
-            cells.append(f"{_f(row['values'][i])}<br><small>{_e(delta)} <span class={cls}>{_e(verdict)}</span>"
+            cells.append(f"{_f(row['values'][i])}<br><small>{esc(delta)} <span class={cls}>{esc(verdict)}</span>"
                          f"</small>")
         rows.append(cells)
     out = ["<h2>Compare</h2>",  # (runs timed under load are flagged at the top of the page)
            f"<p class=note>The first run is the reference. Intervals at {res['confidence'] * 100:.2f}% "
            f"(Bonferroni over rows), block bootstrap over cycles; changes under {res['min_effect'] * 100:.0f}% "
            f"are not called.</p>",
-           _table(head, rows, num_cols=set(range(1, len(head))), raw=True)]
+           html_table(head, rows, num_cols=set(range(1, len(head))), raw=True)]
     if only:        # metrics one run has and the other cannot have (acceptance of a plain run): said once
-        out.append("<ul class=notes>" + "".join(f"<li>only in <code>{_e(rid[:8])}</code>, nothing to compare "
-                                                f"with: {_e(', '.join(labels))}</li>" for rid, labels in only.items())
+        out.append("<ul class=notes>" + "".join(f"<li>only in <code>{esc(rid[:8])}</code>, nothing to compare "
+                                                f"with: {esc(', '.join(labels))}</li>" for rid, labels in only.items())
                    + "</ul>")
     for att in res["attribution"]:
-        out.append(f"<p><b>{_e((att.get('run') or '')[:8])} vs {_e((att.get('against') or '')[:8])}:</b> "
-                   f"{_e(att.get('summary') or '')}</p>")
+        out.append(f"<p><b>{esc((att.get('run') or '')[:8])} vs {esc((att.get('against') or '')[:8])}:</b> "
+                   f"{esc(att.get('summary') or '')}</p>")
         causes = (att.get("likely_causes") or [])[:5]
         if causes:
-            out.append("<ul>" + "".join(f"<li>{_e(c['key'])}: {_e(_v(c['a']))} → {_e(_v(c['b']))} "
-                                        f"<small>({_e(c['why'])})</small></li>" for c in causes) + "</ul>")
+            out.append("<ul>" + "".join(f"<li>{esc(c['key'])}: {esc(_v(c['a']))} → {esc(_v(c['b']))} "
+                                        f"<small>({esc(c['why'])})</small></li>" for c in causes) + "</ul>")
     diff = res["config_diff"]
     if diff:
         out.append("<details><summary>configuration differences</summary>"
-                   + _table(["key"] + ids, [[k] + [_v(x) for x in v] for k, v in diff.items()]) + "</details>")
+                   + html_table(["key"] + ids, [[k] + [_v(x) for x in v] for k, v in diff.items()]) + "</details>")
     return out
 
 
@@ -358,8 +358,8 @@ def _per_prompt_section(perf):
                  "stop_reason": "stop"}
         rows = [[_v(p.get(c)) for c in cols] for p in pp[:50]]
         more = f" (first 50 of {len(pp)})" if len(pp) > 50 else ""
-        out.append(f"<details><summary>per prompt: {_e(charts.label(r))}{more}</summary>"
-                   + _table([heads.get(c, c.replace("_", " ")) for c in cols], rows,
+        out.append(f"<details><summary>per prompt: {esc(charts.label(r))}{more}</summary>"
+                   + html_table([heads.get(c, c.replace("_", " ")) for c in cols], rows,
                             num_cols={i for i, c in enumerate(cols) if c not in ("category", "stop_reason")})
                    + "</details>")
     return (["<h2>Per prompt</h2>"] + out) if out else []
@@ -387,11 +387,11 @@ def _env_section(runs):
     for k in keys:
         vals = [_v(g.get(k)) for _, g in groups]
         differs = len(set(vals)) > 1
-        rows.append([_e(k)] + [(f"<b>{_e(v)}</b>" if differs else _e(v)) for v in vals])
+        rows.append([esc(k)] + [(f"<b>{esc(v)}</b>" if differs else esc(v)) for v in vals])
     note = ("all runs share one environment" if len(groups) == 1
             else f"{len(groups)} environments; differing values in bold")
     return ["<h2>Environment</h2>", f"<p class=note>Fingerprint stored with each run ({note}; volatile fields "
-            f"such as timestamps left out).</p>", _table(head, rows, raw=True)]
+            f"such as timestamps left out).</p>", html_table(head, rows, raw=True)]
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -401,32 +401,32 @@ def _phase_label(name):
 
 
 def _img(data: bytes, alt: str) -> str:
-    return (f'<figure><img alt="{_e(alt)}" src="data:image/png;base64,{base64.b64encode(data).decode()}">'
+    return (f'<figure><img alt="{esc(alt)}" src="data:image/png;base64,{base64.b64encode(data).decode()}">'
             f"</figure>")
 
 
-def _table(head, rows, num_cols=frozenset(), raw=False) -> str:
+def html_table(head, rows, num_cols=frozenset(), raw=False) -> str:
     """raw: cells are already HTML."""
-    th = "".join(f"<th{' class=n' if i in num_cols else ''}>{_e(h)}</th>" for i, h in enumerate(head))
+    th = "".join(f"<th{' class=n' if i in num_cols else ''}>{esc(h)}</th>" for i, h in enumerate(head))
     body = []
     for row in rows:
-        tds = "".join(f"<td{' class=n' if i in num_cols else ''}>{c if raw else _e(c)}</td>"
+        tds = "".join(f"<td{' class=n' if i in num_cols else ''}>{c if raw else esc(c)}</td>"
                       for i, c in enumerate(row))
         body.append(f"<tr>{tds}</tr>")
     return f"<div class=tw><table><thead><tr>{th}</tr></thead><tbody>{''.join(body)}</tbody></table></div>"
 
 
-def _e(s) -> str:
+def esc(s) -> str:
     return html.escape("" if s is None else str(s))
 
 
 def _code(s) -> str:
-    return f"<code>{_e(s)}</code>"
+    return f"<code>{esc(s)}</code>"
 
 
 def _path(s) -> str:
     """A path or model name that may wrap only after a '/' or '-', never inside a word."""
-    return _e(s).replace("/", "/<wbr>")
+    return esc(s).replace("/", "/<wbr>")
 
 
 def _f(v, unit="") -> str:
@@ -451,7 +451,7 @@ def _short(p) -> str:
     return "/".join(parts[-2:]) if len(parts) > 2 else str(p)
 
 
-def _version() -> str:
+def specscope_version() -> str:
     return __version__
 
 

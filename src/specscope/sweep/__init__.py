@@ -1,0 +1,26 @@
+"""`specscope sweep`: the investigation's (configuration × environment) matrix, automated. Each cell launches the
+engine with the phase plugin on, waits for health, warms up, runs bench-serve's workload, stops the engine and
+stores one run carrying the cell's settings; the cells run interleaved (ABBA over repeats), resumably, and the
+matrix reports per cell verify / draft / τ / tok/s with their spread, what `compare` says about each axis, and
+the break-even τ per cell.
+
+    spec = SweepSpec(command, [parse_flag_axis("speculative-config.num_speculative_tokens=1,3"),
+                               parse_env_axis("NCCL_PROTO=LL,Simple")], repeats=2, workload=workload_spec())
+    state = SweepState.open(workdir, spec, name=None)
+    run_sweep(state)
+    doc = sweep_document(state)
+
+Modules: spec (axes, cells, ABBA order, the command per cell), engine (one launch, its process group), workload
+(bench-serve's requests and client), cell (one cell and its run), state (the resumable sweep file), run (the
+loop), pool (a cell's repeats as one record), matrix and axes (the document), render (its words), page (its
+HTML page, with the report module's parts).
+"""
+
+from specscope.sweep.matrix import sweep_document
+from specscope.sweep.run import run_sweep
+from specscope.sweep.spec import Axis, Cell, SweepSpec, parse_env_axis, parse_flag_axis
+from specscope.sweep.state import SweepState
+from specscope.sweep.workload import workload_spec
+
+__all__ = ["Axis", "Cell", "SweepSpec", "SweepState", "parse_env_axis", "parse_flag_axis", "run_sweep",
+           "sweep_document", "workload_spec"]

@@ -1,0 +1,294 @@
+"""What a sweep is: a launch command, the axes varied on it, the cells they span and the order the cells run in.
+
+Axes, each a list of values:
+* an environment variable (`--env NCCL_PROTO=LL,Simple`): set in the engine's environment;
+* a flag (`--flag tensor-parallel-size=1,2`): its value in the command, added when the command lacks it;
+* a key inside a flag's JSON value (`--flag speculative-config.num_speculative_tokens=1,3`): the command must
+  carry the flag with a JSON object, whose key (dotted: nested) each cell sets.
+
+Cells are the product of the axes (the first axis varies slowest). `--baseline-without FLAG` adds baseline cells:
+the command without FLAG (e.g. --speculative-config: plain decoding), one per combination of the axes that do not
+live inside a dropped flag; the break-even of each cell reads the baseline of its own environment. The order is
+interleaved ABBA over repeats: repeat 1 runs the cells forward, repeat 2 backward, and so on, so a slow drift of
+the machine (heat, load) hits every cell alike instead of the last ones.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+import shlex
+from dataclasses import dataclass, field
+
+from specscope.errors import SpecscopeError
+
+ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+FLAG_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*$")
+PORT_PLACEHOLDER = "{port}"
+PHASES_FROM = ("auto", "plugin", "log", "none")
+RESERVED_FLAGS = ("--port", "--host")      # the sweep owns where each engine listens
+
+
+def flag_of(name: str) -> str:
+    return "--" + name.lstrip("-")
+
+
+def _scalar(text: str):
+    """'1' -> 1, 'true' -> True, '0.5' -> 0.5, anything else stays text (flag values)."""
+    try:
+        v = json.loads(text)
+    except ValueError:
+        return text
+    return v if v is None or isinstance(v, (bool, int, float)) else text
+
+
+def shown(v) -> str:
+    """A value as the command line and the tables write it: LL, 3, true."""
+    return v if isinstance(v, str) else json.dumps(v)
+
+
+@dataclass(frozen=True)
+class Axis:
+    name: str                    # as shown: NCCL_PROTO, num_speculative_tokens, tensor-parallel-size
+    kind: str                    # env | flag | json
+    values: tuple
+    flag: str | None = None      # --speculative-config
+    path: tuple = ()             # keys inside the flag's JSON value
+
+    @property
+    def config_key(self) -> str:
+        return self.path[-1] if self.path else self.name.replace("-", "_")
+
+    @property
+    def key(self) -> str:
+        """Where a run carries the axis, as `compare --by` reads it: env.NCCL_PROTO, config.num_speculative_tokens."""
+        return f"env.{self.name}" if self.kind == "env" else f"config.{self.config_key}"
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "kind": self.kind, "values": list(self.values), "flag": self.flag,
+                "path": list(self.path), "key": self.key}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Axis":
+        return cls(d["name"], d["kind"], tuple(d["values"]), d.get("flag"), tuple(d.get("path") or ()))
+
+
+def _values(text: str, what: str, as_text: bool) -> tuple:
+    vals = [v.strip() for v in text.split(",")]
+    if not text.strip() or any(not v for v in vals):
+        raise SpecscopeError(f"{what} needs comma-separated values, e.g. NAME=A,B; got {text!r}")
+    out = tuple(vals if as_text else (_scalar(v) for v in vals))
+    if len(set(map(shown, out))) < len(out):
+        raise SpecscopeError(f"{what} repeats a value: {text!r}")
+    return out
+
+
+def parse_env_axis(item: str) -> Axis:
+    name, eq, vals = item.partition("=")
+    name = name.strip()
+    if not eq or not ENV_NAME.match(name):
+        raise SpecscopeError(f"--env takes NAME=VALUE,VALUE (an environment variable), e.g. NCCL_PROTO=LL,Simple; "
+                             f"got {item!r}")
+    return Axis(name, "env", _values(vals, f"--env {name}", as_text=True))
+
+
+def parse_flag_axis(item: str) -> Axis:
+    name, eq, vals = item.partition("=")
+    flag, _, path = name.strip().lstrip("-").partition(".")
+    if not eq or not FLAG_NAME.match(flag) or (path and not all(path.split("."))):
+        raise SpecscopeError(f"--flag takes FLAG=VALUE,VALUE or FLAG.KEY=VALUE,VALUE (a key inside the flag's JSON), "
+                             f"e.g. tensor-parallel-size=1,2 or speculative-config.num_speculative_tokens=1,3; "
+                             f"got {item!r}")
+    if flag_of(flag) in RESERVED_FLAGS:
+        raise SpecscopeError(f"--flag {flag}: the sweep sets {flag_of(flag)} itself (each engine on its own port); "
+                             f"it cannot be an axis")
+    keys = tuple(path.split(".")) if path else ()
+    shown_name = keys[-1] if keys else flag
+    return Axis(shown_name, "json" if keys else "flag", _values(vals, f"--flag {name.strip()}", as_text=False),
+                flag_of(flag), keys)
+
+
+# ---- the command ------------------------------------------------------------------------------------------------
+def find_flag(argv: list[str], flag: str) -> int | None:
+    """Index of `--flag` or `--flag=value` in argv (the last one: as argparse, the last wins)."""
+    hits = [i for i, a in enumerate(argv) if a == flag or a.startswith(flag + "=")]
+    return hits[-1] if hits else None
+
+
+def flag_value(argv: list[str], flag: str) -> str | None:
+    i = find_flag(argv, flag)
+    if i is None:
+        return None
+    if "=" in argv[i]:
+        return argv[i].split("=", 1)[1]
+    return argv[i + 1] if i + 1 < len(argv) else None
+
+
+def set_flag(argv: list[str], flag: str, value: str) -> list[str]:
+    argv = list(argv)
+    i = find_flag(argv, flag)
+    if i is None:
+        return argv + [flag, value]
+    if "=" in argv[i]:
+        argv[i] = f"{flag}={value}"
+    elif i + 1 < len(argv):
+        argv[i + 1] = value
+    else:
+        argv.append(value)
+    return argv
+
+
+def drop_flag(argv: list[str], flag: str) -> list[str]:
+    """argv without `flag` and its value (a following word not starting with --), every occurrence, and without
+    its dotted keys (vLLM's --speculative-config.method eagle3 spelling of the JSON flag)."""
+    out, skip = [], False
+    for i, a in enumerate(argv):
+        if skip:
+            skip = False
+            continue
+        name = a.split("=", 1)[0]
+        if name == flag or name.startswith(flag + "."):
+            skip = "=" not in a and i + 1 < len(argv) and not argv[i + 1].startswith("--")
+            continue
+        out.append(a)
+    return out
+
+
+def _dotted(argv: list[str], flag: str) -> bool:
+    return any(a.split("=", 1)[0].startswith(flag + ".") for a in argv)
+
+
+def json_of_flag(argv: list[str], flag: str, what: str) -> dict | None:
+    """The JSON object of `flag` in argv; None when the command spells it with dotted keys instead."""
+    text = flag_value(argv, flag)
+    if text is None:
+        if _dotted(argv, flag):
+            return None
+        raise SpecscopeError(f"{what}: the launch command has no {flag}; give it one with a JSON object, e.g. "
+                             f"{flag} '{{\"method\": \"eagle3\", ...}}', or its keys as {flag}.KEY VALUE")
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        obj = None
+    if not isinstance(obj, dict):
+        raise SpecscopeError(f"{what}: the value of {flag} in the launch command is not a JSON object: {text!r}")
+    return obj
+
+
+def set_json_key(argv: list[str], axis: Axis, value) -> list[str]:
+    what = f"--flag {axis.flag[2:]}.{'.'.join(axis.path)}"
+    obj = json_of_flag(argv, axis.flag, what)
+    if obj is None:         # vLLM's dotted spelling: --speculative-config.num_speculative_tokens 3
+        return set_flag(argv, f"{axis.flag}.{'.'.join(axis.path)}", shown(value))
+    node = obj
+    for k in axis.path[:-1]:
+        node = node.setdefault(k, {})
+        if not isinstance(node, dict):
+            raise SpecscopeError(f"{what}: {k!r} in {axis.flag}'s JSON is not an object")
+    node[axis.path[-1]] = value
+    return set_flag(argv, axis.flag, json.dumps(obj))
+
+
+def with_port(argv: list[str], port: int) -> list[str]:
+    """{port} where the command has it, else its --port set, else --port added."""
+    if any(PORT_PLACEHOLDER in a for a in argv):
+        return [a.replace(PORT_PLACEHOLDER, str(port)) for a in argv]
+    return set_flag(argv, "--port", str(port))
+
+
+# ---- cells --------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Cell:
+    values: tuple                # ((axis name, value), ...) in axis order
+    baseline: bool = False
+
+    @property
+    def key(self) -> str:
+        """Unique and readable: 'num_speculative_tokens=3, NCCL_PROTO=LL', 'baseline, NCCL_PROTO=LL'."""
+        parts = [f"{n}={shown(v)}" for n, v in self.values]
+        return ", ".join((["baseline"] if self.baseline else []) + parts) or "baseline"
+
+    def get(self, name: str):
+        return dict(self.values).get(name)
+
+
+@dataclass
+class SweepSpec:
+    command: list[str]
+    axes: list[Axis]
+    repeats: int = 2
+    workload: dict = field(default_factory=dict)
+    phases_from: str = "auto"
+    baseline_without: list[str] = field(default_factory=list)
+    baseline_run: str | None = None
+
+    def identity(self) -> dict:
+        """What makes two invocations the same sweep (timeouts and output may change between them)."""
+        return {"command": self.command, "axes": [a.to_dict() for a in self.axes], "repeats": self.repeats,
+                "workload": self.workload, "phases_from": self.resolved_phases(),
+                "baseline_without": self.baseline_without, "baseline_run": self.baseline_run}
+
+    @classmethod
+    def from_identity(cls, d: dict) -> "SweepSpec":
+        return cls(list(d["command"]), [Axis.from_dict(a) for a in d["axes"]], int(d["repeats"]),
+                   dict(d["workload"]), d["phases_from"], list(d.get("baseline_without") or []),
+                   d.get("baseline_run"))
+
+    def resolved_phases(self) -> str:
+        """Where per-phase timings come from: vLLM's plugin, SGLang's log, or nowhere (throughput and τ only)."""
+        if self.phases_from != "auto":
+            return self.phases_from
+        text = " ".join(self.command).lower()
+        return "plugin" if "vllm" in text else "log" if "sglang" in text else "none"
+
+    def check(self) -> None:
+        if not self.command:
+            raise SpecscopeError("sweep needs the engine's launch command after --, e.g. -- python -m "
+                                 "vllm.entrypoints.openai.api_server --model M --port {port}")
+        if not self.axes:
+            raise SpecscopeError("sweep needs at least one axis: --flag FLAG=A,B or --env NAME=A,B")
+        names = [a.name for a in self.axes]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise SpecscopeError(f"axis {dup[0]!r} is given twice; give each axis once with all its values")
+        if not 1 <= self.repeats <= 100:
+            raise SpecscopeError(f"--repeats must be in 1..100, got {self.repeats}")
+        for f in self.baseline_without:
+            if find_flag(self.command, f) is None and not _dotted(self.command, f):
+                raise SpecscopeError(f"--baseline-without {f[2:]}: the launch command has no {f}")
+        for a in self.axes:
+            if a.kind == "json":
+                set_json_key(self.command, a, a.values[0])      # the flag is there and holds a JSON object
+
+    def cells(self) -> list[Cell]:
+        out = [Cell(tuple(zip([a.name for a in self.axes], vs))) for vs in
+               itertools.product(*(a.values for a in self.axes))]
+        if self.baseline_without:
+            kept = [a for a in self.axes if a.flag not in self.baseline_without]
+            out += [Cell(tuple(zip([a.name for a in kept], vs)), baseline=True)
+                    for vs in itertools.product(*(a.values for a in kept))]
+        return out
+
+    def schedule(self) -> list[tuple[str, int]]:
+        """(cell key, repeat) in run order: ABBA, each repeat the reverse of the one before."""
+        keys = [c.key for c in self.cells()]
+        return [(k, r) for r in range(self.repeats) for k in (keys if r % 2 == 0 else keys[::-1])]
+
+    def argv(self, cell: Cell, port: int) -> list[str]:
+        argv = list(self.command)
+        if cell.baseline:
+            for f in self.baseline_without:
+                argv = drop_flag(argv, f)
+        for a in self.axes:
+            if a.kind == "env" or a.name not in dict(cell.values):
+                continue
+            v = cell.get(a.name)
+            argv = set_flag(argv, a.flag, shown(v)) if a.kind == "flag" else set_json_key(argv, a, v)
+        return with_port(argv, port)
+
+    def env(self, cell: Cell) -> dict[str, str]:
+        return {a.name: str(cell.get(a.name)) for a in self.axes if a.kind == "env" and a.name in dict(cell.values)}
+
+    def command_text(self) -> str:
+        return shlex.join(self.command)

@@ -1,0 +1,113 @@
+"""A sweep's workload: bench-serve's requests (its datasets, lengths and concurrency) sent to each cell's engine
+with bench-serve's own client (`benchserve.run.run_levels`), so a cell's tok/s, TTFT and τ mean what
+`specscope bench-serve` means by them."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from dataclasses import dataclass
+
+from specscope.errors import SpecscopeError
+
+DEFAULTS = {"dataset_name": "spec_bench", "dataset_path": None, "num_prompts": 8, "output_len": 64,
+            "max_concurrency": 1, "request_rate": "inf", "endpoint": "chat", "temperature": 0.0, "seed": 0,
+            "ignore_eos": False, "tokenizer": None, "warmup": 1}
+PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+
+
+class WorkloadFailed(SpecscopeError):
+    exit_code = 1
+
+
+@dataclass
+class Workload:
+    spec: dict                # DEFAULTS' keys, as stored in the sweep file
+    requests: list            # benchserve.datasets.Request
+    dataset: dict             # name, path, hash
+    tokenizer: object = None
+
+    @property
+    def rate(self) -> float:
+        r = self.spec["request_rate"]
+        return math.inf if r == "inf" else float(r)
+
+
+def workload_spec(**given) -> dict:
+    """The stored form of the workload options (what makes two sweeps the same)."""
+    unknown = set(given) - set(DEFAULTS)
+    if unknown:
+        raise TypeError(f"unknown workload options {sorted(unknown)}")
+    w = {**DEFAULTS, **{k: v for k, v in given.items() if v is not None}}
+    from specscope.benchserve.datasets import check_dataset
+
+    check_dataset(w["dataset_name"], w["dataset_path"])      # before the sweep file is written, not after
+    if w["endpoint"] not in PATHS:
+        raise SpecscopeError(f"--endpoint must be chat or completions, got {w['endpoint']!r}")
+    rate = w["request_rate"]
+    if rate != "inf" and not (isinstance(rate, (int, float)) and not isinstance(rate, bool) and rate > 0
+                              and math.isfinite(rate)):
+        raise SpecscopeError(f"--request-rate must be a positive number or inf, got {rate!r}")
+    return w
+
+
+def build_workload(spec: dict) -> Workload:
+    from specscope.benchserve.datasets import build_requests, check_dataset, load_tokenizer
+
+    check_dataset(spec["dataset_name"], spec["dataset_path"])
+    tok = load_tokenizer(spec["tokenizer"]) if spec["tokenizer"] else None
+    ignore_eos = spec["ignore_eos"] or spec["dataset_name"] == "random"     # as bench-serve: exact random lengths
+    ds = build_requests(spec["dataset_name"], spec["dataset_path"], spec["num_prompts"],
+                        chat=spec["endpoint"] == "chat", tokenizer=tok, seed=spec["seed"],
+                        output_len=spec["output_len"])
+    spec = dict(spec, ignore_eos=ignore_eos)
+    return Workload(spec, ds["requests"], {"name": ds["name"], "path": ds["path"], "hash": ds["hash"]}, tok)
+
+
+def send(w: Workload, base: str, requests: list, timeout_s: float, concurrency: int | None = None) -> dict:
+    """bench-serve's run of `requests` against `base` (one concurrency level), bounded by timeout_s in all."""
+    from specscope.benchserve.run import run_levels
+
+    s = w.spec
+    coro = run_levels(base, requests, [concurrency or s["max_concurrency"]], s["endpoint"], None, 0,
+                      s["temperature"], None, timeout_s, request_rate=w.rate, seed=s["seed"],
+                      ignore_eos=s["ignore_eos"], path=PATHS[s["endpoint"]], tokenizer=w.tokenizer)
+    try:
+        return asyncio.run(asyncio.wait_for(coro, timeout_s))
+    except asyncio.TimeoutError:
+        raise WorkloadFailed(f"the workload did not finish within {timeout_s:.0f} s") from None
+
+
+def config_of(w: Workload, out: dict) -> dict:
+    """The run config's workload keys (bench-serve's names), the same in every cell of a sweep."""
+    s = w.spec
+    return {"served_model": out["model"], "endpoint": s["endpoint"], "prompt_set": w.dataset["name"],
+            "dataset_path": w.dataset["path"], "prompt_set_hash": w.dataset["hash"], "num_prompts": len(w.requests),
+            "max_tokens": s["output_len"], "max_concurrency": s["max_concurrency"], "request_rate": s["request_rate"],
+            "ignore_eos": s["ignore_eos"], "seed": s["seed"], "sampling": {"temperature": s["temperature"]}}
+
+
+SERVE_KEYS = ("completed", "failed", "duration", "total_input_tokens", "total_output_tokens", "request_throughput",
+              "output_throughput", "mean_ttft_ms", "median_ttft_ms", "mean_tpot_ms", "median_tpot_ms",
+              "mean_itl_ms", "median_itl_ms", "mean_e2el_ms", "median_e2el_ms")
+
+
+def serve_results(level: dict) -> dict:
+    """A level's numbers a run keeps: tok/s (output throughput, as bench-serve stores it) and the latencies."""
+    out = {"tok_per_s": level["output_throughput"], "request_throughput": level["request_throughput"],
+           "failed": level["failed"], "serve": {k: level[k] for k in SERVE_KEYS if k in level}}
+    spec = level.get("spec_decode") or {}
+    if spec.get("accept_length") is not None:
+        out["serve"]["accept_length"] = spec["accept_length"]
+        out["serve"]["accept_length_source"] = spec.get("source")
+    return out
+
+
+def per_prompt(out: dict) -> list[dict] | None:
+    """Spec-Bench's per-request tok/s (new tokens over the request's wall time, prefill included), so `compare`
+    tests tok/s paired by prompt; None when a request failed (the pairs would not line up)."""
+    rows = out["per_request"]
+    if not rows or not all(r.get("ok") and (r.get("e2e_s") or 0) > 0 for r in rows):
+        return None
+    return [{"index": r["index"], "tokens": r["completion_tokens"], "seconds": round(r["e2e_s"], 6),
+             "ttft_s": r.get("ttft_s"), "tok_per_s": round(r["completion_tokens"] / r["e2e_s"], 4)} for r in rows]

@@ -1,0 +1,127 @@
+"""A stand-in serving engine for the sweep tests of the plugin path: an OpenAI-style chat server on loopback whose
+"engine steps" are timed by specscope's real step recorder (plugins/steps.py, what the vLLM plugin drives), written
+to SPECSCOPE_PHASES as vLLM's plugin writes them. A step verifies --steps drafts (plain decoding without it) and
+sleeps a verify time that grows with the tokens verified, a draft time that grows with the steps, so the sweep's
+phases, compare verdicts and break-even have something known to find. Only the engines suite runs vLLM itself.
+
+    python tests/sweep_engine.py --port P [--steps K] [--verify-ms 2] [--fail]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from specscope.plugins.steps import StepRecorder
+
+ACCEPT = (2, 0, 1, 2, 1)        # accepted drafts per step, cycled (clipped to --steps)
+
+
+def _args():
+    p = argparse.ArgumentParser()
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--steps", type=int, default=0)
+    p.add_argument("--verify-ms", type=float, default=2.0, help="below 0: exit at once, as --fail")
+    p.add_argument("--fail", action="store_true", help="exit at once, as an engine with a bad flag does")
+    return p.parse_args()
+
+
+class Engine:
+    """The stand-in's steps, timed by the step recorder when SPECSCOPE_PHASES is set."""
+
+    def __init__(self, a):
+        self.a, self.n = a, 0
+        path = os.environ.get("SPECSCOPE_PHASES")
+        cfg = {"engine": "stand-in", "model": "stand-in", "steps": a.steps or None,
+               "num_speculative_tokens": a.steps or None, "method": "eagle3" if a.steps else None}
+        self.rec = StepRecorder(path, "stand-in", "0", {k: v for k, v in cfg.items() if v is not None},
+                                every_s=3600, out=open(os.devnull, "w")) if path else None
+
+    def _scope(self, phase):
+        return self.rec.scope(phase) if self.rec else _null()
+
+    def step(self) -> int:
+        """One engine step: verify (or decode) and draft; returns the tokens it produced."""
+        a = self.a
+        acc = min(ACCEPT[self.n % len(ACCEPT)], a.steps)
+        self.n += 1
+        if self.rec:
+            self.rec.begin_step("verify" if a.steps else "decode")
+        with self._scope("forward"):
+            time.sleep(a.verify_ms * (1 + 0.25 * a.steps) / 1e3)
+        if a.steps:
+            with self._scope("draft"):
+                time.sleep(0.5 * a.steps / 1e3)
+        if self.rec:
+            self.rec.end_step([a.steps], [acc] if a.steps else [0])
+        return acc + 1
+
+
+def handler(engine: Engine):
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *x):
+            pass
+
+        def _send(self, code, body):
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self):
+            if self.path == "/health":
+                self._send(200, b"{}")
+            elif self.path == "/v1/models":
+                self._send(200, json.dumps({"data": [{"id": "stand-in"}]}).encode())
+            else:
+                self._send(404, b"{}")
+
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            want = int(body.get("max_tokens") or 16)
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            done = 0
+            while done < want:
+                k = min(engine.step(), want - done)
+                done += k
+                chunk = {"choices": [{"delta": {"content": " w" * k}, "finish_reason": None}]}
+                self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            usage = {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": done}}
+            self.wfile.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
+    return Handler
+
+
+def main():
+    a = _args()
+    if a.fail or a.verify_ms < 0:
+        print("loading weights ...", flush=True)
+        print("ValueError: the model does not fit (stand-in failure)", flush=True)
+        raise SystemExit(3)
+    engine = Engine(a)
+    srv = ThreadingHTTPServer((a.host, a.port), handler(engine))
+    try:
+        srv.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if engine.rec:
+            engine.rec.close()
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *e):
+        return False
+
+
+if __name__ == "__main__":
+    main()

@@ -53,6 +53,16 @@ def _stages(value: str) -> list[str]:
                    "OpenAI-compatible server at URL (vLLM, SGLang, specscope serve: /v1/chat/completions, its chat "
                    "template), greedy unless --regenerate sample; cached in WORKDIR/endpoint_answers.jsonl, a rerun "
                    "asks only for what is missing. See below.")
+@click.option("--capture", "capture", default=None, metavar="vllm|URL",
+              help="Compute the data stage's hidden states in vLLM instead of specscope's own forward: vllm starts "
+                   "one here (with this Python, --engine-args), URL uses one started with SPECSCOPE_CAPTURE=DIR "
+                   "(--capture-dir DIR). Any architecture vLLM serves, with its parallelism; answers (--prompt-file, "
+                   "--regenerate) come from that server too. See below.")
+@click.option("--capture-dir", default=None, type=click.Path(file_okay=False),
+              help="--capture URL: the directory the server's SPECSCOPE_CAPTURE names (default with --capture vllm: "
+                   "WORKDIR/data/.incoming).")
+@click.option("--engine-args", default=None, metavar="ARGS",
+              help="--capture vllm: vLLM's flags, one string (e.g. \"--tensor-parallel-size 8 --dtype bfloat16\").")
 @click.option("--served-model-name", default=None,
               help="--answers-from: the model id to ask for (default: the first of the server's /v1/models).")
 @click.option("--api-key", envvar=["SPECSCOPE_API_KEY", "OPENAI_API_KEY"], default=None,
@@ -69,7 +79,7 @@ def _stages(value: str) -> list[str]:
 @click.option("--answer-batch", type=click.IntRange(1, MAX_BATCH), default=32, show_default=True,
               help="Prompts answered per batched generation.")
 @click.option("--capture-batch", type=click.IntRange(1, MAX_BATCH), default=4, show_default=True,
-              help="Sequences per capture forward.")
+              help="Sequences per capture forward (--capture: capture requests in flight).")
 @click.option("--user-tokens", type=click.IntRange(8, MAX_TOKENS), default=64, show_default=True)
 @alias_option("--response-tokens", "response_tokens", hidden=("--max-tokens",), type=click.IntRange(8, MAX_TOKENS),
               default=192, show_default=True, help="Most tokens per answer (max_tokens of --answers-from requests).")
@@ -119,8 +129,8 @@ def _stages(value: str) -> list[str]:
 @click.option("--no-progress", is_flag=True, help="No progress bars (logs only).")
 @json_option("Print one JSON summary at the end.")
 def train(workdir, target_name, stages, dataset, dataset_split, dataset_config, dataset_streaming, prompt_files,
-          synth, regenerate, answers_from, served_model_name, api_key, concurrency, timeout_s, synth_batch,
-          user_temperature, answer_batch, capture_batch, user_tokens, response_tokens,
+          synth, regenerate, answers_from, capture, capture_dir, engine_args, served_model_name, api_key, concurrency,
+          timeout_s, synth_batch, user_temperature, answer_batch, capture_batch, user_tokens, response_tokens,
           gen_dtype, max_len, draft_vocab, ttt_steps, total_steps, num_epochs, batch_size, lr, warmup, grad_clip,
           weight_decay, dtype, eval_every, ckpt_every, eval_fraction, max_minutes, select_prompts, select_steps, seed,
           resume, init_from, export_format, export_dtype, output, report_to, device, threads, no_progress, as_json):
@@ -138,6 +148,12 @@ def train(workdir, target_name, stages, dataset, dataset_split, dataset_config, 
     SpecForge does: every user turn in order, with the server's own earlier answers as context. --synth
     conversations are still written by the local target. --prompt-file prompts overlapping evaluation sets are dropped
     before any request, as they are for the local target.
+
+    Hidden states from your own vLLM (--capture vllm --engine-args "..." or --capture URL --capture-dir DIR): vLLM
+    computes them, inside its workers (specscope's plugin), for the exact token ids of each conversation; specscope
+    loads only the target's config and tokenizer, so the target can be anything vLLM serves (MoE, across GPUs).
+    The server runs with --enforce-eager and without prefix caching. Then run --stages vocab,train as usual (it reads
+    the embedding, final norm and LM head alone). docs/training.md: "Train a drafter for the model you serve".
 
     SpecForge's spellings work too: --target-model-path, --train-data-path, --num-epochs, --learning-rate,
     --max-length, --ttt-length, --output-dir, --report-to, --server-address, --max-tokens, --concurrency.
@@ -165,7 +181,12 @@ def train(workdir, target_name, stages, dataset, dataset_split, dataset_config, 
     say = (lambda m: click.echo(m, err=True)) if rank == 0 else (lambda m: None)
     if world > 1 and ("data" in todo or "vocab" in todo or "select" in todo):
         raise SpecscopeError("run the data, vocab and select stages in one process; torchrun only --stages train")
-    tpath, tcfg, _ = model_preflight(target_name)
+    from specscope.train.capture import check_flags
+
+    cap_mode, cap_argv = check_flags(capture, capture_dir, engine_args, todo, synth)
+    # the target's forward runs here only for a local data stage and for select
+    runs_forward = ("data" in todo and cap_mode is None) or "select" in todo
+    tpath, tcfg = _preflight(target_name, runs_forward, model_preflight)
     init = pipeline.init_drafter(init_from, resolve_target(str(tpath), target_name)) if init_from else None
     L = tcfg.num_hidden_layers
     aux = list(init.aux_layers) if init is not None else DrafterConfig.default_aux_layers(L)
@@ -188,14 +209,33 @@ def train(workdir, target_name, stages, dataset, dataset_split, dataset_config, 
         raise SpecscopeError(f"{work / 'vocab.pt'} does not exist; run the vocab stage first (--stages vocab,train)")
     if "select" in todo and "train" not in todo and not any((work / "train" / "snapshots").glob("step-*.pt")):
         raise SpecscopeError(f"no snapshots in {work / 'train' / 'snapshots'}; run the train stage first")
-    if "data" in todo or "select" in todo:                  # these run the target
+    if runs_forward:                                         # these run the target
         target, tok, tpath = pipeline.load_target(target_name, dev, "fp32")
+    elif "data" in todo:                                     # --capture: its config and tokenizer only
+        from types import SimpleNamespace
+
+        from specscope.runtime.tokenizer import Tokenizer
+
+        target, tok = SimpleNamespace(config=tcfg, source_path=str(tpath)), Tokenizer(tpath)
     else:                                                    # vocab / train: its config, embedding and LM head
         target, tpath = pipeline.load_target_head(target_name, dev)
     tinfo = pipeline.target_info(target_name, tpath, target)
     summary = {"workdir": str(work), "target": tinfo, "stages": todo}
 
-    if "data" in todo:
+    if "data" in todo and cap_mode is not None:
+        man = _capture_data(work, tpath, tok, target, tinfo, aux, cap_mode, cap_argv, capture_dir, endpoint,
+                            dict(dataset=dataset, synth=synth, regenerate=regenerate, response_tokens=response_tokens,
+                                 max_len=max_len, seed=seed, log=say, prompt_files=list(prompt_files),
+                                 capture_batch=capture_batch, sources=sources),
+                            dict(model=served_model_name, api_key=api_key, concurrency=concurrency,
+                                 timeout_s=timeout_s))
+        summary["data"] = {k: man.get(k) for k in ("sequences", "tokens", "loss_tokens", "skipped", "answers",
+                                                   "captured_by")}
+        if "vocab" in todo or "train" in todo or "select" in todo:
+            data = _captured(work, aux, dev)
+        if "train" in todo and not runs_forward:             # now its embedding and LM head, read alone
+            target, _ = pipeline.load_target_head(target_name, dev)
+    elif "data" in todo:
         # the local target generates unless an endpoint answers everything (it still synthesises --synth)
         local_gen = endpoint is None or synth > 0
         gen = pipeline.load_target(target_name, dev, gen_dtype)[0] if gen_dtype != "fp32" and local_gen else target
@@ -266,6 +306,44 @@ def _endpoint(url, model, api_key, concurrency, timeout_s, max_tokens, seed, reg
     ep.connect(say)
     say(f"answers from {ep.url}, which serves {ep.model!r}")
     return ep
+
+
+def _preflight(target_name: str, runs_forward: bool, model_preflight):
+    """(path, config) of the target, checked before anything loads. Stages that never run its forward read any
+    architecture's config (an MoE served by vLLM) and need no weights but the few the train stage reads."""
+    if runs_forward:
+        tpath, tcfg, _ = model_preflight(target_name)
+        return tpath, tcfg
+    from specscope.models.hub import resolve_model
+    from specscope.models.loader import load_config
+    from specscope.runtime.tokenizer import check_tokenizer_files
+
+    tpath = resolve_model(target_name)
+    tcfg, _ = load_config(tpath, any_architecture=True)
+    check_tokenizer_files(tpath)
+    return tpath, tcfg
+
+
+def _capture_data(work, tpath, tok, target, tinfo, aux, mode, argv, capture_dir, endpoint, stage: dict, ep: dict):
+    """The data stage with its features from vLLM (--capture): the server started here or reached at a URL, its
+    own answers for --prompt-file / --regenerate unless --answers-from names another, always stopped."""
+    from specscope.train import pipeline
+    from specscope.train.capture import CaptureSession
+
+    say = stage["log"]
+    with CaptureSession(mode, argv, tpath, work, aux, capture_dir=capture_dir, max_len=stage["max_len"],
+                        timeout_s=ep["timeout_s"], model=ep["model"]) as cs:
+        feats = cs.open(tok.encode_messages([{"role": "user", "content": "Hello"}]), say)
+        src = stage["sources"]
+        needs_answers = bool(src.items) or (src.convs is not None and stage["regenerate"] != "none")
+        if endpoint is None and needs_answers:
+            endpoint = _endpoint(feats.url, feats.model, ep["api_key"], ep["concurrency"], ep["timeout_s"],
+                                 stage["response_tokens"], stage["seed"], stage["regenerate"], stage["dataset"],
+                                 stage["prompt_files"], say)
+            if cs.engine is not None:       # its port changes per run: its answers are cached under its launch
+                endpoint.key_as = "vllm started by specscope: " + " ".join([str(tpath), *argv])
+        return pipeline.data_stage(work, target, tok, tinfo, aux_layers=aux, endpoint=endpoint, features=feats,
+                                   captured_by=dict(feats.info), **stage)
 
 
 def _train_meta(tinfo: dict, data) -> dict:

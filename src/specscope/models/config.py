@@ -42,7 +42,12 @@ class ModelConfig:
     torch_dtype: str | None = None
 
     @classmethod
-    def from_hf(cls, d: dict) -> "ModelConfig":
+    def from_hf(cls, d: dict, any_architecture: bool = False) -> "ModelConfig":
+        """any_architecture: read the fields a drafter is shaped by from any causal LM's config (MoE, multimodal's
+        text_config), for the training stages that never run the target's forward (its hidden states come from an
+        engine: train --capture)."""
+        if any_architecture:
+            return cls._any(d)
         archs = d.get("architectures") or []
         if not isinstance(archs, list):
             raise _bad("config.json", "architectures", archs, 'a list such as ["LlamaForCausalLM"]')
@@ -89,6 +94,28 @@ class ModelConfig:
                 f"num_attention_heads ({cfg.num_attention_heads}) is not a multiple of "
                 f"num_key_value_heads ({cfg.num_key_value_heads})")
         return cfg
+
+    @classmethod
+    def _any(cls, raw: dict) -> "ModelConfig":
+        text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else {}
+        d = {**raw, **{k: v for k, v in text.items() if k not in raw}}     # multimodal: the LM under text_config
+        archs = raw.get("architectures") or [d.get("model_type") or "unknown"]
+        arch = str(archs[0]) if isinstance(archs, list) and archs else "unknown"
+        if arch in SUPPORTED_ARCHITECTURES and not text:
+            return cls.from_hf(raw)
+        hidden = cfg_int(d, "hidden_size", hi=MAX_HIDDEN)
+        heads = cfg_int(d, "num_attention_heads", hi=MAX_HEADS)
+        return cls(architecture=arch, vocab_size=cfg_int(d, "vocab_size", hi=MAX_VOCAB), hidden_size=hidden,
+                   intermediate_size=cfg_int(d, "intermediate_size", hidden * 4, hi=MAX_HIDDEN * 16),
+                   num_hidden_layers=cfg_int(d, "num_hidden_layers", hi=MAX_LAYERS), num_attention_heads=heads,
+                   num_key_value_heads=cfg_int(d, "num_key_value_heads", heads, hi=heads),
+                   head_dim=cfg_int(d, "head_dim", max(hidden // heads, 1), hi=MAX_HEAD_DIM),
+                   rms_norm_eps=cfg_float(d, "rms_norm_eps", 1e-6, lo=0.0, hi=1.0, lo_open=True),
+                   rope_theta=float(rope_theta_of(d)), rope_scaling=rope_scaling_of(d),
+                   max_position_embeddings=cfg_int(d, "max_position_embeddings", 4096, hi=MAX_POSITIONS),
+                   tie_word_embeddings=cfg_bool(d, "tie_word_embeddings", False),
+                   bos_token_id=cfg_int(d, "bos_token_id", None, lo=0), eos_token_id=_eos_ids(d),
+                   torch_dtype=cfg_str(d, "torch_dtype", None) or cfg_str(d, "dtype", None))
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -38,7 +38,8 @@ def resolve_device(device: str | None) -> torch.device:
         raise SpecscopeError(f"unknown device {device!r}; use cpu or cuda") from None
 
 
-def load_config(path: str | Path) -> tuple[ModelConfig, dict]:
+def load_config(path: str | Path, any_architecture: bool = False) -> tuple[ModelConfig, dict]:
+    """any_architecture: see ModelConfig.from_hf (stages that never run the target's forward)."""
     path = Path(path)
     if not path.exists():
         raise SpecscopeError(f"model directory {str(path)!r} does not exist")
@@ -48,7 +49,7 @@ def load_config(path: str | Path) -> tuple[ModelConfig, dict]:
     if not cfg_file.exists():
         raise SpecscopeError(f"{str(path)!r} has no config.json; is it a Hugging Face checkpoint directory?")
     raw = read_json_object(cfg_file)
-    return ModelConfig.from_hf(raw), raw
+    return ModelConfig.from_hf(raw, any_architecture), raw
 
 
 def read_json_object(f: Path) -> dict:
@@ -241,7 +242,9 @@ class SafetensorsReader:
     resident memory is what we keep, in the stored dtype, and several stored tensors can land in slices of one
     fused tensor (q/k/v -> qkv) without a concatenation copy."""
 
-    def __init__(self, files: list[Path]):
+    def __init__(self, files: list[Path], skip_unknown: bool = False):
+        """skip_unknown: leave out tensors of dtypes torch cannot hold here (FP8 / packed INT4 experts of a
+        quantised checkpoint) instead of refusing the file: for readers of a few other tensors."""
         self.entries: dict[str, tuple[Path, torch.dtype, tuple[int, ...], int, int]] = {}
         for f in files:
             try:
@@ -255,6 +258,8 @@ class SafetensorsReader:
                     if name == "__metadata__":
                         continue
                     lo, hi = e["data_offsets"]
+                    if e["dtype"] not in ST_DTYPES and skip_unknown:
+                        continue
                     if e["dtype"] not in ST_DTYPES:
                         raise ValueError(f"tensor {name!r} has unsupported dtype {e['dtype']}")
                     if 8 + n + hi > size:

@@ -5,7 +5,8 @@ Enable it in the server's environment:
     SPECSCOPE_PHASES=/tmp/vllm-phases.jsonl python -m vllm.entrypoints.openai.api_server ...
 
 vLLM loads every `vllm.general_plugins` entry point in each of its processes (`VLLM_PLUGINS` selects them); without
-SPECSCOPE_PHASES this one does nothing. Enabled, in the worker it
+SPECSCOPE_PHASES this one does nothing (SPECSCOPE_CAPTURE turns on its capture mode: plugins/capture.py).
+Enabled, in the worker it
 - installs a timer behind vLLM's own phase scopes (`record_function_or_nullcontext` in `vllm/v1/utils.py`, the
   hook VLLM_CUSTOM_SCOPES_FOR_PROFILING uses; torch-profiler / NVTX annotations still happen when those are on):
   `forward` and `postprocess` (the logits) -> verify (decode when the step verifies no drafts), `draft` -> draft,
@@ -38,18 +39,30 @@ _state: dict = {"installed": False, "recorder": None}
 
 
 def register() -> None:
-    """vLLM's entry point (`vllm.general_plugins`); called once per vLLM process."""
+    """vLLM's entry point (`vllm.general_plugins`); called once per vLLM process. Its capture mode (hidden states
+    for drafter training, SPECSCOPE_CAPTURE) is plugins/capture.py, behind the same entry point."""
+    from specscope.plugins import capture
+
+    capture.register(supported_version)
     path = os.environ.get(ENV_PATH)
     if not path or _state["installed"]:
         return
+    version = supported_version("phases")
+    if version is not None:
+        _install(path, version)
+
+
+def supported_version(mode: str) -> str | None:
+    """This vLLM's version when the plugin is tested on it (or SPECSCOPE_PHASES_ANY_VERSION=1); else None, said in
+    one line: hooks into another version's internals could fail mid-serve."""
     import vllm
 
     version = getattr(vllm, "__version__", "?")
-    if version not in TESTED and os.environ.get(ENV_ANY) != "1":
-        log.warning("specscope phases plugin: tested on vLLM %s, this is %s; not enabled (set %s=1 to try)",
-                    ", ".join(TESTED), version, ENV_ANY)
-        return
-    _install(path, version)
+    if version in TESTED or os.environ.get(ENV_ANY) == "1":
+        return version
+    log.warning("specscope %s plugin: tested on vLLM %s, this is %s; not enabled (set %s=1 to try)",
+                mode, ", ".join(TESTED), version, ENV_ANY)
+    return None
 
 
 def _install(path: str, version: str) -> None:

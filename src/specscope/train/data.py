@@ -368,9 +368,14 @@ def capture_batch(model, seqs: list[list[int]], aux_layers: list[int]):
 
 def capture(model, tok, convs: list[list[dict]], out_dir: Path, aux_layers: list[int], *, max_len: int = 1024,
             shard_size: int = 64, batch: int = 4, target_info: dict | None = None, progress=None,
-            answers: dict | None = None) -> dict:
+            answers: dict | None = None, features=None, captured_by: dict | None = None) -> dict:
     """Write shards under out_dir and a manifest; shards already listed in the manifest are kept (resume).
-    `answers`: where the conversations' answers came from, recorded in the manifest."""
+    `answers`: where the conversations' answers came from, recorded in the manifest. `features(seqs)`: what
+    computes each sequence's (aux, hidden, argmax) instead of `model`'s forward (train/capture.py: a vLLM), which
+    is then only asked for its `.config`; `captured_by` says what did (recorded)."""
+    if features is None:
+        def features(seqs):
+            return capture_batch(model, seqs, aux_layers)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     mpath = out_dir / MANIFEST
@@ -384,6 +389,7 @@ def capture(model, tok, convs: list[list[dict]], out_dir: Path, aux_layers: list
                     "target": target_info or {}, "shard_size": shard_size, "shards": [], "skipped": 0}
     if answers is not None:
         manifest["answers"] = answers
+    manifest["captured_by"] = captured_by or {"engine": "specscope"}
     shard_size = manifest["shard_size"]
     n_shards = (len(convs) + shard_size - 1) // shard_size
     # a shard is done when it holds the very conversations it should now: a last, partial shard is redone when
@@ -411,7 +417,7 @@ def capture(model, tok, convs: list[list[dict]], out_dir: Path, aux_layers: list
         tensors, offsets = {"aux": [], "hidden": [], "argmax": [], "input_ids": [], "loss_mask": []}, [0]
         for j in range(0, len(items), batch):
             chunk = items[j:j + batch]
-            for (ids, mask), (aux, hid, am) in zip(chunk, capture_batch(model, [x[0] for x in chunk], aux_layers)):
+            for (ids, mask), (aux, hid, am) in zip(chunk, features([x[0] for x in chunk])):
                 if not (torch.isfinite(aux).all() and aux.abs().max() < 6e4):
                     raise SpecscopeError("target hidden states overflow float16; capture in fp32 is not supported yet")
                 tensors["aux"].append(aux.to(torch.float16))

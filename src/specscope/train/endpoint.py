@@ -96,6 +96,8 @@ class Endpoint:
     timeout_s: float = 600.0        # per request
     retries: int = 3                # after a connection error, a timeout, 429 or 5xx
     retry_wait_s: float = 0.5       # doubled each retry; a Retry-After header wins (up to 30 s)
+    key_as: str | None = None       # names the server in cache keys and records instead of `url`: a server specscope
+                                    # starts itself (train --capture vllm) gets a new port each run
 
     def __post_init__(self):
         self.url = base_url(self.url)
@@ -109,12 +111,13 @@ class Endpoint:
 
     def info(self, all_turns: bool = True) -> dict:
         """What the training run records about its answers (never the API key)."""
-        return {"source": "endpoint", "endpoint": self.url, "served_model": self.model,
+        return {"source": "endpoint", "endpoint": self.key_as or self.url, "served_model": self.model,
                 "max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p,
                 "seed": self.seed if self.sampled else None, "turns": MULTI_TURN if all_turns else FIRST_TURN}
 
     def key(self, turns: list[dict], all_turns: bool = True) -> str:
-        return conv_hash({"turns": turns, "all_turns": all_turns, "endpoint": self.url, "model": self.model,
+        return conv_hash({"turns": turns, "all_turns": all_turns, "endpoint": self.key_as or self.url,
+                          "model": self.model,
                           "max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p,
                           "seed": self.seed if self.sampled else None})
 

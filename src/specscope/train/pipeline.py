@@ -25,7 +25,7 @@ from specscope.errors import SpecscopeError
 from specscope.fileio import atomic_output, write_atomic
 from specscope.models import loader   # loader.load_model looked up per call: tests stub it
 from specscope.models.hub import resolve_drafter, resolve_model
-from specscope.models.loader import SafetensorsReader, load_config, weight_files
+from specscope.models.loader import SafetensorsReader, load_config, read_json_object, weight_files
 from specscope.runtime.sampling import SamplingParams
 from specscope.runtime.tokenizer import Tokenizer
 from specscope.speculative.decode import SpecConfig, speculative_generate
@@ -50,23 +50,48 @@ def load_target(name: str, device, dtype="fp32"):
 
 class TargetHead:
     """What the vocab and train stages need of a target: its config, and its embedding, final norm and LM head read
-    alone from the checkpoint's safetensors. The layers (most of the weights) never load: `--stages train` of an
-    8B target holds ~2 GB of it instead of 32."""
+    alone from the checkpoint's safetensors (of a sharded checkpoint, only the shards its index names for them).
+    The layers (most of the weights) never load: `--stages train` of an 8B target holds ~2 GB of it instead of 32,
+    and any architecture works (MoE, a multimodal model's language model): its forward never runs here."""
+
+    NAMES = ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
 
     def __init__(self, path: Path, device="cpu"):
-        self.config, _ = load_config(path)
-        reader = SafetensorsReader(weight_files(path))
+        self.config, _ = load_config(path, any_architecture=True)
+        names, reader = head_tensors(path, self.config.tie_word_embeddings)
 
         def tensor(name: str) -> torch.Tensor:
-            if name not in reader:
-                raise SpecscopeError(f"{path} has no tensor {name!r}; is it a Llama-family checkpoint?")
             return reader.read(name).to(device=device, dtype=torch.float32)
 
-        self.embed_tokens = SimpleNamespace(weight=tensor("model.embed_tokens.weight"))
-        self.norm = SimpleNamespace(weight=tensor("model.norm.weight"))
-        self.lm_head = SimpleNamespace(weight=self.embed_tokens.weight if self.config.tie_word_embeddings
-                                       else tensor("lm_head.weight"))
+        self.embed_tokens = SimpleNamespace(weight=tensor(names[0]))
+        self.norm = SimpleNamespace(weight=tensor(names[1]))
+        self.lm_head = SimpleNamespace(weight=self.embed_tokens.weight if names[2] is None else tensor(names[2]))
         self.device, self.dtype, self.source_path = torch.device(device), torch.float32, str(path)
+
+
+def head_tensors(path: Path, tied: bool) -> tuple[list, SafetensorsReader]:
+    """The checkpoint's names of the embedding, final norm and LM head (a multimodal checkpoint prefixes them:
+    language_model.model.embed_tokens.weight) and a reader over only the files that hold them."""
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        wm = read_json_object(index).get("weight_map") or {}
+        keys = list(wm)
+    else:
+        keys = list(SafetensorsReader(weight_files(path), skip_unknown=True).keys())
+    emb = [k for k in keys if k.endswith(TargetHead.NAMES[0])]
+    if not emb:
+        raise SpecscopeError(f"{path} has no tensor named *{TargetHead.NAMES[0]}; is it a causal LM checkpoint?")
+    prefix = min(emb, key=len)[:-len(TargetHead.NAMES[0])]
+    names = [prefix + n for n in TargetHead.NAMES]
+    if names[2] not in keys:
+        if not tied:
+            raise SpecscopeError(f"{path} has no tensor {names[2]!r} and does not tie its embeddings")
+        names[2] = None
+    missing = [n for n in names if n is not None and n not in keys]
+    if missing:
+        raise SpecscopeError(f"{path} has no tensor {missing[0]!r}; is it a causal LM checkpoint?")
+    files = sorted({path / wm[n] for n in names if n}) if index.exists() else weight_files(path)
+    return names, SafetensorsReader(files, skip_unknown=True)
 
 
 def load_target_head(name: str, device) -> tuple[TargetHead, Path]:
@@ -75,6 +100,7 @@ def load_target_head(name: str, device) -> tuple[TargetHead, Path]:
 
 
 def target_info(name: str, path: Path, model) -> dict:
+    """`model`: the target, a TargetHead, or anything with the target's `.config`."""
     return {"name_or_path": name, "path": str(path), "architectures": [model.config.architecture],
             "num_hidden_layers": model.config.num_hidden_layers, "hidden_size": model.config.hidden_size,
             "vocab_size": model.config.vocab_size}
@@ -170,12 +196,19 @@ def data_stage(workdir: Path, model, tok, tinfo: dict, *, dataset: str | None = 
                regenerate: str = "none", aux_layers: list[int], synth_batch: int = 16, user_tokens: int = 64,
                response_tokens: int = 192, max_len: int = 1024, seed: int = 0, gen_model=None, log=print,
                prompt_files: list[str] | None = None, answer_batch: int = 32, capture_batch: int = 4,
-               user_temperature: float = 0.8, sources: DataSources | None = None, endpoint=None) -> dict:
+               user_temperature: float = 0.8, sources: DataSources | None = None, endpoint=None,
+               features=None, captured_by: dict | None = None) -> dict:
     """`sources`: what read_data_sources returned for these flags (read here when not given). `endpoint`: a
     train.endpoint.Endpoint that answers the --prompt-file prompts, or regenerates the --dataset's assistant turns,
-    instead of the local target (which still writes --synth conversations and captures every feature)."""
+    instead of the local target (which still writes --synth conversations and captures every feature).
+    `features` (train.capture.VLLMFeatures): an engine computes the features instead; `model` then only gives
+    its `.config`, so every answer must come from `endpoint`."""
     if sources is None:
         sources = read_data_sources(dataset, prompt_files, synth, log)
+    if features is not None and (synth > 0 or endpoint is None and (
+            sources.items or (sources.convs is not None and regenerate != "none"))):
+        raise SpecscopeError("the target's forward does not run here (--capture): its answers must come from a "
+                             "server (--answers-from, or the capture server itself), and --synth needs it")
     workdir.mkdir(parents=True, exist_ok=True)
     gen_model = gen_model or model
     out = workdir / "conversations.jsonl"
@@ -243,7 +276,8 @@ def data_stage(workdir: Path, model, tok, tinfo: dict, *, dataset: str | None = 
         else:
             answers_info = {"source": "dataset"}
     manifest = capture(model, tok, convs, workdir / "data", aux_layers, max_len=max_len, target_info=tinfo,
-                       batch=capture_batch, progress=Rate("captured", len(convs), log), answers=answers_info)
+                       batch=capture_batch, progress=Rate("captured", len(convs), log), answers=answers_info,
+                       features=features, captured_by=captured_by)
     log(f"data: {manifest['sequences']} sequences, {manifest['tokens']} tokens "
         f"({manifest['loss_tokens']} assistant tokens) in {workdir / 'data'}")
     return manifest

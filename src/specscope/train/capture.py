@@ -1,0 +1,361 @@
+"""The data stage's features computed by a vLLM instead of specscope's own forward (`train --capture`).
+
+specscope sends each training sequence's exact token ids to the server's /v1/completions (max_tokens 1: the prefill
+computes every position) marked for capture; specscope's vLLM plugin (plugins/capture.py, SPECSCOPE_CAPTURE=DIR in
+the server's environment) writes that request's aux hidden states, final normed hidden state and argmax to
+DIR/KEY.safetensors, which this side reads, checks (the token ids must be the ones sent) and deletes. The shards the
+vocab and train stages read are then written exactly as the local capture writes them (train/data.py: capture).
+
+`--capture vllm` starts such a server here (`python -m vllm.entrypoints.openai.api_server` with this interpreter,
+--enforce-eager, no prefix caching, the user's --engine-args) and stops it at the end; `--capture URL --capture-dir
+DIR` uses one already running with SPECSCOPE_CAPTURE=DIR (a directory both can reach). Nothing of the target's
+weights is loaded in specscope's process.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+
+from specscope.errors import SpecscopeError
+from specscope.train.capture_files import ENV_DIR, TENSORS, XARG_KEY, XARG_LAYERS
+
+# flags specscope sets itself on the server it starts: the user's copy would fight them
+RESERVED = {"--model": "the target is --model of specscope train", "--host": "specscope serves on 127.0.0.1",
+            "--port": "specscope picks a free port"}
+# flags the capture needs; the user's --engine-args may not turn them off
+FORCED = ("--enforce-eager", "--no-enable-prefix-caching")
+CONFLICTS = {"--enable-prefix-caching": "prefix caching skips the forward of shared prompt positions",
+             "--no-enforce-eager": "compiled graphs bypass the capture's forward hooks"}
+class CaptureFailed(SpecscopeError):
+    """The capture ran and the engine failed under it (exit 1; a launch that never starts is bad input, exit 2)."""
+
+    exit_code = 1
+
+
+ERROR_LINE = re.compile(r"\b\w*(Error|Exception)\b[:,]|\berror[:,]", re.IGNORECASE)
+FILE_WAIT_S = 60.0          # after the response: the file is written before it, except across TP ranks' timing
+
+
+def parse_engine_args(text: str | None) -> list[str]:
+    """--engine-args "..." -> argv for vLLM's server, refusing what the capture server cannot take (one line)."""
+    try:
+        argv = shlex.split(text or "")
+    except ValueError as e:
+        raise SpecscopeError(f"--engine-args {text!r} cannot be split into arguments ({e})") from None
+    if argv and not argv[0].startswith("-"):
+        raise SpecscopeError(f"--engine-args takes vLLM's flags only (e.g. \"--tensor-parallel-size 8\"), not a "
+                             f"command or model ({argv[0]!r}); specscope starts vLLM with --model itself")
+    for a in argv:
+        name = a.split("=", 1)[0]
+        if name in RESERVED:
+            raise SpecscopeError(f"--engine-args cannot set {name}: {RESERVED[name]}")
+        if name in CONFLICTS:
+            raise SpecscopeError(f"--engine-args cannot set {name}: {CONFLICTS[name]}")
+    return argv
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _flag_value(argv: list[str], name: str) -> str | None:
+    for i, a in enumerate(argv):
+        if a == name and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith(name + "="):
+            return a.split("=", 1)[1]
+    return None
+
+
+class VLLMLaunch:
+    """A vLLM OpenAI server started here for the capture, in its own process group; `stop` ends it, children
+    included. Its output goes to `log`; failures are one line naming the log."""
+
+    def __init__(self, model_path: Path, engine_args: list[str], capture_dir: Path, log: Path, max_len: int,
+                 python: str | None = None):
+        self.python = python or sys.executable
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = Path(log)
+        args = list(engine_args)
+        if _flag_value(args, "--max-model-len") is None:
+            args += ["--max-model-len", str(max_len + 1)]     # the sequence and the one token it samples
+        self.argv = [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_path),
+                     "--host", "127.0.0.1", "--port", str(self.port), *FORCED, *args]
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **{ENV_DIR: str(capture_dir)})
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+        if env.get("VLLM_PLUGINS") and "specscope_phases" not in env["VLLM_PLUGINS"].split(","):
+            env["VLLM_PLUGINS"] += ",specscope_phases"     # the entry point that holds the capture mode
+        self.env, self.proc = env, None
+
+    @property
+    def command(self) -> str:
+        return " ".join(shlex.quote(a) for a in self.argv)
+
+    def start(self, log=print, poll_s: float = 1.0) -> str:
+        if importlib.util.find_spec("vllm", None) is None and self.python == sys.executable:
+            raise SpecscopeError(f"--capture vllm starts vLLM with this Python ({sys.executable}), which has no vllm; "
+                                 f"run specscope from vLLM's environment, or start a server there with "
+                                 f"{ENV_DIR}=DIR and pass --capture URL --capture-dir DIR")
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log, "w") as f:
+            self.proc = subprocess.Popen(self.argv, stdout=f, stderr=subprocess.STDOUT, env=self.env,
+                                         start_new_session=True)
+        log(f"starting vLLM for the capture (log: {self.log})")
+        t0 = last = time.monotonic()
+        while True:
+            if self.proc.poll() is not None:
+                raise SpecscopeError(f"vLLM exited with status {self.proc.returncode} while starting: "
+                                     f"{self.why()} (log: {self.log})")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    log(f"vLLM is up after {time.monotonic() - t0:.0f} s at {self.url}")
+                    return self.url
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() - last > 30:
+                last = time.monotonic()
+                log(f"waiting for vLLM to load the target ({last - t0:.0f} s; log: {self.log})")
+            time.sleep(poll_s)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def failure(self) -> str:
+        """The line of vLLM's log that says why it stopped: its last error line (an exception, argparse's
+        `error:`, pydantic's `Value error,`), else its last line."""
+        try:
+            lines = [ln.strip() for ln in self.log.read_text(errors="replace").splitlines() if ln.strip()]
+        except OSError:
+            return "(no log)"
+        errs = [ln for ln in lines if ERROR_LINE.search(ln) and " WARNING " not in ln
+                and not ln.startswith("For further information")]
+        line = (errs or lines or ["(empty log)"])[-1].split(" [type=", 1)[0]
+        return line if len(line) <= 300 else line[:297] + "..."
+
+    def why(self) -> str:
+        """Why the server ended: the signal that killed it (an OOM killer's SIGKILL), else its log's error line."""
+        rc = self.proc.returncode if self.proc is not None else None
+        if rc is not None and rc < 0:
+            try:
+                return f"killed by {signal.Signals(-rc).name}"
+            except ValueError:
+                return f"killed by signal {-rc}"
+        return self.failure()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        if self.proc is None:
+            return
+        try:
+            if self.proc.poll() is None:
+                os.killpg(self.proc.pid, signal.SIGINT)       # vLLM shuts its engine and workers down on SIGINT
+                try:
+                    self.proc.wait(timeout)
+                except subprocess.TimeoutExpired:
+                    pass
+            os.killpg(self.proc.pid, signal.SIGKILL)          # stragglers of the group (engine core, workers)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self.proc.wait()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+        return False
+
+
+class VLLMFeatures:
+    """Features of token-id sequences from a vLLM running the capture plugin: `features(seqs)` -> per sequence
+    (aux [T, k, H], hidden [T, H], argmax [T]) as the local `capture_batch` returns them. `engine`: the VLLMLaunch
+    when specscope started the server (a dead one is named in the error)."""
+
+    def __init__(self, url: str, capture_dir: Path, layers: list[int], *, model: str | None = None,
+                 timeout_s: float = 600.0, engine: VLLMLaunch | None = None, file_wait_s: float = FILE_WAIT_S,
+                 transport: httpx.BaseTransport | None = None):
+        from specscope.train.endpoint import base_url
+
+        self.url, self.dir, self.layers = base_url(url), Path(capture_dir), list(layers)
+        self.model, self.timeout_s, self.engine, self.file_wait_s = model, timeout_s, engine, file_wait_s
+        self.client = httpx.Client(timeout=httpx.Timeout(timeout_s, connect=30.0), transport=transport)
+        self.info: dict = {"engine": "vllm", "url": self.url}
+
+    def connect(self, probe_ids: list[int], log=print) -> "VLLMFeatures":
+        """The served model's id, then one tiny capture that must come back: the plugin is on and the directory is
+        the one the server writes to."""
+        from specscope.train.endpoint import Endpoint
+
+        if self.model is None:
+            self.model = Endpoint(self.url, timeout_s=min(self.timeout_s, 30.0)).connect(log).model
+        self.dir.mkdir(parents=True, exist_ok=True)
+        meta = self._one(list(probe_ids))[3]
+        self.info.update(engine_version=meta.get("engine_version"), served_model=self.model,
+                         tensor_parallel_size=int(meta.get("tensor_parallel_size") or 1))
+        log(f"capturing through vLLM {meta.get('engine_version')} at {self.url} (tensor parallel "
+            f"{self.info['tensor_parallel_size']}; aux layers {self.layers})")
+        return self
+
+    def __call__(self, seqs: list[list[int]]) -> list[tuple]:
+        with ThreadPoolExecutor(max_workers=max(1, len(seqs))) as pool:
+            return [r[:3] for r in pool.map(self._one, seqs)]
+
+    def close(self) -> None:
+        self.client.close()
+
+    # -- one request ------------------------------------------------------------------------------------------
+    def _one(self, ids: list[int]):
+        import torch
+        from safetensors import safe_open
+
+        key = uuid.uuid4().hex[:24]
+        self._post(ids, key)
+        path = self._wait(key)
+        try:
+            with safe_open(str(path), "pt") as f:
+                meta = f.metadata() or {}
+                t = {k: f.get_tensor(k) for k in TENSORS}
+        finally:
+            path.unlink(missing_ok=True)
+        if t["input_ids"].tolist() != list(ids) or t["aux"].shape[1] != len(self.layers):
+            raise SpecscopeError(f"the capture file for a request to {self.url} holds {t['input_ids'].numel()} "
+                                 f"tokens at {t['aux'].shape[1]} layers, not the {len(ids)} sent at "
+                                 f"{len(self.layers)}; is another specscope writing to {self.dir}?")
+        return t["aux"], t["hidden"], t["argmax"].to(torch.int64), meta
+
+    def _post(self, ids: list[int], key: str) -> None:
+        body = {"model": self.model, "prompt": ids, "max_tokens": 1, "temperature": 0.0,
+                "vllm_xargs": {XARG_KEY: key, XARG_LAYERS: self.layers}}
+        try:
+            r = self.client.post(self.url + "/v1/completions", json=body)
+        except httpx.TimeoutException:
+            raise CaptureFailed(f"vLLM at {self.url} did not answer a capture request within {self.timeout_s:g} s; "
+                                 f"raise --timeout or lower --capture-batch (the shards so far are kept: rerun to "
+                                 f"resume)") from None
+        except httpx.TransportError as e:
+            raise self._died(f"{type(e).__name__}: {e}") from None
+        if r.status_code != 200:
+            from specscope.train.endpoint import _server_message
+
+            hint = ("the sequence is longer than the server's --max-model-len: raise it or lower --max-len"
+                    if r.status_code == 400 else "is the server healthy?")
+            raise SpecscopeError(f"vLLM at {self.url} refused a capture request of {len(ids)} tokens (HTTP "
+                                 f"{r.status_code}: {_server_message(r)}); {hint}")
+
+    def _died(self, what: str) -> CaptureFailed:
+        if self.engine is not None:
+            for _ in range(50):          # the process may take a moment to be reaped after its socket closed
+                if not self.engine.alive():
+                    break
+                time.sleep(0.1)
+            if not self.engine.alive():
+                return CaptureFailed(f"vLLM exited with status {self.engine.proc.returncode} during the capture: "
+                                      f"{self.engine.why()} (log: {self.engine.log}); the shards captured so far are "
+                                      f"kept: rerun to resume")
+        return CaptureFailed(f"lost the connection to vLLM at {self.url} during the capture ({what}); the shards "
+                              f"captured so far are kept: rerun to resume")
+
+    def _wait(self, key: str) -> Path:
+        path, err = self.dir / f"{key}.safetensors", self.dir / f"{key}.error"
+        deadline = time.monotonic() + self.file_wait_s
+        while True:
+            if path.exists():
+                return path
+            if err.exists():
+                why = err.read_text(errors="replace").strip()
+                err.unlink(missing_ok=True)
+                raise SpecscopeError(f"vLLM could not capture a request: {why}")
+            if self.engine is not None and not self.engine.alive():
+                raise self._died("the server exited")
+            if time.monotonic() > deadline:
+                raise SpecscopeError(f"vLLM at {self.url} answered but wrote no capture file to {self.dir} within "
+                                     f"{self.file_wait_s:g} s: start it with {ENV_DIR}={self.dir} (specscope installed "
+                                     f"in vLLM's environment) and pass that directory as --capture-dir")
+            time.sleep(0.01)
+
+
+def check_flags(capture: str | None, capture_dir: str | None, engine_args: str | None, stages: list[str],
+                synth: int) -> tuple[str | None, list[str]]:
+    """--capture / --capture-dir / --engine-args checked before anything runs -> (mode: None | "vllm" | base URL,
+    vLLM argv)."""
+    from specscope.train.endpoint import base_url
+
+    if capture in (None, "local"):
+        for flag, v in (("--engine-args", engine_args), ("--capture-dir", capture_dir)):
+            if v:
+                raise SpecscopeError(f"{flag} needs --capture vllm or --capture URL")
+        return None, []
+    if "data" not in stages:
+        raise SpecscopeError("--capture computes the data stage's features; add data to --stages")
+    if synth > 0:
+        raise SpecscopeError("--synth writes conversations with specscope's own forward of the target, which "
+                             "--capture never runs; use --prompt-file or --dataset (answered by the server)")
+    if capture == "vllm":
+        return "vllm", parse_engine_args(engine_args)
+    if engine_args:
+        raise SpecscopeError("--engine-args is for --capture vllm (specscope starts that server); a running server "
+                             "was started with its own flags")
+    if not capture_dir:
+        raise SpecscopeError(f"--capture URL needs --capture-dir DIR: the directory the server's {ENV_DIR} names "
+                             f"(reachable from here)")
+    return base_url(capture), []
+
+
+class CaptureSession:
+    """The server (started here for `--capture vllm`) and its VLLMFeatures for one data stage: `with` stops it."""
+
+    def __init__(self, mode: str, argv: list[str], model_path: Path, workdir: Path, layers: list[int], *,
+                 capture_dir: str | None, max_len: int, timeout_s: float, model: str | None = None):
+        self.engine = None
+        if mode == "vllm":
+            cdir = Path(capture_dir) if capture_dir else Path(workdir) / "data" / ".incoming"
+            _clear_incoming(cdir)
+            self.engine = VLLMLaunch(model_path, argv, cdir, Path(workdir) / "vllm-capture.log", max_len)
+            url = self.engine.url
+        else:
+            cdir, url = Path(capture_dir), mode
+        self.features = VLLMFeatures(url, cdir, layers, model=model, timeout_s=timeout_s, engine=self.engine)
+
+    def open(self, probe_ids: list[int], log=print) -> VLLMFeatures:
+        try:
+            if self.engine is not None:
+                self.engine.start(log)
+                self.features.info["engine_args"] = self.engine.command
+            return self.features.connect(probe_ids, log)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        self.features.close()
+        if self.engine is not None:
+            self.engine.stop()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+
+def _clear_incoming(cdir: Path) -> None:
+    """Files a killed run's server left in its own directory: never read (each request has a new key)."""
+    if cdir.is_dir():
+        for f in list(cdir.glob("*.safetensors")) + list(cdir.glob("*.error")) + list(cdir.glob(".*.tmp")):
+            f.unlink(missing_ok=True)

@@ -21,7 +21,7 @@ import pytest
 from cli_util import cli, one_error_line
 from tiny import make_hf_model, make_tiny_tokenizer
 
-from specscope.sweep.engine import live_members
+from specscope.serverproc import live_members
 from specscope.sweep.spec import SweepSpec, parse_env_axis, parse_flag_axis
 
 HERE = Path(__file__).parent

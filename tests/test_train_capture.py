@@ -341,5 +341,5 @@ def test_a_failed_launch_is_named_by_its_log_line(tmp_path):
                    "[type=value_error, input_value=ArgsKwargs((), {})]\n"
                    "    For further information visit https://errors.pydantic.dev/2.14/v/value_error\n")
     assert v.why() == "Value error, Total number of attention heads (9) must be divisible by tensor parallel size (2)."
-    v.proc = SimpleNamespace(returncode=-9)
+    v.server.proc = SimpleNamespace(returncode=-9)
     assert v.why() == "killed by SIGKILL"

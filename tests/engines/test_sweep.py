@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 from engine_util import specscope_cli
 
-from specscope.sweep.engine import live_members
+from specscope.serverproc import live_members
 
 STEPS_AXIS, ENV_AXIS = "num_speculative_tokens", "NCCL_PROTO"
 # 12 vLLM launches of ~70 s each on 2 cores, in the first test's setup: past the suite's 900 s default

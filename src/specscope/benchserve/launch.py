@@ -13,23 +13,14 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
-import subprocess
-import time
 from pathlib import Path
 
 import httpx
 
 from specscope.errors import SpecscopeError
+from specscope.serverproc import ServerFailed, ServerProcess, free_port
 
 SERVED_NAME = "specscope-target"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class VLLMServer:
@@ -47,8 +38,11 @@ class VLLMServer:
                      "--enforce-eager", "--host", "127.0.0.1", "--port", str(self.port), *extra_args]
         if spec:
             self.args += ["--speculative-config", json.dumps(spec)]
-        self.startup_s = startup_s
-        self.proc = None
+        self.server = ServerProcess(self.args, self.env, self.log_path, self.url, startup_s)
+
+    @property
+    def proc(self):
+        return self.server.proc
 
     @property
     def command(self) -> str:
@@ -58,49 +52,18 @@ class VLLMServer:
         return " ".join(shlex.quote(a) for a in self.args)
 
     def log_tail(self, n: int = 40) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return "(no log)"
+        return self.server.log_tail(n) or "(no log)"
 
     def __enter__(self) -> "VLLMServer":
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT, env=self.env,
-                                     start_new_session=True)
-        deadline = time.monotonic() + self.startup_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                self.stop()
-                raise SpecscopeError(f"vLLM exited with status {self.proc.returncode} while starting "
-                                     f"({self.log_path}):\n{self.log_tail()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(1.0)
-        self.stop()
-        raise SpecscopeError(f"vLLM did not answer /health within {self.startup_s:.0f} s ({self.log_path}):\n"
-                             f"{self.log_tail()}")
+        try:
+            self.server.__enter__()         # started, healthy, or stopped again with its whole group
+        except ServerFailed as e:
+            raise SpecscopeError(f"vLLM: {e} ({self.log_path}):\n{self.log_tail()}") from None
+        return self
 
     def stop(self, timeout: float = 30.0) -> None:
-        if self.proc is None:
-            return
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGINT)   # vLLM shuts its engine and workers down on SIGINT
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-            except ProcessLookupError:
-                pass
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)         # stragglers of the group (engine core, workers)
-        except (ProcessLookupError, PermissionError):
-            pass
-        self._log.close()
+        self.server.stop_s = timeout
+        self.server.stop()
 
     def __exit__(self, *exc):
         self.stop()

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specscope.errors import SpecscopeError
-from specscope.sweep.engine import Engine, EngineFailed
+from specscope.serverproc import ServerFailed, ServerProcess, free_port
 from specscope.sweep.spec import Cell, SweepSpec
 from specscope.sweep.workload import (Workload, WorkloadFailed, config_of, per_prompt, send, serve_results)
 
@@ -39,12 +39,6 @@ class Context:
         return self.workdir / "cells" / f"{index:02d}-r{repeat + 1}"
 
 
-def free_port() -> int:
-    from specscope.benchserve.launch import free_port as port
-
-    return port()
-
-
 def engine_env(ctx: Context, cell: Cell, d: Path) -> dict:
     env = {**os.environ, **ctx.spec.env(cell)}
     if ctx.spec.resolved_phases() == "plugin":
@@ -62,7 +56,8 @@ def run_cell(ctx: Context, cell: Cell, repeat: int) -> dict:
         (d / stale).unlink(missing_ok=True)
     port = free_port()
     argv = ctx.spec.argv(cell, port)
-    eng = Engine(argv, engine_env(ctx, cell, d), d / LOG_FILE, f"http://127.0.0.1:{port}", ctx.startup_s, ctx.stop_s)
+    eng = ServerProcess(argv, engine_env(ctx, cell, d), d / LOG_FILE, f"http://127.0.0.1:{port}", ctx.startup_s,
+                        ctx.stop_s)
     t0 = time.monotonic()
     out = mark = None
     try:
@@ -76,7 +71,7 @@ def run_cell(ctx: Context, cell: Cell, repeat: int) -> dict:
         if not level["completed"]:
             first = (level.get("error_examples") or ["none reported"])[0]
             raise WorkloadFailed(f"no request succeeded ({level['failed']} failed; first error: {first})")
-    except (EngineFailed, WorkloadFailed) as e:
+    except (ServerFailed, WorkloadFailed) as e:
         return {"status": "failed", "reason": str(e), "log_tail": getattr(e, "log_tail", "") or eng.log_tail(),
                 "pgid": eng.pgid, "seconds": round(time.monotonic() - t0, 1), "command": shlex.join(argv)}
     finally:

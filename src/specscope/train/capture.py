@@ -18,9 +18,6 @@ import importlib.util
 import os
 import re
 import shlex
-import signal
-import socket
-import subprocess
 import sys
 import time
 import uuid
@@ -30,6 +27,7 @@ from pathlib import Path
 import httpx
 
 from specscope.errors import SpecscopeError
+from specscope.serverproc import ServerFailed, ServerProcess, free_port
 from specscope.train.capture_files import ENV_DIR, TENSORS, XARG_KEY, XARG_LAYERS
 
 # flags specscope sets itself on the server it starts: the user's copy would fight them
@@ -67,12 +65,6 @@ def parse_engine_args(text: str | None) -> list[str]:
     return argv
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _flag_value(argv: list[str], name: str) -> str | None:
     for i, a in enumerate(argv):
         if a == name and i + 1 < len(argv):
@@ -89,7 +81,7 @@ class VLLMLaunch:
     def __init__(self, model_path: Path, engine_args: list[str], capture_dir: Path, log: Path, max_len: int,
                  python: str | None = None):
         self.python = python or sys.executable
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = Path(log)
         args = list(engine_args)
@@ -101,40 +93,35 @@ class VLLMLaunch:
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
         if env.get("VLLM_PLUGINS") and "specscope_phases" not in env["VLLM_PLUGINS"].split(","):
             env["VLLM_PLUGINS"] += ",specscope_phases"     # the entry point that holds the capture mode
-        self.env, self.proc = env, None
+        # no startup limit: a sharded 1T target can take many minutes to load; its progress is logged
+        self.env, self.server = env, ServerProcess(self.argv, env, self.log, self.url, startup_s=float("inf"))
 
     @property
     def command(self) -> str:
         return " ".join(shlex.quote(a) for a in self.argv)
 
-    def start(self, log=print, poll_s: float = 1.0) -> str:
+    def start(self, log=print) -> str:
         if importlib.util.find_spec("vllm", None) is None and self.python == sys.executable:
             raise SpecscopeError(f"--capture vllm starts vLLM with this Python ({sys.executable}), which has no vllm; "
                                  f"run specscope from vLLM's environment, or start a server there with "
                                  f"{ENV_DIR}=DIR and pass --capture URL --capture-dir DIR")
-        self.log.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log, "w") as f:
-            self.proc = subprocess.Popen(self.argv, stdout=f, stderr=subprocess.STDOUT, env=self.env,
-                                         start_new_session=True)
+        self.server.start()
         log(f"starting vLLM for the capture (log: {self.log})")
-        t0 = last = time.monotonic()
-        while True:
-            if self.proc.poll() is not None:
-                raise SpecscopeError(f"vLLM exited with status {self.proc.returncode} while starting: "
-                                     f"{self.why()} (log: {self.log})")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    log(f"vLLM is up after {time.monotonic() - t0:.0f} s at {self.url}")
-                    return self.url
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() - last > 30:
-                last = time.monotonic()
-                log(f"waiting for vLLM to load the target ({last - t0:.0f} s; log: {self.log})")
-            time.sleep(poll_s)
+        try:
+            secs = self.server.wait_healthy(on_wait=lambda t: log(f"waiting for vLLM to load the target ({t:.0f} s; "
+                                                                  f"log: {self.log})"))
+        except ServerFailed:
+            raise SpecscopeError(f"vLLM exited with status {self.proc.returncode} while starting: "
+                                 f"{self.why()} (log: {self.log})") from None
+        log(f"vLLM is up after {secs:.0f} s at {self.url}")
+        return self.url
+
+    @property
+    def proc(self):
+        return self.server.proc
 
     def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
+        return self.server.alive()
 
     def failure(self) -> str:
         """The line of vLLM's log that says why it stopped: its last error line (an exception, argparse's
@@ -151,27 +138,11 @@ class VLLMLaunch:
     def why(self) -> str:
         """Why the server ended: the signal that killed it (an OOM killer's SIGKILL), else its log's error line."""
         rc = self.proc.returncode if self.proc is not None else None
-        if rc is not None and rc < 0:
-            try:
-                return f"killed by {signal.Signals(-rc).name}"
-            except ValueError:
-                return f"killed by signal {-rc}"
-        return self.failure()
+        return self.server.exit_words() if rc is not None and rc < 0 else self.failure()
 
     def stop(self, timeout: float = 30.0) -> None:
-        if self.proc is None:
-            return
-        try:
-            if self.proc.poll() is None:
-                os.killpg(self.proc.pid, signal.SIGINT)       # vLLM shuts its engine and workers down on SIGINT
-                try:
-                    self.proc.wait(timeout)
-                except subprocess.TimeoutExpired:
-                    pass
-            os.killpg(self.proc.pid, signal.SIGKILL)          # stragglers of the group (engine core, workers)
-        except (ProcessLookupError, PermissionError):
-            pass
-        self.proc.wait()
+        self.server.stop_s = timeout
+        self.server.stop()
 
     def __enter__(self):
         return self

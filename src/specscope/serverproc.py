@@ -1,14 +1,14 @@
-"""One engine launch of a sweep cell: started in its own process group, waited on until /health answers, and
-always stopped with its whole group (workers included), also on Ctrl-C, SIGTERM or an exception.
-
-`benchserve.launch.VLLMServer` builds vLLM's command itself; a sweep launches whatever command the user gives
-(vLLM, SGLang, `specscope serve`), so this is the same lifecycle over an arbitrary argv.
+"""A server process specscope starts (vLLM, SGLang, `specscope serve`): its own session and process group, its
+output in a log file, ready once `/health` answers, and always stopped with its whole group (engine core and
+workers included), also on Ctrl-C, SIGTERM or an exception. One lifecycle for every launcher: `benchserve.launch`
+(vLLM for tests and benches), `sweep` (any command, one per cell) and `train.capture` (vLLM computing features).
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -17,17 +17,23 @@ import httpx
 
 from specscope.errors import SpecscopeError
 
-LOG_TAIL = 20          # engine log lines a failed cell keeps
+LOG_TAIL = 20          # log lines a failure keeps
 
 
-class EngineFailed(SpecscopeError):
-    """The engine did not start, died, or never answered /health; `log_tail` holds its last log lines."""
+class ServerFailed(SpecscopeError):
+    """The server did not start, died, or never answered /health; `log_tail` holds its last log lines."""
 
     exit_code = 1
 
     def __init__(self, message: str, log_tail: str = ""):
         super().__init__(message)
         self.log_tail = log_tail
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def live_members(pgid: int) -> list[int]:
@@ -54,7 +60,9 @@ def live_members(pgid: int) -> list[int]:
     return out
 
 
-class Engine:
+class ServerProcess:
+    """`start()`, `wait_healthy()`, `stop()`; a context manager that starts, waits and always stops."""
+
     def __init__(self, argv: list[str], env: dict, log_path: Path, url: str, startup_s: float = 600.0,
                  stop_s: float = 30.0):
         self.argv, self.env, self.log_path, self.url = list(argv), dict(env), Path(log_path), url
@@ -66,6 +74,9 @@ class Engine:
     def pgid(self) -> int | None:
         return self.proc.pid if self.proc is not None else None
 
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
     def log_tail(self, n: int = LOG_TAIL) -> str:
         try:
             lines = self.log_path.read_text(errors="replace").splitlines()
@@ -73,34 +84,46 @@ class Engine:
             return ""
         return "\n".join(ln.rstrip()[:300] for ln in lines[-n:])
 
+    def exit_words(self) -> str:
+        """How it ended: 'killed by SIGKILL' (an OOM killer), or 'exited with status N'."""
+        rc = self.proc.returncode if self.proc is not None else None
+        if rc is not None and rc < 0:
+            try:
+                return f"killed by {signal.Signals(-rc).name}"
+            except ValueError:
+                return f"killed by signal {-rc}"
+        return f"exited with status {rc}"
+
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "w")
         try:
-            # a new session: the engine's workers share its group, and a terminal's Ctrl-C reaches only us, so
-            # we stop the engine in order instead of the terminal killing it mid-write
+            # a new session: the server's workers share its group, and a terminal's Ctrl-C reaches only us, so
+            # we stop the server in order instead of the terminal killing it mid-write
             self.proc = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT, env=self.env,
                                          stdin=subprocess.DEVNULL, start_new_session=True,
                                          preexec_fn=_die_with_parent)
         except OSError as e:
             self._log.close()
-            raise EngineFailed(f"cannot start {self.argv[0]!r}: {e.strerror or e}") from None
+            raise ServerFailed(f"cannot start {self.argv[0]!r}: {e.strerror or e}") from None
 
-    def wait_healthy(self) -> float:
-        """Seconds until /health answered 200; EngineFailed (with the log's tail) if the engine exits first or
-        the startup timeout passes."""
-        t0 = time.monotonic()
+    def wait_healthy(self, on_wait=None, every_s: float = 30.0) -> float:
+        """Seconds until /health answered 200; ServerFailed (with the log's tail) if the server exits first or
+        the startup timeout passes. `on_wait(seconds)` is called every `every_s` while it loads."""
+        t0 = last = time.monotonic()
         while time.monotonic() - t0 < self.startup_s:
             if self.proc.poll() is not None:
-                raise EngineFailed(f"the engine exited with status {self.proc.returncode} while starting",
-                                   self.log_tail())
+                raise ServerFailed(f"the server {self.exit_words()} while starting", self.log_tail())
             try:
                 if httpx.get(self.url + "/health", timeout=2).status_code == 200:
                     return time.monotonic() - t0
             except httpx.HTTPError:
                 pass
+            if on_wait is not None and time.monotonic() - last >= every_s:
+                last = time.monotonic()
+                on_wait(last - t0)
             time.sleep(0.25)
-        raise EngineFailed(f"the engine did not answer {self.url}/health within {self.startup_s:.0f} s",
+        raise ServerFailed(f"the server did not answer {self.url}/health within {self.startup_s:.0f} s",
                            self.log_tail())
 
     def stop(self) -> None:
@@ -126,10 +149,23 @@ class Engine:
         if self._log is not None and not self._log.closed:
             self._log.close()
 
+    def __enter__(self):
+        self.start()
+        try:
+            self.wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+        return False
+
 
 def _die_with_parent() -> None:
-    """In the engine's process, before exec: SIGTERM when the sweep dies, even by SIGKILL (no cleanup of ours runs
-    then), so an engine never outlives its sweep; it stops its own workers on SIGTERM. Linux only."""
+    """In the server's process, before exec: SIGTERM when specscope dies, even by SIGKILL (no cleanup of ours runs
+    then), so a server never outlives its launcher; it stops its own workers on SIGTERM. Linux only."""
     try:
         import ctypes
 

@@ -163,8 +163,9 @@ def chat(tmp_path_factory):
     return load_model(tgt, "fp32", "cpu"), Tokenizer(tgt), root
 
 
-def fake_vllm(model, out: Path, fail_after: int | None = None):
-    """A /v1/completions that does what the plugin does (features by specscope's forward, the plugin's file)."""
+def fake_vllm(model, out: Path, fail_after: int | None = None, drop: int | None = None):
+    """A /v1/completions that does what the plugin does (features by specscope's forward, the plugin's file).
+    fail_after: requests after that many are refused; drop: that request (1-based) is dropped unanswered."""
     from specscope.train.data import capture_batch
 
     seen = []
@@ -174,6 +175,8 @@ def fake_vllm(model, out: Path, fail_after: int | None = None):
         seen.append(body)
         if fail_after is not None and len(seen) > fail_after:
             raise httpx.ConnectError("connection refused")
+        if drop is not None and len(seen) == drop:
+            raise httpx.RemoteProtocolError("Server disconnected without sending a response.")
         xa = body["vllm_xargs"]
         assert body["max_tokens"] == 1 and body["model"] == "m"
         aux, hid, am = capture_batch(model, [body["prompt"]], xa[XARG_LAYERS])[0]
@@ -230,6 +233,25 @@ def test_a_server_dying_mid_capture_leaves_complete_shards_and_resumes(chat, tmp
     capture(SimpleNamespace(config=model.config), tok, convs, tmp_path / "d", [2, 4, 5], shard_size=4, batch=2,
             features=feats, progress=calls.append)
     assert calls[0] == 4 and len(seen) == 8 and len(CapturedData(tmp_path / "d")) == 12
+
+
+def test_a_keep_alive_connection_closed_under_a_request_is_sent_again(chat, tmp_path):
+    """uvicorn closes an idle keep-alive connection after 5 s; a request sent on it as it closes gets no answer.
+    The capture sends it once more (the same key), and the features are those of an undisturbed capture."""
+    from specscope.train.data import CapturedData, capture, read_conversations
+
+    model, tok, root = chat
+    convs, _ = read_conversations(write_dataset(tmp_path / "ds.jsonl", n=4))
+    (tmp_path / "in").mkdir()
+    feats, seen = _features(model, tmp_path / "in", drop=2)
+    capture(SimpleNamespace(config=model.config), tok, convs, tmp_path / "d", [2, 4, 5], shard_size=4, batch=1,
+            features=feats)
+    assert len(seen) == 5 and seen[1] == seen[2]           # the dropped request, sent again as it was
+    feats, _ = _features(model, tmp_path / "in")
+    capture(SimpleNamespace(config=model.config), tok, convs, tmp_path / "ref", [2, 4, 5], shard_size=4, batch=1,
+            features=feats)
+    a, b = CapturedData(tmp_path / "d"), CapturedData(tmp_path / "ref")
+    assert all(torch.equal(a.read(i)[k], b.read(i)[k]) for i in range(4) for k in a.read(i))
 
 
 def test_a_server_without_the_plugin_is_named(chat, tmp_path):

@@ -212,14 +212,19 @@ class VLLMFeatures:
     def _post(self, ids: list[int], key: str) -> None:
         body = {"model": self.model, "prompt": ids, "max_tokens": 1, "temperature": 0.0,
                 "vllm_xargs": {XARG_KEY: key, XARG_LAYERS: self.layers}}
-        try:
-            r = self.client.post(self.url + "/v1/completions", json=body)
-        except httpx.TimeoutException:
-            raise CaptureFailed(f"vLLM at {self.url} did not answer a capture request within {self.timeout_s:g} s; "
-                                 f"raise --timeout or lower --capture-batch (the shards so far are kept: rerun to "
-                                 f"resume)") from None
-        except httpx.TransportError as e:
-            raise self._died(f"{type(e).__name__}: {e}") from None
+        for attempt in (1, 2):
+            try:
+                r = self.client.post(self.url + "/v1/completions", json=body)
+                break
+            except httpx.TimeoutException:
+                raise CaptureFailed(f"vLLM at {self.url} did not answer a capture request within "
+                                    f"{self.timeout_s:g} s; raise --timeout or lower --capture-batch (the shards so far "
+                                    f"are kept: rerun to resume)") from None
+            except httpx.TransportError as e:
+                # the server closing an idle keep-alive connection as a request goes out on it (uvicorn's 5 s
+                # timeout) looks like this: sent again once, under the same key, unless the server is gone
+                if attempt == 2 or (self.engine is not None and not self.engine.alive()):
+                    raise self._died(f"{type(e).__name__}: {e}") from None
         if r.status_code != 200:
             from specscope.train.endpoint import _server_message
 

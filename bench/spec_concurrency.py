@@ -99,13 +99,13 @@ def surface_tokens(widest: float) -> list[int]:
 def profile_shape(draft: str, text: str):
     """What the tuner profiles a drafter with: a wide tree (`tune --profile`'s), a chain for n-gram copying alone,
     and a hybrid with twice its default n-gram budget (to choose a shorter one from)."""
-    from specscope.speculative.decode import HYBRID_NGRAM_TOKENS, SpecConfig, split_draft
+    from specscope.speculative.decode import HYBRID_NGRAM_TOKENS, DraftSpec, SpecConfig
 
     steps, topk, dt = (int(x) for x in text.split(","))
-    model, source = split_draft(draft)
-    if model is None:
+    spec = DraftSpec.parse(draft)
+    if spec.ngram_only:
         return SpecConfig.from_knobs(steps, 1, steps + 1)
-    return SpecConfig.from_knobs(steps, topk, dt, 2 * HYBRID_NGRAM_TOKENS if source else None)
+    return SpecConfig.from_knobs(steps, topk, dt, 2 * HYBRID_NGRAM_TOKENS if spec.hybrid else None)
 
 
 def predictions(target, drafter, model, draft, shape, prompt_ids, max_new_tokens, stop, surface, levels, prof_cfg,

@@ -39,9 +39,9 @@ def task_of(category: str) -> str:
 def draft_files(spec: str) -> list:
     """What identifies a drafter's weights in a resume key: its files' names, sizes and mtimes (retrained weights
     under the same name are a new measurement)."""
-    from specscope.speculative.decode import drafter_path, split_draft
+    from specscope.speculative.decode import DraftSpec, drafter_path
 
-    if split_draft(spec)[0] is None:     # n-gram copying has no files
+    if DraftSpec.parse(spec).ngram_only:     # n-gram copying has no files
         return []
     return sorted((p.name, p.stat().st_size, int(p.stat().st_mtime)) for p in drafter_path(spec).iterdir()
                   if p.is_file())

@@ -364,6 +364,9 @@ CASES = {
                          f["no_prompt"]], ["no_prompt.jsonl"]),
     "tune: --profile --draft ngram with the default --topk 4": (
         lambda w, t, f: ["tune", "--profile", "--model", w["model"], "--draft", "ngram"], ["n-gram", "--topk 1"]),
+    "tune: --profile --draft ngram-lookup with the default --topk 4": (
+        lambda w, t, f: ["tune", "--profile", "--model", w["model"], "--draft", "ngram-lookup"],
+        ["n-gram", "--topk 1", "tune profiles"]),
     "tune: --profile --draft missing": (
         lambda w, t, f: ["tune", "--profile", "--model", w["model"], "--draft", t / "nope"],
         ["nope", "not found"]),

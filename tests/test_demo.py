@@ -109,19 +109,20 @@ def test_demo_try_next_commands_work(tiny, tmp_path, capsys, monkeypatch):
     assert (tmp_path / "report.html").is_file()
 
 
-def test_demo_ngram_json(tiny, tmp_path, capsys):
+@pytest.mark.parametrize("draft", ["ngram", "ngram-lookup"])
+def test_demo_ngram_json(tiny, tmp_path, capsys, draft):
     target, _ = tiny
-    code, stdout, err = cli(capsys, "demo", "--model", target, "--draft", "ngram", "--prompts", 1,
+    code, stdout, err = cli(capsys, "demo", "--model", target, "--draft", draft, "--prompts", 1,
                             "--max-new-tokens", 6, "--out", tmp_path / "d", "--no-verify-curve", "--json",
                             "--threads", 1)
     assert code == 0, err
     res = json.loads(stdout)
-    assert res["runs"]["verify_curve"] is None and res["draft"] == "ngram"
+    assert res["runs"]["verify_curve"] is None and res["draft"] == draft
     assert res["prompts"] == 1 and res["identical_outputs"] == 1
     with open_registry() as reg:
         assert reg.count() == 2
         spec = reg.get_run(res["runs"]["speculative"])
-    assert spec["config"]["draft"] == "ngram" and spec["config"]["draft_hash"] is None
+    assert spec["config"]["draft"] == draft and spec["config"]["draft_hash"] is None
     html = (tmp_path / "d" / "report.html").read_text()
     assert "<h2>Verify cost</h2>" not in html and len(images(html)) == 4
 

@@ -16,7 +16,7 @@ import torch
 from specscope.generate import generate
 from specscope.errors import SpecscopeError
 from specscope.profile import CycleProfiler
-from specscope.speculative.decode import SpecConfig, build_drafter, speculative_generate, split_draft
+from specscope.speculative.decode import DraftSpec, SpecConfig, build_drafter, speculative_generate
 from specscope.speculative.drafters import DraftModelDrafter, Eagle3TreeDrafter, HybridDrafter
 from specscope.speculative.ngram import PromptLookup, SuffixIndex
 from specscope.speculative.tree import COPIED, DRAFTED, DraftTree
@@ -71,9 +71,10 @@ def test_graft_shares_agreeing_nodes_and_appends_the_rest():
 
 
 def test_draft_specs():
-    assert split_draft("ngram") == (None, "suffix") and split_draft("ngram-lookup") == (None, "lookup")
-    assert split_draft("some/dir+ngram-lookup") == ("some/dir", "lookup")
-    assert split_draft("some/dir+x") == ("some/dir+x", None)
+    assert DraftSpec.parse("ngram") == DraftSpec(None, "suffix") and DraftSpec.parse("ngram-lookup").ngram_only
+    assert DraftSpec.parse("some/dir+ngram-lookup") == DraftSpec("some/dir", "lookup")
+    assert DraftSpec.parse("some/dir+ngram-lookup").hybrid and not DraftSpec.parse("some/dir").hybrid
+    assert DraftSpec.parse("some/dir+x") == DraftSpec("some/dir+x", None)
     assert SpecConfig.for_drafter("ngram").ngram_tokens == 0
     with pytest.raises(SpecscopeError, match="hybrid"):
         SpecConfig.for_drafter("ngram", ngram_tokens=3)

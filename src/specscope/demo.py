@@ -38,8 +38,8 @@ from specscope.report import write_report
 from specscope.runtime.tokenizer import StreamDecoder
 from specscope.speculative import decode
 from specscope.speculative.acceptance import RankCounts, SourceCounts
-from specscope.speculative.decode import (DEFAULT_DRAFTER, NGRAM_SPECS, SpecConfig, drafter_path,
-                                          speculative_generate, split_draft)
+from specscope.speculative.decode import (DEFAULT_DRAFTER, DraftSpec, SpecConfig, check_chain, drafter_path,
+                                          speculative_generate)
 
 # Used only when the packaged Spec-Bench question file is missing (a broken install); said loudly.
 FALLBACK_NAME = "built-in demo prompts (the packaged Spec-Bench file is missing)"
@@ -180,15 +180,14 @@ def _plan(opts: DemoOptions):
     draft = opts.draft or demo_drafter()
     # no knobs: the drafter's own best measured shape (a shipped drafter declares it), else the defaults
     spec_cfg = SpecConfig.for_drafter(draft, opts.steps, opts.topk, opts.draft_tokens, opts.ngram_tokens)
-    if split_draft(draft)[0] is None and spec_cfg.topk != 1:
-        raise SpecscopeError("n-gram drafting proposes a chain; use --topk 1")
+    check_chain(DraftSpec.parse(draft), spec_cfg.topk)
     out_dir = Path(opts.out).expanduser()
     check_writable(out_dir, "--output", is_dir=True)
     for name in ("report.html", "summary.json"):
         check_output_file(out_dir / name, "--output")
     check_registry(opts.db)
     _check_shipped(draft)
-    if draft != "ngram":
+    if not DraftSpec.parse(draft).ngram_only:
         drafter_path(draft)          # a missing --draft fails here, not after the target loads
     return prompts, prompt_set, draft, spec_cfg, out_dir
 
@@ -281,7 +280,7 @@ def _warnings(prompt_set: str, brec: dict) -> list[str]:
 
 
 def _check_shipped(draft: str) -> None:
-    draft = split_draft(draft)[0]
+    draft = DraftSpec.parse(draft).model
     if draft == DEFAULT_DRAFTER and not (decode.ASSETS / draft / "config.json").exists():
         raise SpecscopeError(f"the shipped EAGLE-3 drafter {draft!r} is missing from this install "
                              f"({decode.ASSETS / draft}); reinstall specscope, train one with `specscope train`, "
@@ -289,12 +288,12 @@ def _check_shipped(draft: str) -> None:
 
 
 def _method_name(draft: str, drafter) -> str:
-    model, source = split_draft(draft)
+    spec = DraftSpec.parse(draft)
     kind = str(getattr(drafter, "kind", "") or "")
-    if model is None:
+    if spec.ngram_only:
         return "n-gram, priced" if getattr(drafter, "prices", None) is not None else "n-gram"
-    name = "EAGLE-3" if "eagle" in kind.lower() or "eagle" in model.lower() else "draft model"
-    name = f"{name} + n-gram" if source else name
+    name = "EAGLE-3" if "eagle" in kind.lower() or "eagle" in spec.model.lower() else "draft model"
+    name = f"{name} + n-gram" if spec.hybrid else name
     return f"{name}, priced" if getattr(drafter, "prices", None) is not None else name
 
 
@@ -368,7 +367,7 @@ def _records(config, draft, drafter, spec_cfg, bprof, sprof, per_prompt, opts) -
 def _draft_ref(draft: str) -> str:
     """A shipped drafter's directory (so the registry hashes its weights), else what the user gave."""
     p = decode.ASSETS / draft
-    return str(p) if draft not in NGRAM_SPECS and p.exists() else draft
+    return str(p) if not DraftSpec.parse(draft).ngram_only and p.exists() else draft
 
 
 def _verify_curve(target, per_prompt, spec_cfg, config, ui: DemoUI) -> dict:

@@ -17,8 +17,8 @@ from specscope.registry import (check_registry, drafting_config, machine_config,
 from specscope.registry.fingerprint import timing_warning
 from specscope.runtime.sampling import SamplingParams
 from specscope.runtime.tokenizer import StreamDecoder, Tokenizer, check_tokenizer_files
-from specscope.speculative.decode import (SpecConfig, build_drafter, drafter_path, speculative_generate,
-                                         split_draft)
+from specscope.speculative.decode import (DraftSpec, SpecConfig, build_drafter, check_chain, drafter_path,
+                                         speculative_generate)
 from specscope.speculative.formats import is_eagle3_config, parse_config, read_config
 
 
@@ -80,9 +80,9 @@ def preflight(model: str, max_new_tokens: int | None = None, draft: str | None =
             raise SpecscopeError("--steps/--topk/--draft-tokens/--ngram-tokens need --draft")
         return path, cfg, None
     spec_cfg = SpecConfig.for_drafter(draft, steps, topk, draft_tokens, ngram_tokens)
-    if split_draft(draft)[0] is None:
-        if spec_cfg.topk != 1:
-            raise SpecscopeError(f"n-gram drafting proposes a chain; use --topk 1 (got --topk {spec_cfg.topk})")
+    spec = DraftSpec.parse(draft)
+    if spec.ngram_only:
+        check_chain(spec, spec_cfg.topk, say_topk=True)
         return path, cfg, spec_cfg
     dpath = drafter_path(draft)
     raw = read_config(dpath)
@@ -112,7 +112,9 @@ def drafter_for(draft: str, target, budget: str = "priced", note=None):
 
 
 def run_generate(req: GenerateRequest, on_text=None) -> dict:
-    preflight(req.model, req.max_new_tokens, req.draft, req.steps, req.topk, req.draft_tokens, req.ngram_tokens)
+    # preflight already resolved the drafting shape (None without --draft): reuse it rather than resolve it twice
+    _, _, spec_cfg = preflight(req.model, req.max_new_tokens, req.draft, req.steps, req.topk, req.draft_tokens,
+                               req.ngram_tokens)
     if req.record:      # a registry that cannot take the run is refused now, not warned about after the work
         check_registry(req.db)
     sp = req.sampling()
@@ -126,9 +128,7 @@ def run_generate(req: GenerateRequest, on_text=None) -> dict:
     prof = CycleProfiler(device=model.device)      # where the model really is ("auto" resolved)
     if req.draft is None:
         res = generate(model, prompt_ids, req.max_new_tokens, sp, stop, on_tokens=on_tokens, profiler=prof)
-        spec_cfg = None
     else:
-        spec_cfg = SpecConfig.for_drafter(req.draft, req.steps, req.topk, req.draft_tokens, req.ngram_tokens)
         drafter = drafter_for(req.draft, model, req.draft_budget)
         res = speculative_generate(model, drafter, prompt_ids, req.max_new_tokens, sp, stop, spec_cfg,
                                    on_tokens=on_tokens, profiler=prof)

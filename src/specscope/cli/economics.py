@@ -190,11 +190,11 @@ def tune(run_ref, baseline_ref, curve_ref, decode_ms, do_profile, model_name, dr
     if output:
         check_writable(output, "--output", is_dir=True)
     if do_profile:
-        from specscope.speculative.decode import SpecConfig
+        from specscope.speculative.decode import DraftSpec, SpecConfig
 
         if not draft:
             raise SpecscopeError("--profile needs --draft (e.g. smollm2-135m-eagle3 or ngram)")
-        if draft == "ngram" and topk != 1:
+        if DraftSpec.parse(draft).ngram_only and topk != 1:     # every n-gram spelling, before the model loads
             raise SpecscopeError(f"n-gram drafting proposes a chain: profile it with --topk 1 --draft-tokens "
                                  f"{steps + 1} (got --topk {topk}; tune profiles a --topk 4 tree by default)")
         SpecConfig.from_knobs(steps, topk, draft_tokens)      # the profiled shape is one the drafter can propose
@@ -424,9 +424,9 @@ class _TuneContext:
         from specscope.economics.probe import profile
         from specscope.progress import Progress
         from specscope.registry import machine_config, prompt_set_hash
-        from specscope.speculative.decode import HYBRID_NGRAM_TOKENS, SpecConfig, split_draft
+        from specscope.speculative.decode import HYBRID_NGRAM_TOKENS, DraftSpec, SpecConfig
 
-        if ngram_tokens is None and self.draft and all(split_draft(self.draft)):
+        if ngram_tokens is None and self.draft and DraftSpec.parse(self.draft).hybrid:
             ngram_tokens = 2 * HYBRID_NGRAM_TOKENS    # a hybrid: longer copies profiled than used, to choose from
         SpecConfig.for_drafter(self.draft, steps, topk, draft_tokens, ngram_tokens)   # refuses a misplaced knob
         cfg = SpecConfig.from_knobs(steps, topk, draft_tokens, ngram_tokens)

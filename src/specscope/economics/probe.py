@@ -10,8 +10,7 @@ from specscope.generate import generate
 from specscope.profile import CycleProfiler
 from specscope.registry import drafting_config, make_record, store_record
 from specscope.speculative.acceptance import RankCounts, SourceCounts
-from specscope.speculative.decode import SpecConfig, speculative_generate
-from specscope.speculative.drafters import NgramDrafter
+from specscope.speculative.decode import SpecConfig, check_chain, speculative_generate
 
 
 class RankRecorder(RankCounts):
@@ -99,8 +98,7 @@ def profile(target, drafter, prompt_ids, cfg, max_new_tokens, stop_ids, config: 
     """One profiled baseline and one profiled speculative run (with rank-wise acceptance) over the prompts,
     `rounds` times over; stores both. Returns (baseline_record, speculative_record), ids filled in when recorded.
     tick(): after each timed prompt (both sides), for progress."""
-    if isinstance(drafter, NgramDrafter) and cfg.topk != 1:
-        raise SpecscopeError("n-gram drafting proposes a chain; use --topk 1")
+    check_chain(drafter, cfg.topk)
     dev = str(target.device)
     # one untimed pass warms caches and the allocator for both paths
     run_pair(target, drafter, prompt_ids[:1], min(8, max_new_tokens), stop_ids, cfg)

@@ -28,15 +28,41 @@ NGRAM_SPECS = {"ngram": "suffix", "ngram-suffix": "suffix", "ngram-lookup": "loo
 HYBRID_NGRAM_TOKENS = 6     # n-gram branch length of a hybrid when --ngram-tokens is not given (measured, issue 21)
 
 
-def split_draft(draft: str) -> tuple[str | None, str | None]:
-    """A --draft value as (model drafter or None, n-gram source or None): 'ngram' (also 'ngram-lookup',
-    'ngram-suffix'), a model drafter, or the hybrid 'DRAFTER+ngram' (e.g. smollm2-135m-eagle3+ngram)."""
-    if draft in NGRAM_SPECS:
-        return None, NGRAM_SPECS[draft]
-    head, plus, tail = draft.rpartition("+")
-    if plus and head and tail in NGRAM_SPECS:
-        return head, NGRAM_SPECS[tail]
-    return draft, None
+@dataclass(frozen=True)
+class DraftSpec:
+    """A --draft value, parsed in this one place: 'ngram' (also 'ngram-lookup', 'ngram-suffix'), a model drafter,
+    or the hybrid 'DRAFTER+ngram' (e.g. smollm2-135m-eagle3+ngram)."""
+
+    model: str | None       # the model drafter (shipped name, directory or hub id); None for n-gram alone
+    ngram: str | None       # the n-gram source (speculative/ngram.py); None for a model drafter alone
+
+    @classmethod
+    def parse(cls, draft: str) -> "DraftSpec":
+        if draft in NGRAM_SPECS:
+            return cls(None, NGRAM_SPECS[draft])
+        head, plus, tail = draft.rpartition("+")
+        if plus and head and tail in NGRAM_SPECS:
+            return cls(head, NGRAM_SPECS[tail])
+        return cls(draft, None)
+
+    @property
+    def ngram_only(self) -> bool:
+        return self.model is None
+
+    @property
+    def hybrid(self) -> bool:
+        return self.model is not None and self.ngram is not None
+
+
+CHAIN_ONLY = "n-gram drafting proposes a chain; use --topk 1"
+
+
+def check_chain(drafter: DraftSpec | Drafter, topk: int, say_topk: bool = False) -> None:
+    """Refuse a tree for n-gram drafting alone (a parsed --draft, or a built drafter): it copies one continuation
+    per cycle, so only topk 1 fits. say_topk: also name the refused topk (preflight's wording)."""
+    ngram_only = drafter.ngram_only if isinstance(drafter, DraftSpec) else isinstance(drafter, NgramDrafter)
+    if ngram_only and topk != 1:
+        raise SpecscopeError(CHAIN_ONLY + (f" (got --topk {topk})" if say_topk else ""))
 
 
 @dataclass
@@ -66,16 +92,16 @@ class SpecConfig:
         """The knobs given, or — when none is — the best measured shape the drafter's directory declares in
         `specscope_shape.json` (written from a benchmark; a shipped drafter carries one), else the defaults.
         A hybrid takes its model drafter's shape, plus HYBRID_NGRAM_TOKENS unless --ngram-tokens says otherwise."""
-        model, source = split_draft(draft) if draft else (None, None)
-        hybrid = model is not None and source is not None
+        spec = DraftSpec.parse(draft) if draft else None
+        hybrid = spec is not None and spec.hybrid
         if ngram_tokens is not None and not hybrid:
             raise SpecscopeError(f"--ngram-tokens is the n-gram branch of a hybrid drafter; use --draft DRAFTER+ngram "
                                  f"(e.g. {DEFAULT_DRAFTER}+ngram), not --draft {draft}")
         if hybrid and ngram_tokens is None:
             ngram_tokens = HYBRID_NGRAM_TOKENS
         shape = None
-        if model is not None and (steps, topk, draft_tokens) == (None, None, None):
-            shape = declared_shape(model)
+        if spec is not None and spec.model is not None and (steps, topk, draft_tokens) == (None, None, None):
+            shape = declared_shape(spec.model)
         cfg = shape or cls.from_knobs(steps, topk, draft_tokens)
         cfg.ngram_tokens = ngram_tokens or 0
         cfg.validate()
@@ -125,11 +151,11 @@ def build_drafter(draft: str, target, prices=None) -> Drafter:
     directory/name, or one of those + 'ngram' (the hybrid); placed on the target's device and dtype. `prices`
     (speculative/budget.py): every drafter chooses each cycle's verified nodes by this host's verify cost, within
     its declared shape (a model drafter alone: drafting only where it has paid, `priced_alone`)."""
-    model, source = split_draft(draft)
-    if model is None:
-        return NgramDrafter(target.device, source, prices)
-    if source is not None:
-        return HybridDrafter(build_drafter(model, target), target.config.max_position_embeddings, source,
+    spec = DraftSpec.parse(draft)
+    if spec.ngram_only:
+        return NgramDrafter(target.device, spec.ngram, prices)
+    if spec.hybrid:
+        return HybridDrafter(build_drafter(spec.model, target), target.config.max_position_embeddings, spec.ngram,
                              prices=prices)
     path = drafter_path(draft)
     raw = read_config(path)
@@ -155,7 +181,7 @@ def shipped_drafter(name: str) -> Path | None:
 def drafter_path(draft: str) -> Path:
     """The directory behind a --draft value other than 'ngram' (a shipped drafter, a path, a known model or a
     Hugging Face id); for a hybrid, its model drafter's."""
-    model, _ = split_draft(draft)
+    model = DraftSpec.parse(draft).model
     if model is None:
         raise SpecscopeError(f"--draft {draft} copies n-grams from the context; it has no directory")
     path = resolve_drafter(model)
@@ -170,7 +196,7 @@ SHAPE_FILE = "specscope_shape.json"
 
 def declared_shape(draft: str) -> SpecConfig | None:
     """SpecConfig from DRAFTER/specscope_shape.json ({"steps", "topk", "draft_tokens"}), or None without one."""
-    draft = split_draft(draft)[0] or draft   # a hybrid declares its model drafter's shape
+    draft = DraftSpec.parse(draft).model or draft   # a hybrid declares its model drafter's shape
     if not draft.strip():
         return None  # drafter_path refuses it
     path = shipped_drafter(draft) or Path(draft).expanduser()
@@ -234,8 +260,7 @@ def speculative_generate(target, drafter: Drafter, prompt_ids: list[int], max_ne
 
 def _checked(cfg: SpecConfig, drafter: Drafter) -> SpecConfig:
     cfg.validate()
-    if isinstance(drafter, NgramDrafter) and cfg.topk != 1:
-        raise SpecscopeError("n-gram drafting proposes a chain; use --topk 1")
+    check_chain(drafter, cfg.topk)
     if cfg.ngram_tokens and drafter.model_kind is None:
         raise SpecscopeError("--ngram-tokens is the n-gram branch of a hybrid drafter (--draft DRAFTER+ngram)")
     return cfg

@@ -204,7 +204,7 @@ def train(workdir, target_name, stages, dataset, dataset_split, dataset_config, 
     dev = process_device(setup_runtime(threads, device).type)       # under torchrun: cuda:LOCAL_RANK
     data = None
     if "data" not in todo and ("vocab" in todo or "train" in todo or "select" in todo):
-        data = _captured(work, aux, dev)
+        data = _captured(work, aux, dev)        # checked before the target loads
     if "train" in todo and "vocab" not in todo and init is None and not (work / "vocab.pt").exists():
         raise SpecscopeError(f"{work / 'vocab.pt'} does not exist; run the vocab stage first (--stages vocab,train)")
     if "select" in todo and "train" not in todo and not any((work / "train" / "snapshots").glob("step-*.pt")):
@@ -231,8 +231,6 @@ def train(workdir, target_name, stages, dataset, dataset_split, dataset_config, 
                                  timeout_s=timeout_s))
         summary["data"] = {k: man.get(k) for k in ("sequences", "tokens", "loss_tokens", "skipped", "answers",
                                                    "captured_by")}
-        if "vocab" in todo or "train" in todo or "select" in todo:
-            data = _captured(work, aux, dev)
         if "train" in todo and not runs_forward:             # now its embedding and LM head, read alone
             target, _ = pipeline.load_target_head(target_name, dev)
     elif "data" in todo:
@@ -248,8 +246,9 @@ def train(workdir, target_name, stages, dataset, dataset_split, dataset_config, 
                                   sources=sources, endpoint=endpoint)
         summary["data"] = {k: man.get(k) for k in ("sequences", "tokens", "loss_tokens", "skipped", "answers")}
         del gen
-        if "vocab" in todo or "train" in todo or "select" in todo:
-            data = _captured(work, aux, dev)
+    later = "vocab" in todo or "train" in todo or "select" in todo
+    if later and data is None:          # the shards this run's data stage just wrote
+        data = _captured(work, aux, dev)
     if "vocab" in todo:
         if init is not None:
             say("--init: keeping the initial drafter's own draft vocabulary")

@@ -112,19 +112,17 @@ def launch_spread(recs: list[dict]) -> list[dict]:
     return out
 
 
-def launch_noise(by_cell: dict) -> dict[str, float]:
-    """metric -> the largest |change| between two launches of one cell in this sweep: the band a change between
-    cells must leave to be called."""
+def launch_noise(pairs: list[dict]) -> dict[str, float]:
+    """metric -> the largest |change| between two launches of one cell (launch_spread's pairs, all cells): the
+    band a change between cells must leave to be called."""
     out: dict[str, float] = {}
-    for recs in by_cell.values():
-        for p in launch_spread(recs):
-            out[p["metric"]] = max(out.get(p["metric"], 0.0), abs(p["change"]))
+    for p in pairs:
+        out[p["metric"]] = max(out.get(p["metric"], 0.0), abs(p["change"]))
     return out
 
 
-def _launch_noise(by_cell: dict, by_metric: dict[str, float]) -> dict | None:
+def _launch_noise(pairs: list[dict], by_metric: dict[str, float]) -> dict | None:
     """The sweep's headline noise figure (ms/cycle where the runs have cycles, else tok/s) and every metric's."""
-    pairs = [p for recs in by_cell.values() for p in launch_spread(recs)]
     timed = [p for p in pairs if p["metric"] == "cycle_ms"] or [p for p in pairs if p["metric"] == "tok_per_s"]
     if not timed:
         return None
@@ -154,7 +152,8 @@ def sweep_document(state: SweepState, db=None) -> dict:
     runs = load_runs(state, db)
     by_cell = {c.key: [runs[(c.key, r)] for r in range(spec.repeats) if (c.key, r) in runs] for c in spec.cells()}
     stored = _stored_baseline(spec, db)
-    noise = launch_noise(by_cell)
+    spread = [p for recs in by_cell.values() for p in launch_spread(recs)]      # compare_runs once per pair
+    noise = launch_noise(spread)
     cols = _columns(spec)
     grid = []
     for v0 in spec.axes[0].values:
@@ -179,7 +178,7 @@ def sweep_document(state: SweepState, db=None) -> dict:
                        "cols": {"axes": [a.name for a in spec.axes[1:]], "values": [list(c) for c in cols]},
                        "cells": grid},
             "baselines": baselines, "axes": [axis_report(spec, a, by_cell, noise) for a in spec.axes],
-            "launch_noise": _launch_noise(by_cell, noise),
+            "launch_noise": _launch_noise(spread, noise),
             "failures": failures}
 
 

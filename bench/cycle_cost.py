@@ -5,7 +5,9 @@ that bandwidth), one decode step, verify forwards of n = 1, 2, 4, 8, 12, 16 toke
 `--context` cached tokens; T(1) is the decode step), and the EAGLE-3 drafter's steps timed by the cycle profiler's
 draft.stepK rows (draft.step0 = catch-up on the accepted tokens, then one row per chain step / topk rows per tree
 level). Rounds are interleaved and medians kept, so a noisy machine hurts every column alike. On CPU the same
-forwards also run with the stock oneDNN linears (`--no-stock` skips them): before and after in one table.
+forwards also run in bf16 through our kernels (`--dtype bf16` as the CLI runs it: weights and each linear's input
+rounded to bf16, fp32 accumulation; `--no-bf16` skips it) and with the stock oneDNN path in fp32 and torch's bf16
+(`--no-stock` skips those): every column in one table, each against its own floor (bf16 streams half the bytes).
 
 The floor is sampled in every round, right before that round's forwards. A shared VM's bandwidth swings (30 to 53
 GB/s within a minute on the 2-core AVX-512 VM of 2026-12-02), so decode is compared with the floor two ways: per
@@ -17,8 +19,9 @@ the best read of the whole run (a peak beside a median: the conservative one).
     # CUDA, random weights of the Llama-3.1-8B shape in bf16 (< 3 min on one H200; no downloads):
     python bench/cycle_cost.py --device cuda --shape llama-3.1-8b
 
-Writes bench/results/cycle_cost_<isa>.json on CPU (isa: the row kernels' instruction set here -- avx512, avx2,
-neon; `SPECSCOPE_KERNELS=avx2` on an AVX-512 host measures the AVX2 path) or bench/results/cycle_cost_<shape>_cuda.json.
+Writes bench/results/cycle_cost_<isa>.json on CPU (isa: the row kernels' instruction set here -- avx512_bf16,
+avx512, avx2, neon; `SPECSCOPE_KERNELS=avx512` on an AVX512_BF16 host measures bf16 widened to fp32 FMAs,
+`SPECSCOPE_KERNELS=avx2` the AVX2 path) or bench/results/cycle_cost_<shape>_cuda.json.
 """
 
 from __future__ import annotations
@@ -58,9 +61,17 @@ def sync(dev):
 
 
 # ---- models ----------------------------------------------------------------------------------------------------
+def row_bf16(device, dtype, kernel: str) -> bool:
+    """bf16 through our kernels (fp32 tensors of bf16 values, bf16 linears), as load_model places it on CPU."""
+    from specscope.models import rowgemm
+
+    return device.type == "cpu" and dtype == torch.bfloat16 and kernel == "auto" and rowgemm.available()
+
+
 def random_target(shape: str, device, dtype, kernel: str):
     from specscope.models.config import ModelConfig
     from specscope.models.linear import pack_linears
+    from specscope.models.loader import round_to_bf16
     from specscope.models.llama import Transformer
     from specscope.models.rope import rope_table
 
@@ -68,7 +79,8 @@ def random_target(shape: str, device, dtype, kernel: str):
     cfg = ModelConfig(**spec)
     with torch.device("meta"):
         m = Transformer(cfg)
-    m = m.to_empty(device=device).to(dtype)
+    ours_bf16 = row_bf16(device, dtype, kernel)
+    m = m.to_empty(device=device).to(torch.float32 if ours_bf16 else dtype)
     g = torch.Generator(device=device).manual_seed(0)
     with torch.no_grad():
         for p in m.parameters():
@@ -80,13 +92,14 @@ def random_target(shape: str, device, dtype, kernel: str):
         m.lm_head.weight = m.embed_tokens.weight
     m.rope = rope_table(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling).to(device)
     m.eval().requires_grad_(False)
+    if ours_bf16:
+        round_to_bf16(m)
     if device.type == "cpu":
-        pack_linears(m, kernel=kernel)
+        pack_linears(m, kernel=kernel, precision=m.precision or "fp32")
     return m
 
 
-def random_drafter(shape: str, target):
-    from specscope.models.linear import pack_linears
+def random_drafter(shape: str, target, kernel: str):
     from specscope.speculative.eagle3 import DrafterConfig, Eagle3Drafter
     from specscope.models.rope import rope_table
 
@@ -113,29 +126,42 @@ def random_drafter(shape: str, target):
         d.t2d[:cfg.draft_vocab_size] = True
     d.rope = rope_table(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, None).to(target.device)
     d.eval().requires_grad_(False)
-    if target.device.type == "cpu":
-        pack_linears(d, keep_dense=())
+    place_drafter(d, target, kernel)
     return d
+
+
+def place_drafter(d, target, kernel: str):
+    """On CPU: the drafter in the target's precision, its linears on the target's kernels (as build_drafter does)."""
+    from specscope.models.linear import pack_linears
+    from specscope.models.loader import round_to_bf16
+
+    if target.device.type != "cpu":
+        return
+    if target.precision == "bf16":
+        round_to_bf16(d)
+    pack_linears(d, keep_dense=(), kernel=kernel, precision=target.precision or "fp32")
 
 
 def load(args, device, dtype, kernel: str):
     """(target, EAGLE-3 drafter module, what) for --shape (random) or --model (a checkpoint + --draft)."""
     if args.shape:
         t = random_target(args.shape, device, dtype, kernel)
-        return t, random_drafter(args.shape, t), f"{args.shape} (random weights)"
+        return t, random_drafter(args.shape, t, kernel), f"{args.shape} (random weights)"
     from specscope.models import load_model
     from specscope.models.hub import resolve_model
     from specscope.models.linear import pack_linears
     from specscope.speculative.decode import ASSETS
     from specscope.speculative.formats import load_drafter
 
-    t = load_model(resolve_model(args.model), dtype=dtype, device=device, pack=False)
-    if device.type == "cpu":
-        pack_linears(t, kernel=kernel)
+    if row_bf16(device, dtype, kernel):   # as the CLI loads --dtype bf16
+        t = load_model(resolve_model(args.model), dtype=dtype, device=device)
+    else:
+        t = load_model(resolve_model(args.model), dtype=dtype, device=device, pack=False)
+        if device.type == "cpu":
+            pack_linears(t, kernel=kernel)
     path = ASSETS / args.draft if (ASSETS / args.draft).exists() else Path(args.draft)
     d = load_drafter(path, target=t)
-    if device.type == "cpu":
-        pack_linears(d, keep_dense=(), kernel=kernel)
+    place_drafter(d, t, kernel)
     return t, d, args.model
 
 
@@ -336,6 +362,7 @@ def main(argv=None):
     ap.add_argument("--context", type=int, default=None, help="cached tokens (default 256 CPU, 1024 CUDA)")
     ap.add_argument("--rounds", type=int, default=None, help="timed rounds (default 15 CPU, 30 CUDA)")
     ap.add_argument("--no-stock", action="store_true", help="CPU: skip the stock oneDNN columns")
+    ap.add_argument("--no-bf16", action="store_true", help="CPU: skip the bf16 columns")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     device = torch.device(args.device)
@@ -354,47 +381,59 @@ def main(argv=None):
 
     from specscope.models import rowgemm
 
-    kernels = ["auto"]
-    if device.type == "cpu" and not args.no_stock and rowgemm.available() and dtype == torch.float32:
-        kernels.append("onednn")
-    labels = {"auto": f"ours ({rowgemm.isa()})" if device.type == "cpu" and rowgemm.available() and dtype == torch.float32
-              else ("cuBLAS" if device.type == "cuda" else "stock"), "onednn": "stock oneDNN"}
+    ours = device.type == "cpu" and rowgemm.available()
+    # columns: (label, linear kernel, dtype); the first is the headline (its drafter prices the 3-chain cycle)
+    specs = [(f"ours ({rowgemm.isa()})" if ours and dtype == torch.float32
+              else ("cuBLAS" if device.type == "cuda" else "stock"), "auto", dtype)]
+    if ours and dtype == torch.float32 and not args.no_bf16:
+        specs.append(("ours bf16", "auto", torch.bfloat16))
+    if ours and dtype == torch.float32 and not args.no_stock:
+        specs.append(("stock oneDNN", "onednn", torch.float32))
+        if not args.no_bf16 and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+            specs.append(("stock bf16", "onednn", torch.bfloat16))
     models, fws = {}, {}
-    for k in kernels:
-        models[k] = load(args, device, dtype, k)
-        t, d, what = models[k]
-        fws[labels[k]] = Forwards(t, context, d.aux_layers)
-    target, dmodel, what = models["auto"]
+    for lab, k, dt in specs:
+        models[lab] = load(args, device, dt, k)
+        t, d, what = models[lab]
+        fws[lab] = Forwards(t, context, d.aux_layers)
+    cols = list(fws)
+    target, dmodel, what = models[cols[0]]
     bwm = Bandwidth(device, dtype)
     times, per_round = time_forwards(fws, rounds, bwm)
     bw = bwm.result()
     del bwm
     gbps = max(bw.values())
-    step_bytes = weight_bytes(target) + kv_bytes(target, context)
-    floor_ms = step_bytes / gbps / 1e6
-    paired = {c: paired_fraction(step_bytes, per_round["gbps"], per_round[c]) for c in fws}
+    # each column against the bytes its own decode step must read (bf16 weights: half)
+    step = {c: weight_bytes(models[c][0]) + kv_bytes(models[c][0], context) for c in cols}
+    step_bytes = step[cols[0]]
+    floor = {c: step[c] / gbps / 1e6 for c in cols}
+    floor_ms = floor[cols[0]]
+    paired = {c: paired_fraction(step[c], per_round["gbps"], per_round[c]) for c in cols}
     floor_med = statistics.median(per_round["gbps"])
     drafts = {}
-    for lab, k in zip(fws, kernels):
-        t, d, _ = models[k]
+    for lab in cols:
+        t, d, _ = models[lab]
         drafts[lab] = {"chain": drafter_steps(t, d, context, rounds, topk=1),
                        "tree_topk4": drafter_steps(t, d, context, rounds, topk=4)}
 
     print(f"{what} · {dtype} · {device}{'' if device.type == 'cuda' else f' · {args.threads} threads'} · "
-          f"context {context} · load {load0[0]:.1f}")
+          f"context {context} · load {load0[0]:.1f}" + (f" · bf16 linears: {rowgemm.bf16_method()}"
+                                                        if "ours bf16" in cols else ""))
     print(f"memory floor: {step_bytes / 1e6:.0f} MB per decode step at {gbps:.1f} GB/s, the best read "
           f"({', '.join(f'{k} {v}' for k, v in bw.items())}) = {floor_ms:.2f} ms; per round median "
-          f"{floor_med:.1f} GB/s (range {min(per_round['gbps']):.1f}-{max(per_round['gbps']):.1f})")
-    cols = list(fws)
+          f"{floor_med:.1f} GB/s (range {min(per_round['gbps']):.1f}-{max(per_round['gbps']):.1f})"
+          + "".join(f"; {c}: {step[c] / 1e6:.0f} MB = {floor[c]:.2f} ms" for c in cols[1:] if step[c] != step_bytes))
     print(f"{'':46s}" + "".join(f"{c:>16s}" for c in cols))
     print(f"{'decode ms/token':46s}" + "".join(f"{times[c]['decode']:16.2f}" for c in cols))
+    print(f"{'  speed vs ' + cols[0] + (' (bf16 goal >= 1.7)' if 'ours bf16' in cols else ''):46s}"
+          + "".join(f"{times[cols[0]]['decode'] / times[c]['decode']:16.2f}" for c in cols))
     print(f"{'  floor / decode, same round (goal >= 0.85)':46s}" + "".join(f"{paired[c]:16.2f}" for c in cols))
-    print(f"{'  floor at the best read / decode':46s}" + "".join(f"{floor_ms / times[c]['decode']:16.2f}" for c in cols))
-    print(f"{'  achieved GB/s':46s}" + "".join(f"{step_bytes / times[c]['decode'] / 1e6:16.1f}" for c in cols))
+    print(f"{'  floor at the best read / decode':46s}" + "".join(f"{floor[c] / times[c]['decode']:16.2f}" for c in cols))
+    print(f"{'  achieved GB/s':46s}" + "".join(f"{step[c] / times[c]['decode'] / 1e6:16.1f}" for c in cols))
     for n in ROWS:
         print(f"{f'verify T({n}) ms':46s}" + "".join(f"{times[c][n]:16.2f}" for c in cols))
     for n in ROWS[1:]:
-        goal = {4: " (goal <= 1.05)", 8: " (goal <= 1.15)"}.get(n, "")
+        goal = {4: " (goal <= 1.05)", 8: " (goal <= 1.15; bf16 1.10)"}.get(n, "")
         print(f"{f'  T({n})/T(1){goal}':46s}" + "".join(f"{times[c][n] / times[c][1]:16.2f}" for c in cols))
     print(f"{'  T(8)/decode':46s}" + "".join(f"{times[c][8] / times[c]['decode']:16.2f}" for c in cols))
     for key, name in (("chain", "chain step"), ("tree_topk4", "tree level (topk 4)")):
@@ -411,6 +450,7 @@ def main(argv=None):
           f"(break-even τ; speed-up at τ 3.0 ≈ {3.0 * times[c0]['decode'] / cyc:.2f}x)")
 
     from specscope.jsonio import dtype_name
+    from specscope.models.loader import compute_dtype
 
     res = {"what": what, "device": str(device), "dtype": dtype_name(dtype), "threads": args.threads,
            "context": context, "rounds": rounds, "torch": torch.__version__,
@@ -418,10 +458,14 @@ def main(argv=None):
                              "isa": rowgemm.isa() if device.type == "cpu" else None,
                              "cpu_has_avx512f": "avx512f" in rowgemm.cpu_flags(),
                              "columns": cols},
+           "bf16_linears": rowgemm.bf16_method() if "ours bf16" in cols else None,
            "memory_floor": {"bytes_per_step": step_bytes, "gb_per_s": bw, "floor_ms": round(floor_ms, 3),
                             "gb_per_s_by_round": [round(g, 2) for g in per_round["gbps"]]},
-           "columns": {c: {"decode_ms": round(times[c]["decode"], 3),
-                           "floor_fraction": round(floor_ms / times[c]["decode"], 3),       # vs the best read
+           "columns": {c: {"dtype": dtype_name(compute_dtype(models[c][0])),
+                           "bytes_per_step": step[c], "floor_ms": round(floor[c], 3),
+                           "decode_ms": round(times[c]["decode"], 3),
+                           "speed_vs_first": round(times[cols[0]]["decode"] / times[c]["decode"], 3),
+                           "floor_fraction": round(floor[c] / times[c]["decode"], 3),       # vs the best read
                            "floor_fraction_same_round": round(paired[c], 3),               # median of per-round
                            "decode_ms_by_round": [round(d, 3) for d in per_round[c]],
                            "verify_ms": {str(n): round(times[c][n], 3) for n in ROWS},

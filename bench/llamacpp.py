@@ -1,4 +1,4 @@
-"""specscope beside llama.cpp on the same F32 weights, prompts and threads, in one run (CPU).
+"""specscope beside llama.cpp on the same F32 (or BF16) weights, prompts and threads, in one run (CPU).
 
 What a CPU user would pick instead of us is llama.cpp, so this is the bar: its plain F32 decoding against ours,
 and our lossless speculative modes (n-gram copying, EAGLE-3 with the shipped drafter's declared shape, and the
@@ -13,8 +13,13 @@ the methods take turns per prompt so a noisy machine hurts every column alike.
 
     make bench-llamacpp-deps                 # llama-cpp-python 0.3.36, built from source (~5 min, optional)
     .venv/bin/python bench/llamacpp.py       # 8 MT-bench prompts, ~3 min
+    .venv/bin/python bench/llamacpp.py --dtype bf16   # a BF16 GGUF beside specscope's --dtype bf16
 
-Writes bench/results/llamacpp_<isa>.json (isa: the row kernels' instruction set on this host).
+`--dtype bf16`: the same dequantised weights rounded to bf16 (nearest even, as torch and gguf-py round): 2-D tensors
+stored BF16, the 1-D norms as F32 of their bf16 values (llama.cpp keeps norms F32), so both multiply the same numbers.
+
+Writes bench/results/llamacpp_<isa>.json (isa: the row kernels' instruction set on this host), llamacpp_<isa>_bf16.json
+with --dtype bf16.
 """
 
 from __future__ import annotations
@@ -32,8 +37,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 
-def f32_gguf(src: Path, dst: Path) -> Path:
-    """`src` with every tensor dequantised to F32 (same metadata), written once to `dst`."""
+def f32_gguf(src: Path, dst: Path, bf16: bool = False) -> Path:
+    """`src` with every tensor dequantised to F32 (same metadata), written once to `dst`; bf16: rounded to bf16,
+    matrices stored BF16 and vectors F32."""
     if dst.exists():
         return dst
     import numpy as np
@@ -56,10 +62,16 @@ def f32_gguf(src: Path, dst: Path) -> Path:
             w.add_key_value(name, bytes(f.parts[f.data[0]]).decode(), t)
         else:
             w.add_key_value(name, f.parts[f.data[0]].tolist()[0], t)
-    w.add_file_type(0)   # ALL_F32
+    w.add_file_type(32 if bf16 else 0)   # MOSTLY_BF16 / ALL_F32
     for t in r.tensors:
         shape = [int(x) for x in reversed(t.shape.tolist())]   # gguf stores dims fastest-first
         arr = dequantize(t.data, t.tensor_type).astype(np.float32).reshape(shape)
+        if bf16:
+            bits = torch.from_numpy(arr).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+            if arr.ndim >= 2:
+                w.add_tensor(t.name, bits, raw_shape=bits.shape, raw_dtype=GGMLQuantizationType.BF16)
+                continue
+            arr = (bits.astype(np.uint32) << 16).view(np.float32)
         w.add_tensor(t.name, arr, raw_dtype=GGMLQuantizationType.F32)
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -75,6 +87,7 @@ def main(argv=None):
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--draft", default="smollm2-135m-eagle3")
+    ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     try:
@@ -92,11 +105,12 @@ def main(argv=None):
     from specscope.speculative.decode import SpecConfig, build_drafter, speculative_generate
     from specscope.speculative.drafters import HybridDrafter
 
-    target, tok, _ = load_target("smollm2-135m", "fp32", "cpu")
+    target, tok, _ = load_target("smollm2-135m", args.dtype, "cpu")
     stop = stop_ids_for(target, tok)
     src = _package_file(KNOWN_MODELS["smollm2-135m"])
     (cache_dir() / "llamacpp").mkdir(parents=True, exist_ok=True)
-    gguf = f32_gguf(src, cache_dir() / "llamacpp" / (src.name.rsplit(".", 2)[0] + ".F32.gguf"))
+    kind = "BF16" if args.dtype == "bf16" else "F32"
+    gguf = f32_gguf(src, cache_dir() / "llamacpp" / (src.name.rsplit(".", 2)[0] + f".{kind}.gguf"), kind == "BF16")
     llm = Llama(model_path=str(gguf), n_threads=args.threads, n_threads_batch=args.threads, n_ctx=2048,
                 n_batch=512, verbose=False)
     eagle = build_drafter(args.draft, target)
@@ -146,7 +160,7 @@ def main(argv=None):
 
     base = statistics.fmean(x["tok_per_s"] for x in per["llama.cpp"])
     summary = {}
-    print(f"\nSmolLM2-135M F32, {args.threads} threads, {len(prompts)} MT-bench prompts, greedy, "
+    print(f"\nSmolLM2-135M {kind}, {args.threads} threads, {len(prompts)} MT-bench prompts, greedy, "
           f"{args.max_new_tokens} new tokens · row kernels: {rowgemm.isa() or 'off (oneDNN)'}")
     print(f"{'method':<12}{'tok/s':>8}{'vs llama.cpp':>14}{'τ':>7}{'same text as plain':>20}")
     for m in methods:
@@ -162,7 +176,7 @@ def main(argv=None):
     from specscope.registry.fingerprint import collect, timing_warning
 
     isa = rowgemm.isa() or "off"
-    out = args.out or ROOT / "bench" / "results" / f"llamacpp_{isa}.json"
+    out = args.out or ROOT / "bench" / "results" / f"llamacpp_{isa}{'_bf16' if kind == 'BF16' else ''}.json"
     res = {"config": {**vars(args), "out": str(out), "eagle3_shape": vars(shape), "hybrid_shape": vars(hybrid),
                       "gguf": gguf.name,
                       "llama_cpp_python": llama_cpp.__version__, "row_kernels": isa},

@@ -450,7 +450,7 @@ for _var, _val, _expect in (("LOCAL_RANK", "abc", ["LOCAL_RANK='abc'", "not an i
                                               _expect, True)
 CLI_CASES.update({
     "SPECSCOPE_KERNELS=bogus": (lambda w: with_env(gen(w), SPECSCOPE_KERNELS="bogus"),
-                                ["SPECSCOPE_KERNELS='bogus'", "auto, avx512, avx2, neon, off"], True),
+                                ["SPECSCOPE_KERNELS='bogus'", "auto, avx512_bf16, avx512, avx2, neon, off"], True),
     "SPECSCOPE_LINEAR_TUNE=yes": (lambda w: with_env(gen(w), SPECSCOPE_LINEAR_TUNE="yes"),
                                   ["SPECSCOPE_LINEAR_TUNE='yes'", "1", "0"], True),
     "SPECSCOPE_CACHE a file": (lambda w: with_env(gen(w), SPECSCOPE_CACHE=str(fpath(w, "cache", "x"))),

@@ -117,7 +117,7 @@ def test_a_compiler_that_fails_is_one_warning_and_the_stock_path(tmp_path):
 
 
 @pytest.mark.parametrize("value,message", [
-    ("bogus", "SPECSCOPE_KERNELS='bogus' is not one of auto, avx512, avx2, neon, off; fix or unset it"),
+    ("bogus", "SPECSCOPE_KERNELS='bogus' is not one of auto, avx512_bf16, avx512, avx2, neon, off; fix or unset it"),
     ("neon" if rowgemm._machine() != "aarch64" else "avx2", "CPU cannot run"),
 ])
 def test_an_unknown_or_impossible_kernel_choice_is_refused_like_a_flag(tmp_path, value, message):

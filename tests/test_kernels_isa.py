@@ -1,4 +1,4 @@
-"""Every instruction set's row kernels (AVX-512, AVX2+FMA, NEON), checked where this host can run them: natively,
+"""Every instruction set's row kernels (AVX-512 with and without AVX512_BF16, AVX2+FMA, NEON), checked where this host can run them: natively,
 or NEON under qemu-user with a cross compiler (Debian's g++-aarch64-linux-gnu and qemu-user; `make kernel-tools`
 installs them). tests/csrc/kernel_check.cpp compares every kernel with a float64 reference and checks that 1 row
 and n rows give the same bits; a path this host cannot run is still compiled, and the skip says why."""
@@ -36,7 +36,7 @@ def _run(cmd):
     return r.stdout
 
 
-@pytest.mark.parametrize("isa", ["avx512", "avx2", "neon"])
+@pytest.mark.parametrize("isa", ["avx512_bf16", "avx512", "avx2", "neon"])
 def test_kernels_are_exact_and_row_invariant(isa, tmp_path):
     exe = tmp_path / f"kernel_check_{isa}"
     if _host_runs(isa):

@@ -26,23 +26,27 @@ def _variants():
 @needs_kernels
 @pytest.mark.parametrize("out,k", [(1, 1), (17, 3), (33, 16), (100, 17), (64, 64), (200, 333), (1000, 96)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_gemm_matches_torch_and_every_row_count_gives_the_same_bits(out, k, bias):
+@pytest.mark.parametrize("fmt", ["f32", "bf16a"])
+def test_gemm_matches_torch_and_every_row_count_gives_the_same_bits(out, k, bias, fmt):
+    """fp32, and bf16 precision (weights and inputs rounded to bf16 as torch rounds them, fp32 sums): float64 over
+    the same values, and every row count, panel and tile gives the same bits."""
     g = torch.Generator().manual_seed(out * 1000 + k)
     w = torch.randn(out, k, generator=g)
     b = torch.randn(out, generator=g) if bias else None
     x = torch.randn(40, k, generator=g)
-    ref = (x.double() @ w.double().T + (b.double() if bias else 0)).float()
+    wv, xv = (w, x) if fmt == "f32" else (w.bfloat16().float(), x.bfloat16().float())
+    ref = (xv.double() @ wv.double().T + (b.double() if bias else 0)).float()
     full = None
     for nb, rb in _variants():
-        p = rowgemm.pack(w, nb)
-        torch.testing.assert_close(rowgemm.unpack(p, nb, out, k), w, rtol=0, atol=0)
-        y = rowgemm.gemm(x, p, nb, out, b, rb)
-        scale = (x.abs() @ w.abs().T + (b.abs() if bias else 0)).max().item()
+        p = rowgemm.pack(w, nb, fmt=fmt)
+        torch.testing.assert_close(rowgemm.unpack(p, nb, out, k, fmt), wv, rtol=0, atol=0)
+        y = rowgemm.gemm(x, p, nb, out, b, rb, fmt=fmt)
+        scale = (xv.abs() @ wv.abs().T + (b.abs() if bias else 0)).max().item()
         torch.testing.assert_close(y, ref, rtol=0, atol=1e-6 * scale * max(k, 1) ** 0.5)
         full = y if full is None else full
         assert torch.equal(y, full), "panel width / register tile changed the result"
         for n in list(range(1, 33)) + [40]:
-            assert torch.equal(rowgemm.gemm(x[:n].contiguous(), p, nb, out, b, rb), full[:n]), (nb, rb, n)
+            assert torch.equal(rowgemm.gemm(x[:n].contiguous(), p, nb, out, b, rb, fmt=fmt), full[:n]), (nb, rb, n)
 
 
 @needs_kernels
@@ -84,12 +88,15 @@ def test_attention_matches_sdpa_with_tree_masks(hq, hkv, d):
 
 
 @needs_kernels
-def test_decode_and_verify_give_identical_logits(tmp_path):
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_decode_and_verify_give_identical_logits(tmp_path, dtype):
     """The losslessness the kernels buy: a verify forward (chain or tree rows) equals step-by-step decoding bit
-    for bit, so greedy speculation cannot flip a near-tie argmax."""
+    for bit, so greedy speculation cannot flip a near-tie argmax -- in fp32 and in bf16 precision."""
     make_hf_model(tmp_path, "llama", tie=True)
-    m = load_model(tmp_path, dtype="fp32")
+    m = load_model(tmp_path, dtype=dtype)
+    fmts = {pl.fmt for pl in m.modules() if isinstance(pl, PackedLinear)}
     assert all(pl.kernel == "rowgemm" for pl in m.modules() if isinstance(pl, PackedLinear))
+    assert fmts == ({"bf16a"} if dtype == "bf16" else {"f32"}) and m.precision == (None if dtype == "fp32" else dtype)
     ids = torch.randint(3, 101, (1, 30), generator=torch.Generator().manual_seed(0))
     L = 20
     with torch.inference_mode():
@@ -149,7 +156,7 @@ def test_every_plan_gives_the_same_result(tmp_path, monkeypatch):
     for nb, rbs in rowgemm.VARIANTS.items():
         for rb in rbs:
             plan = {"nb": nb, "rb": {str(n): rb for n in rowgemm.TUNE_ROWS}}
-            monkeypatch.setattr(rowgemm, "tuned_plan", lambda out, k, tune=None, plan=plan: plan)
+            monkeypatch.setattr(rowgemm, "tuned_plan", lambda out, k, tune=None, fmt="f32", plan=plan: plan)
             assert torch.equal(PackedLinear(lin)(x), ref)
 
 
@@ -199,7 +206,8 @@ def test_kernels_can_be_switched_off(monkeypatch, capsys, fresh_library, off):
 
 def test_the_best_isa_of_each_cpu(monkeypatch):
     monkeypatch.delenv("SPECSCOPE_KERNELS", raising=False)
-    cases = [("x86_64", {"avx512f", "avx512dq", "avx512vl", "avx2", "fma"}, "avx512"),
+    cases = [("x86_64", {"avx512f", "avx512dq", "avx512vl", "avx2", "fma", "avx512_bf16"}, "avx512_bf16"),  # Zen 4, SPR
+             ("x86_64", {"avx512f", "avx512dq", "avx512vl", "avx2", "fma"}, "avx512"),
              ("x86_64", {"avx2", "fma", "avx"}, "avx2"),       # Zen 1-3, Alder Lake, VMs hiding AVX-512
              ("x86_64", {"avx2"}, None),                       # AVX2 without FMA: the FMA chain needs it
              ("aarch64", {"asimd", "fp"}, "neon"), ("arm64", set(), "neon"), ("riscv64", set(), None)]
@@ -218,11 +226,15 @@ def test_an_isa_can_be_forced_and_an_impossible_one_is_refused(monkeypatch):
     with pytest.raises(SpecscopeError, match="SPECSCOPE_KERNELS=neon but this x86_64 CPU cannot run neon"):
         rowgemm.requested_isa()
     monkeypatch.setenv("SPECSCOPE_KERNELS", "sse9")
-    with pytest.raises(SpecscopeError, match="SPECSCOPE_KERNELS='sse9' is not one of auto, avx512, avx2, neon, off"):
+    with pytest.raises(SpecscopeError, match="SPECSCOPE_KERNELS='sse9' is not one of auto, avx512_bf16, avx512, avx2, neon, off"):
         rowgemm.requested_isa()
     monkeypatch.setattr(rowgemm, "cpu_flags", lambda: {"avx2", "fma"})
     monkeypatch.setenv("SPECSCOPE_KERNELS", "avx512")
     with pytest.raises(SpecscopeError, match="cannot run avx512"):
+        rowgemm.requested_isa()
+    monkeypatch.setattr(rowgemm, "cpu_flags", lambda: {"avx512f", "avx512dq", "avx512vl", "avx2", "fma"})
+    monkeypatch.setenv("SPECSCOPE_KERNELS", "avx512_bf16")
+    with pytest.raises(SpecscopeError, match="cannot run avx512_bf16"):
         rowgemm.requested_isa()
 
 
@@ -304,18 +316,20 @@ def test_silu_mul_matches_torch():
 
 
 @needs_kernels
-@pytest.mark.parametrize("arch,ckpt", [("llama", torch.float32), ("qwen2", torch.float32), ("mistral", torch.float32),
-                                       ("llama", torch.bfloat16)])
-def test_the_one_call_layer_stack_gives_the_per_layer_bits(tmp_path, arch, ckpt):
+@pytest.mark.parametrize("arch,ckpt,dtype", [("llama", torch.float32, "fp32"), ("qwen2", torch.float32, "fp32"),
+                                             ("mistral", torch.float32, "fp32"), ("llama", torch.bfloat16, "fp32"),
+                                             ("llama", torch.float32, "bf16"), ("qwen2", torch.float32, "bf16")])
+def test_the_one_call_layer_stack_gives_the_per_layer_bits(tmp_path, arch, ckpt, dtype):
     """rows_layers runs every decoder layer in one C++ call: prefill, decode and a tree verify, the aux hidden
     states EAGLE-3 reads included, must be the bits of the per-layer kernel path (a bf16 checkpoint loaded as
-    fp32 streams bf16 panels through the same call)."""
+    fp32 streams bf16 panels through the same call; bf16 precision rounds each linear's input there too)."""
     kw = {"sliding_window": 6} if arch == "mistral" else {}
     make_hf_model(tmp_path, arch, dtype=ckpt, **kw)
-    m = load_model(tmp_path, dtype="fp32")
+    m = load_model(tmp_path, dtype=dtype)
     stack = m.row_stack
     assert stack is not None
-    assert (m.layers[0].mlp.down_proj.rg.dtype == torch.int16) == (ckpt == torch.bfloat16)
+    assert (m.layers[0].mlp.down_proj.rg.dtype == torch.int16) == (ckpt == torch.bfloat16 or dtype == "bf16")
+    assert m.layers[0].mlp.down_proj.fmt == ("bf16a" if dtype == "bf16" else "bf16" if ckpt == torch.bfloat16 else "f32")
     ids = torch.randint(3, 101, (1, 12), generator=torch.Generator().manual_seed(2))
     tree = DraftTree(torch.tensor([5, 6, 7, 8]), torch.tensor([-1, -1, 0, 2]), torch.tensor([1, 1, 2, 3]))
     aux = (0, 1, m.config.num_hidden_layers)

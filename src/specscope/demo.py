@@ -27,7 +27,7 @@ from specscope.fileio import check_output_file, check_writable, write_atomic
 from specscope.generate import generate
 from specscope.jsonio import dtype_name
 from specscope.models.hub import KNOWN_MODELS, is_pulled, resolve_model
-from specscope.models.loader import parse_dtype
+from specscope.models.loader import describe_dtype, parse_dtype
 from specscope.profile import CycleProfiler
 from specscope.prompts import PACKAGED, SPEC_BENCH_FILE, mt_bench_prompts, spec_bench_path, warn
 from specscope.registry import (check_registry, drafting_config, machine_config, make_record, open_registry,
@@ -142,6 +142,7 @@ def run_demo(opts: DemoOptions, ui: DemoUI | None = None) -> dict:
     brec, srec, curve_rec, db_path = _store(brec, srec, curve_rec, opts.db)
     result = {
         "model": str(path), "draft": draft, "method": method, "drafting": asdict(spec_cfg), "dtype": dtype,
+        "dtype_why": describe_dtype(target),
         "device": dev, "threads": torch.get_num_threads(), "prompt_set": prompt_set, "prompts": len(prompts),
         "max_new_tokens": opts.max_new_tokens,
         "baseline": _side(brec), "speculative": _side(srec),

@@ -165,7 +165,8 @@ def run_generate(req: GenerateRequest, on_text=None) -> dict:
 
 def _record_run(req: GenerateRequest, path, model, spec_cfg, res, prof, out: dict, lines: list[str]) -> None:
     """Store this run in the registry; a failure to store warns instead of losing the generation."""
-    config = {**machine_config(path, model.dtype, model.device), "draft": req.draft, **drafting_config(spec_cfg),
+    config = {**machine_config(path, loader.compute_dtype(model), model.device), "draft": req.draft,
+              **drafting_config(spec_cfg),
               **({"draft_budget": req.draft_budget} if req.draft else {}),
               "sampling": out["sampling"], "max_new_tokens": req.max_new_tokens, "chat": req.chat,
               "prompt_set": "single prompt", "prompt_set_hash": prompt_set_hash([req.prompt]),

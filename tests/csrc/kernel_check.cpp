@@ -78,6 +78,52 @@ static void check_gemm_bf16() {
     }
 }
 
+// bf16 serving precision: weights and inputs rounded to bf16 (nearest even), fp32 accumulation. Against float64 over
+// the rounded values (products are exact, so only the fp32 sums err); every tile and row count gives the same bits
+static double bf16_value(float v) {
+    uint16_t b = to_bf16(v);
+    uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static void check_gemm_bf16a() {
+    int64_t nbs[32], rbs[32];
+    int nv = rows_gemm_variants(nbs, rbs, 32);
+    CHECK(to_bf16(1.0f) == 0x3F80 && to_bf16(1.00390625f) == 0x3F80 && to_bf16(1.01171875f) == 0x3F82 &&
+          to_bf16(-0.0f) == 0x8000 && to_bf16(NAN) == 0x7FC0, "to_bf16 rounding");   // ties to even
+    const int64_t shapes[][2] = {{1, 1}, {17, 3}, {33, 16}, {100, 17}, {64, 64}, {200, 333}};
+    for (auto& sh : shapes) {
+        int64_t out = sh[0], in = sh[1], N = 26;
+        auto w = randv(out * in), b = randv(out), x = randv(N * in, 3.0f);
+        std::vector<float> first;
+        for (int vi = 0; vi < nv; ++vi) {
+            int64_t nb = nbs[vi], kk = rows_gemm_bf16a_pairs() ? 2 * ((in + 1) / 2) : in;
+            std::vector<uint16_t> p(((out + nb - 1) / nb) * nb * kk);
+            rows_gemm_pack_bf16a(w.data(), out, in, nb, p.data());
+            std::vector<float> y(N * out);
+            CHECK(rows_gemm_bf16a(x.data(), N, p.data(), nb, out, in, b.data(), y.data(), 2, (int)rbs[vi]) == 0, "bf16a run");
+            for (int64_t r = 0; r < N; ++r)
+                for (int64_t o = 0; o < out; ++o) {
+                    double ref = b[o], mag = fabs(b[o]);
+                    for (int64_t k = 0; k < in; ++k) {
+                        double t = bf16_value(x[r * in + k]) * bf16_value(w[o * in + k]);
+                        ref += t, mag += fabs(t);
+                    }
+                    CHECK(fabs(y[r * out + o] - ref) <= 1e-6 * mag * sqrt((double)in) + 1e-30, "bf16a %ldx%ld value", (long)out, (long)in);
+                }
+            if (first.empty()) first = y;
+            CHECK(memcmp(first.data(), y.data(), y.size() * 4) == 0, "bf16a: panel %ld / tile %ld changed the bits", (long)nb, (long)rbs[vi]);
+            for (int64_t n = 1; n <= N; ++n) {
+                std::vector<float> yn(n * out);
+                rows_gemm_bf16a(x.data(), n, p.data(), nb, out, in, b.data(), yn.data(), 1, (int)rbs[vi]);
+                CHECK(memcmp(yn.data(), y.data(), yn.size() * 4) == 0, "bf16a %ldx%ld: %ld rows differ from %ld", (long)out, (long)in, (long)n, (long)N);
+            }
+        }
+    }
+}
+
 static void check_norm_silu() {
     for (int64_t d : {1, 15, 16, 64, 576, 1000}) {
         const int64_t n = 7;
@@ -199,6 +245,7 @@ static void check_rope_attention() {
 int main() {
     check_gemm();
     check_gemm_bf16();
+    check_gemm_bf16a();
     check_norm_silu();
     check_attention();
     check_rope_attention();

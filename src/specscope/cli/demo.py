@@ -160,6 +160,7 @@ def _print_summary(res: dict) -> None:
     method = res["method"]
     con.rule(f"[bold]{res['prompts']} prompt(s) × up to {res['max_new_tokens']} new tokens, greedy, "
              f"{res['dtype']} on {res['device']} ({res['threads']} thread{'s' if res['threads'] != 1 else ''})")
+    con.print(f"[dim]dtype: {res['dtype_why']}[/dim]")
     con.print(f"Plain decoding:        {b['tok_per_s']:7.2f} tok/s   {b['decode_ms_per_token']:6.2f} ms/token")
     shape = f"s{d['steps']} k{d['topk']} n{d['draft_tokens']}"
     if d.get("ngram_tokens"):

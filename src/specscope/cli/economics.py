@@ -422,6 +422,7 @@ class _TuneContext:
 
     def profile(self, steps, topk, draft_tokens, ngram_tokens, db, say):
         from specscope.economics.probe import profile
+        from specscope.models.loader import compute_dtype
         from specscope.progress import Progress
         from specscope.registry import machine_config, prompt_set_hash
         from specscope.speculative.decode import HYBRID_NGRAM_TOKENS, DraftSpec, SpecConfig
@@ -434,7 +435,7 @@ class _TuneContext:
         say(f"profiling {len(ids)} prompt(s) × {self.max_new_tokens} tokens: baseline, then "
             f"steps {cfg.steps} topk {cfg.topk} draft tokens {cfg.draft_tokens}"
             + (f" n-gram tokens {cfg.ngram_tokens}" if cfg.ngram_tokens else ""))
-        config = {**machine_config(path, target.dtype, target.device), "model_name": self.model_name,
+        config = {**machine_config(path, compute_dtype(target), target.device), "model_name": self.model_name,
                   "draft": self.draft, "prompts": self.prompts,
                   "prompt_set_hash": prompt_set_hash(self.prompts), "max_new_tokens": self.max_new_tokens,
                   "sampling": {"temperature": 0.0}}
@@ -458,6 +459,7 @@ class _TuneContext:
         the concurrency levels above 1 -> (VerifyCurve, VerifySurface or None)."""
         from specscope.cli.verify_curve import measure_with_progress
         from specscope.economics.verify_curve import VerifyCurve, VerifySurface, surface_results
+        from specscope.models.loader import compute_dtype
         from specscope.registry import make_record, store_record
 
         target = self.load()[0]
@@ -470,7 +472,8 @@ class _TuneContext:
         # verify-curve's own bar and per-point lines (one rule for both commands)
         res, surf = measure_with_progress(target, [L], toks, 1, 5, levels if batched else None, L, None,
                                           self.as_json)
-        config = {"model": str(self.load()[4]), "dtype": dtype_name(target.dtype), "device": str(target.device),
+        config = {"model": str(self.load()[4]), "dtype": dtype_name(compute_dtype(target)),
+                  "device": str(target.device),
                   "contexts": [L], "tokens": toks, "warmup": 1, "repeats": 5}
         results, samples = {"points": res["points"], "fits": res["fits"]}, {"verify_ms": res["samples"]}
         if batched:

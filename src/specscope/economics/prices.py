@@ -11,6 +11,7 @@ import torch
 from specscope import cachedir
 from specscope.economics.verify_curve import measure_curve
 from specscope.models import rowgemm
+from specscope.models.loader import compute_dtype
 from specscope.speculative.budget import Prices
 
 
@@ -35,7 +36,7 @@ def _key(target) -> str:
     dev = target.device
     host = rowgemm.fingerprint() if dev.type == "cpu" else (
         torch.cuda.get_device_name(dev) if dev.type == "cuda" else dev.type)
-    parts = [repr(target.config), str(dev), str(target.dtype), host, torch.__version__]
+    parts = [repr(target.config), str(dev), str(compute_dtype(target)), host, torch.__version__]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()
 
 

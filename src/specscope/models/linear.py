@@ -2,7 +2,8 @@
 
 Where it builds (AVX-512, AVX2+FMA or NEON and a C++ compiler; models/rowgemm.py), fp32 linears use our kernel for
 every row count: each weight panel is streamed once for all rows (verify costs about one decode step) and every
-row count gives the same bits (decode and verify agree exactly). Elsewhere, and for bf16, the stock path below.
+row count gives the same bits (decode and verify agree exactly); in bf16 precision too (`precision="bf16"`: weights
+and inputs rounded to bf16, fp32 sums; the loader's `--dtype bf16` on CPU). Elsewhere the stock path below.
 
 Decode and verify on CPU are weight-streaming GEMV / skinny GEMM. Measured on the 2-core AMD EPYC (torch 2.13,
 MKL + oneDNN 3.12; see bench/results/linear_kernels.json): `F.linear` (MKL sgemm on the [out, in] weight)
@@ -43,20 +44,24 @@ class PackedLinear(nn.Module):
     """
 
     def __init__(self, lin: nn.Linear, keep_dense: bool = False, one_row_transposed: bool = False,
-                 kernel: str = "auto", tune: bool | None = None):
+                 kernel: str = "auto", tune: bool | None = None, precision: str = "fp32"):
         super().__init__()
         self.in_features, self.out_features = lin.in_features, lin.out_features
         w = lin.weight.detach()
         self.bias = lin.bias
         self.dense = lin.weight if keep_dense else None
         self.packed = self.wt = self.rg = None
-        self.kernel = "onednn"
+        self.kernel, self.fmt = "onednn", None
+        if precision not in ("fp32", "bf16"):
+            raise ValueError(f"unknown linear precision {precision!r}; use fp32 or bf16")
         if kernel in ("auto", "rowgemm") and rowgemm.supports(w):
             self.kernel = "rowgemm"
-            plan = rowgemm.tuned_plan(self.out_features, self.in_features, tune)
+            # fp32: a bf16 checkpoint upcast to fp32 streams as bf16, half the bytes, the same bits
+            # (rowgemm.is_bf16_exact); bf16: weights and inputs rounded to bf16, fp32 accumulation
+            self.fmt = "bf16a" if precision == "bf16" else "bf16" if rowgemm.is_bf16_exact(w) else "f32"
+            plan = rowgemm.tuned_plan(self.out_features, self.in_features, tune, fmt=self.fmt)
             self.nb = plan["nb"]
-            # a bf16 checkpoint upcast to fp32 streams as bf16: half the bytes, the same bits (rowgemm.is_bf16_exact)
-            self.rg = rowgemm.pack(w, self.nb, bf16=rowgemm.is_bf16_exact(w))
+            self.rg = rowgemm.pack(w, self.nb, fmt=self.fmt)
             self.rbs = [0] + [rowgemm.rb_for(plan, n) for n in range(1, rowgemm.TUNE_ROWS[-1] + 1)]
             self.rg_bias = None if self.bias is None else self.bias.detach().float().contiguous()
             return
@@ -69,7 +74,7 @@ class PackedLinear(nn.Module):
         if self.dense is not None:
             return self.dense
         if self.rg is not None:
-            return rowgemm.unpack(self.rg, self.nb, self.out_features, self.in_features)
+            return rowgemm.unpack(self.rg, self.nb, self.out_features, self.in_features, self.fmt)
         return self.wt.t() if self.wt is not None else self.packed.to_dense()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -78,7 +83,8 @@ class PackedLinear(nn.Module):
             if not x2.is_contiguous():
                 x2 = x2.contiguous()
             n = x2.shape[0]
-            y = rowgemm.gemm(x2, self.rg, self.nb, self.out_features, self.rg_bias, self.rbs[min(n, len(self.rbs) - 1)])
+            y = rowgemm.gemm(x2, self.rg, self.nb, self.out_features, self.rg_bias, self.rbs[min(n, len(self.rbs) - 1)],
+                             fmt=self.fmt)
             return y.view(*x.shape[:-1], self.out_features)
         if self.rg is not None:
             return F.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
@@ -91,17 +97,19 @@ class PackedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"kernel={self.kernel}")
+                f"kernel={self.kernel}" + (f", format={self.fmt}" if self.fmt else ""))
 
 
 def pack_linears(model: nn.Module, keep_dense: tuple[str, ...] = ("lm_head",), one_row: str = "auto",
-                 kernel: str = "auto", tune: bool | None = None) -> int:
+                 kernel: str = "auto", tune: bool | None = None, precision: str = "fp32") -> int:
     """Swap every packable nn.Linear in `model` for a PackedLinear, in place; returns how many were swapped.
 
     Names in `keep_dense` (module names, matched exactly) keep their dense weight as well. kernel: "auto" (our
     row-invariant kernel where it builds, else oneDNN), "rowgemm" (same) or "onednn" (the stock path). one_row
     (oneDNN path only): "auto" (a transposed copy for 1-row calls in fp32, where it is faster), "packed" or
-    "transposed". tune: measure the kernel's tiles for each new weight shape (default on, cached on disk)."""
+    "transposed". tune: measure the kernel's tiles for each new weight shape (default on, cached on disk).
+    precision "bf16" (our kernel only): bf16 serving precision, weights and each linear's input rounded to bf16,
+    fp32 accumulation (models/rowgemm.py FORMATS)."""
     if kernel not in ("auto", "rowgemm", "onednn"):
         raise ValueError(f"unknown linear kernel {kernel!r}; use auto, rowgemm or onednn")
     n, rows = 0, False
@@ -110,7 +118,8 @@ def pack_linears(model: nn.Module, keep_dense: tuple[str, ...] = ("lm_head",), o
             if type(child) is nn.Linear and can_pack(child.weight):
                 full = f"{name}.{child_name}" if name else child_name
                 tr = one_row == "transposed" or (one_row == "auto" and child.weight.dtype == torch.float32)
-                pl = PackedLinear(child, keep_dense=full in keep_dense, one_row_transposed=tr, kernel=kernel, tune=tune)
+                pl = PackedLinear(child, keep_dense=full in keep_dense, one_row_transposed=tr, kernel=kernel, tune=tune,
+                                  precision=precision)
                 setattr(mod, child_name, pl)
                 n += 1
                 rows = rows or pl.kernel == "rowgemm"

@@ -120,6 +120,10 @@ class Transformer(nn.Module):
         self.register_buffer("rope", rope_table(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
                                                 cfg.rope_scaling), persistent=False)
 
+    # None: the parameters' dtype; "bf16": weights and each linear's input rounded to bf16 in fp32 tensors (set by
+    # models/loader.py round_to_bf16)
+    precision: str | None = None
+
     @property
     def device(self):
         return self.embed_tokens.weight.device

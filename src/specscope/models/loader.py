@@ -9,8 +9,9 @@ import torch
 from safetensors.torch import load_file
 
 from specscope.errors import SpecscopeError
-from specscope.jsonio import loads
+from specscope.jsonio import dtype_name, loads
 from specscope.models.config import ModelConfig
+from specscope.models import rowgemm
 from specscope.models.linear import pack_linears
 from specscope.models.llama import Transformer
 from specscope.models.rope import rope_table
@@ -221,13 +222,48 @@ def load_model(path: str | Path, dtype: torch.dtype | str | None = None, device:
         model.lm_head.weight = model.embed_tokens.weight
     # rope buffer was on meta: rebuild it
     model.rope = rope_table(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
-    model = model.to(device=device, dtype=dtype)
+    packed = pack if pack is not None else device.type == "cpu"
+    row_bf16 = packed and dtype == torch.bfloat16 and device.type == "cpu" and rowgemm.available()
+    model = model.to(device=device, dtype=torch.float32 if row_bf16 else dtype)
     model.rope = model.rope.float()
     model.eval().requires_grad_(False)
     model.source_path = str(path)
-    if pack if pack is not None else device.type == "cpu":
-        pack_linears(model)
+    if row_bf16:
+        round_to_bf16(model)
+    if packed:
+        pack_linears(model, precision=model.precision or "fp32")
     return model
+
+
+def round_to_bf16(model: torch.nn.Module) -> None:
+    """bf16 on CPU through our kernels: every weight rounded to bf16 (as `.to(torch.bfloat16)` rounds), held in fp32
+    tensors; the linears then stream them as bf16 and round their inputs to bf16 (pack_linears precision="bf16"),
+    while norms, attention, the KV cache and the residual stream stay fp32. Row-invariant like the fp32 path, so
+    speculative bf16 output equals plain bf16 output; not torch's bf16 forward (which rounds every activation)."""
+    for p in model.parameters():
+        p.data = p.data.to(torch.bfloat16).float()
+    model.precision = "bf16"
+
+
+def describe_dtype(model) -> str:
+    """Which dtype a loaded model runs in, and why, in one line (the demo prints it)."""
+    if getattr(model, "precision", None) == "bf16":
+        return (f"bf16 through specscope's kernels ({rowgemm.bf16_method()}): weights and each linear's input in "
+                f"bf16, fp32 sums, norms, attention and KV cache; row-invariant, so speculative output equals "
+                f"plain bf16 output")
+    if model.device.type != "cpu":
+        return f"{dtype_name(model.dtype)} on {model.device.type}"
+    if model.dtype == torch.float32:
+        return ("fp32: the checkpoint's values (auto = fp32 on CPU; --dtype bf16 streams half the bytes, "
+                "lossless for speculation, but rounds the model)" if rowgemm.available() else "fp32")
+    return (f"{dtype_name(model.dtype)} through torch's stock kernels (no row-invariant kernels here): not "
+            f"row-invariant, so speculative output can differ from plain decoding")
+
+
+def compute_dtype(model) -> torch.dtype:
+    """The dtype a model runs in as the user asked for it: bf16 for one in our bf16 precision (whose tensors are
+    fp32), else its parameters' dtype."""
+    return torch.bfloat16 if getattr(model, "precision", None) == "bf16" else model.dtype
 
 
 # ---------------------------------------------------------------- safetensors without a second copy

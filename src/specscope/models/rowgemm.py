@@ -7,9 +7,14 @@ for all rows (T(8)/T(1) near 1) and give every row count the same bits (one FMA 
 a 1-row decode and an n-row verify agree exactly and greedy speculation stays lossless by construction.
 
 One design, several instruction sets: rows_gemm.cpp is written over the vector operations of csrc/simd.h and
-built for the best ISA this CPU has -- AVX-512 (Skylake-SP, Zen 4), AVX2+FMA (Haswell, Zen 1-3, Alder Lake, and
-VMs that hide AVX-512) or NEON (every aarch64 CPU). `SPECSCOPE_KERNELS=avx512|avx2|neon` forces one (for
-side-by-side runs), `off` (or `0`) uses the stock oneDNN + SDPA path.
+built for the best ISA this CPU has -- AVX-512 with AVX512_BF16 (Zen 4, Cooper Lake, Sapphire Rapids and later),
+AVX-512 (Skylake-SP, Ice Lake), AVX2+FMA (Haswell, Zen 1-3, Alder Lake, and VMs that hide AVX-512) or NEON (every
+aarch64 CPU). `SPECSCOPE_KERNELS=avx512_bf16|avx512|avx2|neon` forces one (for side-by-side runs), `off` (or `0`)
+uses the stock oneDNN + SDPA path.
+
+bf16 (`--dtype bf16` on CPU, FORMATS "bf16a"): weights and each linear's input rounded to bf16, fp32 accumulation,
+row-invariant like fp32 -- vdpbf16ps on AVX512_BF16 builds, bf16 widened to fp32 FMAs elsewhere. AMX tiles are not
+used: no AMX machine was at hand to test them on, and AMX CPUs have AVX512_BF16 too.
 
 Build: at first use, with $CXX or the first of c++ / g++ / clang++ (`-O3 -fopenmp`, no torch headers, ~2 s), into
 the specscope cache dir, keyed by the ISA, the sources and the compiler; a compiler without OpenMP (Apple clang)
@@ -43,17 +48,21 @@ from specscope.errors import SpecscopeError
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCE = CSRC / "rows_gemm.cpp"
 SOURCES = (SOURCE, CSRC / "simd.h")
-ABI = 9
+ABI = 10
 # -ffp-contract=off: the compiler may fuse a*b-c into an FMA in one copy of a loop (vectorised) and not in another
 # (scalar), which broke verify == decode for the rotary embedding under -O3 on aarch64; every FMA we want is explicit
 COMMON_FLAGS = ["-O3", "-std=c++17", "-ffp-contract=off", "-fPIC", "-shared"]
 # per instruction set: the CPU flags (/proc/cpuinfo names) it needs and the compiler flags that enable it
 ISAS = {
+    # AVX-512 plus vdpbf16ps (Zen 4, Cooper Lake, Sapphire Rapids+): the fp32 kernels of avx512, bit for bit, and
+    # bf16-input linears two products per lane per instruction
+    "avx512_bf16": ({"avx512f", "avx512dq", "avx512vl", "fma", "avx512_bf16"},
+                    ["-mavx512f", "-mavx512dq", "-mavx512vl", "-mfma", "-mavx512bf16"]),
     "avx512": ({"avx512f", "avx512dq", "avx512vl", "fma"}, ["-mavx512f", "-mavx512dq", "-mavx512vl", "-mfma"]),
     "avx2": ({"avx2", "fma"}, ["-mavx2", "-mfma"]),
     "neon": (set(), []),   # baseline on aarch64
 }
-X86_ORDER = ("avx512", "avx2")
+X86_ORDER = ("avx512_bf16", "avx512", "avx2")
 TUNE_ROWS = (1, 2, 4, 8, 12, 16, 24, 32, 64)
 TUNE_RULE = "relative-2"   # in the tuning cache's name: a new choice rule re-measures
 _lock = threading.Lock()
@@ -104,7 +113,7 @@ def best_isa() -> tuple[str | None, str]:
     return None, "this CPU has neither AVX-512 nor AVX2+FMA, so the row-invariant kernels are not used"
 
 
-KERNEL_CHOICES = ("auto", "avx512", "avx2", "neon", "off")
+KERNEL_CHOICES = ("auto", "avx512_bf16", "avx512", "avx2", "neon", "off")
 
 
 def requested_isa() -> tuple[str | None, str]:
@@ -291,6 +300,9 @@ SIGNATURES = {
     "rows_gemm_pack": (None, [_P, _I64, _I64, _I64, _P]),
     "rows_gemm_pack_bf16": (None, [_P, _I64, _I64, _I64, _P]),
     "rows_gemm_bf16": (_INT, [_P, _I64, _P, _I64, _I64, _I64, _P, _P, _INT, _INT]),
+    "rows_gemm_bf16a_pairs": (_INT, []),
+    "rows_gemm_pack_bf16a": (None, [_P, _I64, _I64, _I64, _P]),
+    "rows_gemm_bf16a": (_INT, [_P, _I64, _P, _I64, _I64, _I64, _P, _P, _INT, _INT]),
     "rows_rmsnorm": (None, [_P, _P, _I64, _I64, _P, _F32, _P, _P]),
     "rows_silu_mul": (None, [_P, _I64, _I64, _P]),
     "rows_attention": (_INT, [_P, _I64, _I64, _I64, _I64, _I64, _P, _P, _I64, _I64, _P, _I64, _P, _INT]),
@@ -325,35 +337,61 @@ def is_bf16_exact(weight: torch.Tensor) -> bool:
     return w.dtype == torch.float32 and not bool((w.view(torch.int32) & 0xFFFF).any())
 
 
-def pack(weight: torch.Tensor, nb: int, bf16: bool = False) -> torch.Tensor:
-    """[out, in] fp32 -> panels [ceil(out/nb), in, nb] (zero-padded), flat: fp32, or (bf16=True, for weights that
-    are exactly bf16) their bf16 bits as int16."""
+# Packed weight formats: "f32" (fp32 panels, fp32 inputs), "bf16" (bf16 panels of weights that are exactly bf16,
+# fp32 inputs: the bits of "f32", half the bytes) and "bf16a" (bf16 serving precision: weights rounded to bf16 and
+# each input row rounded to bf16 at the linear, fp32 accumulation; k-pair panels where the CPU has vdpbf16ps)
+FORMATS = ("f32", "bf16", "bf16a")
+
+
+def pairs() -> bool:
+    """The loaded library's bf16a linears use vdpbf16ps (k-pair panels); else they widen bf16 panels."""
+    return bool(library().rows_gemm_bf16a_pairs())
+
+
+def bf16_method() -> str:
+    """How bf16 serving-precision linears multiply on this build, in words (for the demo and the benches)."""
+    if library() is None:
+        return "stock oneDNN"
+    return "AVX512_BF16 dot products" if pairs() else f"bf16 widened to fp32 FMAs ({_isa})"
+
+
+def pack(weight: torch.Tensor, nb: int, bf16: bool = False, fmt: str | None = None) -> torch.Tensor:
+    """[out, in] fp32 -> panels [ceil(out/nb), in, nb] (zero-padded), flat: fp32 ("f32"), or their bf16 bits as int16
+    ("bf16", also bf16=True: for weights that are exactly bf16; "bf16a": rounded to bf16, in k-pair panels
+    [ceil(out/nb), ceil(in/2), nb, 2] where `pairs()`)."""
+    fmt = fmt or ("bf16" if bf16 else "f32")
     out, k = weight.shape
-    w = weight.detach().contiguous()
-    n = ((out + nb - 1) // nb) * nb * k
-    if bf16:
-        p = torch.empty(n, dtype=torch.int16)
-        library().rows_gemm_pack_bf16(w.data_ptr(), out, k, nb, p.data_ptr())
-    else:
-        p = torch.empty(n, dtype=torch.float32)
-        library().rows_gemm_pack(w.data_ptr(), out, k, nb, p.data_ptr())
+    w = weight.detach().float().contiguous()
+    kk = 2 * ((k + 1) // 2) if fmt == "bf16a" and pairs() else k
+    n = ((out + nb - 1) // nb) * nb * kk
+    p = torch.empty(n, dtype=torch.float32 if fmt == "f32" else torch.int16)
+    fn = {"f32": library().rows_gemm_pack, "bf16": library().rows_gemm_pack_bf16,
+          "bf16a": library().rows_gemm_pack_bf16a}[fmt]
+    fn(w.data_ptr(), out, k, nb, p.data_ptr())
     return p
 
 
-def unpack(p: torch.Tensor, nb: int, out: int, k: int) -> torch.Tensor:
+def unpack(p: torch.Tensor, nb: int, out: int, k: int, fmt: str | None = None) -> torch.Tensor:
     if p.dtype == torch.int16:   # bf16 bits -> the fp32 values they are
         p = (p.to(torch.int32) << 16).view(torch.float32)
+    if fmt == "bf16a" and pairs():
+        kp = (k + 1) // 2
+        return p.view(-1, kp, nb, 2).permute(0, 2, 1, 3).reshape(-1, 2 * kp)[:out, :k]
     return p.view(-1, k, nb).transpose(1, 2).reshape(-1, k)[:out]
 
 
 def gemm(x2d: torch.Tensor, p: torch.Tensor, nb: int, out: int, bias: torch.Tensor | None, rb: int,
-         y: torch.Tensor | None = None) -> torch.Tensor:
-    """y[n, out] = x2d[n, in] @ W^T + bias; x2d contiguous fp32."""
+         y: torch.Tensor | None = None, fmt: str | None = None) -> torch.Tensor:
+    """y[n, out] = x2d[n, in] @ W^T + bias; x2d contiguous fp32; fmt: how `p` was packed (default: "bf16" for
+    int16 panels, else "f32"); "bf16a" rounds each input to bf16 first."""
     n, k = x2d.shape
     if y is None:
         y = torch.empty(n, out, dtype=torch.float32)
     lib = _lib or library()
-    fn = lib.rows_gemm_bf16 if p.dtype == torch.int16 else lib.rows_gemm_f32
+    if fmt == "bf16a":
+        fn = lib.rows_gemm_bf16a
+    else:
+        fn = lib.rows_gemm_bf16 if p.dtype == torch.int16 else lib.rows_gemm_f32
     rc = fn(x2d.data_ptr(), n, p.data_ptr(), nb, out, k,
                             bias.data_ptr() if bias is not None else None, y.data_ptr(),
                             torch.get_num_threads(), rb)
@@ -431,7 +469,7 @@ def rope_attention(qkv: torch.Tensor, n_heads: int, n_kv: int, cos: torch.Tensor
 # ---- a stack of decoder layers in one call ----------------------------------------------------------------------
 class _Linear(ctypes.Structure):
     _fields_ = [("p", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("nb", ctypes.c_int64), ("rb", ctypes.c_int64),
-                ("out", ctypes.c_int64), ("in_", ctypes.c_int64), ("bf16", ctypes.c_int64)]
+                ("out", ctypes.c_int64), ("in_", ctypes.c_int64), ("fmt", ctypes.c_int64)]
 
 
 class _Layer(ctypes.Structure):
@@ -461,7 +499,7 @@ class LayerStack:
             def lin(pl):
                 b = pl.rg_bias
                 return _Linear(pl.rg.data_ptr(), 0 if b is None else b.data_ptr(), pl.nb, pl.rbs[key],
-                               pl.out_features, pl.in_features, int(pl.rg.dtype == torch.int16))
+                               pl.out_features, pl.in_features, FORMATS.index(pl.fmt))
 
             arr = (_Layer * self.n)(*[_Layer(ly.input_layernorm.weight.data_ptr(),
                                              ly.post_attention_layernorm.weight.data_ptr(),
@@ -553,12 +591,12 @@ def _read_cache(rel: str) -> dict:
     return cachedir.load_json(rel, _check_cache, "linear tuning plans", "re-measuring") or {"plans": {}}
 
 
-def measure(out: int, k: int, rows=TUNE_ROWS, rounds: int = 3, cold_bytes: int = 96 << 20) -> dict:
+def measure(out: int, k: int, rows=TUNE_ROWS, rounds: int = 3, cold_bytes: int = 96 << 20, fmt: str = "f32") -> dict:
     """Seconds per call for every (panel, tile, rows), with the weights cold (copies that overflow the L3)."""
-    copies = max(1, min(64, cold_bytes // (out * k * 4)))
+    copies = max(1, min(64, cold_bytes // (out * k * (4 if fmt == "f32" else 2))))
     g = torch.Generator().manual_seed(0)
     w = torch.randn(out, k, generator=g)
-    packs = {nb: [pack(w, nb) for _ in range(copies)] for nb in VARIANTS}
+    packs = {nb: [pack(w, nb, fmt=fmt) for _ in range(copies)] for nb in VARIANTS}
     xs = {n: torch.randn(n, k, generator=g) for n in rows}
     ys = {n: torch.empty(n, out) for n in rows}
     best: dict = {}
@@ -568,7 +606,7 @@ def measure(out: int, k: int, rows=TUNE_ROWS, rounds: int = 3, cold_bytes: int =
                 for n in rows:
                     t = time.perf_counter()
                     for p in packs[nb]:
-                        gemm(xs[n], p, nb, out, None, rb, ys[n])
+                        gemm(xs[n], p, nb, out, None, rb, ys[n], fmt)
                     dt = (time.perf_counter() - t) / copies
                     key = (nb, rb, n)
                     best[key] = min(best.get(key, float("inf")), dt)
@@ -593,8 +631,9 @@ def choose(best: dict, rows=TUNE_ROWS) -> dict:
             "us": {str(n): round(min(best[(nb, rb, n)] for rb in VARIANTS[nb]) * 1e6, 1) for n in rows}}
 
 
-def tuned_plan(out: int, k: int, tune: bool | None = None) -> dict:
-    """The cached plan for an [out, in=k] fp32 weight on this machine; measured (and cached) on first sight.
+def tuned_plan(out: int, k: int, tune: bool | None = None, fmt: str = "f32") -> dict:
+    """The cached plan for an [out, in=k] weight packed as `fmt` on this machine; measured (and cached) on first
+    sight.
 
     tune=False (or SPECSCOPE_LINEAR_TUNE=0) skips measuring and uses the default plan (same results, maybe
     slower)."""
@@ -602,14 +641,14 @@ def tuned_plan(out: int, k: int, tune: bool | None = None) -> dict:
         tune = os.environ.get("SPECSCOPE_LINEAR_TUNE", "1") != "0"
     if not tune:
         return default_plan(out, k)
-    key = f"{out}x{k}"
+    key = f"{out}x{k}" if fmt in ("f32", "bf16") else f"{out}x{k}/{fmt}"   # bf16 weights stream as f32's plan
     path = _tune_rel()
     with _lock:
         data = _read_cache(path)
         plan = data["plans"].get(key)
         if _valid_plan(plan):
             return plan
-        plan = choose(measure(out, k))
+        plan = choose(measure(out, k, fmt=fmt) if fmt == "bf16a" else measure(out, k))
         data = _read_cache(path)            # another process may have added shapes meanwhile
         data["plans"][key] = plan
         data["fingerprint"] = fingerprint()

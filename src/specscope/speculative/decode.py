@@ -162,10 +162,13 @@ def build_drafter(draft: str, target, prices=None) -> Drafter:
     if is_eagle3_config(raw):
         d = load_drafter(path, target=target, raw=raw)    # validated against the target, on its device and dtype
         if target.device.type == "cpu":   # inference only: the drafter's linears take the target's fast kernels
-            pack_linears(d, keep_dense=())
+            if getattr(target, "precision", None) == "bf16":   # and its precision
+                loader.round_to_bf16(d)
+            pack_linears(d, keep_dense=(), precision=getattr(target, "precision", None) or "fp32")
         drafter = Eagle3TreeDrafter(d, target)
     else:
-        drafter = DraftModelDrafter(loader.load_model(path, dtype=target.dtype, device=target.device), target)
+        drafter = DraftModelDrafter(loader.load_model(path, dtype=loader.compute_dtype(target),
+                                                            device=target.device), target)
     return priced_alone(drafter, target.config.max_position_embeddings, prices) if prices is not None else drafter
 
 

@@ -1,6 +1,7 @@
-// The row-invariant CPU kernels of a decode / verify / tree-drafting forward (fp32): the linear, RMSNorm (with the
-// residual add fused), SiLU-gate, and rotary embedding + KV-cache write + attention. One design, written once over
-// the vector operations of simd.h and built per instruction set (AVX-512, AVX2+FMA, NEON) by models/rowgemm.py
+// The row-invariant CPU kernels of a decode / verify / tree-drafting forward (fp32, and bf16 linears): the linear,
+// RMSNorm (with the residual add fused), SiLU-gate, and rotary embedding + KV-cache write + attention. One design,
+// written once over the vector operations of simd.h and built per instruction set (AVX-512 with or without
+// AVX512_BF16, AVX2+FMA, NEON) by models/rowgemm.py
 // (no torch headers; called through ctypes; it links the libgomp torch already loaded, so it shares torch's
 // OpenMP thread pool).
 //
@@ -23,7 +24,7 @@ using simd::vf;
 
 // the register tiles (V vectors of outputs x RB rows) each ISA is built with: its register file decides
 // (AVX2: 16 registers, so V*RB + V + 1 <= 16; NEON and AVX-512: 32)
-#if defined(SPECSCOPE_ISA_AVX512)
+#if defined(SPECSCOPE_ISA_AVX512) || defined(SPECSCOPE_ISA_AVX512_BF16)
 #define TILES(X) X(2, 6) X(2, 12) X(4, 4) X(4, 6)
 #elif defined(SPECSCOPE_ISA_AVX2)
 #define TILES(X) X(1, 12) X(2, 4) X(2, 6) X(4, 2) X(4, 3)
@@ -95,6 +96,75 @@ static int gemm_dispatch(const float* x, int64_t n, const WT* p, int64_t nb, int
     return -1;
 }
 
+// ---- bf16 serving precision: weights bf16, each row's input rounded to bf16, fp32 accumulation -------------------
+// Products of two bf16 values are exact in fp32, so the only roundings are the accumulations, and those happen
+// per output lane in a fixed k order, whatever the row count: a verify of n rows gives the bits of n decode steps.
+// With vdpbf16ps (SPECSCOPE_DPBF16) one instruction takes two k at once for 16 outputs (weights packed in k pairs,
+// [out/NB][ceil(in/2)][NB][2]); elsewhere the bf16 panels above are widened and FMA'd (the same layout as bf16 weights
+// with fp32 inputs), here with inputs that are bf16 values.
+
+// fp32 -> bf16, round to nearest even, as torch rounds (NaN -> the quiet NaN 0x7FC0)
+static inline uint16_t to_bf16(float v) {
+    uint32_t u;
+    memcpy(&u, &v, 4);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
+    u += 0x7FFFu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+#if defined(SPECSCOPE_DPBF16)
+// one panel of V*L outputs for RB rows: x holds each row's input as kp bf16 pairs (low half: even k)
+template <int V, int RB>
+static inline void tile_dp(const uint32_t* __restrict x, int64_t kp, const uint16_t* __restrict p,
+                           const float* __restrict bias, int valid, float* __restrict y, int64_t ldy) {
+    vf acc[V][RB];
+    for (int v = 0; v < V; ++v) {
+        vf b = bias ? simd::load_n(bias + v * L, valid - v * L) : simd::zero();
+        for (int r = 0; r < RB; ++r) acc[v][r] = b;
+    }
+    for (int64_t j = 0; j < kp; ++j) {
+        const uint16_t* pj = p + j * (2 * V * L);
+        for (int c = 0; c < 2 * V * L; c += 32) simd::prefetch(pj + 2048 + c);   // 4 KB ahead, as tile()
+        __m512bh wv[V];
+        for (int v = 0; v < V; ++v) wv[v] = (__m512bh)_mm512_loadu_si512((const void*)(pj + v * 2 * L));
+        for (int r = 0; r < RB; ++r) {
+            __m512bh xb = (__m512bh)_mm512_set1_epi32((int)x[r * kp + j]);
+            for (int v = 0; v < V; ++v) acc[v][r] = _mm512_dpbf16_ps(acc[v][r], wv[v], xb);
+        }
+    }
+    for (int v = 0; v < V; ++v) {
+        int left = valid - v * L;
+        if (left <= 0) break;
+        for (int r = 0; r < RB; ++r) simd::store_n(y + r * ldy + v * L, acc[v][r], left);
+    }
+}
+
+template <int V, int R>
+static inline void tail_dp(int64_t rem, const uint32_t* x, int64_t kp, const uint16_t* p, const float* bias,
+                           int valid, float* y, int64_t ldy) {
+    if constexpr (R > 0) {
+        if (rem == R) tile_dp<V, R>(x, kp, p, bias, valid, y, ldy);
+        else tail_dp<V, R - 1>(rem, x, kp, p, bias, valid, y, ldy);
+    }
+}
+
+template <int V, int RB>
+static void run_dp(const uint32_t* x, int64_t n, const uint16_t* p, int64_t out, int64_t kp, const float* bias,
+                   float* y, int nthreads) {
+    const int64_t NB = V * L, npan = (out + NB - 1) / NB;
+    #pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1)
+    for (int64_t b = 0; b < npan; ++b) {
+        int64_t left = out - b * NB;
+        int valid = left < NB ? (int)left : (int)NB;
+        const uint16_t* pb = p + b * NB * 2 * kp;
+        const float* bb = bias ? bias + b * NB : nullptr;
+        int64_t r = 0;
+        for (; r + RB <= n; r += RB) tile_dp<V, RB>(x + r * kp, kp, pb, bb, valid, y + r * out + b * NB, out);
+        tail_dp<V, RB - 1>(n - r, x + r * kp, kp, pb, bb, valid, y + r * out + b * NB, out);
+    }
+}
+#endif
+
 // pack w [out, in] (row-major) into panels of nb outputs: [ceil(out/nb)][in][nb], zero-padded; as fp32, or as
 // bf16 (the top 16 bits of each fp32 weight: callers pack only weights that are exactly bf16, so nothing is rounded)
 template <typename WT, typename Conv>
@@ -110,7 +180,7 @@ static void pack_panels(const float* w, int64_t out, int64_t in, int64_t nb, WT*
 
 extern "C" {
 
-int rows_gemm_abi() { return 9; }
+int rows_gemm_abi() { return 10; }
 
 const char* rows_gemm_isa() { return simd::ISA; }
 
@@ -143,6 +213,58 @@ int rows_gemm_f32(const float* x, int64_t n, const float* p, int64_t nb, int64_t
 int rows_gemm_bf16(const float* x, int64_t n, const uint16_t* p, int64_t nb, int64_t out, int64_t in,
                    const float* bias, float* y, int nthreads, int rb) {
     return gemm_dispatch(x, n, p, nb, out, in, bias, y, nthreads, rb);
+}
+
+// 1 where bf16-input linears use vdpbf16ps and its k-pair panels, 0 where they widen the bf16 panels
+int rows_gemm_bf16a_pairs() {
+#if defined(SPECSCOPE_DPBF16)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+// pack w [out, in] for rows_gemm_bf16a, rounding each weight to bf16 (nearest even): k-pair panels
+// [ceil(out/nb)][ceil(in/2)][nb][2] where rows_gemm_bf16a_pairs(), else the bf16 panels of rows_gemm_pack_bf16
+void rows_gemm_pack_bf16a(const float* w, int64_t out, int64_t in, int64_t nb, uint16_t* p) {
+#if defined(SPECSCOPE_DPBF16)
+    const int64_t npan = (out + nb - 1) / nb, kp = (in + 1) / 2;
+    for (int64_t b = 0; b < npan; ++b)
+        for (int64_t j = 0; j < kp; ++j)
+            for (int64_t jj = 0; jj < nb; ++jj)
+                for (int64_t e = 0; e < 2; ++e) {
+                    int64_t o = b * nb + jj, k = 2 * j + e;
+                    p[((b * kp + j) * nb + jj) * 2 + e] = o < out && k < in ? to_bf16(w[o * in + k]) : 0;
+                }
+#else
+    pack_panels(w, out, in, nb, p, to_bf16);
+#endif
+}
+
+// y = bf16(x) W^T + bias with W packed by rows_gemm_pack_bf16a: every input rounded to bf16 (nearest even) first,
+// products exact, fp32 accumulation in k order per output, so each row's bits are independent of n
+int rows_gemm_bf16a(const float* x, int64_t n, const uint16_t* p, int64_t nb, int64_t out, int64_t in,
+                    const float* bias, float* y, int nthreads, int rb) {
+#if defined(SPECSCOPE_DPBF16)
+    const int64_t kp = (in + 1) / 2;
+    std::vector<uint32_t> xp((size_t)(n * kp));
+    for (int64_t r = 0; r < n; ++r)
+        for (int64_t j = 0; j < kp; ++j) {
+            uint32_t lo = to_bf16(x[r * in + 2 * j]), hi = 2 * j + 1 < in ? to_bf16(x[r * in + 2 * j + 1]) : 0;
+            xp[(size_t)(r * kp + j)] = lo | (hi << 16);
+        }
+#define CASE(V_, RB_) if (nb == (V_) * L && rb == (RB_)) { run_dp<V_, RB_>(xp.data(), n, p, out, kp, bias, y, nthreads); return 0; }
+    TILES(CASE)
+#undef CASE
+    return -1;
+#else
+    std::vector<float> xr((size_t)(n * in));
+    for (int64_t i = 0; i < n * in; ++i) {
+        uint32_t u = (uint32_t)to_bf16(x[i]) << 16;
+        memcpy(&xr[(size_t)i], &u, 4);
+    }
+    return gemm_dispatch(xr.data(), n, p, nb, out, in, bias, y, nthreads, rb);
+#endif
 }
 
 }  // extern "C"
@@ -432,9 +554,10 @@ int rows_attention(const float* q, int64_t q_row, int64_t T, int64_t Hq, int64_t
 // bits are those of the per-layer path.
 
 struct RowLinear {         // a packed linear (see rows_gemm_pack) and the register tile for this call's row count
-    const void* p;         // float panels, or uint16_t (bf16) panels when bf16 != 0
+    const void* p;         // float panels, or uint16_t (bf16) panels when fmt != 0
     const float* bias;     // may be null
-    int64_t nb, rb, out, in, bf16;
+    int64_t nb, rb, out, in, fmt;   // fmt 0: fp32 (rows_gemm_f32), 1: bf16 weights (rows_gemm_bf16), 2: bf16 inputs too
+                                    // (rows_gemm_bf16a)
 };
 
 struct RowLayer {          // one Llama-family decoder layer (no q/k norm)
@@ -455,8 +578,10 @@ int rows_layers(int64_t nl, const RowLayer* layers, float* h, int64_t T, int64_t
     std::vector<float> x((size_t)(T * H)), qkv((size_t)(T * (Hq + 2 * Hkv) * D)), att((size_t)(T * Hq * D)),
         o((size_t)(T * H)), gu((size_t)(T * 2 * inter)), act((size_t)(T * inter)), hn((size_t)(T * H));
     auto lin = [&](const RowLinear& w, const float* in, float* out) {
-        return w.bf16 ? rows_gemm_bf16(in, T, (const uint16_t*)w.p, w.nb, w.out, w.in, w.bias, out, nthreads, (int)w.rb)
-                      : rows_gemm_f32(in, T, (const float*)w.p, w.nb, w.out, w.in, w.bias, out, nthreads, (int)w.rb);
+        if (w.fmt == 2)
+            return rows_gemm_bf16a(in, T, (const uint16_t*)w.p, w.nb, w.out, w.in, w.bias, out, nthreads, (int)w.rb);
+        return w.fmt ? rows_gemm_bf16(in, T, (const uint16_t*)w.p, w.nb, w.out, w.in, w.bias, out, nthreads, (int)w.rb)
+                     : rows_gemm_f32(in, T, (const float*)w.p, w.nb, w.out, w.in, w.bias, out, nthreads, (int)w.rb);
     };
     for (int64_t l = 0; l < nl; ++l) {
         const RowLayer& w = layers[l];

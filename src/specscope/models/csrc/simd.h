@@ -1,16 +1,21 @@
 // The few vector operations the row kernels need, for one instruction set per build (models/rowgemm.py compiles
-// rows_gemm.cpp once per ISA with -DSPECSCOPE_ISA_AVX512, _AVX2 or _NEON). Every operation is exact lane by lane
+// rows_gemm.cpp once per ISA with -DSPECSCOPE_ISA_AVX512_BF16, _AVX512, _AVX2 or _NEON). Every operation is exact lane by lane
 // except hsum/hmax, whose reduction tree is fixed per ISA, so results depend only on the data, never on how many
 // rows a call holds. FMA is always an explicit fused multiply-add (never left to compiler contraction).
 #pragma once
 #include <stdint.h>
 #include <string.h>
 
-#if defined(SPECSCOPE_ISA_AVX512)
+#if defined(SPECSCOPE_ISA_AVX512) || defined(SPECSCOPE_ISA_AVX512_BF16)
 #include <immintrin.h>
 namespace simd {
 constexpr int L = 16;
+#if defined(SPECSCOPE_ISA_AVX512_BF16)   // AVX-512 plus vdpbf16ps (Zen 4, Cooper Lake, Sapphire Rapids and later)
+#define SPECSCOPE_DPBF16 1
+constexpr const char* ISA = "avx512_bf16";
+#else
 constexpr const char* ISA = "avx512";
+#endif
 typedef __m512 vf;
 static inline __mmask16 lanes(int n) { return n >= 16 ? (__mmask16)0xFFFF : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1u); }
 static inline vf zero() { return _mm512_setzero_ps(); }
@@ -147,5 +152,5 @@ static inline void prefetch(const void* p) { __builtin_prefetch(p, 0, 3); }
 }  // namespace simd
 
 #else
-#error "define SPECSCOPE_ISA_AVX512, SPECSCOPE_ISA_AVX2 or SPECSCOPE_ISA_NEON"
+#error "define SPECSCOPE_ISA_AVX512_BF16, SPECSCOPE_ISA_AVX512, SPECSCOPE_ISA_AVX2 or SPECSCOPE_ISA_NEON"
 #endif

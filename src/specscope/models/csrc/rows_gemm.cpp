@@ -103,13 +103,23 @@ static int gemm_dispatch(const float* x, int64_t n, const WT* p, int64_t nb, int
 // [out/NB][ceil(in/2)][NB][2]); elsewhere the bf16 panels above are widened and FMA'd (the same layout as bf16 weights
 // with fp32 inputs), here with inputs that are bf16 values.
 
-// fp32 -> bf16, round to nearest even, as torch rounds (NaN -> the quiet NaN 0x7FC0)
+// fp32 -> bf16, round to nearest even, as torch rounds (NaN -> the quiet NaN 0x7FC0); branch-free, so the loops
+// over a row below vectorise
 static inline uint16_t to_bf16(float v) {
     uint32_t u;
     memcpy(&u, &v, 4);
-    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
-    u += 0x7FFFu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
+    uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+    return (u & 0x7FFFFFFFu) > 0x7F800000u ? (uint16_t)0x7FC0 : (uint16_t)r;
+}
+
+// n rows of `in` inputs -> rows of `ld` bf16 values (ld >= in; the rest zero)
+static void rows_to_bf16(const float* __restrict x, int64_t n, int64_t in, int64_t ld, uint16_t* __restrict out) {
+    for (int64_t r = 0; r < n; ++r) {
+        const float* xr = x + r * in;
+        uint16_t* o = out + r * ld;
+        for (int64_t k = 0; k < in; ++k) o[k] = to_bf16(xr[k]);
+        for (int64_t k = in; k < ld; ++k) o[k] = 0;
+    }
 }
 
 #if defined(SPECSCOPE_DPBF16)
@@ -245,25 +255,22 @@ void rows_gemm_pack_bf16a(const float* w, int64_t out, int64_t in, int64_t nb, u
 // products exact, fp32 accumulation in k order per output, so each row's bits are independent of n
 int rows_gemm_bf16a(const float* x, int64_t n, const uint16_t* p, int64_t nb, int64_t out, int64_t in,
                     const float* bias, float* y, int nthreads, int rb) {
+    // the caller's rows rounded once per call, into a buffer kept per thread (a fresh one cost as much as a
+    // small linear)
+    static thread_local std::vector<uint32_t> buf;
 #if defined(SPECSCOPE_DPBF16)
-    const int64_t kp = (in + 1) / 2;
-    std::vector<uint32_t> xp((size_t)(n * kp));
-    for (int64_t r = 0; r < n; ++r)
-        for (int64_t j = 0; j < kp; ++j) {
-            uint32_t lo = to_bf16(x[r * in + 2 * j]), hi = 2 * j + 1 < in ? to_bf16(x[r * in + 2 * j + 1]) : 0;
-            xp[(size_t)(r * kp + j)] = lo | (hi << 16);
-        }
-#define CASE(V_, RB_) if (nb == (V_) * L && rb == (RB_)) { run_dp<V_, RB_>(xp.data(), n, p, out, kp, bias, y, nthreads); return 0; }
+    const int64_t kp = (in + 1) / 2;   // a row's bf16 values in k order are its k pairs (low half: even k)
+    if (buf.size() < (size_t)(n * kp)) buf.resize((size_t)(n * kp));
+    rows_to_bf16(x, n, in, 2 * kp, (uint16_t*)buf.data());
+#define CASE(V_, RB_) if (nb == (V_) * L && rb == (RB_)) { run_dp<V_, RB_>(buf.data(), n, p, out, kp, bias, y, nthreads); return 0; }
     TILES(CASE)
 #undef CASE
     return -1;
 #else
-    std::vector<float> xr((size_t)(n * in));
-    for (int64_t i = 0; i < n * in; ++i) {
-        uint32_t u = (uint32_t)to_bf16(x[i]) << 16;
-        memcpy(&xr[(size_t)i], &u, 4);
-    }
-    return gemm_dispatch(xr.data(), n, p, nb, out, in, bias, y, nthreads, rb);
+    if (buf.size() < (size_t)(n * in)) buf.resize((size_t)(n * in));
+    uint32_t* xr = buf.data();
+    for (int64_t i = 0; i < n * in; ++i) xr[i] = (uint32_t)to_bf16(x[i]) << 16;   // the bf16 values, as fp32 bits
+    return gemm_dispatch((const float*)xr, n, p, nb, out, in, bias, y, nthreads, rb);
 #endif
 }
 

@@ -64,8 +64,10 @@ def gemv_bandwidth(dtype: torch.dtype, rows: int = 16384, cols: int = 4096, reps
 
 def bytes_per_token(model) -> dict:
     """Bytes one decode step must read: every matmul weight, norms, one embedding row; KV cache reported apart."""
+    from specscope.models.loader import compute_dtype
+
     cfg = model.config
-    el = model.dtype.itemsize
+    el = compute_dtype(model).itemsize   # our bf16 (fp32 tensors of bf16 values) streams its linears as bf16
     H, V = cfg.hidden_size, cfg.vocab_size
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     per_layer = H * (q + 2 * kv) + q * H + 3 * H * cfg.intermediate_size + 2 * H

@@ -384,6 +384,7 @@ def main(argv=None):
     ours = device.type == "cpu" and rowgemm.available()
     # columns: (label, linear kernel, dtype); the first is the headline (its drafter prices the 3-chain cycle)
     specs = [(f"ours ({rowgemm.isa()})" if ours and dtype == torch.float32
+              else f"ours bf16 ({rowgemm.isa()})" if ours and dtype == torch.bfloat16
               else ("cuBLAS" if device.type == "cuda" else "stock"), "auto", dtype)]
     if ours and dtype == torch.float32 and not args.no_bf16:
         specs.append(("ours bf16", "auto", torch.bfloat16))
@@ -418,7 +419,7 @@ def main(argv=None):
 
     print(f"{what} · {dtype} · {device}{'' if device.type == 'cuda' else f' · {args.threads} threads'} · "
           f"context {context} · load {load0[0]:.1f}" + (f" · bf16 linears: {rowgemm.bf16_method()}"
-                                                        if "ours bf16" in cols else ""))
+                                                        if any(c.startswith("ours bf16") for c in cols) else ""))
     print(f"memory floor: {step_bytes / 1e6:.0f} MB per decode step at {gbps:.1f} GB/s, the best read "
           f"({', '.join(f'{k} {v}' for k, v in bw.items())}) = {floor_ms:.2f} ms; per round median "
           f"{floor_med:.1f} GB/s (range {min(per_round['gbps']):.1f}-{max(per_round['gbps']):.1f})"
@@ -458,7 +459,7 @@ def main(argv=None):
                              "isa": rowgemm.isa() if device.type == "cpu" else None,
                              "cpu_has_avx512f": "avx512f" in rowgemm.cpu_flags(),
                              "columns": cols},
-           "bf16_linears": rowgemm.bf16_method() if "ours bf16" in cols else None,
+           "bf16_linears": rowgemm.bf16_method() if any(c.startswith("ours bf16") for c in cols) else None,
            "memory_floor": {"bytes_per_step": step_bytes, "gb_per_s": bw, "floor_ms": round(floor_ms, 3),
                             "gb_per_s_by_round": [round(g, 2) for g in per_round["gbps"]]},
            "columns": {c: {"dtype": dtype_name(compute_dtype(models[c][0])),
@@ -486,7 +487,8 @@ def main(argv=None):
 
     # recorded with the numbers, as the other benches do: these timings ran under this load
     res["load_warning"] = timing_warning(res["env"] if "cpu" in res["env"] else None)
-    out = args.out or (ROOT / "bench" / "results" / (f"cycle_cost_{rowgemm.isa() or 'onednn'}.json"
+    bf16_only = "_bf16" if device.type == "cpu" and dtype == torch.bfloat16 else ""   # --dtype bf16: its own file
+    out = args.out or (ROOT / "bench" / "results" / (f"cycle_cost_{rowgemm.isa() or 'onednn'}{bf16_only}.json"
                                                      if device.type == "cpu" else f"cycle_cost_{args.shape}_cuda.json"))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=1) + "\n")

@@ -146,7 +146,9 @@ def main(argv=None):
     if args.hf and not args.no_hf:
         from transformers import AutoModelForCausalLM
 
-        hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=target.dtype).eval()
+        from specscope.models.loader import compute_dtype
+
+        hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=compute_dtype(target)).eval()
         methods["hf_generate"] = "hf"
         methods["hf_prompt_lookup"] = "hf_pld"
 

@@ -167,6 +167,8 @@ def fresh_library(monkeypatch):
     monkeypatch.setattr(rowgemm, "_lib", None)
     monkeypatch.setattr(rowgemm, "_lib_state", "unloaded")
     monkeypatch.setattr(rowgemm, "_warned", False)
+    monkeypatch.setattr(rowgemm, "_isa", rowgemm._isa)
+    monkeypatch.setattr(rowgemm, "VARIANTS", rowgemm.VARIANTS)
 
 
 @needs_kernels
@@ -257,6 +259,25 @@ def test_a_failing_build_falls_back(tmp_path, monkeypatch, capsys, fresh_library
     assert rowgemm.library() is None
     err = capsys.readouterr().err
     assert err.count("warning:") == 1 and "unrecognized option" in err
+
+
+def test_a_compiler_without_avx512_bf16_builds_plain_avx512(tmp_path, monkeypatch, capsys, fresh_library):
+    """GCC < 10 has no -mavx512bf16: on an AVX512_BF16 CPU the fp32 kernels must still be ours (plain AVX-512), with
+    one warning line, rather than every linear falling back to oneDNN."""
+    cxx = rowgemm._compiler()
+    if cxx is None or not rowgemm.ISAS["avx512"][0] <= rowgemm.cpu_flags() or rowgemm._machine() != "x86_64":
+        pytest.skip("needs an AVX-512 x86 host with a C++ compiler")
+    fake = tmp_path / "old-cxx"
+    fake.write_text(f'#!/bin/sh\ncase "$*" in *-mavx512bf16*) echo "cc1plus: error: unrecognized command-line option '
+                    f"'-mavx512bf16'\" >&2; exit 1;; esac\nexec {cxx} \"$@\"\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("SPECSCOPE_CACHE", str(tmp_path))
+    monkeypatch.setenv("CXX", str(fake))
+    monkeypatch.delenv("SPECSCOPE_KERNELS", raising=False)
+    monkeypatch.setattr(rowgemm, "cpu_flags", lambda: set(rowgemm.ISAS["avx512_bf16"][0]))
+    assert rowgemm.library() is not None and rowgemm.isa() == "avx512" and not rowgemm.pairs()
+    (w,) = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert w.startswith("warning: could not build the row-invariant kernels for avx512_bf16") and "using avx512" in w
 
 
 @needs_kernels

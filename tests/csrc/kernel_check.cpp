@@ -91,6 +91,8 @@ static double bf16_value(float v) {
 static void check_gemm_bf16a() {
     int64_t nbs[32], rbs[32];
     int nv = rows_gemm_variants(nbs, rbs, 32);
+    // the AVX512_BF16 build multiplies with vdpbf16ps (k-pair panels), every other build widens bf16 panels
+    CHECK(rows_gemm_bf16a_pairs() == (strcmp(simd::ISA, "avx512_bf16") == 0), "bf16a path of %s", simd::ISA);
     CHECK(to_bf16(1.0f) == 0x3F80 && to_bf16(1.00390625f) == 0x3F80 && to_bf16(1.01171875f) == 0x3F82 &&
           to_bf16(-0.0f) == 0x8000 && to_bf16(NAN) == 0x7FC0, "to_bf16 rounding");   // ties to even
     const int64_t shapes[][2] = {{1, 1}, {17, 3}, {33, 16}, {100, 17}, {64, 64}, {200, 333}};

@@ -54,6 +54,10 @@ class PackedLinear(nn.Module):
         self.kernel, self.fmt = "onednn", None
         if precision not in ("fp32", "bf16"):
             raise ValueError(f"unknown linear precision {precision!r}; use fp32 or bf16")
+        if precision == "bf16" and not (kernel in ("auto", "rowgemm") and rowgemm.supports(w)):
+            # the bf16 precision is our kernel's (inputs rounded, fp32 sums, row-invariant): no stock stand-in
+            raise ValueError("precision='bf16' needs the row-invariant kernels (models/rowgemm.py), which are "
+                             "not available here or not asked for")
         if kernel in ("auto", "rowgemm") and rowgemm.supports(w):
             self.kernel = "rowgemm"
             # fp32: a bf16 checkpoint upcast to fp32 streams as bf16, half the bytes, the same bits

@@ -223,7 +223,8 @@ def load_model(path: str | Path, dtype: torch.dtype | str | None = None, device:
     # rope buffer was on meta: rebuild it
     model.rope = rope_table(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
     packed = pack if pack is not None else device.type == "cpu"
-    row_bf16 = packed and dtype == torch.bfloat16 and device.type == "cpu" and rowgemm.available()
+    row_bf16 = (packed and dtype == torch.bfloat16 and device.type == "cpu" and rowgemm.available()
+                and torch.backends.mkldnn.is_available())   # pack_linears swaps only where it could pack
     model = model.to(device=device, dtype=torch.float32 if row_bf16 else dtype)
     model.rope = model.rope.float()
     model.eval().requires_grad_(False)

@@ -233,7 +233,9 @@ def library():
             if why:
                 _warn(why)
             return None   # explicitly off: no warning
-        lib = _load(want)
+        # a compiler too old for -mavx512bf16 (GCC < 10) still builds plain AVX-512, unless the user forced the ISA
+        auto = os.environ.get("SPECSCOPE_KERNELS", "auto").strip().lower() in ("", "1", "auto", "on", "true")
+        lib = _load(want, fallback="avx512" if want == "avx512_bf16" and auto else None)
         if lib is None:
             return None
         _declare(lib)
@@ -259,21 +261,35 @@ def _cached_library(rel: str, meta: bytes) -> Path | None:
     return None
 
 
-def _load(want: str):
-    """The library built for `want` (built now unless cached), or None with the reason warned."""
+def _load(want: str, fallback: str | None = None):
+    """The library built for `want` (built now unless cached), or None with the reason warned; where it does not
+    build and `fallback` is given, that ISA's (one warning line saying so)."""
     cxx = _compiler()
     if cxx is None:
         _warn("no C++ compiler (c++, g++, clang++, or $CXX) found to build the row-invariant kernels"
               + (f" ($CXX={os.environ['CXX']} is not a program)" if os.environ.get("CXX") else ""))
         return None
-    key = hashlib.sha256((_source_hash() + " ".join(build_flags(want)) + _compiler_id(cxx)).encode()).hexdigest()
-    rel, meta = f"kernels/rows_gemm-{want}-{key[:16]}.so", _meta(want, key[:16])
+    def built(isa: str) -> Path | None:
+        key = hashlib.sha256((_source_hash() + " ".join(build_flags(isa)) + _compiler_id(cxx)).encode()).hexdigest()
+        rel, meta = f"kernels/rows_gemm-{isa}-{key[:16]}.so", _meta(isa, key[:16])
+        return _cached_library(rel, meta) or _build(cxx, isa, rel, meta)
+
+    failed = (OSError, RuntimeError, subprocess.SubprocessError)
     try:
-        path = _cached_library(rel, meta) or _build(cxx, want, rel, meta)
-    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        path = built(want)
+    except failed as e:
         fix = "; fix or unset $CXX" if os.environ.get("CXX") else ""
-        _warn(f"could not build the row-invariant kernels for {want} ({e}{fix})")
-        return None
+        path = None
+        if fallback:
+            try:
+                path = built(fallback)
+            except failed:
+                pass
+        if path is None:   # one warning line, about what was asked for
+            _warn(f"could not build the row-invariant kernels for {want} ({e}{fix})")
+            return None
+        print(f"warning: could not build the row-invariant kernels for {want} ({e}{fix}); using {fallback} "
+              f"(bf16 linears widen to fp32 FMAs)", file=sys.stderr)
     if path is None:
         _warn("the row-invariant kernels could not be stored anywhere")
         return None

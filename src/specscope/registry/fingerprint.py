@@ -94,7 +94,7 @@ def _simd(flags: set[str]) -> dict:
     """The vector extensions the CPU exposes (a hypervisor may hide AVX-512) and the row kernels' instruction set
     in this process (None: the stock oneDNN path, or no model loaded), which decide CPU decode speed more than the
     model name does. Without importing torch (the registry stays light)."""
-    simd = [f for f in ("avx512f", "avx2", "fma", "asimd", "sve") if f in flags]
+    simd = [f for f in ("avx512f", "avx512_bf16", "amx_bf16", "avx2", "fma", "asimd", "sve", "bf16") if f in flags]
     rg = sys.modules.get("specscope.models.rowgemm")   # loaded with a model; its library decides the kernels
     kernels = rg._isa if rg is not None and rg._lib_state == "loaded" else None
     return {"simd": ",".join(simd) or None, "row_kernels": kernels}

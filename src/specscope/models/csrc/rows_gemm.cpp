@@ -98,7 +98,9 @@ static int gemm_dispatch(const float* x, int64_t n, const WT* p, int64_t nb, int
 
 // ---- bf16 serving precision: weights bf16, each row's input rounded to bf16, fp32 accumulation -------------------
 // Products of two bf16 values are exact in fp32, so the only roundings are the accumulations, and those happen
-// per output lane in a fixed k order, whatever the row count: a verify of n rows gives the bits of n decode steps.
+// per output lane in an order fixed by the shapes, whatever the row count: a verify of n rows gives the bits of n
+// decode steps. (vdpbf16ps adds each pair's odd-k product before the even one and flushes denormals, so its bits
+// differ from the widened builds': bf16 results are exact per build, not across ISAs.)
 // With vdpbf16ps (SPECSCOPE_DPBF16) one instruction takes two k at once for 16 outputs (weights packed in k pairs,
 // [out/NB][ceil(in/2)][NB][2]); elsewhere the bf16 panels above are widened and FMA'd (the same layout as bf16 weights
 // with fp32 inputs), here with inputs that are bf16 values.
@@ -123,9 +125,9 @@ static void rows_to_bf16(const float* __restrict x, int64_t n, int64_t in, int64
 }
 
 #if defined(SPECSCOPE_DPBF16)
-// one panel of V*L outputs for RB rows: x holds each row's input as kp bf16 pairs (low half: even k)
+// one panel of V*L outputs for RB rows: x holds each row's input as 2*kp bf16 values, i.e. kp pairs (even k low)
 template <int V, int RB>
-static inline void tile_dp(const uint32_t* __restrict x, int64_t kp, const uint16_t* __restrict p,
+static inline void tile_dp(const uint16_t* __restrict x, int64_t kp, const uint16_t* __restrict p,
                            const float* __restrict bias, int valid, float* __restrict y, int64_t ldy) {
     vf acc[V][RB];
     for (int v = 0; v < V; ++v) {
@@ -138,7 +140,9 @@ static inline void tile_dp(const uint32_t* __restrict x, int64_t kp, const uint1
         __m512bh wv[V];
         for (int v = 0; v < V; ++v) wv[v] = (__m512bh)_mm512_loadu_si512((const void*)(pj + v * 2 * L));
         for (int r = 0; r < RB; ++r) {
-            __m512bh xb = (__m512bh)_mm512_set1_epi32((int)x[r * kp + j]);
+            int32_t pair;
+            memcpy(&pair, x + 2 * (r * kp + j), 4);   // a plain 32-bit load, without aliasing the uint16_t buffer
+            __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
             for (int v = 0; v < V; ++v) acc[v][r] = _mm512_dpbf16_ps(acc[v][r], wv[v], xb);
         }
     }
@@ -150,7 +154,7 @@ static inline void tile_dp(const uint32_t* __restrict x, int64_t kp, const uint1
 }
 
 template <int V, int R>
-static inline void tail_dp(int64_t rem, const uint32_t* x, int64_t kp, const uint16_t* p, const float* bias,
+static inline void tail_dp(int64_t rem, const uint16_t* x, int64_t kp, const uint16_t* p, const float* bias,
                            int valid, float* y, int64_t ldy) {
     if constexpr (R > 0) {
         if (rem == R) tile_dp<V, R>(x, kp, p, bias, valid, y, ldy);
@@ -159,7 +163,7 @@ static inline void tail_dp(int64_t rem, const uint32_t* x, int64_t kp, const uin
 }
 
 template <int V, int RB>
-static void run_dp(const uint32_t* x, int64_t n, const uint16_t* p, int64_t out, int64_t kp, const float* bias,
+static void run_dp(const uint16_t* x, int64_t n, const uint16_t* p, int64_t out, int64_t kp, const float* bias,
                    float* y, int nthreads) {
     const int64_t NB = V * L, npan = (out + NB - 1) / NB;
     #pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1)
@@ -169,8 +173,8 @@ static void run_dp(const uint32_t* x, int64_t n, const uint16_t* p, int64_t out,
         const uint16_t* pb = p + b * NB * 2 * kp;
         const float* bb = bias ? bias + b * NB : nullptr;
         int64_t r = 0;
-        for (; r + RB <= n; r += RB) tile_dp<V, RB>(x + r * kp, kp, pb, bb, valid, y + r * out + b * NB, out);
-        tail_dp<V, RB - 1>(n - r, x + r * kp, kp, pb, bb, valid, y + r * out + b * NB, out);
+        for (; r + RB <= n; r += RB) tile_dp<V, RB>(x + 2 * r * kp, kp, pb, bb, valid, y + r * out + b * NB, out);
+        tail_dp<V, RB - 1>(n - r, x + 2 * r * kp, kp, pb, bb, valid, y + r * out + b * NB, out);
     }
 }
 #endif
@@ -256,22 +260,28 @@ void rows_gemm_pack_bf16a(const float* w, int64_t out, int64_t in, int64_t nb, u
 int rows_gemm_bf16a(const float* x, int64_t n, const uint16_t* p, int64_t nb, int64_t out, int64_t in,
                     const float* bias, float* y, int nthreads, int rb) {
     // the caller's rows rounded once per call, into a buffer kept per thread (a fresh one cost as much as a
-    // small linear)
-    static thread_local std::vector<uint32_t> buf;
+    // small linear); one grown past 64 MB by a long prefill is given back after the call
+    int rc = -1;
 #if defined(SPECSCOPE_DPBF16)
+    static thread_local std::vector<uint16_t> buf;
     const int64_t kp = (in + 1) / 2;   // a row's bf16 values in k order are its k pairs (low half: even k)
-    if (buf.size() < (size_t)(n * kp)) buf.resize((size_t)(n * kp));
-    rows_to_bf16(x, n, in, 2 * kp, (uint16_t*)buf.data());
-#define CASE(V_, RB_) if (nb == (V_) * L && rb == (RB_)) { run_dp<V_, RB_>(buf.data(), n, p, out, kp, bias, y, nthreads); return 0; }
+    if (buf.size() < (size_t)(2 * n * kp)) buf.resize((size_t)(2 * n * kp));
+    rows_to_bf16(x, n, in, 2 * kp, buf.data());
+#define CASE(V_, RB_) if (nb == (V_) * L && rb == (RB_)) { run_dp<V_, RB_>(buf.data(), n, p, out, kp, bias, y, nthreads); rc = 0; }
     TILES(CASE)
 #undef CASE
-    return -1;
 #else
+    static thread_local std::vector<float> buf;
     if (buf.size() < (size_t)(n * in)) buf.resize((size_t)(n * in));
-    uint32_t* xr = buf.data();
-    for (int64_t i = 0; i < n * in; ++i) xr[i] = (uint32_t)to_bf16(x[i]) << 16;   // the bf16 values, as fp32 bits
-    return gemm_dispatch((const float*)xr, n, p, nb, out, in, bias, y, nthreads, rb);
+    float* xr = buf.data();
+    for (int64_t i = 0; i < n * in; ++i) {   // the bf16 values, as fp32
+        uint32_t u = (uint32_t)to_bf16(x[i]) << 16;
+        memcpy(xr + i, &u, 4);
+    }
+    rc = gemm_dispatch((const float*)xr, n, p, nb, out, in, bias, y, nthreads, rb);
 #endif
+    if (buf.size() * sizeof(buf[0]) > ((size_t)64 << 20)) decltype(buf)().swap(buf);
+    return rc;
 }
 
 }  // extern "C"

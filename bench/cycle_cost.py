@@ -487,8 +487,8 @@ def main(argv=None):
 
     # recorded with the numbers, as the other benches do: these timings ran under this load
     res["load_warning"] = timing_warning(res["env"] if "cpu" in res["env"] else None)
-    bf16_only = "_bf16" if device.type == "cpu" and dtype == torch.bfloat16 else ""   # --dtype bf16: its own file
-    out = args.out or (ROOT / "bench" / "results" / (f"cycle_cost_{rowgemm.isa() or 'onednn'}{bf16_only}.json"
+    bf16_only = "bf16_" if device.type == "cpu" and dtype == torch.bfloat16 else ""   # --dtype bf16: its own file
+    out = args.out or (ROOT / "bench" / "results" / (f"cycle_cost_{bf16_only}{rowgemm.isa() or 'onednn'}.json"
                                                      if device.type == "cpu" else f"cycle_cost_{args.shape}_cuda.json"))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=1) + "\n")

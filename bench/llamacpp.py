@@ -18,7 +18,7 @@ the methods take turns per prompt so a noisy machine hurts every column alike.
 `--dtype bf16`: the same dequantised weights rounded to bf16 (nearest even, as torch and gguf-py round): 2-D tensors
 stored BF16, the 1-D norms as F32 of their bf16 values (llama.cpp keeps norms F32), so both multiply the same numbers.
 
-Writes bench/results/llamacpp_<isa>.json (isa: the row kernels' instruction set on this host), llamacpp_<isa>_bf16.json
+Writes bench/results/llamacpp_<isa>.json (isa: the row kernels' instruction set on this host), llamacpp_bf16_<isa>.json
 with --dtype bf16.
 """
 
@@ -176,7 +176,7 @@ def main(argv=None):
     from specscope.registry.fingerprint import collect, timing_warning
 
     isa = rowgemm.isa() or "off"
-    out = args.out or ROOT / "bench" / "results" / f"llamacpp_{isa}{'_bf16' if kind == 'BF16' else ''}.json"
+    out = args.out or ROOT / "bench" / "results" / f"llamacpp_{'bf16_' if kind == 'BF16' else ''}{isa}.json"
     res = {"config": {**vars(args), "out": str(out), "eagle3_shape": vars(shape), "hybrid_shape": vars(hybrid),
                       "gguf": gguf.name,
                       "llama_cpp_python": llama_cpp.__version__, "row_kernels": isa},

@@ -98,3 +98,18 @@ def test_bf16_speculative_sampling_matches_the_bf16_target(small_target, name):
     probs = exact_pair_dist(small_target)
     counts = sample_pairs(small_target, drafter_for(small_target, d, name), CASES[name])
     assert counts.sum() == N and chi2_p(counts, probs) > 1e-3
+
+
+def test_bf16_has_its_own_prices_and_says_what_it_is(tmp_path, target):
+    """A bf16 model's tensors are fp32: its verify prices must not be cached as fp32's, and the demo's dtype line
+    must say which bf16 it is."""
+    from specscope.economics.prices import _key
+    from specscope.models.loader import describe_dtype
+
+    path = tmp_path / "same"
+    make_hf_model(path, "llama", layers=4)
+    fp32 = load_model(path, dtype="fp32")
+    bf16 = load_model(path, dtype="bf16")
+    assert _key(fp32) != _key(bf16) and _key(bf16) == _key(load_model(path, dtype="bf16"))
+    assert describe_dtype(bf16).startswith("bf16 through specscope's kernels") and "plain bf16 output" in describe_dtype(bf16)
+    assert describe_dtype(fp32).startswith("fp32")

@@ -279,6 +279,24 @@ def test_spec_policy_auto_reads_the_saved_table(tmp_path, monkeypatch):
     assert spec_policy("always", cfg)(16) is cfg and spec_policy("off", cfg)(1) is None
 
 
+def test_spec_policy_tables_are_kept_per_dtype(tmp_path, monkeypatch):
+    """A bf16 step costs half an fp32 one while drafting does not: a table tuned in one dtype is neither found
+    nor accepted for the other (fp32 keeps the name tables had before dtypes were told apart)."""
+    from specscope.economics.policy import policy_path, save_table, spec_policy
+    from specscope.speculative.decode import SpecConfig
+
+    monkeypatch.setenv("SPECSCOPE_CACHE", str(tmp_path / "cache"))
+    assert policy_path("m", "d", "float32") == policy_path("m", "d", "fp32") == policy_path("m", "d")
+    assert policy_path("m", "d", "bfloat16") == policy_path("m", "d", "bf16") != policy_path("m", "d")
+    path = save_table({**_table(), "dtype": "bf16"}, policy_path("m", "d", "bf16"))
+    cfg = SpecConfig(3, 1, 4)
+    assert spec_policy("auto", cfg, model="m", draft="d", dtype="torch.bfloat16")(1) is not None
+    with pytest.raises(SpecscopeError, match="no table for model 'm' and drafter 'd' at"):
+        spec_policy("auto", cfg, model="m", draft="d", dtype="torch.float32")
+    with pytest.raises(SpecscopeError, match="tuned in bf16, not fp32"):
+        spec_policy(path, cfg, dtype="torch.float32")
+
+
 def test_spec_policy_errors(tmp_path, monkeypatch):
     from specscope.economics.policy import envelope, save_table, spec_policy
     from specscope.speculative.decode import SpecConfig

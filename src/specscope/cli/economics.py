@@ -158,7 +158,7 @@ def read_prompts(dataset: str | None, limit: int) -> list[str]:
 @click.option("--save-policy", is_flag=False, flag_value="auto", default=None, metavar="[PATH]",
               help="Write the per-concurrency table as JSON for `serve --spec-policy`: to PATH, or, given alone, "
                    "where `--spec-policy auto` looks it up: $SPECSCOPE_CACHE/spec-policy/ (default "
-                   "~/.cache/specscope/spec-policy/), keyed by the model and the drafter.")
+                   "~/.cache/specscope/spec-policy/), keyed by the model, the drafter and the dtype.")
 @dtype_option()
 @device_option()
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="CPU threads for torch.")
@@ -275,10 +275,12 @@ def tune(run_ref, baseline_ref, curve_ref, decode_ms, do_profile, model_name, dr
     cross = T.crossover([r["batch"] for r in conc], [r["speedup"] for r in conc])
     out.update({"concurrency": conc, "crossover": cross, "concurrency_not_predicted": skipped})
     if policy_file:
-        from specscope.economics.policy import make_table, save_table
+        from specscope.economics.policy import make_table, save_table, short_dtype
 
         out["policy"] = save_table(make_table(conc, cross, _model_named(run, ctx), ctx.draft, run=run.get("id"),
-                                              verify_curve=getattr(surface, "run_id", None)), policy_file)
+                                              verify_curve=getattr(surface, "run_id", None),
+                                              dtype=short_dtype((run.get("config") or {}).get("dtype"))),
+                                   policy_file)
     validation = None
     if n_validate:
         picks = [(r["steps"], r["topk"], r["draft_tokens"], r.get("ngram_tokens", 0)) for r in rows[:n_validate]]
@@ -332,7 +334,7 @@ def _policy_file(save_policy: str, ctx, run) -> str:
     if not ctx.draft:
         raise SpecscopeError("--save-policy without a path files the table by model and drafter, and this run names "
                              "no drafter: pass --draft, or --save-policy PATH")
-    return str(policy_path(_model_named(run, ctx), ctx.draft))
+    return str(policy_path(_model_named(run, ctx), ctx.draft, (run.get("config") or {}).get("dtype")))
 
 
 def _model_named(run, ctx) -> str:

@@ -66,8 +66,8 @@ def bind_socket(host: str, port: int):
                    "context, at most 4096). The KV cache holds --max-num-seqs of them.")
 @click.option("--spec-policy", default="always", show_default=True,
               help="Which draft shape a batched step uses by batch size: 'always' (the drafter's at every size), "
-                   "'off' (plain steps only), 'auto' (the table `specscope tune --save-policy` stored for this model "
-                   "and drafter: the best shape per batch size, plain past the crossover) or a table's path.")
+                   "'off' (plain steps only), 'auto' (the table `specscope tune --save-policy` stored for this model, "
+                   "drafter and dtype: the best shape per batch size, plain past the crossover) or a table's path.")
 @click.option("--max-prompt-tokens", type=click.IntRange(min=1), default=None,
               help="Longest prompt accepted (default: --max-seq-len - 1).")
 @click.option("--max-tokens-cap", type=click.IntRange(min=1), default=2048, show_default=True,
@@ -107,13 +107,15 @@ def serve(model_name, served_model_name, draft, steps, topk, draft_tokens, ngram
         raise SpecscopeError(f"--max-seq-len {max_seq_len} is over the model's context of "
                              f"{model_cfg.max_position_embeddings} tokens (max_position_embeddings); use at most that")
     from specscope.economics.policy import spec_policy as check_policy
+    from specscope.models.loader import parse_dtype
 
-    if draft:   # an unknown --spec-policy, or a table that does not fit the shape, is one error line here
-        check_policy(spec_policy, spec_cfg, model=model_name, draft=draft)
-    elif click.get_current_context().get_parameter_source("spec_policy") != click.core.ParameterSource.DEFAULT:
+    if not draft and click.get_current_context().get_parameter_source("spec_policy") != \
+            click.core.ParameterSource.DEFAULT:
         raise SpecscopeError(f"--spec-policy {spec_policy} picks draft shapes, but no --draft is given; add a "
                              f"drafter (e.g. --draft ngram) or drop --spec-policy")
     dev = setup_runtime(threads, device)
+    if draft:   # an unknown --spec-policy, or a table that does not fit the shape, is one error line here
+        check_policy(spec_policy, spec_cfg, model=model_name, draft=draft, dtype=parse_dtype(dtype, str(dev)))
     cfg = ServeConfig(model=model_name, served_name=served_model_name, draft=draft, steps=steps, topk=topk,
                       draft_tokens=draft_tokens, ngram_tokens=ngram_tokens, dtype=dtype, device=str(dev),
                       max_queue=max_queue, max_num_seqs=max_num_seqs,

@@ -2,7 +2,8 @@
 
 'always' and 'off' need nothing; 'auto' and a JSON path read a table that `specscope tune --save-policy` writes:
 the best predicted shape per concurrency level and the crossover concurrency past which plain decoding is faster.
-`auto` looks the table up under the cache directory, keyed by the model and the drafter (`policy_path`).
+`auto` looks the table up under the cache directory, keyed by the model, the drafter and the dtype (`policy_path`):
+a bf16 step costs half an fp32 one while drafting does not, so their crossovers differ.
 """
 
 from __future__ import annotations
@@ -20,12 +21,15 @@ TABLE_KIND = "spec_policy"
 TABLE_VERSION = 1
 
 
-def spec_policy(value: str, cfg, *, model: str | None = None, draft: str | None = None) -> Callable[[int], object]:
+def spec_policy(value: str, cfg, *, model: str | None = None, draft: str | None = None,
+                dtype: str | None = None) -> Callable[[int], object]:
     """`--spec-policy` -> policy(batch_size) -> SpecConfig or None (a plain step). 'always': the drafter's
     shape at every batch size; 'off': never speculate (the drafter still loads, for comparison runs); 'auto': the
-    table `tune --save-policy` stored for this model and drafter (`model`, `draft` name them; see policy_path); any
+    table `tune --save-policy` stored for this model, drafter and dtype (`model`, `draft`, `dtype` name them; see
+    policy_path); any
     other value: the path of such a table. A table's shapes must fit within `cfg`, the shape the engine sized its
     regions and drafter caches for (`envelope(table)` is the smallest that does)."""
+    dtype = short_dtype(dtype)
     if value == "always":
         return lambda n: cfg
     if value == "off":
@@ -34,9 +38,10 @@ def spec_policy(value: str, cfg, *, model: str | None = None, draft: str | None 
         if not model or not draft:
             raise SpecscopeError("--spec-policy auto looks the table up by model and drafter, which were not given; "
                                  "pass the table's path instead (`specscope tune --save-policy PATH`)")
-        path = policy_path(model, draft)
+        path = policy_path(model, draft, dtype)
         if not path.is_file():
-            raise SpecscopeError(f"--spec-policy auto: no table for model {model!r} and drafter {draft!r} at {path}; "
+            raise SpecscopeError(f"--spec-policy auto: no table for model {model!r} and drafter {draft!r}"
+                                 + (f" in {dtype}" if dtype and dtype != "fp32" else "") + f" at {path}; "
                                  f"make one with `specscope tune --run ID --verify-curve SURFACE --save-policy` "
                                  f"(or pass always, off or a table's path)")
         table = load_table(path)
@@ -45,6 +50,9 @@ def spec_policy(value: str, cfg, *, model: str | None = None, draft: str | None 
     else:
         raise SpecscopeError(f"--spec-policy {value!r} is not one of {', '.join(POLICIES)} nor a table (.json) "
                              f"written by `specscope tune --save-policy`")
+    if dtype and table.get("dtype") and short_dtype(table["dtype"]) != dtype:
+        raise SpecscopeError(f"--spec-policy: the table was tuned in {table['dtype']}, not {dtype}: its costs are "
+                             f"another dtype's; tune a run in {dtype} with --save-policy")
     if draft and table.get("draft") and table["draft"] != draft:
         raise SpecscopeError(f"--spec-policy: the table was tuned for drafter {table['draft']!r}, not {draft!r}")
     if model and table.get("model") and _canonical_model(table["model"]) != _canonical_model(model):
@@ -167,11 +175,22 @@ def _canonical_model(model: str) -> str:
     return model
 
 
-def policy_key(model: str, draft: str) -> str:
-    """The file name of a (model, drafter) pair's table: readable names plus a hash of the exact pair."""
-    m = _canonical_model(model)
-    h = hashlib.sha1(f"{m}\0{draft}".encode()).hexdigest()[:10]
-    slug = re.sub(r"[^A-Za-z0-9._+-]+", "_", f"{Path(m).name}__{Path(draft).name}").strip("_")[:100]
+def short_dtype(dtype) -> str | None:
+    """fp32 / bf16 / fp16 for any spelling a run or a flag uses (float32, bfloat16, torch.float16, ...)."""
+    if dtype is None:
+        return None
+    d = str(dtype).replace("torch.", "")
+    return {"float32": "fp32", "float": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16"}.get(d, d)
+
+
+def policy_key(model: str, draft: str, dtype: str | None = None) -> str:
+    """The file name of a (model, drafter, dtype) table: readable names plus a hash of the exact triple (fp32, or
+    no dtype, keeps the name tables had before dtypes were told apart)."""
+    m, dtype = _canonical_model(model), short_dtype(dtype)
+    tail = f"\0{dtype}" if dtype and dtype != "fp32" else ""
+    h = hashlib.sha1(f"{m}\0{draft}{tail}".encode()).hexdigest()[:10]
+    name = f"{Path(m).name}__{Path(draft).name}" + (f"__{dtype}" if tail else "")
+    slug = re.sub(r"[^A-Za-z0-9._+-]+", "_", name).strip("_")[:100]
     return f"{slug}-{h}.json"
 
 
@@ -181,7 +200,7 @@ def policy_dir() -> Path:
     return cache_dir() / "spec-policy"
 
 
-def policy_path(model: str, draft: str) -> Path:
+def policy_path(model: str, draft: str, dtype: str | None = None) -> Path:
     """Where `tune --save-policy` (no path) writes and `--spec-policy auto` reads the table:
     $SPECSCOPE_CACHE/spec-policy/<model>__<drafter>-<hash>.json (cache default ~/.cache/specscope)."""
-    return policy_dir() / policy_key(model, draft)
+    return policy_dir() / policy_key(model, draft, dtype)

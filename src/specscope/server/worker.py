@@ -26,6 +26,7 @@ from specscope.economics.policy import spec_policy
 from specscope.engine.batch import BatchEngine, Finished, Request
 from specscope.errors import SpecscopeError
 from specscope.models.hub import parse_hub_id
+from specscope.models.loader import compute_dtype
 from specscope.runtime.sampling import SamplingParams
 from specscope.runtime.tokenizer import StreamDecoder
 from specscope.server.metrics import ServerMetrics
@@ -132,7 +133,8 @@ class ServedModel:
             self.spec_cfg = SpecConfig.for_drafter(cfg.draft, cfg.steps, cfg.topk, cfg.draft_tokens,
                                                   cfg.ngram_tokens)
             self.drafter = build_drafter(cfg.draft, self.model)
-            self.policy = spec_policy(cfg.spec_policy, self.spec_cfg, model=cfg.model, draft=cfg.draft)
+            self.policy = spec_policy(cfg.spec_policy, self.spec_cfg, model=cfg.model, draft=cfg.draft,
+                                      dtype=str(compute_dtype(self.model)))
 
     def new_engine(self) -> BatchEngine:
         c = self.cfg

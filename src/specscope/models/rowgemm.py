@@ -116,13 +116,22 @@ def best_isa() -> tuple[str | None, str]:
 KERNEL_CHOICES = ("auto", "avx512_bf16", "avx512", "avx2", "neon", "off")
 
 
+def _kernels_env() -> str:
+    return os.environ.get("SPECSCOPE_KERNELS", "auto").strip().lower()
+
+
+def _auto_isa() -> bool:
+    """SPECSCOPE_KERNELS leaves the choice to us (unset, auto or on)."""
+    return _kernels_env() in ("", "1", "auto", "on", "true")
+
+
 def requested_isa() -> tuple[str | None, str]:
     """The ISA SPECSCOPE_KERNELS asks for (auto: the best this CPU has, or None and why not); (None, "") when
     switched off. A value that is not a choice, or an ISA this CPU cannot run, is the user's error."""
-    want = os.environ.get("SPECSCOPE_KERNELS", "auto").strip().lower()
+    want = _kernels_env()
     if want in ("0", "off", "none", "false"):
         return None, ""
-    if want in ("", "1", "auto", "on", "true"):
+    if _auto_isa():
         return best_isa()
     if want not in ISAS:
         raise SpecscopeError(f"SPECSCOPE_KERNELS={want!r} is not one of {', '.join(KERNEL_CHOICES)}; "
@@ -234,8 +243,7 @@ def library():
                 _warn(why)
             return None   # explicitly off: no warning
         # a compiler too old for -mavx512bf16 (GCC < 10) still builds plain AVX-512, unless the user forced the ISA
-        auto = os.environ.get("SPECSCOPE_KERNELS", "auto").strip().lower() in ("", "1", "auto", "on", "true")
-        lib = _load(want, fallback="avx512" if want == "avx512_bf16" and auto else None)
+        lib = _load(want, fallback="avx512" if want == "avx512_bf16" and _auto_isa() else None)
         if lib is None:
             return None
         _declare(lib)

@@ -197,13 +197,13 @@ class Bandwidth:
             other = buf[buf.numel() // 2:]
             self.fns["copy"] = lambda: other.copy_(half)
         if device.type == "cpu":
-            from specscope.models import rowgemm
+            from specscope.models import rowgemm, tuning
 
             W = buf.view(-1, 2048)
             x = torch.randn(1, 2048).to(dtype)
             if rowgemm.available() and dtype == torch.float32:
-                plan = rowgemm.default_plan(*W.shape)   # untuned: tuning a 256 MB weight would take minutes
-                nb, rb = plan["nb"], rowgemm.rb_for(plan, 1)
+                plan = tuning.default_plan(*W.shape)   # untuned: tuning a 256 MB weight would take minutes
+                nb, rb = plan["nb"], tuning.rb_for(plan, 1)
                 p = rowgemm.pack(W, nb)
                 self.fns["rowgemm 1-row"] = lambda: rowgemm.gemm(x, p, nb, W.shape[0], None, rb)
             if dtype in (torch.float32, torch.bfloat16):

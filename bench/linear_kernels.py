@@ -40,14 +40,14 @@ def measure(dtype: torch.dtype, rows: list[int], rounds: int, tick=lambda: None)
                                     for p in Ps]
     except (RuntimeError, AttributeError) as e:
         print(f"oneDNN packing unavailable for {dtype}: {e}")
-    from specscope.models import rowgemm
+    from specscope.models import rowgemm, tuning
 
     if dtype == torch.float32 and rowgemm.available():
-        plans = {(o, i): rowgemm.tuned_plan(o, i) for o, i in set(SHAPES)}
+        plans = {(o, i): tuning.tuned_plan(o, i) for o, i in set(SHAPES)}
         Rs = [rowgemm.pack(w, plans[(o, i)]["nb"]) for w, (o, i) in zip(Ws, SHAPES)]
         kernels["rowgemm (ours)"] = [
             (lambda x, p=p, o=o, i=i: rowgemm.gemm(x.view(-1, i), p, plans[(o, i)]["nb"], o, None,
-                                                   rowgemm.rb_for(plans[(o, i)], x.numel() // i)))
+                                                   tuning.rb_for(plans[(o, i)], x.numel() // i)))
             for p, (o, i) in zip(Rs, SHAPES)]
     nbytes = sum(w.numel() * w.element_size() for w in Ws)
     best = {(k, m): float("inf") for k in kernels for m in rows}

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from specscope import cachedir
-from specscope.models import rowgemm
+from specscope.models import rowgemm, tuning
 
 needs_kernels = pytest.mark.skipif(not rowgemm.available(),
                                    reason="no AVX-512, AVX2+FMA or NEON CPU, or no C++ compiler here")
@@ -197,14 +197,14 @@ def test_the_tuning_cache_heals_with_one_warning(fresh, capsys, monkeypatch):
     if not rowgemm.available():
         pytest.skip("no row kernels here")
     monkeypatch.setenv("SPECSCOPE_LINEAR_TUNE", "1")
-    real = rowgemm.measure
-    monkeypatch.setattr(rowgemm, "measure", lambda out, k, **kw: real(out, k, rounds=1, cold_bytes=1 << 16))
-    rowgemm.tuned_plan(16, 8)
-    path = rowgemm.tune_file()
+    real = tuning.measure
+    monkeypatch.setattr(tuning, "measure", lambda out, k, **kw: real(out, k, rounds=1, cold_bytes=1 << 16))
+    tuning.tuned_plan(16, 8)
+    path = tuning.tune_file()
     for bad in ('{"plans": [1]}', "null", "{"):
         cachedir._warned.clear()
         path.write_text(bad)
-        assert rowgemm.tuned_plan(16, 8)["nb"] in rowgemm.VARIANTS
+        assert tuning.tuned_plan(16, 8)["nb"] in rowgemm.VARIANTS
         (w,) = capsys.readouterr().err.splitlines()
         assert "the cached linear tuning plans" in w and w.endswith("re-measuring")
         assert "16x8" in json.loads(path.read_text())["plans"]

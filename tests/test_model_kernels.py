@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specscope.errors import SpecscopeError
-from specscope.models import load_model, rowgemm
+from specscope.models import load_model, rowgemm, tuning
 from specscope.models.kernels import RowAttention
 from specscope.models.linear import PackedLinear, pack_linears
 from specscope.speculative.tree import DraftTree
@@ -122,28 +122,28 @@ def test_tuning_cache_is_written_reused_and_survives_corruption(tmp_path, monkey
     monkeypatch.setenv("SPECSCOPE_CACHE", str(tmp_path))
     monkeypatch.setenv("SPECSCOPE_LINEAR_TUNE", "1")
     calls = []
-    real = rowgemm.measure
+    real = tuning.measure
 
     def counting(out, k, **kw):
         calls.append((out, k))
         return real(out, k, rounds=1, cold_bytes=1 << 16)
 
-    monkeypatch.setattr(rowgemm, "measure", counting)
-    plan = rowgemm.tuned_plan(40, 24)
-    path = rowgemm.tune_file()
-    assert path.parent == tmp_path / "kernels" and rowgemm.fingerprint() in path.name
+    monkeypatch.setattr(tuning, "measure", counting)
+    plan = tuning.tuned_plan(40, 24)
+    path = tuning.tune_file()
+    assert path.parent == tmp_path / "kernels" and tuning.fingerprint() in path.name
     assert json.loads(path.read_text())["plans"]["40x24"] == plan and calls == [(40, 24)]
-    assert rowgemm.tuned_plan(40, 24) == plan and calls == [(40, 24)]      # cached: not measured again
-    rowgemm.tuned_plan(8, 24)
+    assert tuning.tuned_plan(40, 24) == plan and calls == [(40, 24)]      # cached: not measured again
+    tuning.tuned_plan(8, 24)
     assert set(json.loads(path.read_text())["plans"]) == {"40x24", "8x24"}
     path.write_text("{not json")                                              # corrupt file -> re-measure
-    assert rowgemm.tuned_plan(40, 24)["nb"] in rowgemm.VARIANTS and len(calls) == 3
+    assert tuning.tuned_plan(40, 24)["nb"] in rowgemm.VARIANTS and len(calls) == 3
     assert "40x24" in json.loads(path.read_text())["plans"]
     bad = json.loads(path.read_text())
     bad["plans"]["40x24"]["rb"]["8"] = 99                                    # a tile the library lacks
     path.write_text(json.dumps(bad))
-    rowgemm.tuned_plan(40, 24)
-    assert len(calls) == 4 and rowgemm._valid_plan(json.loads(path.read_text())["plans"]["40x24"])
+    tuning.tuned_plan(40, 24)
+    assert len(calls) == 4 and tuning._valid_plan(json.loads(path.read_text())["plans"]["40x24"])
 
 
 @needs_kernels
@@ -156,7 +156,7 @@ def test_every_plan_gives_the_same_result(tmp_path, monkeypatch):
     for nb, rbs in rowgemm.VARIANTS.items():
         for rb in rbs:
             plan = {"nb": nb, "rb": {str(n): rb for n in rowgemm.TUNE_ROWS}}
-            monkeypatch.setattr(rowgemm, "tuned_plan", lambda out, k, tune=None, fmt="f32", plan=plan: plan)
+            monkeypatch.setattr(tuning, "tuned_plan", lambda out, k, tune=None, fmt="f32", plan=plan: plan)
             assert torch.equal(PackedLinear(lin)(x), ref)
 
 

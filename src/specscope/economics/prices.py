@@ -10,7 +10,7 @@ import torch
 
 from specscope import cachedir
 from specscope.economics.verify_curve import measure_curve
-from specscope.models import rowgemm
+from specscope.models import tuning
 from specscope.models.loader import compute_dtype
 from specscope.speculative.budget import Prices
 
@@ -34,7 +34,7 @@ def _key(target) -> str:
     """What the timings depend on: the model's shape, its device and dtype, the CPU, threads, kernels and torch
     (as the linear tuning cache is keyed)."""
     dev = target.device
-    host = rowgemm.fingerprint() if dev.type == "cpu" else (
+    host = tuning.fingerprint() if dev.type == "cpu" else (
         torch.cuda.get_device_name(dev) if dev.type == "cuda" else dev.type)
     parts = [repr(target.config), str(dev), str(compute_dtype(target)), host, torch.__version__]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specscope.models import rowgemm
+from specscope.models import rowgemm, tuning
 from specscope.models.kernels import use_row_kernels
 
 
@@ -63,10 +63,10 @@ class PackedLinear(nn.Module):
             # fp32: a bf16 checkpoint upcast to fp32 streams as bf16, half the bytes, the same bits
             # (rowgemm.is_bf16_exact); bf16: weights and inputs rounded to bf16, fp32 accumulation
             self.fmt = "bf16a" if precision == "bf16" else "bf16" if rowgemm.is_bf16_exact(w) else "f32"
-            plan = rowgemm.tuned_plan(self.out_features, self.in_features, tune, fmt=self.fmt)
+            plan = tuning.tuned_plan(self.out_features, self.in_features, tune, fmt=self.fmt)
             self.nb = plan["nb"]
             self.rg = rowgemm.pack(w, self.nb, fmt=self.fmt)
-            self.rbs = [0] + [rowgemm.rb_for(plan, n) for n in range(1, rowgemm.TUNE_ROWS[-1] + 1)]
+            self.rbs = [0] + [tuning.rb_for(plan, n) for n in range(1, rowgemm.TUNE_ROWS[-1] + 1)]
             self.rg_bias = None if self.bias is None else self.bias.detach().float().contiguous()
             return
         self.packed = torch.ops.mkldnn._reorder_linear_weight(w, None)

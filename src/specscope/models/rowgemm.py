@@ -21,9 +21,8 @@ the specscope cache dir, keyed by the ISA, the sources and the compiler; a compi
 gets a one-thread build. An unusable build (no compiler, an unsupported CPU) leaves `library()` None with one
 warning line, and models/linear.py falls back to the stock oneDNN path.
 
-Tuning: the panel width (per weight shape) and the register tile (per row count) only change speed, never the
-result; `tuned_plan` measures them once per shape on this machine (cold weights, as in a real forward) and keeps
-the choice in a JSON file named by a machine fingerprint; a corrupt or stale file is re-measured.
+Tuning (models/tuning.py): the panel width (per weight shape) and the register tile (per row count) only change
+speed, never the result.
 """
 
 from __future__ import annotations
@@ -37,7 +36,6 @@ import shutil
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import torch
@@ -64,7 +62,6 @@ ISAS = {
 }
 X86_ORDER = ("avx512_bf16", "avx512", "avx2")
 TUNE_ROWS = (1, 2, 4, 8, 12, 16, 24, 32, 64)
-TUNE_RULE = "relative-2"   # in the tuning cache's name: a new choice rule re-measures
 _lock = threading.Lock()
 _lib = None
 _lib_state = "unloaded"                   # unloaded | loaded | unavailable
@@ -557,125 +554,3 @@ class LayerStack:
         if rc != 0:
             raise RuntimeError(f"rows_layers: unsupported shape (heads {self.Hq}/{self.Hkv}, head_dim {self.D})")
         return h, aux
-
-
-# ---- tuning ----------------------------------------------------------------------------------------------------
-def fingerprint() -> str:
-    """What the timings depend on: CPU model and flags, thread count, torch, kernel source."""
-    model = ""
-    try:
-        model = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                      if ln.startswith("model name")), "")
-    except OSError:
-        pass
-    parts = [model, platform.machine(), ",".join(sorted(cpu_flags())), str(os.cpu_count()),
-             str(torch.get_num_threads()), torch.__version__, _source_hash(), str(isa()), TUNE_RULE]
-    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
-
-
-def _tune_rel() -> str:
-    return f"kernels/linear-tune-{fingerprint()}.json"
-
-
-def tune_file() -> Path:
-    """The tuning cache in the cache dir (cachedir.locations also gives its fallback)."""
-    return cachedir.cache_dir() / _tune_rel()
-
-
-def default_plan(out: int, k: int) -> dict:
-    """Untuned: the library's first panel width, its smallest tile for few rows and its largest for many."""
-    library()
-    nb = next(iter(VARIANTS))
-    return {"nb": nb, "rb": {str(n): (min(VARIANTS[nb]) if n <= 6 else max(VARIANTS[nb])) for n in TUNE_ROWS}}
-
-
-def rb_for(plan: dict, n: int) -> int:
-    """Register tile for n rows: the plan's entry for the nearest tuned row count at or above n."""
-    rbs = plan["rb"]
-    for m in TUNE_ROWS:
-        if n <= m:
-            return rbs[str(m)]
-    return rbs[str(TUNE_ROWS[-1])]
-
-
-def _valid_plan(p) -> bool:
-    try:
-        return (p["nb"] in VARIANTS and all(p["rb"][str(n)] in VARIANTS[p["nb"]] for n in TUNE_ROWS))
-    except (KeyError, TypeError):
-        return False
-
-
-def _check_cache(data) -> dict:
-    if not isinstance(data, dict) or not isinstance(data.get("plans"), dict):
-        raise ValueError("not a tuning cache: no 'plans' object")
-    return data
-
-
-def _read_cache(rel: str) -> dict:
-    return cachedir.load_json(rel, _check_cache, "linear tuning plans", "re-measuring") or {"plans": {}}
-
-
-def measure(out: int, k: int, rows=TUNE_ROWS, rounds: int = 3, cold_bytes: int = 96 << 20, fmt: str = "f32") -> dict:
-    """Seconds per call for every (panel, tile, rows), with the weights cold (copies that overflow the L3)."""
-    copies = max(1, min(64, cold_bytes // (out * k * (4 if fmt == "f32" else 2))))
-    g = torch.Generator().manual_seed(0)
-    w = torch.randn(out, k, generator=g)
-    packs = {nb: [pack(w, nb, fmt=fmt) for _ in range(copies)] for nb in VARIANTS}
-    xs = {n: torch.randn(n, k, generator=g) for n in rows}
-    ys = {n: torch.empty(n, out) for n in rows}
-    best: dict = {}
-    for _ in range(rounds):
-        for nb, rbs in VARIANTS.items():
-            for rb in rbs:
-                for n in rows:
-                    t = time.perf_counter()
-                    for p in packs[nb]:
-                        gemm(xs[n], p, nb, out, None, rb, ys[n], fmt)
-                    dt = (time.perf_counter() - t) / copies
-                    key = (nb, rb, n)
-                    best[key] = min(best.get(key, float("inf")), dt)
-    return best
-
-
-def choose(best: dict, rows=TUNE_ROWS) -> dict:
-    """Panel width with the lowest total *relative* time over row counts (each at its best tile, divided by the
-    best any panel achieves at that count), then the best tile per count. Relative, so every row count weighs the
-    same: an absolute sum is decided by the 32-64-row prefill calls, while decode, verify and tree drafting (1-16
-    rows) are what a generation repeats (on AVX2, 8-wide panels verify 4 rows at the cost of 1; 16-wide cost +15%)."""
-    def at(nb, n):
-        return min(best[(nb, rb, n)] for rb in VARIANTS[nb])
-
-    floor = {n: min(at(nb, n) for nb in VARIANTS) for n in rows}
-
-    def total(nb):
-        return sum(at(nb, n) / floor[n] for n in rows)
-
-    nb = min(VARIANTS, key=total)
-    return {"nb": nb, "rb": {str(n): min(VARIANTS[nb], key=lambda rb: best[(nb, rb, n)]) for n in rows},
-            "us": {str(n): round(min(best[(nb, rb, n)] for rb in VARIANTS[nb]) * 1e6, 1) for n in rows}}
-
-
-def tuned_plan(out: int, k: int, tune: bool | None = None, fmt: str = "f32") -> dict:
-    """The cached plan for an [out, in=k] weight packed as `fmt` on this machine; measured (and cached) on first
-    sight.
-
-    tune=False (or SPECSCOPE_LINEAR_TUNE=0) skips measuring and uses the default plan (same results, maybe
-    slower)."""
-    if tune is None:
-        tune = os.environ.get("SPECSCOPE_LINEAR_TUNE", "1") != "0"
-    if not tune:
-        return default_plan(out, k)
-    key = f"{out}x{k}" if fmt in ("f32", "bf16") else f"{out}x{k}/{fmt}"   # bf16 weights stream as f32's plan
-    path = _tune_rel()
-    with _lock:
-        data = _read_cache(path)
-        plan = data["plans"].get(key)
-        if _valid_plan(plan):
-            return plan
-        plan = choose(measure(out, k, fmt=fmt) if fmt == "bf16a" else measure(out, k))
-        data = _read_cache(path)            # another process may have added shapes meanwhile
-        data["plans"][key] = plan
-        data["fingerprint"] = fingerprint()
-        data["threads"] = torch.get_num_threads()
-        cachedir.store_json(path, data, "linear tuning plans")
-        return plan

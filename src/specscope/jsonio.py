@@ -23,6 +23,18 @@ def loads(text: str | bytes, where: str):
         raise SpecscopeError(f"{where} holds JSON nested too deeply to be a record") from None
 
 
+# HF / vLLM / SGLang / torch dtype spellings -> ours (fp32, bf16, fp16)
+DTYPE_ALIASES = {"float32": "fp32", "float": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16"}
+
+
+def short_dtype(dtype) -> str | None:
+    """fp32 / bf16 / fp16 for any spelling a run, a flag or torch uses (float32, bfloat16, torch.float16, ...)."""
+    if dtype is None:
+        return None
+    d = str(dtype).replace("torch.", "")
+    return DTYPE_ALIASES.get(d, d)
+
+
 def dtype_name(dtype) -> str:
     """"bfloat16" for torch.bfloat16 (or the string "torch.bfloat16", or "bfloat16"): how records and configs
     spell a dtype."""

@@ -10,6 +10,7 @@ import click
 
 from specscope.errors import SpecscopeError
 from specscope.fileio import check_writable, decode_utf8, write_atomic  # noqa: F401  (the commands' file helpers)
+from specscope.jsonio import DTYPE_ALIASES   # HF / vLLM / SGLang dtype spellings -> ours
 
 
 def emit_json(obj) -> None:
@@ -68,10 +69,6 @@ class AliasOption(click.Option):
 def alias_option(*names, hidden=(), **kwargs):
     """click.option with old spellings `hidden` (they parse, --help does not show them)."""
     return click.option(*names, *hidden, cls=AliasOption, hidden_aliases=hidden, **kwargs)
-
-
-# HF / vLLM / SGLang dtype spellings -> ours
-DTYPE_ALIASES = {"float32": "fp32", "float": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16"}
 
 
 def dtype_option(*names, short=("fp32", "bf16", "fp16", "auto"), default="auto", help=None):

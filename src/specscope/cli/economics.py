@@ -275,7 +275,8 @@ def tune(run_ref, baseline_ref, curve_ref, decode_ms, do_profile, model_name, dr
     cross = T.crossover([r["batch"] for r in conc], [r["speedup"] for r in conc])
     out.update({"concurrency": conc, "crossover": cross, "concurrency_not_predicted": skipped})
     if policy_file:
-        from specscope.economics.policy import make_table, save_table, short_dtype
+        from specscope.economics.policy import make_table, save_table
+        from specscope.jsonio import short_dtype
 
         out["policy"] = save_table(make_table(conc, cross, _model_named(run, ctx), ctx.draft, run=run.get("id"),
                                               verify_curve=getattr(surface, "run_id", None),

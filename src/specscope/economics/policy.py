@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Callable
 
 from specscope.errors import SpecscopeError
+from specscope.jsonio import short_dtype
 
 POLICIES = ("always", "off", "auto")
 TABLE_KIND = "spec_policy"
@@ -173,14 +174,6 @@ def _canonical_model(model: str) -> str:
             return p.name
         return str(p)
     return model
-
-
-def short_dtype(dtype) -> str | None:
-    """fp32 / bf16 / fp16 for any spelling a run or a flag uses (float32, bfloat16, torch.float16, ...)."""
-    if dtype is None:
-        return None
-    d = str(dtype).replace("torch.", "")
-    return {"float32": "fp32", "float": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16"}.get(d, d)
 
 
 def policy_key(model: str, draft: str, dtype: str | None = None) -> str:

@@ -207,6 +207,72 @@ def write_json_atomic(path: Path, obj):
     write_atomic(path, json.dumps(obj), "state file")
 
 
+def synth_state_path(out_path: Path) -> Path:
+    """Where synthesis keeps its next batch index and filter counts: beside the file it appends to."""
+    return out_path.with_name(out_path.name + ".state.json")
+
+
+def read_synth_state(out_path: Path) -> dict:
+    """The synthesis state of `out_path` ({"next_batch", "seed", "filtered"}); {} when there is none."""
+    state_path = synth_state_path(Path(out_path))
+    try:
+        return json.loads(state_path.read_text()) if state_path.exists() else {}
+    except json.JSONDecodeError:
+        return {}      # written atomically since; an older torn file: continue with fresh batch seeds
+
+
+def _magpie_so_far(out_path: Path) -> tuple[set[str], int]:
+    """The de-duplication keys of the user turns already in `out_path`, and how many records hold one."""
+    seen, have = set(), 0
+    for rec in read_jsonl(out_path):
+        try:
+            seen.add(_dedup_key(normalise(rec)[0]["content"]))
+            have += 1
+        except (ValueError, IndexError, KeyError):
+            continue
+    return seen, have
+
+
+def _new_user_turns(tok, users: list[list[int]], stop: list[int], seen: set[str], overlap,
+                    filtered: Counter) -> list[str]:
+    """The sampled user turns worth answering (finished, passing `user_turn_problem`, not overlapping evaluation,
+    not seen before); each one dropped is counted in `filtered` under its reason."""
+    texts = []
+    for u in users:
+        filtered["sampled"] += 1
+        if not u or u[-1] not in stop:      # cut off mid-sentence: not a complete request
+            filtered["unfinished"] += 1
+            continue
+        t = tok.decode([x for x in u if x not in stop]).strip()
+        why = user_turn_problem(t)
+        if why is None and overlap is not None and overlap.problem(t):
+            why = "overlaps evaluation"
+        if why is None and _dedup_key(t) in seen:
+            why = "duplicate"
+        if why:
+            filtered[why] += 1
+            continue
+        seen.add(_dedup_key(t))
+        texts.append(t)
+    return texts
+
+
+def _write_magpie(f, tok, texts: list[str], resps: list[list[int]], stop: list[int], filtered: Counter) -> int:
+    """Append each user turn with its answer to `f` (an empty answer is dropped, counted); returns how many."""
+    kept = 0
+    for t, r in zip(texts, resps):
+        body = tok.decode([x for x in r if x not in stop]).strip()
+        if not body:
+            filtered["empty answer"] += 1
+            continue
+        rec = {"messages": [{"role": "user", "content": t}, {"role": "assistant", "content": body}],
+               "source": "magpie", "truncated": not (r and r[-1] in stop)}
+        f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+        kept += 1
+        filtered["kept"] += 1
+    return kept
+
+
 def synthesise(model, tok, out_path: Path, n: int, *, batch: int = 16, user_tokens: int = 64,
                response_tokens: int = 192, seed: int = 0, user_temperature: float = 0.8,
                response_temperature: float = 0.0, max_batches: int | None = None, overlap=None,
@@ -216,13 +282,7 @@ def synthesise(model, tok, out_path: Path, n: int, *, batch: int = 16, user_toke
     User turns pass `user_turn_problem` (length, language, repetition) and, when given, the evaluation-overlap
     check; what each rule dropped is counted in the state file (`filtered`)."""
     out_path = Path(out_path)
-    seen, have = set(), 0
-    for rec in read_jsonl(out_path):
-        try:
-            seen.add(_dedup_key(normalise(rec)[0]["content"]))
-            have += 1
-        except (ValueError, IndexError, KeyError):
-            continue
+    seen, have = _magpie_so_far(out_path)
     if progress:
         progress(have)              # done before this run: not counted in its rate
     prefix = magpie_prefix(tok)
@@ -231,11 +291,7 @@ def synthesise(model, tok, out_path: Path, n: int, *, batch: int = 16, user_toke
     resp_sp = SamplingParams(temperature=response_temperature, top_p=0.95 if response_temperature else 1.0)
     # batch b is seeded with (seed, b) and always written whole, and the next batch index is kept next to the
     # file: a run resumed after a kill, or extended to a larger n, writes exactly what one uninterrupted run would
-    state_path = out_path.with_name(out_path.name + ".state.json")
-    try:
-        state = json.loads(state_path.read_text()) if state_path.exists() else {}
-    except json.JSONDecodeError:
-        state = {}      # written atomically since; an older torn file: continue with fresh batch seeds
+    state = read_synth_state(out_path)
     b = state.get("next_batch", have)     # a file from elsewhere: fresh seeds, never replaying batch 0..
     filtered = Counter(state.get("filtered", {}))
     tries = 0
@@ -247,38 +303,13 @@ def synthesise(model, tok, out_path: Path, n: int, *, batch: int = 16, user_toke
             g = torch.Generator(device=model.device)
             g.manual_seed(seed * 1_000_003 + b)
             users = batched_generate(model, [prefix] * batch, user_tokens, user_sp, stop, g)
-            texts = []
-            for u in users:
-                filtered["sampled"] += 1
-                if not u or u[-1] not in stop:      # cut off mid-sentence: not a complete request
-                    filtered["unfinished"] += 1
-                    continue
-                t = tok.decode([x for x in u if x not in stop]).strip()
-                why = user_turn_problem(t)
-                if why is None and overlap is not None and overlap.problem(t):
-                    why = "overlaps evaluation"
-                if why is None and _dedup_key(t) in seen:
-                    why = "duplicate"
-                if why:
-                    filtered[why] += 1
-                    continue
-                seen.add(_dedup_key(t))
-                texts.append(t)
+            texts = _new_user_turns(tok, users, stop, seen, overlap, filtered)
             resps = batched_generate(model, [tok.encode_messages([{"role": "user", "content": t}]) for t in texts],
                                      response_tokens, resp_sp, stop, g) if texts else []
-            for t, r in zip(texts, resps):
-                body = tok.decode([x for x in r if x not in stop]).strip()
-                if not body:
-                    filtered["empty answer"] += 1
-                    continue
-                rec = {"messages": [{"role": "user", "content": t}, {"role": "assistant", "content": body}],
-                       "source": "magpie", "truncated": not (r and r[-1] in stop)}
-                f.write(json.dumps(rec, ensure_ascii=False) + "\n")
-                have += 1
-                filtered["kept"] += 1
+            have += _write_magpie(f, tok, texts, resps, stop, filtered)
             f.flush()
             b += 1
-            write_json_atomic(state_path, {"next_batch": b, "seed": seed, "filtered": dict(filtered)})
+            write_json_atomic(synth_state_path(out_path), {"next_batch": b, "seed": seed, "filtered": dict(filtered)})
             if progress:
                 progress(have)
     return have
@@ -366,6 +397,68 @@ def capture_batch(model, seqs: list[list[int]], aux_layers: list[int]):
     return res
 
 
+def _open_manifest(mpath: Path, model, aux_layers: list[int], target_info: dict | None, shard_size: int) -> dict:
+    """The manifest of an earlier capture into this directory (it must have used these aux layers), or a new one."""
+    manifest = json.loads(mpath.read_text()) if mpath.exists() else None
+    if manifest and manifest.get("aux_layers") != list(aux_layers):
+        raise SpecscopeError(f"{mpath} was captured with aux layers {manifest.get('aux_layers')} but "
+                             f"{list(aux_layers)} were asked for; use a new --workdir")
+    if manifest is None:
+        manifest = {"version": 1, "aux_layers": list(aux_layers), "aux_convention": "input",
+                    "hidden_size": model.config.hidden_size, "vocab_size": model.config.vocab_size,
+                    "target": target_info or {}, "shard_size": shard_size, "shards": [], "skipped": 0}
+    return manifest
+
+
+def _tokenize_shard(tok, convs: list[list[dict]], max_len: int) -> tuple[list[tuple[list[int], list[int]]], int]:
+    """(ids, loss mask) of each conversation, shortest first, and how many were skipped (no assistant token within
+    max_len, or under 3 tokens)."""
+    items, skipped = [], 0
+    for c in convs:
+        ids, mask = tokenize_conversation(tok, c, max_len)
+        if sum(mask) == 0 or len(ids) < 3:
+            skipped += 1
+            continue
+        items.append((ids, mask))
+    items.sort(key=lambda x: len(x[0]))     # similar lengths per batch: less padding
+    return items, skipped
+
+
+def _shard_features(items: list[tuple[list[int], list[int]]], features, batch: int) -> dict | None:
+    """The features of `items`, `batch` sequences per call, concatenated into a shard's tensors (+ "offsets": where
+    each sequence starts); None when there is no sequence."""
+    tensors, offsets = {"aux": [], "hidden": [], "argmax": [], "input_ids": [], "loss_mask": []}, [0]
+    for j in range(0, len(items), batch):
+        chunk = items[j:j + batch]
+        for (ids, mask), (aux, hid, am) in zip(chunk, features([x[0] for x in chunk])):
+            if not (torch.isfinite(aux).all() and aux.abs().max() < 6e4):
+                raise SpecscopeError("target hidden states overflow float16; capture in fp32 is not supported yet")
+            tensors["aux"].append(aux.to(torch.float16))
+            tensors["hidden"].append(hid.to(torch.float16))
+            tensors["argmax"].append(am.to(torch.int32))
+            tensors["input_ids"].append(torch.tensor(ids, dtype=torch.int32))
+            tensors["loss_mask"].append(torch.tensor(mask, dtype=torch.uint8))
+            offsets.append(offsets[-1] + len(ids))
+    if len(offsets) == 1:
+        return None
+    flat = {k: torch.cat(v).contiguous() for k, v in tensors.items()}
+    flat["offsets"] = torch.tensor(offsets, dtype=torch.int64)
+    return flat
+
+
+def _save_shard(out_dir: Path, si: int, flat: dict | None, conversations: int, digest: str) -> dict:
+    """Shard `si` written (atomically) under out_dir, and its manifest entry; an empty shard is listed, no file."""
+    if flat is None:
+        return {"index": si, "file": None, "conversations": conversations, "conv_hash": digest, "sequences": 0,
+                "tokens": 0, "loss_tokens": 0}
+    name = f"shard-{si:05d}.safetensors"
+    with atomic_output(out_dir / name, "captured data shard") as tmp:
+        save_file(flat, str(tmp))
+    offsets = flat["offsets"]
+    return {"index": si, "file": name, "conversations": conversations, "conv_hash": digest,
+            "sequences": len(offsets) - 1, "tokens": int(offsets[-1]), "loss_tokens": int(flat["loss_mask"].sum())}
+
+
 def capture(model, tok, convs: list[list[dict]], out_dir: Path, aux_layers: list[int], *, max_len: int = 1024,
             shard_size: int = 64, batch: int = 4, target_info: dict | None = None, progress=None,
             answers: dict | None = None, features=None, captured_by: dict | None = None) -> dict:
@@ -379,65 +472,30 @@ def capture(model, tok, convs: list[list[dict]], out_dir: Path, aux_layers: list
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     mpath = out_dir / MANIFEST
-    manifest = json.loads(mpath.read_text()) if mpath.exists() else None
-    if manifest and manifest.get("aux_layers") != list(aux_layers):
-        raise SpecscopeError(f"{mpath} was captured with aux layers {manifest.get('aux_layers')} but "
-                             f"{list(aux_layers)} were asked for; use a new --workdir")
-    if manifest is None:
-        manifest = {"version": 1, "aux_layers": list(aux_layers), "aux_convention": "input",
-                    "hidden_size": model.config.hidden_size, "vocab_size": model.config.vocab_size,
-                    "target": target_info or {}, "shard_size": shard_size, "shards": [], "skipped": 0}
+    manifest = _open_manifest(mpath, model, aux_layers, target_info, shard_size)
     if answers is not None:
         manifest["answers"] = answers
     manifest["captured_by"] = captured_by or {"engine": "specscope"}
     shard_size = manifest["shard_size"]
-    n_shards = (len(convs) + shard_size - 1) // shard_size
+    shards = [convs[i:i + shard_size] for i in range(0, len(convs), shard_size)]
     # a shard is done when it holds the very conversations it should now: a last, partial shard is redone when
     # more arrive, and any shard whose conversations changed (a prompt file added in front of synthesised ones) is
     # captured again. Manifests from before the hash are trusted on the count alone.
-    want = {si: len(convs[si * shard_size:(si + 1) * shard_size]) for si in range(n_shards)}
-    digest = {si: conv_hash(convs[si * shard_size:(si + 1) * shard_size]) for si in range(n_shards)}
+    want = {si: len(c) for si, c in enumerate(shards)}
+    digest = {si: conv_hash(c) for si, c in enumerate(shards)}
     done = {s["index"] for s in manifest["shards"] if s.get("conversations", s["sequences"]) == want.get(s["index"])
             and s.get("conv_hash", digest.get(s["index"])) == digest.get(s["index"])}
     manifest["shards"] = [s for s in manifest["shards"] if s["index"] in done]
     finished = sum(want[si] for si in done)
     if progress:
         progress(finished)          # captured before this run: not counted in its rate
-    for si in range(n_shards):
+    for si, shard in enumerate(shards):
         if si in done:
             continue
-        items = []
-        for c in convs[si * shard_size:(si + 1) * shard_size]:
-            ids, mask = tokenize_conversation(tok, c, max_len)
-            if sum(mask) == 0 or len(ids) < 3:
-                manifest["skipped"] += 1
-                continue
-            items.append((ids, mask))
-        items.sort(key=lambda x: len(x[0]))     # similar lengths per batch: less padding
-        tensors, offsets = {"aux": [], "hidden": [], "argmax": [], "input_ids": [], "loss_mask": []}, [0]
-        for j in range(0, len(items), batch):
-            chunk = items[j:j + batch]
-            for (ids, mask), (aux, hid, am) in zip(chunk, features([x[0] for x in chunk])):
-                if not (torch.isfinite(aux).all() and aux.abs().max() < 6e4):
-                    raise SpecscopeError("target hidden states overflow float16; capture in fp32 is not supported yet")
-                tensors["aux"].append(aux.to(torch.float16))
-                tensors["hidden"].append(hid.to(torch.float16))
-                tensors["argmax"].append(am.to(torch.int32))
-                tensors["input_ids"].append(torch.tensor(ids, dtype=torch.int32))
-                tensors["loss_mask"].append(torch.tensor(mask, dtype=torch.uint8))
-                offsets.append(offsets[-1] + len(ids))
-        if len(offsets) > 1:
-            flat = {k: torch.cat(v).contiguous() for k, v in tensors.items()}
-            flat["offsets"] = torch.tensor(offsets, dtype=torch.int64)
-            name = f"shard-{si:05d}.safetensors"
-            with atomic_output(out_dir / name, "captured data shard") as tmp:
-                save_file(flat, str(tmp))
-            manifest["shards"].append({"index": si, "file": name, "conversations": want[si],
-                                       "conv_hash": digest[si], "sequences": len(offsets) - 1,
-                                       "tokens": offsets[-1], "loss_tokens": int(flat["loss_mask"].sum())})
-        else:
-            manifest["shards"].append({"index": si, "file": None, "conversations": want[si],
-                                       "conv_hash": digest[si], "sequences": 0, "tokens": 0, "loss_tokens": 0})
+        items, skipped = _tokenize_shard(tok, shard, max_len)
+        manifest["skipped"] += skipped
+        flat = _shard_features(items, features, batch)
+        manifest["shards"].append(_save_shard(out_dir, si, flat, want[si], digest[si]))
         manifest["shards"].sort(key=lambda x: x["index"])
         _write_manifest(manifest, mpath)
         finished += want[si]

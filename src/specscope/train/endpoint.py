@@ -289,6 +289,97 @@ async def _answer_one(ep: Endpoint, client: httpx.AsyncClient, item: dict, key: 
     return rec, None
 
 
+def _read_cache(cache_path: Path) -> dict[str, dict]:
+    """The cached answers by key (records without a key or messages are not answers)."""
+    cached = {}
+    for rec in read_jsonl(cache_path):
+        if isinstance(rec.get("key"), str) and isinstance(rec.get("messages"), list):
+            cached[rec["key"]] = rec
+    return cached
+
+
+def _unasked(items: list[dict], keys: list[str], cached: dict) -> list[tuple[dict, str]]:
+    """(item, key) of the items still to ask, each key once: items asked exactly alike (duplicates) are asked once."""
+    todo, seen = [], set()
+    for it, k in zip(items, keys):
+        if k not in cached and k not in seen:
+            seen.add(k)
+            todo.append((it, k))
+    return todo
+
+
+@dataclass
+class _Asking:
+    """One run of requests: what is left to ask, and what came back (answers, failures, the progress count)."""
+
+    ep: Endpoint
+    todo: list[tuple[dict, str]]
+    share: Counter                  # how many items ask each key (duplicates share one answer)
+    any_cached: bool
+    all_turns: bool
+    progress: object = None
+    done: int = 0
+    got: dict[str, dict] = field(default_factory=dict)
+    failures: list[str] = field(default_factory=list)
+    n_failed: int = 0
+
+    def failed(self, item: dict, why: str) -> None:
+        self.n_failed += 1
+        if len(self.failures) < 3:
+            self.failures.append(f"{item['id']}: {why}")
+        if self.n_failed >= min(EARLY_FAILURES, len(self.todo)) and not self.got and not self.any_cached:
+            raise SpecscopeError(f"{self.ep.url}/v1/chat/completions refused the first {self.n_failed} "
+                                 f"requests (first: {self.failures[0]}); check --served-model-name, "
+                                 f"--max-tokens and the server's context length")
+
+    def answered(self, f, key: str, rec: dict) -> None:
+        f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+        f.flush()
+        self.got[key] = rec
+
+    def advance(self, key: str) -> None:
+        self.done += self.share[key]
+        if self.progress:
+            self.progress(self.done)
+
+
+async def _worker(run: _Asking, client: httpx.AsyncClient, queue, f) -> None:
+    for it, k in queue:         # one shared iterator: each item goes to one worker
+        rec, why = await _answer_one(run.ep, client, it, k, run.all_turns)
+        if rec is None:
+            run.failed(it, why)
+        else:
+            run.answered(f, k, rec)
+        run.advance(k)
+
+
+async def _ask_all(run: _Asking, f) -> None:
+    """`run.todo` asked `concurrency` at a time; answers appended to `f` as they come."""
+    ep = run.ep
+    limits = httpx.Limits(max_connections=ep.concurrency + 2, max_keepalive_connections=ep.concurrency + 2)
+    timeout = httpx.Timeout(ep.timeout_s, connect=min(ep.timeout_s, 30.0))
+    queue = iter(run.todo)
+    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+        tasks = [asyncio.create_task(_worker(run, client, queue, f))
+                 for _ in range(min(ep.concurrency, len(run.todo)))]
+        try:
+            await asyncio.gather(*tasks)
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _in_item_order(items: list[dict], keys: list[str], got: dict, cached: dict) -> list[dict]:
+    """One record per answered item, in item order, under the item's own id and source."""
+    records = []
+    for it, k in zip(items, keys):      # an item asked like an earlier one (a duplicate) shares its answer
+        r = got.get(k) or cached.get(k)
+        if r is not None:
+            records.append(r if r["id"] == it["id"] else dict(r, id=it["id"], source=it.get("source", r["source"])))
+    return records
+
+
 def answer_via_endpoint(endpoint: Endpoint | str, items: list[dict], cache_path: str | Path, *,
                         all_turns: bool = True, progress=None, log=print) -> tuple[list[dict], dict]:
     """Answers to `items` from an OpenAI-compatible server, cached in `cache_path` (JSONL, appended, resumable).
@@ -310,75 +401,26 @@ def answer_via_endpoint(endpoint: Endpoint | str, items: list[dict], cache_path:
         ep.connect(log)
     cache_path = Path(cache_path)
     keys = [ep.key(_item_turns(it), all_turns) for it in items]
-    cached = {}
-    for rec in read_jsonl(cache_path):
-        if isinstance(rec.get("key"), str) and isinstance(rec.get("messages"), list):
-            cached[rec["key"]] = rec
-    share = Counter(keys)               # items asked exactly alike (duplicates) are asked once
-    todo, seen = [], set()
-    for it, k in zip(items, keys):
-        if k not in cached and k not in seen:
-            seen.add(k)
-            todo.append((it, k))
-    got: dict[str, dict] = {}
-    failures: list[str] = []
-    n_failed = 0
-    done = sum(k in cached for k in keys)
+    cached = _read_cache(cache_path)
+    run = _Asking(ep, _unasked(items, keys, cached), Counter(keys), bool(cached), all_turns, progress,
+                  done=sum(k in cached for k in keys))
     if progress:
-        progress(done)
-    if todo:
-        log(f"asking {ep.describe()} for {len(todo)} answers"
-            + (f" ({done} already in {cache_path.name})" if done else ""))
+        progress(run.done)
+    if run.todo:
+        log(f"asking {ep.describe()} for {len(run.todo)} answers"
+            + (f" ({run.done} already in {cache_path.name})" if run.done else ""))
         cache_path.parent.mkdir(parents=True, exist_ok=True)
-
-        async def run(f):
-            nonlocal done, n_failed
-            limits = httpx.Limits(max_connections=ep.concurrency + 2, max_keepalive_connections=ep.concurrency + 2)
-            timeout = httpx.Timeout(ep.timeout_s, connect=min(ep.timeout_s, 30.0))
-            queue = iter(todo)
-            async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
-                async def worker():
-                    nonlocal done, n_failed
-                    for it, k in queue:         # one shared iterator: each item goes to one worker
-                        rec, why = await _answer_one(ep, client, it, k, all_turns)
-                        if rec is None:
-                            n_failed += 1
-                            if len(failures) < 3:
-                                failures.append(f"{it['id']}: {why}")
-                            if n_failed >= min(EARLY_FAILURES, len(todo)) and not got and not cached:
-                                raise SpecscopeError(f"{ep.url}/v1/chat/completions refused the first {n_failed} "
-                                                     f"requests (first: {failures[0]}); check --served-model-name, "
-                                                     f"--max-tokens and the server's context length")
-                        else:
-                            f.write(json.dumps(rec, ensure_ascii=False) + "\n")
-                            f.flush()
-                            got[k] = rec
-                        done += share[k]
-                        if progress:
-                            progress(done)
-
-                tasks = [asyncio.create_task(worker()) for _ in range(min(ep.concurrency, len(todo)))]
-                try:
-                    await asyncio.gather(*tasks)
-                finally:
-                    for t in tasks:
-                        t.cancel()
-                    await asyncio.gather(*tasks, return_exceptions=True)
-
         with open_for_append(cache_path) as f:
-            asyncio.run(run(f))
-        if n_failed:
-            log(f"{n_failed} of {len(todo)} requests to {ep.url} failed and are left out (first: {failures[0]}); "
-                f"a rerun asks for them again")
-    records = []
-    for it, k in zip(items, keys):      # an item asked like an earlier one (a duplicate) shares its answer
-        r = got.get(k) or cached.get(k)
-        if r is not None:
-            records.append(r if r["id"] == it["id"] else dict(r, id=it["id"], source=it.get("source", r["source"])))
+            asyncio.run(_ask_all(run, f))
+        if run.n_failed:
+            log(f"{run.n_failed} of {len(run.todo)} requests to {ep.url} failed and are left out (first: "
+                f"{run.failures[0]}); a rerun asks for them again")
+    records = _in_item_order(items, keys, run.got, cached)
     if not records:
         raise SpecscopeError(f"{ep.url} answered none of the {len(items)} requests (first failure: "
-                             f"{failures[0] if failures else 'none'})")
-    info = dict(ep.info(all_turns), answered_now=len(got), reused=sum(k in cached for k in keys), failed=n_failed)
-    if failures:
-        info["first_failures"] = failures
+                             f"{run.failures[0] if run.failures else 'none'})")
+    info = dict(ep.info(all_turns), answered_now=len(run.got), reused=sum(k in cached for k in keys),
+                failed=run.n_failed)
+    if run.failures:
+        info["first_failures"] = run.failures
     return records, info

@@ -33,7 +33,7 @@ from specscope.speculative.drafters import Eagle3TreeDrafter
 from specscope.speculative.eagle3 import DrafterConfig, Eagle3Drafter
 from specscope.speculative.formats import load_drafter, map_problems, pair_problems, save_drafter
 from specscope.train.data import (_dedup_key, answer_prompts, capture, conv_hash, read_conversations, read_jsonl,
-                                  regenerate as regen, synthesise)
+                                  read_synth_state, regenerate as regen, synthesise)
 from specscope.train.datasets import load_conversations
 from specscope.train.endpoint import answer_via_endpoint
 from specscope.train.sources import EvalOverlap, read_user_turns
@@ -192,6 +192,27 @@ def read_data_sources(dataset: str | None, prompt_files: list[str] | None, synth
                          "(conversations to synthesise)")
 
 
+@dataclass
+class Answering:
+    """How the data stage gets its answers (data_stage's flags, grouped): from `endpoint` (a train.endpoint.Endpoint)
+    or the local target (`regenerate`: none / greedy / sample), plus `synth` Magpie conversations of the target."""
+
+    regenerate: str = "none"
+    synth: int = 0
+    synth_batch: int = 16
+    user_tokens: int = 64
+    user_temperature: float = 0.8
+    response_tokens: int = 192
+    answer_batch: int = 32
+    seed: int = 0
+    endpoint: object = None
+
+    def needs_forward(self, sources: DataSources) -> bool:
+        """Whether the target's own forward must generate something: --synth, or answers no endpoint gives."""
+        return self.synth > 0 or self.endpoint is None and bool(
+            sources.items or (sources.convs is not None and self.regenerate != "none"))
+
+
 def data_stage(workdir: Path, model, tok, tinfo: dict, *, dataset: str | None = None, synth: int = 0,
                regenerate: str = "none", aux_layers: list[int], synth_batch: int = 16, user_tokens: int = 64,
                response_tokens: int = 192, max_len: int = 1024, seed: int = 0, gen_model=None, log=print,
@@ -205,82 +226,115 @@ def data_stage(workdir: Path, model, tok, tinfo: dict, *, dataset: str | None = 
     its `.config`, so every answer must come from `endpoint`."""
     if sources is None:
         sources = read_data_sources(dataset, prompt_files, synth, log)
-    if features is not None and (synth > 0 or endpoint is None and (
-            sources.items or (sources.convs is not None and regenerate != "none"))):
+    how = Answering(regenerate=regenerate, synth=synth, synth_batch=synth_batch, user_tokens=user_tokens,
+                    user_temperature=user_temperature, response_tokens=response_tokens, answer_batch=answer_batch,
+                    seed=seed, endpoint=endpoint)
+    if features is not None and how.needs_forward(sources):
         raise SpecscopeError("the target's forward does not run here (--capture): its answers must come from a "
                              "server (--answers-from, or the capture server itself), and --synth needs it")
     workdir.mkdir(parents=True, exist_ok=True)
     gen_model = gen_model or model
-    out = workdir / "conversations.jsonl"
-    synth_path = workdir / "synth.jsonl"
-    assemble = sources.convs is None
-    if assemble:
-        _adopt_synth_only_layout(out, synth_path, log)
-        # Synthesis always appends to synth.jsonl and conversations.jsonl is always rebuilt from the answers and
-        # the synthesised conversations, so adding --prompt-file to a synth-only work directory (or the other way
-        # round) keeps everything generated so far
-        overlap, items, report = sources.overlap, sources.items, sources.report
-        answers = workdir / "answers.jsonl"
-        ep_recs = None
-        if items and endpoint is not None:
-            ep_recs, answers_info = answer_via_endpoint(endpoint, items, workdir / ENDPOINT_ANSWERS, log=log,
-                                                        progress=Rate("answered", len(items), log))
-        elif items:
-            sp = SamplingParams(temperature=0.0 if regenerate in ("none", "greedy") else 0.8, top_p=0.95, seed=seed)
-            answer_prompts(gen_model, tok, items, answers, response_tokens, sp, batch=answer_batch, seed=seed,
-                           progress=Rate("answered", len(items), log))
-            answers_info = local_info(regenerate, response_tokens, seed)
-        else:
-            answers_info = {}
-        if synth > 0:       # Magpie conversations: always the local target's, user turns and answers
-            answers_info = dict(answers_info, synth={"source": "target (Magpie synthesis)", "conversations": synth,
-                                                     "max_tokens": response_tokens})
-            r = Rate("synthesised", synth, log)
-            synthesise(gen_model, tok, synth_path, synth, batch=synth_batch, user_tokens=user_tokens,
-                       response_tokens=response_tokens, seed=seed, user_temperature=user_temperature,
-                       overlap=overlap, progress=r)
-            sp_state = synth_path.with_name(synth_path.name + ".state.json")
-            try:
-                report["synth_filter"] = json.loads(sp_state.read_text()).get("filtered", {}) if sp_state.exists() else {}
-            except json.JSONDecodeError:
-                report["synth_filter"] = {}
-        order = {it["id"]: k for k, it in enumerate(items)}
-        if ep_recs is not None:
-            recs = ep_recs              # in item order, each under the key of this run's settings
-        else:
-            recs = read_jsonl(answers) if items else []
-            recs = sorted({r["id"]: r for r in recs if r["id"] in order}.values(), key=lambda r: order[r["id"]])
-        if synth > 0:
-            recs += read_jsonl(synth_path)[:synth]
-        elif synth_path.exists():
-            log(f"{synth_path} is left out of the training conversations (--synth 0)")
-        if out.exists() and not (workdir / "data_report.json").exists():
-            # a conversations.jsonl this stage did not assemble (put there by hand, or an older layout): keep it
-            out.replace(out.with_name(out.name + ".orig"))
-            log(f"kept the earlier {out.name} as {out.name}.orig")
-        write_atomic(out, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in recs), "conversations file")
-        convs, _ = read_conversations(out)
-        report["conversations"] = len(convs)
-        report["answers"] = answers_info
-        report["by_source"] = {}
-        for r in recs:
-            report["by_source"][r.get("source", "?")] = report["by_source"].get(r.get("source", "?"), 0) + 1
-        write_atomic(workdir / "data_report.json", json.dumps(report, indent=1), "data report")
+    if sources.convs is None:
+        convs, answers_info = assemble_conversations(workdir, gen_model, tok, sources, how, log)
     else:
-        convs = sources.convs
-        if endpoint is not None:
-            convs, answers_info = regenerated_via_endpoint(workdir, convs, endpoint, log)
-        elif regenerate != "none":
-            convs = regenerated(workdir, convs, gen_model, tok, regenerate, response_tokens, seed, answer_batch, log)
-            answers_info = local_info(regenerate, response_tokens, seed)
-        else:
-            answers_info = {"source": "dataset"}
+        convs, answers_info = dataset_answers(workdir, sources.convs, gen_model, tok, how, log)
     manifest = capture(model, tok, convs, workdir / "data", aux_layers, max_len=max_len, target_info=tinfo,
                        batch=capture_batch, progress=Rate("captured", len(convs), log), answers=answers_info,
                        features=features, captured_by=captured_by)
     log(f"data: {manifest['sequences']} sequences, {manifest['tokens']} tokens "
         f"({manifest['loss_tokens']} assistant tokens) in {workdir / 'data'}")
     return manifest
+
+
+def assemble_conversations(workdir: Path, gen_model, tok, sources: DataSources, how: Answering,
+                           log=print) -> tuple[list[list[dict]], dict]:
+    """--prompt-file / --synth: WORKDIR/conversations.jsonl assembled from the answers to the prompts and the
+    synthesised conversations, and data_report.json beside it -> (conversations, what produced their answers).
+    Synthesis always appends to synth.jsonl and conversations.jsonl is always rebuilt from the answers and the
+    synthesised conversations, so adding --prompt-file to a synth-only work directory (or the other way round)
+    keeps everything generated so far."""
+    out, synth_path = workdir / "conversations.jsonl", workdir / "synth.jsonl"
+    _adopt_synth_only_layout(out, synth_path, log)
+    items, report = sources.items, sources.report
+    ep_recs, answers_info = answer_items(workdir, gen_model, tok, items, how, log)
+    if how.synth > 0:       # Magpie conversations: always the local target's, user turns and answers
+        answers_info = dict(answers_info, synth={"source": "target (Magpie synthesis)", "conversations": how.synth,
+                                                 "max_tokens": how.response_tokens})
+        report["synth_filter"] = synthesise_conversations(gen_model, tok, synth_path, sources.overlap, how, log)
+    if ep_recs is not None:
+        recs = ep_recs              # in item order, each under the key of this run's settings
+    else:
+        recs = _local_answers(workdir / "answers.jsonl", items)
+    if how.synth > 0:
+        recs += read_jsonl(synth_path)[:how.synth]
+    elif synth_path.exists():
+        log(f"{synth_path} is left out of the training conversations (--synth 0)")
+    convs = write_conversations(workdir, out, recs, log)
+    report["conversations"] = len(convs)
+    report["answers"] = answers_info
+    report["by_source"] = {}
+    for r in recs:
+        report["by_source"][r.get("source", "?")] = report["by_source"].get(r.get("source", "?"), 0) + 1
+    write_atomic(workdir / "data_report.json", json.dumps(report, indent=1), "data report")
+    return convs, answers_info
+
+
+def answer_items(workdir: Path, gen_model, tok, items: list[dict], how: Answering,
+                 log=print) -> tuple[list[dict] | None, dict]:
+    """The --prompt-file prompts answered -> (the endpoint's records in item order, or None when the local target
+    answered them into WORKDIR/answers.jsonl; what the run records about those answers)."""
+    if items and how.endpoint is not None:
+        return answer_via_endpoint(how.endpoint, items, workdir / ENDPOINT_ANSWERS, log=log,
+                                   progress=Rate("answered", len(items), log))
+    if not items:
+        return None, {}
+    sp = SamplingParams(temperature=0.0 if how.regenerate in ("none", "greedy") else 0.8, top_p=0.95, seed=how.seed)
+    answer_prompts(gen_model, tok, items, workdir / "answers.jsonl", how.response_tokens, sp, batch=how.answer_batch,
+                   seed=how.seed, progress=Rate("answered", len(items), log))
+    return None, local_info(how.regenerate, how.response_tokens, how.seed)
+
+
+def synthesise_conversations(gen_model, tok, synth_path: Path, overlap, how: Answering, log=print) -> dict:
+    """--synth: Magpie conversations appended to synth.jsonl up to `how.synth` -> what each filter dropped (the
+    synthesis state's `filtered`)."""
+    r = Rate("synthesised", how.synth, log)
+    synthesise(gen_model, tok, synth_path, how.synth, batch=how.synth_batch, user_tokens=how.user_tokens,
+               response_tokens=how.response_tokens, seed=how.seed, user_temperature=how.user_temperature,
+               overlap=overlap, progress=r)
+    return read_synth_state(synth_path).get("filtered", {})
+
+
+def _local_answers(answers: Path, items: list[dict]) -> list[dict]:
+    """The local target's answers to `items` (the last record of each id), in item order."""
+    if not items:
+        return []
+    order = {it["id"]: k for k, it in enumerate(items)}
+    recs = read_jsonl(answers)
+    return sorted({r["id"]: r for r in recs if r["id"] in order}.values(), key=lambda r: order[r["id"]])
+
+
+def write_conversations(workdir: Path, out: Path, recs: list[dict], log=print) -> list[list[dict]]:
+    """`recs` written as the training conversations file `out`, read back as conversations."""
+    if out.exists() and not (workdir / "data_report.json").exists():
+        # a conversations.jsonl this stage did not assemble (put there by hand, or an older layout): keep it
+        out.replace(out.with_name(out.name + ".orig"))
+        log(f"kept the earlier {out.name} as {out.name}.orig")
+    write_atomic(out, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in recs), "conversations file")
+    convs, _ = read_conversations(out)
+    return convs
+
+
+def dataset_answers(workdir: Path, convs: list[list[dict]], gen_model, tok, how: Answering,
+                    log=print) -> tuple[list[list[dict]], dict]:
+    """--dataset: its conversations, with the endpoint's or the local target's answers when asked (--answers-from,
+    --regenerate) -> (conversations, what produced their answers)."""
+    if how.endpoint is not None:
+        return regenerated_via_endpoint(workdir, convs, how.endpoint, log)
+    if how.regenerate != "none":
+        convs = regenerated(workdir, convs, gen_model, tok, how.regenerate, how.response_tokens, how.seed,
+                            how.answer_batch, log)
+        return convs, local_info(how.regenerate, how.response_tokens, how.seed)
+    return convs, {"source": "dataset"}
 
 
 ENDPOINT_ANSWERS = "endpoint_answers.jsonl"

@@ -65,6 +65,51 @@ def _print_report(kinds: dict) -> None:
     Console(stderr=True, width=None if sys.stderr.isatty() else 160).print(t)
 
 
+def _echo_run(s: dict) -> None:
+    """One file's summary: what was read, the figures (a trace's as the profile report), the line report, notes."""
+    r, i = s["results"], s["results"]["ingest"]
+    rec = ", ".join(f"{k} {v}" for k, v in i["recognised"].items() if v)
+    model = s["config"].get("model")
+    click.echo(f"{s['file']}: {s['format']}" + (f" ({s['engine']})" if s["engine"] != s["format"] else "")
+               + (f", model {model}" if model else "")
+               + f" — {i['lines']} {i.get('unit', 'lines')} ({rec}; {i['malformed']} malformed, "
+                 f"{i['other']} other)"
+               + (f" -> run {s['run_id']}" if s["run_id"] else ""))
+    if s["format"] == "torch-trace":      # per-phase timing: the profile report's own lines
+        from specscope.ingest.torch_trace import phase_lines
+
+        for line in phase_lines(r):
+            click.echo("  " + line)
+        _print_report(i.get("kinds") or {})
+    else:
+        _echo_figures(r)
+        _print_report(i.get("kinds") or {})
+        for ex in i["malformed_examples"][:3]:
+            click.echo(f"  malformed line {ex['line']}: {ex['reason']}", err=True)
+    for w in i["warnings"]:
+        click.echo(f"  note: {w}", err=True)
+
+
+def _echo_figures(r: dict) -> None:
+    """A log's figures on one line (τ, tok/s, acceptance, batch, ...), then τ per segment."""
+    parts = [_tau(r), f"tok/s {_fmt(r.get('tok_per_s'), '.1f')}"]
+    if r.get("draft_acceptance_rate") is not None:
+        parts.append(f"acceptance per draft token {r['draft_acceptance_rate']:.3f}")
+    if r.get("per_position_acceptance"):
+        parts.append("per-position " + ", ".join("-" if x is None else f"{x:.3f}"
+                                                 for x in r["per_position_acceptance"]))
+    if r.get("batch_size"):
+        parts.append(f"batch mean {r['batch_size']['mean']:.1f} max {r['batch_size']['max']}")
+    if "cuda_graph" in r:
+        parts.append(f"cuda graph {r['cuda_graph']}")
+    if r.get("phases"):
+        parts.append("phases " + ", ".join(f"{k} {v['mean_ms']:.2f} ms" for k, v in r["phases"].items()))
+    click.echo("  " + "; ".join(parts))
+    for seg in r.get("segments") or []:
+        click.echo(f"  segment k={seg['k']} ({seg['form']}, {seg['lines']} lines from line "
+                   f"{seg['first_line']}): τ {_fmt(seg['accept_length'], '.3f')}")
+
+
 @click.command()
 @click.argument("files", nargs=-1, required=True, type=click.Path(dir_okay=False, allow_dash=True))
 @alias_option("--format", "engine", hidden=("--engine",),
@@ -84,74 +129,16 @@ def ingest(files, engine, tags, name, no_record, progress, db, as_json):
     tabled in docs/engine-metrics.md; a per-file report says which lines were used, skipped, and why. A vLLM
     torch-profiler trace (*.pt.trace.json[.gz], recorded with VLLM_CUSTOM_SCOPES_FOR_PROFILING=1) becomes per-phase
     cycle timing, one cycle per decode step."""
-    from specscope.ingest.core import ingest_file, store_parsed
+    from specscope.ingest.core import ingest_files, refusal
 
-    if not no_record:       # before streaming what may be gigabytes of logs, not after each file
-        from specscope.registry import check_registry
-
-        check_registry(db)
-    done, failed = [], []
-    for f in files:
-        bar, update = _progress_for(f, progress)
-        try:
-            if bar is not None:
-                with bar:
-                    done.append(ingest_file(f, engine=engine, tags=tags, name=name, record=False, progress=update))
-            else:
-                done.append(ingest_file(f, engine=engine, tags=tags, name=name, record=False))
-        except SpecscopeError as e:
-            failed.append(str(e))
+    runs, failed = ingest_files(files, engine=engine, tags=tags, name=name, record=not no_record, db=db,
+                                progress_for=lambda f: _progress_for(f, progress))
     if failed:          # a refused command changes nothing: no file's run is stored when any file failed
         if as_json:
             emit_json({"runs": [], "errors": failed})
-        if len(files) == 1:
-            raise SpecscopeError(failed[0])
-        more = f" (and {len(failed) - 1} more)" if len(failed) > 1 else ""
-        raise SpecscopeError(f"{len(failed)} of {len(files)} files could not be ingested, so nothing was stored: "
-                             f"{failed[0]}{more}; fix or drop them and ingest again")
-    for s in done:
-        if not no_record:
-            store_parsed(s, db)
-        del s["record"]         # the record object stays internal: --json prints the summary
+        raise SpecscopeError(refusal(failed, len(files)))
     if as_json:
-        emit_json({"runs": done, "errors": failed})
-    else:
-        for s in done:
-            r, i = s["results"], s["results"]["ingest"]
-            rec = ", ".join(f"{k} {v}" for k, v in i["recognised"].items() if v)
-            model = s["config"].get("model")
-            click.echo(f"{s['file']}: {s['format']}" + (f" ({s['engine']})" if s["engine"] != s["format"] else "")
-                       + (f", model {model}" if model else "")
-                       + f" — {i['lines']} {i.get('unit', 'lines')} ({rec}; {i['malformed']} malformed, "
-                         f"{i['other']} other)"
-                       + (f" -> run {s['run_id']}" if s["run_id"] else ""))
-            if s["format"] == "torch-trace":      # per-phase timing: the profile report's own lines
-                from specscope.ingest.torch_trace import phase_lines
-
-                for line in phase_lines(r):
-                    click.echo("  " + line)
-                _print_report(i.get("kinds") or {})
-                for w in i["warnings"]:
-                    click.echo(f"  note: {w}", err=True)
-                continue
-            parts = [_tau(r), f"tok/s {_fmt(r.get('tok_per_s'), '.1f')}"]
-            if r.get("draft_acceptance_rate") is not None:
-                parts.append(f"acceptance per draft token {r['draft_acceptance_rate']:.3f}")
-            if r.get("per_position_acceptance"):
-                parts.append("per-position " + ", ".join("-" if x is None else f"{x:.3f}"
-                                                         for x in r["per_position_acceptance"]))
-            if r.get("batch_size"):
-                parts.append(f"batch mean {r['batch_size']['mean']:.1f} max {r['batch_size']['max']}")
-            if "cuda_graph" in r:
-                parts.append(f"cuda graph {r['cuda_graph']}")
-            if r.get("phases"):
-                parts.append("phases " + ", ".join(f"{k} {v['mean_ms']:.2f} ms" for k, v in r["phases"].items()))
-            click.echo("  " + "; ".join(parts))
-            for seg in r.get("segments") or []:
-                click.echo(f"  segment k={seg['k']} ({seg['form']}, {seg['lines']} lines from line "
-                           f"{seg['first_line']}): τ {_fmt(seg['accept_length'], '.3f')}")
-            _print_report(i.get("kinds") or {})
-            for ex in i["malformed_examples"][:3]:
-                click.echo(f"  malformed line {ex['line']}: {ex['reason']}", err=True)
-            for w in i["warnings"]:
-                click.echo(f"  note: {w}", err=True)
+        emit_json({"runs": runs, "errors": failed})
+        return
+    for s in runs:
+        _echo_run(s)

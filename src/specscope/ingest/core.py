@@ -194,3 +194,40 @@ def store_parsed(summary: dict, db=None) -> dict:
 
     summary["run_id"] = store_record(summary["record"], db)
     return summary
+
+
+def ingest_files(files, engine: str = "auto", tags=(), name: str | None = None, record: bool = True, db=None,
+                 progress_for=None) -> tuple[list[dict], list[str]]:
+    """Parse every file, then store their runs only if all parsed: (summaries without their record objects, error
+    messages). A refused command changes nothing: no file's run is stored when any file failed, and the summaries
+    are then [].
+
+    progress_for(file) -> (a progress bar to enter while the file is read, or None; its update callback)."""
+    if record:       # before streaming what may be gigabytes of logs, not after each file
+        from specscope.registry import check_registry
+
+        check_registry(db)
+    done, failed = [], []
+    for f in files:
+        bar, update = progress_for(f) if progress_for is not None else (None, None)
+        try:
+            with bar if bar is not None else contextlib.nullcontext():
+                done.append(ingest_file(f, engine=engine, tags=tags, name=name, record=False, progress=update))
+        except SpecscopeError as e:
+            failed.append(str(e))
+    if failed:
+        return [], failed
+    for s in done:
+        if record:
+            store_parsed(s, db)
+        del s["record"]         # the record object stays internal: the summary is what is shown
+    return done, failed
+
+
+def refusal(failed: list[str], n_files: int) -> str:
+    """The one error of a command refused because files failed (ingest_files stored none)."""
+    if n_files == 1:
+        return failed[0]
+    more = f" (and {len(failed) - 1} more)" if len(failed) > 1 else ""
+    return (f"{len(failed)} of {n_files} files could not be ingested, so nothing was stored: "
+            f"{failed[0]}{more}; fix or drop them and ingest again")

@@ -177,50 +177,39 @@ class SGLangParser(FormatParser):
             # at batch 1 the generation rate is one request's rate: ms per token (per cycle τ tokens)
             res["decode_ms_per_token"] = 1e3 / stats(single)["median"]
 
-    def result(self) -> dict:
-        a = self.args
-        steps = _int(a.get("speculative_num_steps"))
-        topk = _int(a.get("speculative_eagle_topk"))
-        draft_tokens = _int(a.get("speculative_num_draft_tokens"))
-        config = {"engine": "sglang", "model": a.get("model_path"), "draft": a.get("speculative_draft_model_path"),
-                  "speculative_algorithm": a.get("speculative_algorithm"), "steps": steps, "topk": topk,
-                  "draft_tokens": draft_tokens, "dtype": a.get("dtype"), "tp_size": _int(a.get("tp_size")),
-                  "dp_size": _int(a.get("dp_size")), "decode_log_interval": _int(a.get("decode_log_interval"))}
-        warnings = []
+    def _acceptance(self, res: dict, warnings: list, draft_tokens: int | None) -> None:
+        """τ: the mean of `accept len` weighted by running requests (the plain mean beside it); the acceptance per
+        draft token from τ and the configured draft tokens."""
         n_active, n_spec = len(self.active_tput), len(self.spec_al)
-        res: dict = {"decode_lines": self.n_decode, "prefill_lines": self.prefill["lines"]}
-        if n_spec:
-            w = sum(self.spec_w)
-            tau = sum(a * wi for a, wi in zip(self.spec_al, self.spec_w)) / w
-            res["accept_length"] = tau
-            res["accept_length_weighting"] = "running requests"
-            res["accept_length_unweighted"] = sum(self.spec_al) / n_spec
-            res["accept_length_stats"] = stats(self.spec_al)
-            if draft_tokens and draft_tokens > 1:
-                # per draft token, from τ and the configured tree size — not SGLang's own `accept rate`
-                res["draft_acceptance_rate"] = (tau - 1.0) / (draft_tokens - 1)
-                res["system_efficiency"] = tau / draft_tokens   # of the most a verify can emit
-            if self.rates_reported:
-                res["reported_accept_rate_mean"] = sum(self.rates_reported) / len(self.rates_reported)
-                warnings.append("SGLang's 'accept rate' changed definition between versions; it is stored as "
-                                "reported_accept_rate_mean and not used")
-            if n_spec < n_active:
-                self.partial(DECODE, "no 'accept len': in tok/s, not in τ", n_active - n_spec)
-                warnings.append(f"{n_active - n_spec} active decode lines have no 'accept len' "
-                                "(a non-speculative run mixed in?)")
-        idle = self.n_decode - n_active
-        res["idle_lines"] = idle
-        self.skip(DECODE, "idle: no running request", idle)
-        if n_active:
-            self._throughput(res, warnings)
+        w = sum(self.spec_w)
+        tau = sum(a * wi for a, wi in zip(self.spec_al, self.spec_w)) / w
+        res["accept_length"] = tau
+        res["accept_length_weighting"] = "running requests"
+        res["accept_length_unweighted"] = sum(self.spec_al) / n_spec
+        res["accept_length_stats"] = stats(self.spec_al)
+        if draft_tokens and draft_tokens > 1:
+            # per draft token, from τ and the configured tree size — not SGLang's own `accept rate`
+            res["draft_acceptance_rate"] = (tau - 1.0) / (draft_tokens - 1)
+            res["system_efficiency"] = tau / draft_tokens   # of the most a verify can emit
+        if self.rates_reported:
+            res["reported_accept_rate_mean"] = sum(self.rates_reported) / len(self.rates_reported)
+            warnings.append("SGLang's 'accept rate' changed definition between versions; it is stored as "
+                            "reported_accept_rate_mean and not used")
+        if n_spec < n_active:
+            self.partial(DECODE, "no 'accept len': in tok/s, not in τ", n_active - n_spec)
+            warnings.append(f"{n_active - n_spec} active decode lines have no 'accept len' "
+                            "(a non-speculative run mixed in?)")
+
+    def _engine_figures(self, res: dict) -> None:
+        """CUDA graphs (from the decode lines, else server_args), the longest queue, peak token usage, prefill."""
         on, off = self.graph
         if on + off:
             res["cuda_graph"] = True if not off else False if not on else "mixed"
             res["cuda_graph_share"] = on / (on + off)
             if self.graph_backend and self.graph_backend != "cuda":
                 res["graph_backend"] = self.graph_backend
-        elif "disable_cuda_graph" in a:
-            res["cuda_graph"] = a["disable_cuda_graph"] != "True"
+        elif "disable_cuda_graph" in self.args:
+            res["cuda_graph"] = self.args["disable_cuda_graph"] != "True"
         if self.n_decode:
             res["max_queue"] = self.max_queue
             if self.max_usage is not None:
@@ -230,6 +219,20 @@ class SGLangParser(FormatParser):
             res["prefill"] = dict(p)
             seen = p["new_tokens"] + p["cached_tokens"]
             res["prefill"]["cache_hit_rate"] = p["cached_tokens"] / seen if seen else None
+
+    def result(self) -> dict:
+        config = _config(self.args)
+        warnings = []
+        res: dict = {"decode_lines": self.n_decode, "prefill_lines": self.prefill["lines"]}
+        if self.spec_al:
+            self._acceptance(res, warnings, config["draft_tokens"])
+        n_active = len(self.active_tput)
+        idle = self.n_decode - n_active
+        res["idle_lines"] = idle
+        self.skip(DECODE, "idle: no running request", idle)
+        if n_active:
+            self._throughput(res, warnings)
+        self._engine_figures(res)
         span = self.clock.span()
         if span is not None:
             res["duration_s"] = span
@@ -243,6 +246,15 @@ class SGLangParser(FormatParser):
         return {"config": config, "results": res, "samples": samples, "warnings": warnings,
                 "env": {"engine": "sglang", "cuda_graph": res.get("cuda_graph")}}
 
+
+def _config(a: dict) -> dict:
+    """The run's config from the server_args line."""
+    return {"engine": "sglang", "model": a.get("model_path"), "draft": a.get("speculative_draft_model_path"),
+            "speculative_algorithm": a.get("speculative_algorithm"), "steps": _int(a.get("speculative_num_steps")),
+            "topk": _int(a.get("speculative_eagle_topk")),
+            "draft_tokens": _int(a.get("speculative_num_draft_tokens")), "dtype": a.get("dtype"),
+            "tp_size": _int(a.get("tp_size")), "dp_size": _int(a.get("dp_size")),
+            "decode_log_interval": _int(a.get("decode_log_interval"))}
 
 def _int(v):
     try:

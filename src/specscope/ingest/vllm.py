@@ -183,16 +183,19 @@ class VLLMParser(FormatParser):
     def _segments(self, warnings: list) -> list[dict]:
         """Per-interval V1 lines and cumulative V0 lines -> segments of one k, each with drafts and the accepted
         prefix, in file order."""
+        segs: list[dict] = []
+        self._v1_segments(segs, warnings)
+        self._v0_segments(segs, warnings)
+        if len({s["k"] for s in segs}) > 1:
+            change = ", ".join(f"k={s['k']} from line {s['first_line']}" for s in segs)
+            warnings.append(f"the number of speculative tokens changes in this log ({change}): a restart; τ per "
+                            "segment is in results.segments, the headline τ pools their drafts")
+        return segs
+
+    def _v1_segments(self, segs: list, warnings: list) -> None:
+        """V1 lines (per interval): drafts = Drafted / k, τ per line, per-position rates pooled over drafts."""
         ks = {d["k"] for d in self.spec if d["k"]} | {d["k"] for d in self.v0}
         only_k = next(iter(ks)) if len(ks) == 1 else None
-        segs: list[dict] = []
-
-        def seg_for(k, form, line):
-            if not segs or segs[-1]["k"] != k or segs[-1]["form"] != form:
-                segs.append({"k": k, "form": form, "lines": 0, "first_line": line, "drafts": 0.0, "accepted": 0.0,
-                             "drafted": 0.0, "pos_acc": [], "pos_drafts": [], "emitted": None})
-            return segs[-1]
-
         no_k = 0
         inconsistent = 0
         for d in self.spec:
@@ -210,7 +213,7 @@ class VLLMParser(FormatParser):
             d["tau"] = 1.0 + d["accepted"] / drafts if drafts else None
             if d["tau"] is not None and "mean_al" in d and abs(d["tau"] - d["mean_al"]) > 0.011:
                 inconsistent += 1
-            s = seg_for(k, "v1", d["line"])
+            s = _segment(segs, k, "v1", d["line"])
             s["lines"] += 1
             s["drafts"] += drafts
             s["accepted"] += d["accepted"]
@@ -227,14 +230,17 @@ class VLLMParser(FormatParser):
         if inconsistent:
             warnings.append(f"{inconsistent} SpecDecoding lines disagree with themselves (printed mean acceptance "
                             "length or per-position count vs the token counts); τ uses the counts")
-        # V0: cumulative counters; a change of k is a restart and starts a segment, a drop in a counter too
+
+    def _v0_segments(self, segs: list, warnings: list) -> None:
+        """V0 lines: cumulative counters; a change of k is a restart and starts a segment, a drop in a counter too.
+        The accepted prefix comes from the emitted tokens (V0's accepted count is per position)."""
         prev = None
         missing_e = 0
         for d in self.v0:
             # a restart (counters start again from 0) with the same k continues the segment
             restart = prev is None or d["k"] != prev["k"] or d["drafted"] < prev["drafted"]
             base = {"accepted": 0.0, "drafted": 0.0, "emitted": 0.0} if restart else prev
-            s = seg_for(d["k"], "v0", d["line"])
+            s = _segment(segs, d["k"], "v0", d["line"])
             s["lines"] += 1
             dd = d["drafted"] - base["drafted"]
             s["v0_accepted_per_pos"] = s.get("v0_accepted_per_pos", 0.0) + d["accepted"] - base["accepted"]
@@ -256,11 +262,6 @@ class VLLMParser(FormatParser):
         if missing_e:
             warnings.append(f"{missing_e} V0 line(s) lack 'Number of emitted tokens': V0's accepted count is per "
                             "position, so τ cannot be computed for their segment")
-        if len({s["k"] for s in segs}) > 1:
-            change = ", ".join(f"k={s['k']} from line {s['first_line']}" for s in segs)
-            warnings.append(f"the number of speculative tokens changes in this log ({change}): a restart; τ per "
-                            "segment is in results.segments, the headline τ pools their drafts")
-        return segs
 
     def _throughput_figures(self, res: dict, warnings: list) -> None:
         engines = sorted({d["engine"] for d in self.tput})
@@ -291,11 +292,9 @@ class VLLMParser(FormatParser):
             warnings.append(f"{len(engines)} data-parallel engines: tok/s and batch sizes are summed over the "
                             "engines of each logging tick; acceptance counts are summed")
 
-    def result(self) -> dict:
-        c = self.cfg
-        warnings: list[str] = []
-        res: dict = {"spec_lines": len(self.spec) + len(self.v0), "throughput_lines": len(self.tput)}
-        segs = self._segments(warnings)
+    def _acceptance(self, res: dict, segs: list, warnings: list) -> None:
+        """τ and the acceptance rates, pooled over the segments whose accepted prefix is known; with no k anywhere
+        only the acceptance rate (the counts define it, τ needs k)."""
         known = [s for s in segs if s["accepted"] is not None and s["drafts"]]
         drafts = sum(s["drafts"] for s in known)
         if drafts:
@@ -320,6 +319,9 @@ class VLLMParser(FormatParser):
                 warnings.append(f"no line or config line gives k (the number of speculative tokens): τ is unknown; "
                                 f"draft_acceptance_rate uses the {len(self.spec)} lines' counts. Include the "
                                 "engine's startup lines (num_spec_tokens) to get τ")
+
+    def _segment_figures(self, res: dict, segs: list) -> None:
+        """Per-position acceptance, V0's own acceptance rate, and τ per segment when the log has several."""
         # per position: pooled over the drafts that had that position (a k=3 draft has no 4th position)
         depth = max((len(s["pos_acc"]) for s in segs), default=0)
         if depth:
@@ -340,16 +342,48 @@ class VLLMParser(FormatParser):
                                 "num_drafts": s["drafts"], "accepted_tokens": s["accepted"],
                                 "accept_length": (1.0 + s["accepted"] / s["drafts"])
                                 if s["accepted"] is not None and s["drafts"] else None} for s in segs]
+
+    def _per_engine(self) -> dict | None:
+        """τ, drafts and tok/s per data-parallel engine, when the log has several."""
         engines = sorted({d["engine"] for d in self.spec} | {d["engine"] for d in self.tput})
-        if len(engines) > 1:
-            per = {}
-            for e in engines:
-                sp = [d for d in self.spec if d["engine"] == e and d.get("drafts")]
-                tp = [d["gen_tok_s"] for d in self.tput if d["engine"] == e and d["running"] > 0]
-                dr = sum(d["drafts"] for d in sp)
-                per[e] = {"accept_length": 1.0 + sum(d["accepted"] for d in sp) / dr if dr else None,
-                          "num_drafts": dr, "tok_per_s": sum(tp) / len(tp) if tp else None}
-            res["per_engine"] = per
+        if len(engines) <= 1:
+            return None
+        per = {}
+        for e in engines:
+            sp = [d for d in self.spec if d["engine"] == e and d.get("drafts")]
+            tp = [d["gen_tok_s"] for d in self.tput if d["engine"] == e and d["running"] > 0]
+            dr = sum(d["drafts"] for d in sp)
+            per[e] = {"accept_length": 1.0 + sum(d["accepted"] for d in sp) / dr if dr else None,
+                      "num_drafts": dr, "tok_per_s": sum(tp) / len(tp) if tp else None}
+        return per
+
+    def _config_of(self, segs: list) -> dict:
+        """The run's config: the engine's startup lines, k from the segments (the one with the most drafts)."""
+        c = self.cfg
+        ks = [s["k"] for s in segs]
+        k = max(set(ks), key=lambda x: sum(s["drafts"] for s in segs if s["k"] == x)) if ks else c.get("k")
+        return {"engine": "vllm", "engine_version": c.get("version"), "model": c.get("model"),
+                "draft": c.get("draft"), "speculative_method": c.get("method"), "steps": k,
+                "draft_tokens": (k + 1) if k else None, "dtype": c.get("dtype")}
+
+    def _samples(self) -> dict:
+        return {"series": {"t_s": [d["t"] for d in self.tput], "gen_tok_per_s": [d["gen_tok_s"] for d in self.tput],
+                           "running": [d["running"] for d in self.tput]},
+                "spec_series": {"t_s": [d["t"] for d in self.spec],
+                                "accept_length": [d.get("tau") for d in self.spec],
+                                "accepted": [d["accepted"] for d in self.spec],
+                                "drafted": [d["drafted"] for d in self.spec]}}
+
+    def result(self) -> dict:
+        c = self.cfg
+        warnings: list[str] = []
+        res: dict = {"spec_lines": len(self.spec) + len(self.v0), "throughput_lines": len(self.tput)}
+        segs = self._segments(warnings)
+        self._acceptance(res, segs, warnings)
+        self._segment_figures(res, segs)
+        per_engine = self._per_engine()
+        if per_engine:
+            res["per_engine"] = per_engine
         reported = [d["mean_al"] for d in self.spec if "mean_al" in d]
         if reported:
             res["reported_mean_acceptance_length"] = sum(reported) / len(reported)
@@ -363,19 +397,16 @@ class VLLMParser(FormatParser):
             res["duration_s"] = span
             if self.clock.span_warning():
                 warnings.append(self.clock.span_warning())
-        ks = [s["k"] for s in segs]
-        k = max(set(ks), key=lambda x: sum(s["drafts"] for s in segs if s["k"] == x)) if ks else c.get("k")
-        config = {"engine": "vllm", "engine_version": c.get("version"), "model": c.get("model"),
-                  "draft": c.get("draft"), "speculative_method": c.get("method"), "steps": k,
-                  "draft_tokens": (k + 1) if k else None, "dtype": c.get("dtype")}
-        samples = {"series": {"t_s": [d["t"] for d in self.tput], "gen_tok_per_s": [d["gen_tok_s"] for d in self.tput],
-                              "running": [d["running"] for d in self.tput]},
-                   "spec_series": {"t_s": [d["t"] for d in self.spec],
-                                   "accept_length": [d.get("tau") for d in self.spec],
-                                   "accepted": [d["accepted"] for d in self.spec],
-                                   "drafted": [d["drafted"] for d in self.spec]}}
-        return {"config": config, "results": res, "samples": samples, "warnings": warnings,
+        return {"config": self._config_of(segs), "results": res, "samples": self._samples(), "warnings": warnings,
                 "env": {"engine": "vllm", "engine_version": c.get("version"), "cuda_graph": res.get("cuda_graph")}}
 
 
 VLLM_LIKE = re.compile(r"(INFO|WARNING|DEBUG)\s+\d\d-\d\d ")
+
+
+def _segment(segs: list, k: int, form: str, line: int) -> dict:
+    """The segment a line of draft length k and form ("v1" / "v0") adds to: the last one, or a new one."""
+    if not segs or segs[-1]["k"] != k or segs[-1]["form"] != form:
+        segs.append({"k": k, "form": form, "lines": 0, "first_line": line, "drafts": 0.0, "accepted": 0.0,
+                     "drafted": 0.0, "pos_acc": [], "pos_drafts": [], "emitted": None})
+    return segs[-1]

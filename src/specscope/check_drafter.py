@@ -221,62 +221,80 @@ def engine_checks(report: Report, eng: dict, cfg: DrafterConfig | None, has_toke
     if drafter_path is not None:
         draft_path_check(report, eng, drafter_path)
     knobs_ok = knob_checks(report, eng)
-    algo = (eng.get("algorithm") or "").upper()
     if eng["engine"] == "sglang":
-        if not algo:
-            report.add("engine: algorithm", FAIL, "no --speculative-algorithm: SGLang runs without speculation")
-        elif algo == "EAGLE" and cfg is not None:
-            report.add("engine: algorithm", FAIL,
-                       "--speculative-algorithm EAGLE with an EAGLE-3 drafter: SGLang does not capture the target's "
-                       "aux hidden states, every draft is rejected and τ is exactly 1.00 with no error; "
-                       "use --speculative-algorithm EAGLE3")
-        elif algo not in ("EAGLE3",):
-            report.add("engine: algorithm", WARN, f"--speculative-algorithm {eng['algorithm']} is not EAGLE3")
-        else:
-            report.add("engine: algorithm", OK, "EAGLE3")
-        steps, topk, n = eng.get("steps"), eng.get("topk"), eng.get("draft_tokens")
-        if knobs_ok and steps and topk and n:
-            most = topk + (steps - 1) * topk * topk + 1
-            if topk == 1:
-                most = steps + 1
-            if n > most:
-                report.add("engine: draft tokens", FAIL,
-                           f"--speculative-num-draft-tokens {n} is more than --speculative-num-steps {steps} x "
-                           f"--speculative-eagle-topk {topk} can propose ({most} with the root); lower it to {most} "
-                           f"or raise steps/topk")
-            else:
-                report.add("engine: draft tokens", OK, f"{n} draft tokens fit steps={steps}, topk={topk} "
-                                                         f"(at most {most})")
-        if cfg is not None and cfg.draft_vocab_size < cfg.vocab_size and not has_token_map and \
-                not eng.get("token_map"):
-            report.add("engine: token map", FAIL,
-                       f"the drafter predicts over a {cfg.draft_vocab_size}-token draft vocabulary but neither its "
-                       f"checkpoint (d2t) nor --speculative-token-map gives the map to target ids")
+        sglang_checks(report, eng, cfg, has_token_map, knobs_ok)
     else:
-        if algo in ("EAGLE",) and cfg is not None:
-            report.add("engine: method", FAIL, "speculative_config method 'eagle' with an EAGLE-3 drafter: vLLM "
-                                               "builds an EAGLE-1 head without aux hidden states; use 'eagle3'")
-        elif algo not in ("EAGLE3", ""):
-            report.add("engine: method", WARN, f"speculative_config method {eng['algorithm']!r} is not eagle3")
-        elif not algo:
-            report.add("engine: method", WARN, "speculative_config names no method (vLLM infers it from the "
-                                               "drafter's config)")
-        else:
-            report.add("engine: method", OK, "eagle3")
-        if cfg is not None and cfg.draft_vocab_size < cfg.vocab_size and not has_token_map:
-            report.add("engine: token map", FAIL,
-                       f"the drafter predicts over a {cfg.draft_vocab_size}-token draft vocabulary but its "
-                       f"checkpoint has no d2t map to target ids")
-        if cfg is not None and report.drafter.get("format") == "sglang" and cfg.aux_convention_in_file == "output":
-            # vLLM (0.32, measured in make test-engines) reads eagle_config's ids as hidden-state indices, without
-            # the +1 SGLang adds: the drafter gets the states one layer earlier than it was trained on, no error
-            wrong = [i - 1 for i in cfg.aux_layer_ids]
-            report.add("engine: aux layers", WARN,
-                       f"vLLM reads this SGLang-layout drafter's eagle_config layer ids "
-                       f"{cfg.extra.get('aux_ids_in_file') or wrong} as hidden-state indices without SGLang's +1, so it "
-                       f"feeds the drafter the states entering layers {wrong} instead of {list(cfg.aux_layer_ids)} "
-                       f"(no error; acceptance is no longer what the drafter was trained for); give vLLM "
-                       f"`specscope export DRAFTER --format speculators` instead")
+        vllm_checks(report, eng, cfg, has_token_map)
+
+
+def sglang_checks(report: Report, eng: dict, cfg: DrafterConfig | None, has_token_map: bool, knobs_ok: bool):
+    """An SGLang launch: the algorithm, the draft-token budget against steps x topk, the token map."""
+    algo = (eng.get("algorithm") or "").upper()
+    if not algo:
+        report.add("engine: algorithm", FAIL, "no --speculative-algorithm: SGLang runs without speculation")
+    elif algo == "EAGLE" and cfg is not None:
+        report.add("engine: algorithm", FAIL,
+                   "--speculative-algorithm EAGLE with an EAGLE-3 drafter: SGLang does not capture the target's "
+                   "aux hidden states, every draft is rejected and τ is exactly 1.00 with no error; "
+                   "use --speculative-algorithm EAGLE3")
+    elif algo not in ("EAGLE3",):
+        report.add("engine: algorithm", WARN, f"--speculative-algorithm {eng['algorithm']} is not EAGLE3")
+    else:
+        report.add("engine: algorithm", OK, "EAGLE3")
+    if knobs_ok:
+        draft_tokens_check(report, eng)
+    if cfg is not None and cfg.draft_vocab_size < cfg.vocab_size and not has_token_map and \
+            not eng.get("token_map"):
+        report.add("engine: token map", FAIL,
+                   f"the drafter predicts over a {cfg.draft_vocab_size}-token draft vocabulary but neither its "
+                   f"checkpoint (d2t) nor --speculative-token-map gives the map to target ids")
+
+
+def draft_tokens_check(report: Report, eng: dict):
+    """SGLang's --speculative-num-draft-tokens within what steps x topk can propose (when all three are given)."""
+    steps, topk, n = eng.get("steps"), eng.get("topk"), eng.get("draft_tokens")
+    if not (steps and topk and n):
+        return
+    most = topk + (steps - 1) * topk * topk + 1
+    if topk == 1:
+        most = steps + 1
+    if n > most:
+        report.add("engine: draft tokens", FAIL,
+                   f"--speculative-num-draft-tokens {n} is more than --speculative-num-steps {steps} x "
+                   f"--speculative-eagle-topk {topk} can propose ({most} with the root); lower it to {most} "
+                   f"or raise steps/topk")
+    else:
+        report.add("engine: draft tokens", OK, f"{n} draft tokens fit steps={steps}, topk={topk} "
+                                                 f"(at most {most})")
+
+
+def vllm_checks(report: Report, eng: dict, cfg: DrafterConfig | None, has_token_map: bool):
+    """A vLLM launch: the method, the token map, and how vLLM reads an SGLang-layout drafter's aux layer ids."""
+    algo = (eng.get("algorithm") or "").upper()
+    if algo in ("EAGLE",) and cfg is not None:
+        report.add("engine: method", FAIL, "speculative_config method 'eagle' with an EAGLE-3 drafter: vLLM "
+                                           "builds an EAGLE-1 head without aux hidden states; use 'eagle3'")
+    elif algo not in ("EAGLE3", ""):
+        report.add("engine: method", WARN, f"speculative_config method {eng['algorithm']!r} is not eagle3")
+    elif not algo:
+        report.add("engine: method", WARN, "speculative_config names no method (vLLM infers it from the "
+                                           "drafter's config)")
+    else:
+        report.add("engine: method", OK, "eagle3")
+    if cfg is not None and cfg.draft_vocab_size < cfg.vocab_size and not has_token_map:
+        report.add("engine: token map", FAIL,
+                   f"the drafter predicts over a {cfg.draft_vocab_size}-token draft vocabulary but its "
+                   f"checkpoint has no d2t map to target ids")
+    if cfg is not None and report.drafter.get("format") == "sglang" and cfg.aux_convention_in_file == "output":
+        # vLLM (0.32, measured in make test-engines) reads eagle_config's ids as hidden-state indices, without
+        # the +1 SGLang adds: the drafter gets the states one layer earlier than it was trained on, no error
+        wrong = [i - 1 for i in cfg.aux_layer_ids]
+        report.add("engine: aux layers", WARN,
+                   f"vLLM reads this SGLang-layout drafter's eagle_config layer ids "
+                   f"{cfg.extra.get('aux_ids_in_file') or wrong} as hidden-state indices without SGLang's +1, so it "
+                   f"feeds the drafter the states entering layers {wrong} instead of {list(cfg.aux_layer_ids)} "
+                   f"(no error; acceptance is no longer what the drafter was trained for); give vLLM "
+                   f"`specscope export DRAFTER --format speculators` instead")
 
 
 # ---------------------------------------------------------------- static checks
@@ -297,8 +315,26 @@ def static_checks(report: Report, path: Path, facts: TargetFacts):
     has_map = "d2t" in keys
     report.drafter.update(path=str(path), format=fmt, hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size,
                           draft_vocab_size=cfg.draft_vocab_size, aux_layer_ids=aux_conventions(cfg))
-    # sizes
-    t = facts
+    size_checks(report, cfg, facts)
+    aux_layers_check(report, cfg, facts.num_hidden_layers)
+    # token maps: file presence here, validity once loaded
+    if cfg.draft_vocab_size < cfg.vocab_size and not has_map:
+        report.add("token map", FAIL, f"draft vocabulary {cfg.draft_vocab_size} < {cfg.vocab_size} but the "
+                                      f"checkpoint has no d2t: draft ids cannot be mapped to target ids")
+    rope_check(report, cfg, facts)
+    # verifier recorded in the drafter
+    ver = (cfg.extra.get("verifier") or {}).get("name_or_path")
+    if ver and facts.name_or_path and Path(str(ver)).name.lower() != Path(str(facts.name_or_path)).name.lower():
+        report.add("verifier", WARN, f"the drafter names verifier {ver!r}, checked here against {facts.name_or_path!r}")
+    dtype_check(report, raw, facts)
+    drafter = None
+    if has_map or cfg.draft_vocab_size == cfg.vocab_size:
+        drafter = weights_check(report, path, cfg, facts)
+    return drafter, cfg, has_map
+
+
+def size_checks(report: Report, cfg: DrafterConfig, t: TargetFacts):
+    """Hidden size (fc's input and the shared embeddings) and the vocabulary the drafter was built for."""
     sizes = []
     if cfg.target_hidden_size != t.hidden_size:
         sizes.append(f"fc expects target hidden size {cfg.target_hidden_size}, the target's is {t.hidden_size}")
@@ -311,8 +347,10 @@ def static_checks(report: Report, path: Path, facts: TargetFacts):
                                   f"target has {t.vocab_size}: it belongs to a different model")
     else:
         report.add("vocab", OK, f"{cfg.vocab_size} tokens, draft vocabulary {cfg.draft_vocab_size}")
-    # aux layer ids, in both conventions
-    L = t.num_hidden_layers
+
+
+def aux_layers_check(report: Report, cfg: DrafterConfig, L: int):
+    """The aux layer ids, in both conventions, against a target of L layers and its usual choice."""
     ids = list(cfg.aux_layer_ids)
     default = DrafterConfig.default_aux_layers(L)
     both = f"hidden-state indices {ids} (SGLang/SpecForge output-of-layer ids {[i - 1 for i in ids]})"
@@ -329,11 +367,10 @@ def static_checks(report: Report, path: Path, facts: TargetFacts):
                                        f"was trained on them")
     else:
         report.add("aux layers", OK, f"{both}, the usual choice for {L} layers")
-    # token maps: file presence here, validity once loaded
-    if cfg.draft_vocab_size < cfg.vocab_size and not has_map:
-        report.add("token map", FAIL, f"draft vocabulary {cfg.draft_vocab_size} < {cfg.vocab_size} but the "
-                                      f"checkpoint has no d2t: draft ids cannot be mapped to target ids")
-    # RoPE
+
+
+def rope_check(report: Report, cfg: DrafterConfig, t: TargetFacts):
+    """RoPE θ, scaling and positions against the target's."""
     rope = []
     if t.rope_theta is not None and float(cfg.rope_theta) != float(t.rope_theta):
         rope.append(f"rope_theta {cfg.rope_theta:g} vs the target's {t.rope_theta:g}")
@@ -346,35 +383,37 @@ def static_checks(report: Report, path: Path, facts: TargetFacts):
                ("; ".join(rope) + ": the drafter's positions differ from the target's; fine only if it was "
                 "trained this way") if rope else
                f"θ {cfg.rope_theta:g}, scaling {_scaling(cfg.rope_scaling)}, {cfg.max_position_embeddings} positions")
-    # verifier recorded in the drafter
-    ver = (cfg.extra.get("verifier") or {}).get("name_or_path")
-    if ver and t.name_or_path and Path(str(ver)).name.lower() != Path(str(t.name_or_path)).name.lower():
-        report.add("verifier", WARN, f"the drafter names verifier {ver!r}, checked here against {t.name_or_path!r}")
-    # dtype
+
+
+def dtype_check(report: Report, raw: dict, t: TargetFacts):
+    """The dtype the drafter is stored in against the target's config."""
     sd = str(raw.get("torch_dtype") or raw.get("dtype") or (raw.get("transformer_layer_config") or {}).get(
         "torch_dtype") or "unknown")
     report.add("dtype", OK if (not t.torch_dtype or sd == t.torch_dtype) else WARN,
                f"drafter stored as {sd}, target config {t.torch_dtype or 'unknown'}"
                + ("" if (not t.torch_dtype or sd == t.torch_dtype) else
                   "; engines cast the drafter to the target's dtype"))
-    drafter = None
-    if has_map or cfg.draft_vocab_size == cfg.vocab_size:
-        try:
-            drafter = load_drafter(path, facts, validate=False)     # pair faults are reported above, not raised
-        except SpecscopeError as e:
-            report.add("weights", FAIL, str(e))
-            return None, cfg, has_map
-        bad = nonfinite_tensors(drafter.state_dict())
-        report.add("weights", FAIL if bad else OK,
-                   f"{len(bad)} tensor(s) hold NaN or inf ({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''}): "
-                   f"a diverged training run; it cannot draft anything, retrain it with a lower --lr"
-                   if bad else "every weight is finite")
-        if bad:
-            return None, cfg, has_map
-        problems = map_problems(drafter, t.vocab_size) if cfg.vocab_size == t.vocab_size else []
-        report.add("token map", FAIL if problems else OK, "; ".join(problems) or
-                   f"d2t maps {cfg.draft_vocab_size} draft ids one-to-one into the target vocabulary, t2d agrees")
-    return drafter, cfg, has_map
+
+
+def weights_check(report: Report, path: Path, cfg: DrafterConfig, t: TargetFacts):
+    """Load the weights: all finite, and d2t / t2d valid against the target's vocabulary. The drafter, or None when
+    it cannot be loaded or used."""
+    try:
+        drafter = load_drafter(path, t, validate=False)     # pair faults are reported above, not raised
+    except SpecscopeError as e:
+        report.add("weights", FAIL, str(e))
+        return None
+    bad = nonfinite_tensors(drafter.state_dict())
+    report.add("weights", FAIL if bad else OK,
+               f"{len(bad)} tensor(s) hold NaN or inf ({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''}): "
+               f"a diverged training run; it cannot draft anything, retrain it with a lower --lr"
+               if bad else "every weight is finite")
+    if bad:
+        return None
+    problems = map_problems(drafter, t.vocab_size) if cfg.vocab_size == t.vocab_size else []
+    report.add("token map", FAIL if problems else OK, "; ".join(problems) or
+               f"d2t maps {cfg.draft_vocab_size} draft ids one-to-one into the target vocabulary, t2d agrees")
+    return drafter
 
 
 def _aux_hint(ids, default):

@@ -70,7 +70,20 @@ def _install(path: str, version: str) -> None:
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     inner = vutils._PROFILER_FUNC or _inner_scope()   # keep torch-profiler / NVTX annotations when they are on
+    vutils._PROFILER_FUNC = _phase_scope(inner)
 
+    from vllm.v1.worker.gpu_worker import Worker
+
+    execute_model, sample_tokens = GPUModelRunner.execute_model, GPUModelRunner.sample_tokens
+    Worker.shutdown = _reported_at_shutdown(Worker.shutdown)
+    GPUModelRunner.execute_model = _execute_model_timed(execute_model, path, version)
+    GPUModelRunner.sample_tokens = _sample_tokens_timed(sample_tokens)
+    _state["installed"] = True
+
+
+def _phase_scope(inner):
+    """vLLM's scope hook: each `gpu_model_runner: ...` scope this table knows times its phase (and sub-phase) in the
+    recorder as well as entering `inner`, vLLM's own annotation."""
     from specscope.ingest.torch_trace import FORWARD, SCOPE_PHASE, SINGLE   # one table for the trace and the plugin
 
     def scope(name: str):
@@ -84,10 +97,13 @@ def _install(path: str, version: str) -> None:
         top = rec.kind if top == FORWARD else top
         return _Both(inner(name), rec.scope(top), None if top in SINGLE else rec.scope(f"{top}.{part}"))
 
-    vutils._PROFILER_FUNC = scope
-    execute_model, sample_tokens = GPUModelRunner.execute_model, GPUModelRunner.sample_tokens
+    return scope
 
-    # the wrappers time their own work too (perf_counter_ns around it): the plugin's overhead, reported per step
+
+# the wrappers time their own work too (perf_counter_ns around it): the plugin's overhead, reported per step
+def _execute_model_timed(execute_model, path: str, version: str):
+    """The model runner's execute_model, beginning each step in the recorder (made at the first step) with its kind;
+    a step that ends here (no sample_tokens) is ended here too."""
     def execute_model_timed(self, scheduler_output, *args, **kwargs):
         t0 = perf_counter_ns()
         rec = _state["recorder"] or _start(self, path, version)
@@ -102,6 +118,12 @@ def _install(path: str, version: str) -> None:
             rec.overhead_ns += perf_counter_ns() - t1
         return out
 
+    execute_model_timed.__wrapped__ = execute_model
+    return execute_model_timed
+
+
+def _sample_tokens_timed(sample_tokens):
+    """The model runner's sample_tokens, ending the step in the recorder with its per-request acceptance."""
     def sample_tokens_timed(self, *args, **kwargs):
         out = sample_tokens(self, *args, **kwargs)
         rec = _state["recorder"]
@@ -111,10 +133,12 @@ def _install(path: str, version: str) -> None:
             rec.overhead_ns += perf_counter_ns() - t1
         return out
 
-    from vllm.v1.worker.gpu_worker import Worker
+    sample_tokens_timed.__wrapped__ = sample_tokens
+    return sample_tokens_timed
 
-    shutdown = Worker.shutdown
 
+def _reported_at_shutdown(shutdown):
+    """The worker's shutdown, closing (and so reporting) the recorder first."""
     def shutdown_reported(self, *args, **kwargs):
         # worker processes end with os._exit (multiprocessing): atexit never runs there, so report here
         if _state["recorder"] is not None:
@@ -122,12 +146,7 @@ def _install(path: str, version: str) -> None:
         return shutdown(self, *args, **kwargs)
 
     shutdown_reported.__wrapped__ = shutdown
-    Worker.shutdown = shutdown_reported
-    execute_model_timed.__wrapped__ = execute_model
-    sample_tokens_timed.__wrapped__ = sample_tokens
-    GPUModelRunner.execute_model = execute_model_timed
-    GPUModelRunner.sample_tokens = sample_tokens_timed
-    _state["installed"] = True
+    return shutdown_reported
 
 
 def _inner_scope():

@@ -103,7 +103,7 @@ def main(argv=None):
     from specscope.models import rowgemm
     from specscope.models.hub import KNOWN_MODELS, _package_file, cache_dir
     from specscope.speculative.decode import SpecConfig, build_drafter, speculative_generate
-    from specscope.speculative.drafters import HybridDrafter
+    from specscope.speculative.hybrid import HybridDrafter
 
     target, tok, _ = load_target("smollm2-135m", args.dtype, "cpu")
     stop = stop_ids_for(target, tok)

@@ -104,7 +104,7 @@ def main(argv=None):
     from specscope.progress import Progress
     from specscope.session import load_target, stop_ids_for
     from specscope.speculative.decode import SpecConfig, build_drafter, speculative_generate
-    from specscope.speculative.drafters import HybridDrafter
+    from specscope.speculative.hybrid import HybridDrafter
     from specscope.errors import SpecscopeError
     from specscope.train.data import open_for_append, read_jsonl
 
@@ -157,7 +157,7 @@ def main(argv=None):
     prices, priced = None, {}
     if any(isinstance(v, tuple) and v[0].endswith("-priced") for v in methods.values()):
         from specscope.economics.prices import measure_prices
-        from specscope.speculative.drafters import NgramDrafter, priced_alone
+        from specscope.speculative.hybrid import NgramDrafter, priced_alone
 
         prices = measure_prices(target)
         console.print("verify cost by rows (decode steps): " +

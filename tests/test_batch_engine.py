@@ -21,7 +21,8 @@ from specscope.generate import generate
 from specscope.models.linear import pack_linears
 from specscope.runtime.sampling import SamplingParams
 from specscope.speculative.decode import SpecConfig, speculative_generate
-from specscope.speculative.drafters import Eagle3TreeDrafter, HybridDrafter, NgramDrafter
+from specscope.speculative.drafters import Eagle3TreeDrafter
+from specscope.speculative.hybrid import HybridDrafter, NgramDrafter
 from spec_helpers import random_eagle3, tiny_target
 
 CTX = 64

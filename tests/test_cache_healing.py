@@ -134,7 +134,8 @@ def test_kernels_off_is_still_lossless(tmp_path, monkeypatch):
     from spec_helpers import random_eagle3, tiny_target
     from specscope.generate import generate
     from specscope.speculative.decode import SpecConfig, speculative_generate
-    from specscope.speculative.drafters import Eagle3TreeDrafter, NgramDrafter
+    from specscope.speculative.drafters import Eagle3TreeDrafter
+    from specscope.speculative.hybrid import NgramDrafter
 
     monkeypatch.setenv("SPECSCOPE_KERNELS", "off")
     monkeypatch.setattr(rowgemm, "_lib", None)

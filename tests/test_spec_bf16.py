@@ -11,7 +11,8 @@ from specscope.models import load_model, rowgemm
 from specscope.models.linear import PackedLinear, pack_linears
 from specscope.models.loader import compute_dtype, round_to_bf16
 from specscope.speculative.decode import SpecConfig, speculative_generate
-from specscope.speculative.drafters import DraftModelDrafter, Eagle3TreeDrafter, HybridDrafter, NgramDrafter
+from specscope.speculative.drafters import DraftModelDrafter, Eagle3TreeDrafter
+from specscope.speculative.hybrid import HybridDrafter, NgramDrafter
 from spec_helpers import random_eagle3
 from test_spec_lossless import SHAPES, prompts
 from test_spec_sampling import CASES, N, V, chi2_p, drafter_for, exact_pair_dist, sample_pairs

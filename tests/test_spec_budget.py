@@ -16,8 +16,8 @@ from specscope.economics.prices import host_prices, measure_prices, prices_path
 from specscope.speculative.budget import (Calibration, CopyStats, LivePrices, Prices, TreeStats, best_copy,
                                           best_nodes, copy_value, node_probs)
 from specscope.speculative.decode import SpecConfig, speculative_generate
-from specscope.speculative.drafters import (DraftModelDrafter, Eagle3TreeDrafter, HybridDrafter, NgramDrafter,
-                                           priced_alone)
+from specscope.speculative.drafters import DraftModelDrafter, Eagle3TreeDrafter
+from specscope.speculative.hybrid import HybridDrafter, NgramDrafter, priced_alone
 from specscope.speculative.tree import COPIED, DRAFTED, DraftTree
 from spec_helpers import check_grid, tiny_target
 from test_spec_hybrid import CTX, FuzzSource, _prompt, eagle, hybrid_cases, target  # noqa: F401 (fixtures)

@@ -17,7 +17,8 @@ from specscope.generate import generate
 from specscope.errors import SpecscopeError
 from specscope.profile import CycleProfiler
 from specscope.speculative.decode import DraftSpec, SpecConfig, build_drafter, speculative_generate
-from specscope.speculative.drafters import DraftModelDrafter, Eagle3TreeDrafter, HybridDrafter
+from specscope.speculative.drafters import DraftModelDrafter, Eagle3TreeDrafter
+from specscope.speculative.hybrid import HybridDrafter
 from specscope.speculative.ngram import PromptLookup, SuffixIndex
 from specscope.speculative.tree import COPIED, DRAFTED, DraftTree
 from spec_helpers import check_grid, random_eagle3, sample_cases, tiny_target

@@ -6,7 +6,8 @@ import torch
 from specscope.generate import generate
 from specscope.runtime.sampling import SamplingParams
 from specscope.speculative.decode import SpecConfig, speculative_generate
-from specscope.speculative.drafters import DraftModelDrafter, Eagle3TreeDrafter, NgramDrafter
+from specscope.speculative.drafters import DraftModelDrafter, Eagle3TreeDrafter
+from specscope.speculative.hybrid import NgramDrafter
 from spec_helpers import random_eagle3, tiny_target
 
 SHAPES = [SpecConfig(1, 1, 2), SpecConfig(4, 1, 5), SpecConfig(3, 2, 6), SpecConfig(4, 3, 10), SpecConfig(2, 4, 9)]

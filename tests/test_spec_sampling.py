@@ -17,7 +17,8 @@ from specscope.runtime.sampling import SamplingParams, probs_from_logits
 from specscope.speculative.acceptance import accept_sampling
 from specscope.speculative.decode import SpecConfig, speculative_generate
 from specscope.speculative.budget import Prices
-from specscope.speculative.drafters import Eagle3TreeDrafter, HybridDrafter, priced_alone
+from specscope.speculative.drafters import Eagle3TreeDrafter
+from specscope.speculative.hybrid import HybridDrafter, priced_alone
 from spec_helpers import random_eagle3, tiny_target
 
 V = 6

@@ -17,8 +17,8 @@ from specscope.models.hub import KNOWN_MODELS, parse_hub_id, resolve_drafter
 from specscope.models.linear import pack_linears
 from specscope.runtime.sampling import SamplingParams, make_generator, next_token
 from specscope.speculative.acceptance import accept
-from specscope.speculative.drafters import (DraftModelDrafter, Drafter, Eagle3TreeDrafter, HybridDrafter, NgramDrafter,
-                                            _phase, priced_alone)
+from specscope.speculative.drafters import DraftModelDrafter, Drafter, Eagle3TreeDrafter, _phase
+from specscope.speculative.hybrid import HybridDrafter, NgramDrafter, priced_alone
 from specscope.speculative.formats import is_eagle3_config, load_drafter, read_config
 from specscope.speculative.stats import SpecTally
 

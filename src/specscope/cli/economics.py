@@ -11,9 +11,10 @@ from specscope.cli.common import (FiniteFloat, alias_option, check_writable, db_
                                   stderr_console, stdout_console)
 # verify-curve lives in its own module; named here too, where the command table and older imports look for it
 from specscope.cli.verify_curve import verify_curve  # noqa: F401
+# read_prompts lives with the tuner's session; bench/tune.py imports it from here too
+from specscope.economics.tune_session import read_prompts
 from specscope.economics.verify_curve import DEFAULT_BATCHES, MAX_BATCH
 from specscope.errors import SpecscopeError
-from specscope.jsonio import dtype_name
 
 _DB = db_option
 
@@ -114,13 +115,6 @@ def breakeven(decode_ms, verify_ms, draft_ms, other_ms, steps, measured_tok_s, m
 
 # ------------------------------------------------------------------------------------------------ tune
 
-def read_prompts(dataset: str | None, limit: int) -> list[str]:
-    """First turns of a packaged set ('mt_bench' by default, 'spec_bench') or of a prompt file."""
-    from specscope.prompts import load_prompts
-
-    return [r["prompt"] for r in load_prompts(dataset or "mt_bench", num_prompts=limit)["prompts"]]
-
-
 @click.command()
 @click.option("--run", "run_ref", default=None, help="A profiled speculative run to tune from (id, prefix or last).")
 @click.option("--baseline-run", "baseline_ref", default=None,
@@ -172,151 +166,29 @@ def tune(run_ref, baseline_ref, curve_ref, decode_ms, do_profile, model_name, dr
     """Predict the best (steps, topk, draft_tokens) from one profiled run, without a sweep; --validate N measures
     the top N predictions and reports predicted vs measured speedup. Per concurrency level: the best shape and the
     crossover concurrency, saved for `serve --spec-policy` with --save-policy."""
-    from specscope.economics import tune as T
+    from specscope.economics.tune_session import TuneContext, TuneRequest, run_tune
     from specscope.economics.verify_curve import parse_int_list
 
     if not do_profile and not run_ref:
         raise SpecscopeError("pass --run ID (a profiled speculative run) or --profile to make one")
     # what flags and files decide, decided before a model loads (and before minutes of measuring)
-    levels = parse_int_list(concurrency, "--max-concurrency")
-    if max(levels) > MAX_BATCH:
-        raise SpecscopeError(f"--max-concurrency values must be <= {MAX_BATCH}, got {max(levels)}")
-    batched = max(levels) > 1
-    if save_policy is not None and save_policy != "auto":
-        check_writable(save_policy, "--save-policy")
-    if save_policy is not None and batched and not (curve_ref or do_profile or n_validate):
-        raise SpecscopeError("--save-policy needs predictions above batch 1: pass --verify-curve SURFACE (from "
-                             "`specscope verify-curve --batch 1,2,4,8,16`), or --profile to measure one")
-    if output:
-        check_writable(output, "--output", is_dir=True)
-    if do_profile:
-        from specscope.speculative.decode import DraftSpec, SpecConfig
-
-        if not draft:
-            raise SpecscopeError("--profile needs --draft (e.g. smollm2-135m-eagle3 or ngram)")
-        if DraftSpec.parse(draft).ngram_only and topk != 1:     # every n-gram spelling, before the model loads
-            raise SpecscopeError(f"n-gram drafting proposes a chain: profile it with --topk 1 --draft-tokens "
-                                 f"{steps + 1} (got --topk {topk}; tune profiles a --topk 4 tree by default)")
-        SpecConfig.from_knobs(steps, topk, draft_tokens)      # the profiled shape is one the drafter can propose
-    if do_profile or n_validate:        # these store runs (the profiled pair, a verify curve)
-        from specscope.registry import check_registry
-
-        check_registry(db)
-    err = stderr_console()
-    say = (lambda m: None) if as_json else err.print
-    ctx = _TuneContext(model_name, draft, dtype, device, threads, prompts_file, num_prompts, max_new_tokens, as_json)
-    if prompts_file is not None or do_profile:
-        ctx.prompts = read_prompts(prompts_file, num_prompts)
-    if do_profile:
-        run, base = ctx.profile(steps, topk, draft_tokens, ngram_tokens, db, say)
-    else:
-        with _open(db) as reg:
-            run = reg.get_run(run_ref, samples=False)
-            bref = baseline_ref or (run.get("config") or {}).get("baseline_run")
-            base = reg.get_run(bref, samples=False) if bref else None
-            curve_run = reg.get_run(curve_ref, samples=False) if curve_ref else None
-        engine = (run.get("config") or {}).get("engine")
-        phases = (run.get("results") or {}).get("phases") or {}
-        if run.get("kind") == "ingest" and {"draft", "verify"} <= set(phases):
-            # a serving engine's run with per-step phases (the vLLM plugin's JSONL, a profiler trace): its costs,
-            # its acceptance; the engine's own plain decoding, not ours, is the baseline
-            if n_validate:
-                raise SpecscopeError(f"run {run['id']} was measured inside {engine}; --validate runs specscope's own "
-                                     f"engine. Measure the picks in {engine} (bench-serve) instead")
-            if base is None and decode_ms is None:
-                raise SpecscopeError(f"run {run['id']} was measured inside {engine}: pass --baseline-run (a plain "
-                                     f"run of the same engine, e.g. the plugin's JSONL without speculation) or "
-                                     f"--decode-ms")
-            if engine == "vllm" and max_topk is None:
-                max_topk = 1           # vLLM's EAGLE-3 proposes chains (num_speculative_tokens)
-        elif run.get("kind") not in ("speculative", "bench", "generate"):
-            raise SpecscopeError(f"run {run['id']} is a {run.get('kind')!r} run without draft and verify timings; "
-                                 f"tune needs a profiled speculative run")
-        else:
-            ctx.adopt_run(run)
-    acc = T.AcceptanceModel.from_run(run)
-    from specscope.economics.verify_curve import VerifySurface
-
-    curve = surface = steps_cost = no_engine = None
-    if curve_ref and not do_profile:
-        curve, surface = VerifySurface.curve_and_surface(curve_run)
-    elif do_profile or n_validate:
-        curve, surface = ctx.quick_curve(run, max_draft_tokens, levels, db, say)
-    else:       # a serving engine's plugin run: its own steps price it by batch size
-        from specscope.economics.engine_steps import EngineCosts
-
-        steps_cost, no_engine = EngineCosts.from_runs(run, base, stat)
-    policy_file = None
-    if save_policy is not None:
-        if batched and not (surface is not None and surface.covers(max(levels))):
-            have = ", ".join(map(str, surface.batches)) if surface is not None else "1"
-            raise SpecscopeError(f"--save-policy needs predictions at every --max-concurrency level; verify curve "
-                                 f"{curve_ref} covers batch sizes {have}: measure one with `specscope verify-curve "
-                                 f"--batch {concurrency}`")
-        policy_file = _policy_file(save_policy, ctx, run)
-    if base is None and decode_ms is None:
-        # a run made without a baseline (e.g. `specscope generate --draft ...`): measure plain decoding here
-        decode_ms = ctx.plain_decode_ms(say)
-    cost = T.CostModel.from_runs(run, base, curve, decode_ms, stat, surface if batched else None, steps_cost)
-    if no_engine:
-        cost.notes.append(no_engine)
-    configs = T.candidate_configs(acc, max_steps, max_topk, max_draft_tokens)
-    hyb = T.HybridModel.from_run(run) if (run.get("results") or {}).get("hybrid_cycles") else None
-    if hyb is not None:      # a hybrid: the drafter ran in the tree cycles only; choose the n-gram budget too
-        cost = cost.drafted_only(1.0 - hyb.copy_share)
-        configs = T.hybrid_configs(configs, hyb)
-    rows = T.rank(acc, cost, configs, hyb)
-    out = {"run": run.get("id"), "baseline_run": (base or {}).get("id"), "verify_curve": getattr(curve, "run_id", None),
-           "acceptance": {"source": acc.source, "rates": acc.rates}, "cost_notes": cost.notes,
-           "decode_ms": cost.decode(1) if cost.covers(1) else cost.decode_ms, "predictions": rows[:top],
-           "engine_surface": (steps_cost.summary() if steps_cost is not None
-                              else {"unavailable": no_engine} if no_engine else None)}
-    conc, skipped = T.by_concurrency(acc, cost, configs, levels, hyb)
-    cross = T.crossover([r["batch"] for r in conc], [r["speedup"] for r in conc])
-    out.update({"concurrency": conc, "crossover": cross, "concurrency_not_predicted": skipped})
-    if policy_file:
-        from specscope.economics.policy import make_table, save_table
-        from specscope.jsonio import short_dtype
-
-        out["policy"] = save_table(make_table(conc, cross, _model_named(run, ctx), ctx.draft, run=run.get("id"),
-                                              verify_curve=getattr(surface, "run_id", None),
-                                              dtype=short_dtype((run.get("config") or {}).get("dtype"))),
-                                   policy_file)
-    validation = None
-    if n_validate:
-        picks = [(r["steps"], r["topk"], r["draft_tokens"], r.get("ngram_tokens", 0)) for r in rows[:n_validate]]
-        measured = ctx.validate(picks, say, as_json)
-        validation = []
-        for r, m in zip(rows[:n_validate], measured):
-            validation.append({**m, "predicted": r["speedup"], "predicted_tau": r["tau"],
-                               "label": _label(r)})
-        out["validation"] = validation
-        out["validation_error"] = T.error_summary(validation)
-    if do_profile or n_validate:        # this command timed decoding itself: say what load it ran under
-        from specscope.registry.fingerprint import timing_warning
-
-        out["load_warning"] = timing_warning(run.get("env") if do_profile else None)
-    plot_dir = output
-    if plot_dir:
-        from pathlib import Path
-
-        from specscope.economics.plots import plot_pred_vs_measured, plot_tau_needed
-
-        out["plots"] = [plot_tau_needed(T.best_by_draft_tokens(rows), Path(plot_dir) / "tau-needed.png")]
-        if validation:
-            out["plots"].append(plot_pred_vs_measured(validation, Path(plot_dir) / "predicted-vs-measured.png"))
-        if len(conc) > 1:
-            from specscope.economics.plots import plot_speedup_by_concurrency
-
-            series = [{"label": "best shape per level (predicted)", "style": "predicted", "crossover": cross,
-                       "levels": [r["batch"] for r in conc], "speedups": [r["speedup"] for r in conc]}]
-            out["plots"].append(plot_speedup_by_concurrency(series, Path(plot_dir) / "spec-by-concurrency.png"))
+    req = TuneRequest(run_ref=run_ref, baseline_ref=baseline_ref, curve_ref=curve_ref, decode_ms=decode_ms,
+                      profile=do_profile, steps=steps, topk=topk, draft_tokens=draft_tokens, ngram_tokens=ngram_tokens,
+                      max_steps=max_steps, max_topk=max_topk, max_draft_tokens=max_draft_tokens, top=top, stat=stat,
+                      n_validate=n_validate, levels=parse_int_list(concurrency, "--max-concurrency"),
+                      concurrency=concurrency, save_policy=save_policy, output=output, db=db)
+    _check_request(req, draft)
+    ctx = TuneContext(model_name, draft, dtype, device, threads, prompts_file, num_prompts, max_new_tokens, as_json,
+                      loader=_load_workload)
+    say = (lambda m: None) if as_json else stderr_console().print
+    res = run_tune(req, ctx, say)
+    out = res.out
     if as_json:
         emit_json(out)
         return
-    _print_tune(out, rows[:top], acc, cost, validation)
-    if batched:
-        _print_concurrency(out, surface, steps_cost)
+    _print_tune(out, res.rows[:top], res.acc, res.cost, out.get("validation"))
+    if req.batched:
+        _print_concurrency(out, res.prices.surface, res.prices.engine)
     for p in out.get("plots", []):
         click.echo(f"plot: {p}")
     if out.get("policy"):
@@ -326,22 +198,48 @@ def tune(run_ref, baseline_ref, curve_ref, decode_ms, do_profile, model_name, dr
         click.echo(out["load_warning"], err=True)
 
 
-def _policy_file(save_policy: str, ctx, run) -> str:
-    """--save-policy's path: as given, or (alone) the default place for the run's model and drafter."""
-    if save_policy != "auto":
-        return save_policy
-    from specscope.economics.policy import policy_path
+def _check_request(req, draft):
+    """The flags' and files' verdicts on a tune, before a model loads (and before minutes of measuring)."""
+    if max(req.levels) > MAX_BATCH:
+        raise SpecscopeError(f"--max-concurrency values must be <= {MAX_BATCH}, got {max(req.levels)}")
+    if req.save_policy is not None and req.save_policy != "auto":
+        check_writable(req.save_policy, "--save-policy")
+    if req.save_policy is not None and req.batched and not (req.curve_ref or req.measures):
+        raise SpecscopeError("--save-policy needs predictions above batch 1: pass --verify-curve SURFACE (from "
+                             "`specscope verify-curve --batch 1,2,4,8,16`), or --profile to measure one")
+    if req.output:
+        check_writable(req.output, "--output", is_dir=True)
+    if req.profile:
+        from specscope.speculative.decode import DraftSpec, SpecConfig
 
-    if not ctx.draft:
-        raise SpecscopeError("--save-policy without a path files the table by model and drafter, and this run names "
-                             "no drafter: pass --draft, or --save-policy PATH")
-    return str(policy_path(_model_named(run, ctx), ctx.draft, (run.get("config") or {}).get("dtype")))
+        if not draft:
+            raise SpecscopeError("--profile needs --draft (e.g. smollm2-135m-eagle3 or ngram)")
+        if DraftSpec.parse(draft).ngram_only and req.topk != 1:     # every n-gram spelling, before the model loads
+            raise SpecscopeError(f"n-gram drafting proposes a chain: profile it with --topk 1 --draft-tokens "
+                                 f"{req.steps + 1} (got --topk {req.topk}; tune profiles a --topk 4 tree by default)")
+        # the profiled shape is one the drafter can propose
+        SpecConfig.from_knobs(req.steps, req.topk, req.draft_tokens)
+    if req.measures:        # these store runs (the profiled pair, a verify curve)
+        from specscope.registry import check_registry
+
+        check_registry(req.db)
 
 
-def _model_named(run, ctx) -> str:
-    """The target as the user named it (a hub id, a known name), which serve will name it by too; runs store the
-    resolved directory as "model" and, since tables exist, the name as "model_name"."""
-    return (run.get("config") or {}).get("model_name") or ctx.model_name
+def _load_workload(ctx):
+    """Tune's target, drafter and prompts, loaded as a run loads them (the session layer's loading, and the
+    runtime's threads and device), once the tune first measures."""
+    from specscope.economics.probe import encode_prompts
+    from specscope.economics.tune_session import Workload
+    from specscope.session import load_target, preflight, stop_ids_for
+    from specscope.speculative.decode import build_drafter
+
+    # the target's and the drafter's files, and the token budget against the context: before loading
+    preflight(ctx.model_name, ctx.max_new_tokens, ctx.draft)
+    prompts = ctx.prompts = ctx.prompts or read_prompts(ctx.prompts_file, ctx.num_prompts)
+    dev = setup_runtime(ctx.threads, ctx.device)
+    target, tok, path = load_target(ctx.model_name, ctx.dtype, str(dev))
+    drafter = build_drafter(ctx.draft, target)
+    return Workload(target, drafter, encode_prompts(tok, prompts), stop_ids_for(target, tok), path)
 
 
 def _print_concurrency(out, surface, engine=None):
@@ -381,134 +279,6 @@ def _print_concurrency(out, surface, engine=None):
     else:
         click.echo(f"crossover: past ~{cross:.1f} concurrent sequences plain decoding is predicted faster; "
                    f"speculate below it")
-
-
-class _TuneContext:
-    """Loads the target, drafter and prompts once, on first need; measures under the shared progress
-    (specscope.progress), as verify-curve and bench-serve do. as_json: the command prints --json (no log lines)."""
-
-    def __init__(self, model_name, draft, dtype, device, threads, prompts_file, num_prompts, max_new_tokens,
-                 as_json=False):
-        self.model_name, self.draft, self.dtype, self.device, self.threads = model_name, draft, dtype, device, threads
-        self.prompts_file, self.num_prompts, self.max_new_tokens = prompts_file, num_prompts, max_new_tokens
-        self.as_json = as_json
-        self.prompts = None
-        self._loaded = None
-
-    def adopt_run(self, run):
-        cfg = run.get("config") or {}
-        self.model_name = cfg.get("model") or self.model_name
-        self.draft = self.draft or cfg.get("draft")
-        if cfg.get("prompts") and self.prompts_file is None:
-            self.prompts = list(cfg["prompts"])
-        if cfg.get("max_new_tokens"):
-            self.max_new_tokens = int(cfg["max_new_tokens"])
-        if cfg.get("dtype") and self.dtype == "auto":
-            self.dtype = cfg["dtype"]
-
-    def load(self):
-        if self._loaded is None:
-            from specscope.economics.probe import encode_prompts
-            from specscope.session import load_target, preflight, stop_ids_for
-            from specscope.speculative.decode import build_drafter
-
-            if not self.draft:
-                raise SpecscopeError("no drafter: pass --draft (e.g. smollm2-135m-eagle3 or ngram)")
-            # the target's and the drafter's files, and the token budget against the context: before loading
-            preflight(self.model_name, self.max_new_tokens, self.draft)
-            prompts = self.prompts = self.prompts or read_prompts(self.prompts_file, self.num_prompts)
-            dev = setup_runtime(self.threads, self.device)
-            target, tok, path = load_target(self.model_name, self.dtype, str(dev))
-            drafter = build_drafter(self.draft, target)
-            self._loaded = (target, drafter, encode_prompts(tok, prompts), stop_ids_for(target, tok), path)
-        return self._loaded
-
-    def profile(self, steps, topk, draft_tokens, ngram_tokens, db, say):
-        from specscope.economics.probe import profile
-        from specscope.models.loader import compute_dtype
-        from specscope.progress import Progress
-        from specscope.registry import machine_config, prompt_set_hash
-        from specscope.speculative.decode import HYBRID_NGRAM_TOKENS, DraftSpec, SpecConfig
-
-        if ngram_tokens is None and self.draft and DraftSpec.parse(self.draft).hybrid:
-            ngram_tokens = 2 * HYBRID_NGRAM_TOKENS    # a hybrid: longer copies profiled than used, to choose from
-        SpecConfig.for_drafter(self.draft, steps, topk, draft_tokens, ngram_tokens)   # refuses a misplaced knob
-        cfg = SpecConfig.from_knobs(steps, topk, draft_tokens, ngram_tokens)
-        target, drafter, ids, stop, path = self.load()
-        say(f"profiling {len(ids)} prompt(s) × {self.max_new_tokens} tokens: baseline, then "
-            f"steps {cfg.steps} topk {cfg.topk} draft tokens {cfg.draft_tokens}"
-            + (f" n-gram tokens {cfg.ngram_tokens}" if cfg.ngram_tokens else ""))
-        config = {**machine_config(path, compute_dtype(target), target.device), "model_name": self.model_name,
-                  "draft": self.draft, "prompts": self.prompts,
-                  "prompt_set_hash": prompt_set_hash(self.prompts), "max_new_tokens": self.max_new_tokens,
-                  "sampling": {"temperature": 0.0}}
-        with Progress("tune --profile", len(ids), "prompt", json_mode=self.as_json) as bar:   # plain + speculative
-            brec, srec = profile(target, drafter, ids, cfg, self.max_new_tokens, stop, config, db, tick=bar.advance)
-        say(f"stored baseline run {brec['id']} and speculative run {srec['id']} "
-            f"(τ {srec['results']['accept_length']:.2f})")
-        return srec, brec
-
-    def plain_decode_ms(self, say) -> float:
-        from specscope.economics.probe import plain_decode_ms
-        from specscope.progress import Progress
-
-        target, _, ids, stop, _ = self.load()
-        say(f"no baseline run recorded with this run: measuring plain decoding on {len(ids)} prompt(s)")
-        with Progress("plain decoding", len(ids), "prompt", json_mode=self.as_json) as bar:
-            return plain_decode_ms(target, ids, self.max_new_tokens, stop, tick=bar.advance)
-
-    def quick_curve(self, run, max_tokens, levels, db, say):
-        """A verify curve at the run's mean context, over the widths the candidates need, and the surface over
-        the concurrency levels above 1 -> (VerifyCurve, VerifySurface or None)."""
-        from specscope.cli.verify_curve import measure_with_progress
-        from specscope.economics.verify_curve import VerifyCurve, VerifySurface, surface_results
-        from specscope.models.loader import compute_dtype
-        from specscope.registry import make_record, store_record
-
-        target = self.load()[0]
-        L = int((run.get("results") or {}).get("mean_context") or 256)
-        L = max(1, min(L, target.config.max_position_embeddings - max_tokens - 1))
-        toks = sorted({n for n in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64) if n <= max_tokens})
-        batched = max(levels) > 1
-        say(f"measuring the verify curve at context {L} for n = {', '.join(map(str, toks))}"
-            + (f", and the verify surface at batch sizes {', '.join(map(str, levels))}" if batched else ""))
-        # verify-curve's own bar and per-point lines (one rule for both commands)
-        res, surf = measure_with_progress(target, [L], toks, 1, 5, levels if batched else None, L, None,
-                                          self.as_json)
-        config = {"model": str(self.load()[4]), "dtype": dtype_name(compute_dtype(target)),
-                  "device": str(target.device),
-                  "contexts": [L], "tokens": toks, "warmup": 1, "repeats": 5}
-        results, samples = {"points": res["points"], "fits": res["fits"]}, {"verify_ms": res["samples"]}
-        if batched:
-            config.update({"batches": list(levels), "batch_context": L})
-            results["surface"] = surface_results(surf)
-            samples["batch_verify_ms"] = surf["samples"]
-        rec = make_record("verify_curve", f"tune verify curve L{L}", config=config, results=results,
-                          samples=samples)
-        rec["id"] = store_record(rec, db)
-        return VerifyCurve.from_run(rec), (VerifySurface.from_run(rec) if batched else None)
-
-    def validate(self, picks, say, as_json=False):
-        """The picks measured for real, with a bar over their prompts (each: plain and speculative)."""
-        from specscope.economics.probe import validate
-        from specscope.progress import Progress
-
-        target, drafter, ids, stop, _ = self.load()
-        with Progress("tune --validate", len(picks) * len(ids), "prompt", json_mode=as_json) as bar:
-            def tick(knobs):
-                s, k, n, *g = knobs
-                bar.advance(info=f"s{s} k{k} n{n}" + (f" g{g[0]}" if g and g[0] else ""))
-
-            def measured(r):
-                if not as_json:
-                    bar.note(f"measured {_label(r)}: {r['measured']:.2f}x (τ {r['measured_tau']:.2f})")
-
-            return validate(target, drafter, ids, picks, self.max_new_tokens, stop, progress=measured, tick=tick)
-
-
-def _label(r: dict) -> str:
-    g = f" g{r['ngram_tokens']}" if "ngram_tokens" in r else ""
-    return f"s{r['steps']} k{r['topk']} n{r['draft_tokens']}{g}"
 
 
 def _print_tune(out, rows, acc, cost, validation):

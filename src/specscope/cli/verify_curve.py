@@ -47,51 +47,21 @@ def verify_curve(model_name, contexts, tokens, warmup, repeats, batches, batch_c
                  threads, output, no_plot, no_record, name, db, as_json):
     """Measure the target's forward time for n query tokens at each context length, fit where it stops being
     flat (the knee), store the curve as a run and plot it; with --batch, also T(B, n) over B sequences at once."""
-    from specscope.economics.verify_curve import (cheap_words, check_plan, check_surface_plan, knee_words,
-                                                  parse_int_list, surface_results)
-    from specscope.models.hub import resolve_model
-    from specscope.models.loader import load_config, load_model, parse_dtype, weight_files
+    from specscope.economics.curve_session import curve_record, curve_words, measure_with_progress
+    from specscope.models.loader import load_model, parse_dtype
+    from specscope.registry import machine_config
     from specscope.registry.fingerprint import timing_warning
 
     # before the model loads and minutes of measuring, not after: the plot path, the registry, the plan
-    if output and not no_plot:
-        from specscope.economics.plots import plot_format
-
-        check_writable(output, "--output")
-        plot_format(output)
-    if not no_record:
-        from specscope.registry import check_registry
-
-        check_registry(db)
-    ctxs = parse_int_list(contexts, "--context")
-    toks = parse_int_list(tokens, "--tokens")
-    bs = parse_int_list(batches, "--batch") if batches is not None else None
-    if bs is None and (batch_context is not None or max_seq_len is not None):
-        raise SpecscopeError("--batch-context and --max-seq-len shape the batch axis; pass --batch too "
-                             "(e.g. --batch 1,2,4,8,16)")
-    bctx = batch_context or ctxs[0]
-    path = resolve_model(model_name)
-    mcfg, _ = load_config(path)                 # config.json and the weight files' presence: no weights read
-    weight_files(path)
-    check_plan(ctxs, toks, warmup, repeats, mcfg.max_position_embeddings)
-    if bs is not None:
-        check_surface_plan(bs, bctx, toks, mcfg.max_position_embeddings, max_seq_len)
+    _check_outputs(output, no_plot, no_record, db)
+    plan = _plan(contexts, tokens, warmup, repeats, batches, batch_context, max_seq_len)
+    path = _checked_model(model_name, plan)
     dev = setup_runtime(threads, device)
     dt = parse_dtype(dtype, str(dev))
     model = load_model(path, dtype=dt, device=dev)
-    res, surface = measure_with_progress(model, ctxs, toks, warmup, repeats, bs, bctx, max_seq_len, as_json)
-    from specscope.registry import machine_config
-
-    config = {**machine_config(path, dt, dev), "model_name": model_name, "contexts": ctxs, "tokens": toks,
-              "warmup": warmup, "repeats": repeats}
-    results = {"points": res["points"], "fits": res["fits"],
-               "decode_ms": {str(L): next(p["median_ms"] for p in res["points"] if p["context"] == L
-                                          and p["tokens"] == min(toks)) for L in ctxs}}
-    samples = {"verify_ms": res["samples"]}
-    if surface is not None:
-        config.update({"batches": bs, "batch_context": bctx, "max_seq_len": max_seq_len})
-        results["surface"] = surface_results(surface)
-        samples["batch_verify_ms"] = surface["samples"]
+    res, surface = measure_with_progress(model, plan, as_json)
+    config, results, samples = curve_record(plan, res, surface,
+                                            {**machine_config(path, dt, dev), "model_name": model_name})
     run_id = rec = None
     if not no_record:
         from specscope.registry import make_record, store_record
@@ -100,17 +70,15 @@ def verify_curve(model_name, contexts, tokens, warmup, repeats, batches, batch_c
                           samples=samples)
         run_id = store_record(rec, db)
     png, bpng = (None, None) if no_plot else _plots(res, surface, output, run_id, model_name, config["dtype"], dev,
-                                                     bctx)
-    by_ctx = {L: [p for p in res["points"] if str(p["context"]) == L] for L in res["fits"]}
-    words = {L: knee_words(f, max(toks), by_ctx[L]) for L, f in res["fits"].items()}
-    cheap = {L: cheap_words(by_ctx[L], f) for L, f in res["fits"].items()}
+                                                     plan.batch_context)
+    words, cheap = curve_words(res, plan.tokens)
     warning = timing_warning(rec["env"] if rec else None)
     if as_json:
         emit_json({"run_id": run_id, "config": config, **results, "knee": words, "within_10pct": cheap,
                    "plot": png, **({"batch_plot": bpng} if surface is not None else {}), "load_warning": warning})
         return
-    _print_curve_table(res, ctxs, toks)
-    _print_conclusions(res, ctxs, words, cheap)
+    _print_curve_table(res, plan.contexts, plan.tokens)
+    _print_conclusions(res, plan.contexts, words, cheap)
     if surface is not None:
         _print_surface(surface)
     if run_id:
@@ -120,6 +88,46 @@ def verify_curve(model_name, contexts, tokens, warmup, repeats, batches, batch_c
             click.echo(f"plot: {p}")
     if warning:
         click.echo(warning, err=True)
+
+
+def _check_outputs(output, no_plot, no_record, db):
+    """The plot path and the registry, before anything is measured."""
+    if output and not no_plot:
+        from specscope.economics.plots import plot_format
+
+        check_writable(output, "--output")
+        plot_format(output)
+    if not no_record:
+        from specscope.registry import check_registry
+
+        check_registry(db)
+
+
+def _plan(contexts, tokens, warmup, repeats, batches, batch_context, max_seq_len):
+    """The flags' CurvePlan (--batch-context defaults to the first --context)."""
+    from specscope.economics.curve_session import CurvePlan
+    from specscope.economics.verify_curve import parse_int_list
+
+    ctxs = parse_int_list(contexts, "--context")
+    toks = parse_int_list(tokens, "--tokens")
+    bs = parse_int_list(batches, "--batch") if batches is not None else None
+    if bs is None and (batch_context is not None or max_seq_len is not None):
+        raise SpecscopeError("--batch-context and --max-seq-len shape the batch axis; pass --batch too "
+                             "(e.g. --batch 1,2,4,8,16)")
+    return CurvePlan(ctxs, toks, warmup, repeats, bs, batch_context or ctxs[0], max_seq_len)
+
+
+def _checked_model(model_name, plan):
+    """The model's directory, its plan checked against its context: config.json and the weight files' presence,
+    no weights read."""
+    from specscope.models.hub import resolve_model
+    from specscope.models.loader import load_config, weight_files
+
+    path = resolve_model(model_name)
+    mcfg, _ = load_config(path)
+    weight_files(path)
+    plan.check(mcfg.max_position_embeddings)
+    return path
 
 
 def _print_conclusions(res, ctxs, words, cheap):
@@ -144,32 +152,6 @@ def _plots(res, surface, output, run_id, model_name, dtype, dev, bctx):
         bpng = plot_verify_surface(surface, t.with_name(f"{t.stem}-batch{t.suffix or '.png'}"),
                                    title=f"verify cost by batch size: {model_name} {dtype} {dev}, context {bctx}")
     return png, bpng
-
-
-def measure_with_progress(model, ctxs, toks, warmup, repeats, bs, bctx, max_seq_len, as_json):
-    """measure_curve (and measure_surface with bs, batch sizes) under one progress bar counting forwards; each
-    point's numbers are printed above it as its context finishes (not under --json). `tune --profile` measures
-    its quick curve through this too."""
-    from specscope.economics.verify_curve import measure_curve, measure_surface
-    from specscope.progress import Progress
-
-    rounds = warmup + repeats
-    total = rounds * len(toks) * (len(ctxs) + len(bs or ()))
-    done = [0]
-    with Progress("verify-curve", total, "forward", json_mode=as_json) as bar:
-        def point(row):
-            done[0] += 1
-            if not as_json:
-                where = f"batch {row['batch']:>4} × n = {row['tokens']:>3} at context {row['context']}" \
-                    if "batch" in row else f"context {row['context']:>5}, n = {row['tokens']:>3}"
-                bar.note(f"[{done[0]}/{len(toks) * (len(ctxs) + len(bs or ()))}] {where}: {row['median_ms']:8.2f} "
-                         f"ms (p10 {row['p10_ms']:.2f}, p90 {row['p90_ms']:.2f})")
-
-        res = measure_curve(model, ctxs, toks, warmup, repeats, point, tick=bar.advance)
-        surface = None
-        if bs is not None:
-            surface = measure_surface(model, bs, bctx, toks, warmup, repeats, max_seq_len, point, tick=bar.advance)
-    return res, surface
 
 
 def _print_surface(surface):

@@ -28,6 +28,12 @@ class BreakevenInputs:
     verify_tokens: float | None = None               # tokens one sequence verifies per cycle (to read a surface)
     context: float | None = None                     # per-sequence context (to read a surface)
 
+    def fill(self, attr: str, value, origin: str) -> None:
+        """Set `attr` to a run's `value`, said to come from `origin`, unless the command line gave it (it wins)."""
+        if getattr(self, attr) is None and value is not None:
+            setattr(self, attr, value)
+            self.sources[attr] = origin
+
 
 def breakeven(inp: BreakevenInputs) -> dict:
     """The JSON result: cycle_ms, break_even_accept_length, break_even_alpha (None when impossible),
@@ -252,57 +258,67 @@ def inputs_from_runs(run: dict, baseline: dict | None, given: BreakevenInputs,
                                                              "batch", "verify_tokens", "context")})
     inp.notes = list(given.notes)
     rid = run.get("id") or run.get("run_id") or "?"
+    priced = surface is not None or engine is not None     # either gives the decode and verify times
+    _fill_from_run(inp, run, rid, priced)
+    if baseline is not None:
+        _fill_from_baseline(inp, run, rid, baseline, given)
+    elif inp.decode_ms is None:
+        # a speculative run may carry the baseline it was compared against
+        inp.fill("decode_ms", _num((run.get("results") or {}).get("baseline_decode_ms_per_token")), f"run {rid}")
+    _check_complete(inp, run, rid, priced)
+    return inp
+
+
+def _fill_from_run(inp: BreakevenInputs, run: dict, rid: str, priced: bool) -> None:
+    """The run's phases, its depth and its τ; with a surface (or an engine's steps) to read, where to read it: this
+    run's verify width and context."""
     res, cfg = run.get("results") or {}, run.get("config") or {}
-    src = inp.sources
-
-    def take(attr, value, origin):
-        if getattr(inp, attr) is None and value is not None:
-            setattr(inp, attr, value)
-            src[attr] = origin
-
-    take("verify_ms", phase_ms(res, "verify"), f"run {rid}")
-    take("draft_ms", draft_ms_of(res), f"run {rid}")
-    take("other_ms", other_ms_of(res), f"run {rid} (accept + commit + other)")
+    inp.fill("verify_ms", phase_ms(res, "verify"), f"run {rid}")
+    inp.fill("draft_ms", draft_ms_of(res), f"run {rid}")
+    inp.fill("other_ms", other_ms_of(res), f"run {rid} (accept + commit + other)")
     steps = cfg.get("steps") if cfg.get("steps") is not None else (cfg.get("drafting") or {}).get("steps")
     ngram = cfg.get("ngram_tokens") or 0
     if steps is not None and ngram:
         # a hybrid's copy cycles verify a chain of its whole budget: that, not the drafter's depth, bounds τ.
         # Copied tokens cost no drafting; their verify cost is in the measured verify phase.
         steps = max(int(steps), int(cfg.get("draft_tokens") or 1) - 1 + int(ngram))
-    take("steps", int(steps) if steps is not None else None,
-         f"run {rid}" + (" (deepest copy chain of the hybrid)" if ngram else ""))
-    take("measured_accept_length", _num(res.get("accept_length")), f"run {rid}")
-    surface = surface if surface is not None else engine     # either gives the decode and verify times
-    if surface is not None:     # where to read the surface: this run's verify width and context
-        take("verify_tokens", _num(res.get("verify_tokens_mean")), f"run {rid}")
-        take("context", _num(res.get("mean_context")), f"run {rid}")
-    if baseline is not None:
-        bid = baseline.get("id") or baseline.get("run_id") or "?"
-        take("decode_ms", decode_ms_of(baseline.get("results") or {}), f"baseline run {bid}")
-        # tok/s is comparable only between a run and its baseline, so it is used as "measured" only with one
-        if given.measured_tok_s is None and given.measured_accept_length is None:
-            t_run, t_base = _num(res.get("tok_per_s")), _num((baseline.get("results") or {}).get("tok_per_s"))
-            if t_run and t_base:
-                inp.measured_speedup = (t_run / t_base, f"run {rid} {t_run:.2f} tok/s vs baseline {bid} "
-                                                        f"{t_base:.2f} tok/s")
-    elif inp.decode_ms is None:
-        # a speculative run may carry the baseline it was compared against
-        take("decode_ms", _num(res.get("baseline_decode_ms_per_token")), f"run {rid}")
+    inp.fill("steps", int(steps) if steps is not None else None,
+             f"run {rid}" + (" (deepest copy chain of the hybrid)" if ngram else ""))
+    inp.fill("measured_accept_length", _num(res.get("accept_length")), f"run {rid}")
+    if priced:
+        inp.fill("verify_tokens", _num(res.get("verify_tokens_mean")), f"run {rid}")
+        inp.fill("context", _num(res.get("mean_context")), f"run {rid}")
+
+
+def _fill_from_baseline(inp: BreakevenInputs, run: dict, rid: str, baseline: dict, given: BreakevenInputs) -> None:
+    """T_decode from the baseline run, and the speedup measured between the two when nothing measured was given."""
+    res = run.get("results") or {}
+    bid = baseline.get("id") or baseline.get("run_id") or "?"
+    inp.fill("decode_ms", decode_ms_of(baseline.get("results") or {}), f"baseline run {bid}")
+    # tok/s is comparable only between a run and its baseline, so it is used as "measured" only with one
+    if given.measured_tok_s is None and given.measured_accept_length is None:
+        t_run, t_base = _num(res.get("tok_per_s")), _num((baseline.get("results") or {}).get("tok_per_s"))
+        if t_run and t_base:
+            inp.measured_speedup = (t_run / t_base, f"run {rid} {t_run:.2f} tok/s vs baseline {bid} "
+                                                    f"{t_base:.2f} tok/s")
+
+
+def _check_complete(inp: BreakevenInputs, run: dict, rid: str, priced: bool) -> None:
+    """Refuse, naming what the run has and what it lacks, inputs break-even cannot be computed from."""
+    res = run.get("results") or {}
     missing = []
-    if (inp.verify_ms is None and surface is None) or inp.draft_ms is None:
+    if (inp.verify_ms is None and not priced) or inp.draft_ms is None:
         missing.append("per-phase timings (pass --verify-ms and --draft-ms)")
     if inp.steps is None:
         missing.append("the draft depth (pass --steps)")
-    if inp.decode_ms is None and surface is None:
+    if inp.decode_ms is None and not priced:
         missing.append("the plain decode time per token (pass --baseline-run ID or --decode-ms)")
     if missing:
-        kind = run.get("kind", "?")
         have = [f"τ = {res['accept_length']:.2f}" if _num(res.get("accept_length")) else None,
                 f"{res['tok_per_s']:.2f} tok/s" if _num(res.get("tok_per_s")) else None]
         have = ", ".join(h for h in have if h) or "no timings"
-        engine = cfg.get("engine") or kind
+        engine = (run.get("config") or {}).get("engine") or run.get("kind", "?")
         raise SpecscopeError(f"run {rid} ({engine}) has {have} but lacks {'; '.join(missing)}")
-    return inp
 
 
 def _num(v):

@@ -241,12 +241,12 @@ def test_train_cli_answers_from_a_server(setup, tmp_path, capsys):
 def test_checkpoints_record_where_answers_came_from():
     from types import SimpleNamespace
 
-    from specscope.cli.train import _train_meta
+    from specscope.train.stages import train_meta
 
     ans = {"source": "endpoint", "endpoint": "http://h:1", "served_model": "m"}
-    assert _train_meta({"name_or_path": "t"}, SimpleNamespace(manifest={"answers": ans})) == \
+    assert train_meta({"name_or_path": "t"}, SimpleNamespace(manifest={"answers": ans})) == \
         {"target": {"name_or_path": "t"}, "answers": ans}
-    assert _train_meta({}, SimpleNamespace(manifest={})) == {"target": {}}
+    assert train_meta({}, SimpleNamespace(manifest={})) == {"target": {}}
 
 
 def test_refused_requests_are_left_out_and_counted(setup, tmp_path):

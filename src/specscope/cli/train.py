@@ -158,212 +158,28 @@ def train(workdir, target_name, stages, dataset, dataset_split, dataset_config, 
     SpecForge's spellings work too: --target-model-path, --train-data-path, --num-epochs, --learning-rate,
     --max-length, --ttt-length, --output-dir, --report-to, --server-address, --max-tokens, --concurrency.
     """
-    import torch
+    from specscope.train.stages import AnswerServer, CaptureOptions, DataOptions, TrainJob, plan_stages, run_stages
+    from specscope.train.trainer import TrainConfig, process_device
 
-    from specscope.session import preflight as model_preflight
-    from specscope.models.loader import DTYPES
-    from specscope.speculative.eagle3 import DrafterConfig
-    from specscope.speculative.formats import resolve_target
-    from specscope.train import pipeline
-    from specscope.train.tracking import check_tracker
-    from specscope.train.trainer import TrainConfig, dist_info, process_device, train as run_train
-
-    todo = _stages(stages)
-    # everything flags and files decide is decided before the target loads, not after minutes of loading and
-    # capturing: output paths, the target's files, --init, the data sources, the vocabulary size, earlier stages
-    check_writable(workdir, "--workdir", is_dir=True)
-    if output is not None:
-        check_writable(output, "--output", is_dir=True)
-    if "train" in todo:
-        check_tracker(report_to)
-    work = Path(workdir)
-    rank, world = dist_info()
-    say = (lambda m: click.echo(m, err=True)) if rank == 0 else (lambda m: None)
-    if world > 1 and ("data" in todo or "vocab" in todo or "select" in todo):
-        raise SpecscopeError("run the data, vocab and select stages in one process; torchrun only --stages train")
-    from specscope.train.capture import check_flags
-
-    cap_mode, cap_argv = check_flags(capture, capture_dir, engine_args, todo, synth)
-    # the target's forward runs here only for a local data stage and for select
-    runs_forward = ("data" in todo and cap_mode is None) or "select" in todo
-    tpath, tcfg = _preflight(target_name, runs_forward, model_preflight)
-    init = pipeline.init_drafter(init_from, resolve_target(str(tpath), target_name)) if init_from else None
-    L = tcfg.num_hidden_layers
-    aux = list(init.aux_layers) if init is not None else DrafterConfig.default_aux_layers(L)
-    if not all(0 <= i <= L for i in aux):
-        raise SpecscopeError(f"the target has {L} layers, so EAGLE-3's aux layers {aux} (2, L//2, L-3 by default) "
-                             f"fall outside 0..{L}; train for a target with at least 4 layers")
-    sources = (pipeline.read_data_sources(dataset, list(prompt_files), synth, log=say, dataset_split=dataset_split,
-                                          dataset_config=dataset_config, dataset_streaming=dataset_streaming)
-               if "data" in todo else None)
-    endpoint = _endpoint(answers_from, served_model_name, api_key, concurrency, timeout_s, response_tokens, seed,
-                         regenerate, dataset, prompt_files, say) if answers_from and "data" in todo else None
-    if "vocab" in todo and init is None and draft_vocab > tcfg.vocab_size:
-        raise SpecscopeError(f"--draft-vocab {draft_vocab} is larger than the target's vocabulary of "
-                             f"{tcfg.vocab_size} tokens; use at most {tcfg.vocab_size}")
+    cfg = TrainConfig(ttt_steps=ttt_steps, lr=lr, weight_decay=weight_decay, warmup=warmup, total_steps=total_steps,
+                      num_epochs=num_epochs, batch_size=batch_size, grad_clip=grad_clip, dtype=dtype, seed=seed,
+                      eval_every=eval_every, ckpt_every=ckpt_every, eval_fraction=eval_fraction, max_len=max_len,
+                      max_minutes=max_minutes)
+    data = DataOptions(dataset=dataset, dataset_split=dataset_split, dataset_config=dataset_config,
+                       dataset_streaming=dataset_streaming, prompt_files=list(prompt_files), synth=synth,
+                       regenerate=regenerate, synth_batch=synth_batch, user_temperature=user_temperature,
+                       answer_batch=answer_batch, capture_batch=capture_batch, user_tokens=user_tokens,
+                       response_tokens=response_tokens, gen_dtype=gen_dtype)
+    job = TrainJob(workdir, target_name, _stages(stages), cfg, data, CaptureOptions(capture, capture_dir, engine_args),
+                   AnswerServer(answers_from, served_model_name, api_key, concurrency, timeout_s),
+                   draft_vocab=draft_vocab, init_from=init_from, resume=resume, report_to=report_to,
+                   select_prompts=select_prompts, select_steps=select_steps, export_format=export_format,
+                   export_dtype=export_dtype, output=output, progress=not no_progress)
+    plan = plan_stages(job, echo=lambda m: click.echo(m, err=True))
     dev = process_device(setup_runtime(threads, device).type)       # under torchrun: cuda:LOCAL_RANK
-    data = None
-    if "data" not in todo and ("vocab" in todo or "train" in todo or "select" in todo):
-        data = _captured(work, aux, dev)        # checked before the target loads
-    if "train" in todo and "vocab" not in todo and init is None and not (work / "vocab.pt").exists():
-        raise SpecscopeError(f"{work / 'vocab.pt'} does not exist; run the vocab stage first (--stages vocab,train)")
-    if "select" in todo and "train" not in todo and not any((work / "train" / "snapshots").glob("step-*.pt")):
-        raise SpecscopeError(f"no snapshots in {work / 'train' / 'snapshots'}; run the train stage first")
-    if runs_forward:                                         # these run the target
-        target, tok, tpath = pipeline.load_target(target_name, dev, "fp32")
-    elif "data" in todo:                                     # --capture: its config and tokenizer only
-        from types import SimpleNamespace
-
-        from specscope.runtime.tokenizer import Tokenizer
-
-        target, tok = SimpleNamespace(config=tcfg, source_path=str(tpath)), Tokenizer(tpath)
-    else:                                                    # vocab / train: its config, embedding and LM head
-        target, tpath = pipeline.load_target_head(target_name, dev)
-    tinfo = pipeline.target_info(target_name, tpath, target)
-    summary = {"workdir": str(work), "target": tinfo, "stages": todo}
-
-    if "data" in todo and cap_mode is not None:
-        man = _capture_data(work, tpath, tok, target, tinfo, aux, cap_mode, cap_argv, capture_dir, endpoint,
-                            dict(dataset=dataset, synth=synth, regenerate=regenerate, response_tokens=response_tokens,
-                                 max_len=max_len, seed=seed, log=say, prompt_files=list(prompt_files),
-                                 capture_batch=capture_batch, sources=sources),
-                            dict(model=served_model_name, api_key=api_key, concurrency=concurrency,
-                                 timeout_s=timeout_s))
-        summary["data"] = {k: man.get(k) for k in ("sequences", "tokens", "loss_tokens", "skipped", "answers",
-                                                   "captured_by")}
-        if "train" in todo and not runs_forward:             # now its embedding and LM head, read alone
-            target, _ = pipeline.load_target_head(target_name, dev)
-    elif "data" in todo:
-        # the local target generates unless an endpoint answers everything (it still synthesises --synth)
-        local_gen = endpoint is None or synth > 0
-        gen = pipeline.load_target(target_name, dev, gen_dtype)[0] if gen_dtype != "fp32" and local_gen else target
-        man = pipeline.data_stage(work, target, tok, tinfo, dataset=dataset, synth=synth,
-                                  regenerate=regenerate,
-                                  aux_layers=aux, synth_batch=synth_batch, user_tokens=user_tokens,
-                                  response_tokens=response_tokens, max_len=max_len, seed=seed, gen_model=gen, log=say,
-                                  prompt_files=list(prompt_files), answer_batch=answer_batch,
-                                  capture_batch=capture_batch, user_temperature=user_temperature,
-                                  sources=sources, endpoint=endpoint)
-        summary["data"] = {k: man.get(k) for k in ("sequences", "tokens", "loss_tokens", "skipped", "answers")}
-        del gen
-    later = "vocab" in todo or "train" in todo or "select" in todo
-    if later and data is None:          # the shards this run's data stage just wrote
-        data = _captured(work, aux, dev)
-    if "vocab" in todo:
-        if init is not None:
-            say("--init: keeping the initial drafter's own draft vocabulary")
-        else:
-            summary["vocab"] = pipeline.vocab_stage(work, data, target.config.vocab_size, draft_vocab, log=say)
-    if "train" in todo:
-        if init is not None:
-            drafter = init
-        else:
-            v = torch.load(str(work / "vocab.pt"), weights_only=True)
-            drafter = pipeline.fresh_drafter(target, v["d2t"], v["t2d"], aux, seed=seed)
-        cfg = TrainConfig(ttt_steps=ttt_steps, lr=lr, weight_decay=weight_decay, warmup=warmup,
-                          total_steps=total_steps, num_epochs=num_epochs, batch_size=batch_size, grad_clip=grad_clip,
-                          dtype=dtype, seed=seed,
-                          eval_every=eval_every, ckpt_every=ckpt_every, eval_fraction=eval_fraction, max_len=max_len,
-                          max_minutes=max_minutes)
-        last = run_train(drafter, target.embed_tokens.weight.detach(), target.lm_head.weight.detach(), data,
-                         work / "train", cfg, dev, resume=resume, progress=not no_progress, log=say,
-                         meta=_train_meta(tinfo, data), report_to=report_to)
-        summary["train"] = last
-        if rank == 0 and "select" not in todo:
-            dest = Path(output) if output else work / "drafter"
-            pipeline.export(work, dest, export_format, DTYPES[export_dtype], tinfo)
-            summary["drafter"] = str(dest)
-            say(f"drafter written to {dest} ({export_format}, {export_dtype})")
-    if "select" in todo and rank == 0:
-        sel = pipeline.select_stage(work, target, tok, data, eval_fraction, seed, n_prompts=select_prompts,
-                                    steps=select_steps, log=say)
-        summary["select"] = {k: sel[k] for k in ("selected_step", "shape")}
-        dest = Path(output) if output else work / "drafter"
-        pipeline.export(work / "train" / "selected.pt", dest, export_format, DTYPES[export_dtype], tinfo)
-        summary["drafter"] = str(dest)
-        say(f"drafter (selected step {sel['selected_step']}) written to {dest} ({export_format}, {export_dtype})")
-    if world > 1:
-        import torch.distributed as dist
-        if dist.is_initialized():
-            dist.barrier()
-            dist.destroy_process_group()
-    if as_json and rank == 0:
+    summary = run_stages(job, plan, dev)
+    if as_json and summary is not None:                             # rank 0 alone
         emit_json(summary)
-
-
-def _endpoint(url, model, api_key, concurrency, timeout_s, max_tokens, seed, regenerate, dataset, prompt_files, say):
-    """--answers-from: the server checked (and its model id found) before the target loads."""
-    from specscope.train.endpoint import Endpoint
-
-    if not prompt_files and not dataset:
-        raise SpecscopeError("--answers-from answers --prompt-file prompts or regenerates a --dataset's assistant "
-                             "turns; --synth conversations are written by the local target, so drop --answers-from "
-                             "or add one of those")
-    sampled = regenerate == "sample"
-    ep = Endpoint(url, model=model, api_key=api_key, max_tokens=max_tokens, temperature=0.8 if sampled else 0.0,
-                  top_p=0.95 if sampled else 1.0, seed=seed, concurrency=concurrency, timeout_s=timeout_s)
-    ep.connect(say)
-    say(f"answers from {ep.url}, which serves {ep.model!r}")
-    return ep
-
-
-def _preflight(target_name: str, runs_forward: bool, model_preflight):
-    """(path, config) of the target, checked before anything loads. Stages that never run its forward read any
-    architecture's config (an MoE served by vLLM) and need no weights but the few the train stage reads."""
-    if runs_forward:
-        tpath, tcfg, _ = model_preflight(target_name)
-        return tpath, tcfg
-    from specscope.models.hub import resolve_model
-    from specscope.models.loader import load_config
-    from specscope.runtime.tokenizer import check_tokenizer_files
-
-    tpath = resolve_model(target_name)
-    tcfg, _ = load_config(tpath, any_architecture=True)
-    check_tokenizer_files(tpath)
-    return tpath, tcfg
-
-
-def _capture_data(work, tpath, tok, target, tinfo, aux, mode, argv, capture_dir, endpoint, stage: dict, ep: dict):
-    """The data stage with its features from vLLM (--capture): the server started here or reached at a URL, its
-    own answers for --prompt-file / --regenerate unless --answers-from names another, always stopped."""
-    from specscope.train import pipeline
-    from specscope.train.capture import CaptureSession
-
-    say = stage["log"]
-    with CaptureSession(mode, argv, tpath, work, aux, capture_dir=capture_dir, max_len=stage["max_len"],
-                        timeout_s=ep["timeout_s"], model=ep["model"]) as cs:
-        feats = cs.open(tok.encode_messages([{"role": "user", "content": "Hello"}]), say)
-        src = stage["sources"]
-        needs_answers = bool(src.items) or (src.convs is not None and stage["regenerate"] != "none")
-        if endpoint is None and needs_answers:
-            endpoint = _endpoint(feats.url, feats.model, ep["api_key"], ep["concurrency"], ep["timeout_s"],
-                                 stage["response_tokens"], stage["seed"], stage["regenerate"], stage["dataset"],
-                                 stage["prompt_files"], say)
-            if cs.engine is not None:       # its port changes per run: its answers are cached under its launch
-                endpoint.key_as = "vllm started by specscope: " + " ".join([str(tpath), *argv])
-        return pipeline.data_stage(work, target, tok, tinfo, aux_layers=aux, endpoint=endpoint, features=feats,
-                                   captured_by=dict(feats.info), **stage)
-
-
-def _train_meta(tinfo: dict, data) -> dict:
-    """What checkpoints record: the target, and where the training answers came from (the data manifest says)."""
-    meta = {"target": tinfo}
-    answers = getattr(data, "manifest", {}).get("answers")
-    if answers:
-        meta["answers"] = answers
-    return meta
-
-
-def _captured(work: Path, aux: list[int], dev):
-    """The captured features the later stages read (in GPU memory on CUDA), checked against the drafter's aux
-    layers."""
-    from specscope.train.data import CapturedData
-
-    data = CapturedData(work / "data", device=dev if dev.type == "cuda" else "cpu")
-    if data.aux_layers != aux:
-        raise SpecscopeError(f"the data in {work / 'data'} was captured at aux layers {data.aux_layers} but the "
-                             f"drafter reads {aux}; capture again into a new --workdir")
-    return data
 
 
 @click.command()

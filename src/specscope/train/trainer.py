@@ -14,6 +14,7 @@ import random
 import time
 from dataclasses import dataclass, asdict
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -279,6 +280,32 @@ def drafter_from_checkpoint(state: dict):
 
 # ---------------------------------------------------------------- the loop
 
+@dataclass
+class TrainRun:
+    """What one training call works with, passed to the loop's parts: the model with its optimizer and schedule,
+    the data split, this process's place among the others, where the outputs go."""
+    cfg: TrainConfig
+    drafter: Eagle3Drafter
+    loss_mod: TTTLoss
+    model: torch.nn.Module              # loss_mod, wrapped in DDP when there are several processes
+    params: list
+    opt: torch.optim.Optimizer
+    sched: torch.optim.lr_scheduler.LambdaLR
+    data: object
+    train_idx: list[int]
+    eval_idx: list[int]
+    device: torch.device
+    rank: int
+    world: int
+    out_dir: Path
+    meta: dict
+    log: Callable[[str], None] = print
+
+    @property
+    def ckpt_dir(self) -> Path:
+        return self.out_dir / "checkpoints"
+
+
 def evaluate(loss_mod: TTTLoss, data, idx: list[int], cfg: TrainConfig, device, batch_size: int = 8) -> dict:
     stats = []
     loss_mod.eval()
@@ -307,159 +334,182 @@ def train(drafter, embed: torch.Tensor, lm_head_w: torch.Tensor, data, out_dir: 
 
     cfg.validate()
     rank, world = init_distributed(device)
-    if cfg.batch_size % world:
-        raise SpecscopeError(f"--batch-size {cfg.batch_size} must be a multiple of the process count {world}")
     out_dir = Path(out_dir)
-    ckpt_dir = out_dir / "checkpoints"
-    metrics_path = out_dir / "metrics.jsonl"
     torch.manual_seed(cfg.seed)
-    train_idx, eval_idx = split_indices(len(data), cfg.eval_fraction, cfg.seed)
-    if not train_idx:
-        raise SpecscopeError("not enough captured sequences to train (need at least 2)")
-    cfg.total_steps = total_steps_for(cfg.total_steps, cfg.num_epochs, len(train_idx), cfg.batch_size)
-
+    train_idx, eval_idx = split_for_training(cfg, len(data), world)
     drafter.to(device).train()
     drafter.requires_grad_(True)
     loss_mod = TTTLoss(drafter, embed.to(device), lm_head_w.to(device), cfg.ttt_steps, cfg.decay)
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
-    step = 0
-    if resume:
-        ck = latest_checkpoint(ckpt_dir)
-        if ck is None:
-            log(f"--resume: no checkpoint in {ckpt_dir}; starting from step 0")
-        else:
-            st = load_checkpoint(ck)
-            drafter.load_state_dict(st["model"])
-            opt.load_state_dict(st["optimizer"])
-            sched.load_state_dict(st["scheduler"])
-            set_rng_state(st["rng"])
-            step = st["step"]
-            # a schedule fitted to --max-minutes lives in the checkpoint, not in the flags: keep it
-            tc = st.get("train_config") or {}
-            if tc.get("max_minutes") is not None and tc.get("total_steps", cfg.total_steps) < cfg.total_steps:
-                cfg.total_steps = tc["total_steps"]
-            log(f"resumed from {ck.name} at step {step}")
+    step = resume_from(out_dir / "checkpoints", drafter, opt, sched, cfg, log) if resume else 0
     if rank == 0:
         out_dir.mkdir(parents=True, exist_ok=True)
-        # drop metrics logged after the checkpoint we resume from: the resumed run re-logs those steps
-        if metrics_path.exists():
-            keep = [l for l in metrics_path.read_text().split("\n") if _metric_step(l) is not None
-                    and _metric_step(l) <= step]
-            write_atomic(metrics_path, "".join(l + "\n" for l in keep), "metrics file")
-    model = DDP(loss_mod) if world > 1 else loss_mod
+        trim_metrics(out_dir / "metrics.jsonl", step)
+    run = TrainRun(cfg, drafter, loss_mod, DDP(loss_mod) if world > 1 else loss_mod, params, opt, sched, data,
+                   train_idx, eval_idx, device, rank, world, out_dir, meta or {}, log)
     tracker = Tracker(report_to, out_dir, {**cfg.to_dict(), "world_size": world}, run_name=out_dir.parent.name) \
         if rank == 0 and report_to != "none" else None
+    metrics = _MetricsLog(out_dir / "metrics.jsonl", tracker, rank == 0)
+    return _loop(run, step, metrics, stop_after, progress)
 
-    def write_metrics(rec):
-        if rank == 0:
-            with open(metrics_path, "a") as f:
-                f.write(json.dumps(rec) + "\n")
-            if tracker:
-                tracker.log(rec)
 
-    tokens_seen = step * _avg_tokens(data, train_idx, cfg.batch_size)
-    bar = _progress(progress and rank == 0, cfg.total_steps, step)
-    # no live bar (--no-progress, or stderr is not a terminal: nohup, CI): a log line a minute with the rate and
-    # the time left instead, so an hours-long run says how it is doing
-    lines = Rate("train step", cfg.total_steps, log, start=step, every_s=60.0) if bar is None and rank == 0 else None
+def split_for_training(cfg: TrainConfig, n: int, world: int) -> tuple[list[int], list[int]]:
+    """The training and held-out sequences, once the batch is known to split over the processes; settles
+    cfg.total_steps (the steps --num-epochs passes take, when given)."""
+    if cfg.batch_size % world:
+        raise SpecscopeError(f"--batch-size {cfg.batch_size} must be a multiple of the process count {world}")
+    train_idx, eval_idx = split_indices(n, cfg.eval_fraction, cfg.seed)
+    if not train_idx:
+        raise SpecscopeError("not enough captured sequences to train (need at least 2)")
+    cfg.total_steps = total_steps_for(cfg.total_steps, cfg.num_epochs, len(train_idx), cfg.batch_size)
+    return train_idx, eval_idx
+
+
+def resume_from(ckpt_dir: Path, drafter, opt, sched, cfg: TrainConfig, log) -> int:
+    """--resume: the latest checkpoint's weights, optimizer, schedule and RNG put back; the step to continue from
+    (0 when there is none)."""
+    ck = latest_checkpoint(ckpt_dir)
+    if ck is None:
+        log(f"--resume: no checkpoint in {ckpt_dir}; starting from step 0")
+        return 0
+    st = load_checkpoint(ck)
+    drafter.load_state_dict(st["model"])
+    opt.load_state_dict(st["optimizer"])
+    sched.load_state_dict(st["scheduler"])
+    set_rng_state(st["rng"])
+    # a schedule fitted to --max-minutes lives in the checkpoint, not in the flags: keep it
+    tc = st.get("train_config") or {}
+    if tc.get("max_minutes") is not None and tc.get("total_steps", cfg.total_steps) < cfg.total_steps:
+        cfg.total_steps = tc["total_steps"]
+    log(f"resumed from {ck.name} at step {st['step']}")
+    return st["step"]
+
+
+def trim_metrics(metrics_path: Path, step: int):
+    """Drop metrics logged after the checkpoint we resume from: the resumed run re-logs those steps."""
+    if metrics_path.exists():
+        keep = [l for l in metrics_path.read_text().split("\n") if _metric_step(l) is not None
+                and _metric_step(l) <= step]
+        write_atomic(metrics_path, "".join(l + "\n" for l in keep), "metrics file")
+
+
+def _loop(run: TrainRun, step: int, metrics: _MetricsLog, stop_after: int | None, progress: bool):
+    """Optimizer steps from `step` to the end of the schedule, the time budget or `stop_after` steps of this call,
+    each logged, evaluated and checkpointed on its period; the last step's train record."""
+    cfg = run.cfg
+    tokens_seen = step * _avg_tokens(run.data, run.train_idx, cfg.batch_size)
+    shown = _Display(progress, run.rank, cfg.total_steps, step, run.log)
     t0, done_here, last = time.time(), 0, None
-    best = _best_so_far(ckpt_dir)
+    best = _best_so_far(run.ckpt_dir)
     try:
         while step < cfg.total_steps:
-            idx = batch_indices(train_idx, step, cfg.batch_size, cfg.seed)
-            mine = idx[rank::world]
-            batch = collate([data.seqs[j] for j in mine], device, cfg.max_len)
-            denom = count_positions(batch, drafter.t2d, cfg.ttt_steps).to(torch.float32)
-            all_reduce_(denom)
-            with _autocast(cfg, device):
-                loss, stats = model(batch, denom)
-            # a diverged run stops here: one more step would turn every weight into NaN, and a drafter of NaNs
-            # still loads and "runs". Every rank learns of it (a rank alone in a collective would hang)
-            bad = torch.tensor([0.0 if bool(torch.isfinite(loss.detach())) else 1.0])
-            if float(all_reduce_(bad)) > 0:
-                raise SpecscopeError(divergence(step + 1, "loss", float(loss.detach()) * world, cfg,
-                                                first=step == 0))
-            # DDP averages gradients over ranks; the per-rank loss is a share of the global sum, so scale back
-            (loss * world).backward()
-            gn = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-            if not bool(torch.isfinite(gn)):     # the same on every rank: DDP has averaged the gradients
-                raise SpecscopeError(divergence(step + 1, "gradient norm", float(gn), cfg, first=step == 0))
-            opt.step()
-            sched.step()
-            opt.zero_grad(set_to_none=True)
+            loss, stats, gn, ntok = optimizer_step(run, step)
             step += 1
             done_here += 1
             if cfg.max_minutes is not None and done_here == 10 and step == 10:
-                # a time budget on a fresh run: fit the cosine schedule to the steps the budget allows (measured
-                # over the first 10), so the learning rate has decayed when time is up
-                fit = int(10 / max(time.time() - t0, 1e-6) * cfg.max_minutes * 60 * 0.9)
-                if fit < cfg.total_steps:
-                    log(f"--max-minutes {cfg.max_minutes}: {fit} steps fit; schedule set to {fit} steps")
-                    cfg.total_steps = max(fit, step + 1)
-                    if bar:
-                        bar.p.set_total(cfg.total_steps)
-                    if lines:
-                        lines.total = cfg.total_steps
-            ntok = torch.tensor([float(batch["valid"].sum())])
-            all_reduce_(ntok)
-            tokens_seen += int(ntok)
+                fit_schedule(cfg, time.time() - t0, step, shown, run.log)
+            tokens_seen += ntok
             s = summarise([stats], cfg.ttt_steps)
-            rec = {"step": step, "split": "train", "loss": float(loss.detach()) * world, "lr": sched.get_last_lr()[0],
-                   "grad_norm": float(gn), "tokens": tokens_seen, "acc": s["acc"], "loss_k": s["loss"],
-                   "sim_tau": s["sim_tau"], "time_s": round(time.time() - t0, 2)}
-            write_metrics(rec)
-            last = rec
-            if bar:
-                bar.update(step, loss=rec["loss"], acc0=s["acc"][0], tau=s["sim_tau"])
-            elif lines:
-                lines(step, info=f"loss {rec['loss']:.3f} acc0 {s['acc'][0]:.3f} τ {s['sim_tau']:.2f}")
-            out_of_time = cfg.max_minutes is not None and time.time() - t0 > cfg.max_minutes * 60
-            if world > 1 and cfg.max_minutes is not None:
-                flag = torch.tensor([float(out_of_time)])
-                out_of_time = bool(all_reduce_(flag) > 0)
-            if eval_idx and (step % cfg.eval_every == 0 or step == cfg.total_steps or out_of_time) and rank == 0:
-                ev = evaluate(loss_mod, data, eval_idx, cfg, device)
-                write_metrics({"step": step, "split": "eval", "tokens": tokens_seen, "acc": ev["acc"],
-                               "loss_k": ev["loss"], "sim_tau": ev["sim_tau"], "chain_tau": ev["chain_tau"],
-                               "positions": ev["positions"]})
-                # every evaluated step's weights, for checkpoint selection by real decoding (the `select` stage)
-                with atomic_output(out_dir / "snapshots" / f"step-{step:07d}.pt", "snapshot", make_parents=True) as tmp:
-                    torch.save({"step": step,
-                                "model": {k: v.detach().cpu() for k, v in drafter.state_dict().items()},
-                                "drafter_config": drafter.config.to_dict(), "train_config": cfg.to_dict(),
-                                "meta": {**(meta or {}), "tokens": tokens_seen, "eval": ev}}, tmp)
-                if ev["chain_tau"] > best:
-                    # the best held-out checkpoint by per-position chain τ (closer to real chain decoding than SpecForge's
-                    # simulated τ); weights only
-                    best = ev["chain_tau"]
-                    with atomic_output(ckpt_dir / "best.pt", "checkpoint", make_parents=True) as tmp:
-                        torch.save({"step": step,
-                                    "model": {k: v.detach().cpu() for k, v in drafter.state_dict().items()},
-                                    "drafter_config": drafter.config.to_dict(),
-                                    "meta": {**(meta or {}), "tokens": tokens_seen, "eval": ev}}, tmp)
-                note = (f"step {step}: held-out acc_0 {ev['acc'][0]:.3f} sim τ {ev['sim_tau']:.2f} "
-                        f"chain τ {ev['chain_tau']:.2f}")
-                if bar:
-                    bar.note(note)
-                else:
-                    log(note)
+            last = {"step": step, "split": "train", "loss": float(loss.detach()) * run.world,
+                    "lr": run.sched.get_last_lr()[0], "grad_norm": float(gn), "tokens": tokens_seen, "acc": s["acc"],
+                    "loss_k": s["loss"], "sim_tau": s["sim_tau"], "time_s": round(time.time() - t0, 2)}
+            metrics.write(last)
+            shown.update(step, last)
+            out_of_time = _out_of_time(cfg, t0, run.world)
+            if run.eval_idx and (step % cfg.eval_every == 0 or step == cfg.total_steps or out_of_time) \
+                    and run.rank == 0:
+                best = evaluate_and_keep(run, step, tokens_seen, best, metrics, shown)
             if step % cfg.ckpt_every == 0 or step == cfg.total_steps or out_of_time:
-                if rank == 0:
-                    save_checkpoint(ckpt_dir, step, drafter, opt, sched, cfg, {**(meta or {}), "tokens": tokens_seen})
+                if run.rank == 0:
+                    save_checkpoint(run.ckpt_dir, step, run.drafter, run.opt, run.sched, cfg,
+                                    {**run.meta, "tokens": tokens_seen})
             if stop_after is not None and done_here >= stop_after:
                 break
             if out_of_time:
-                log(f"--max-minutes {cfg.max_minutes} reached at step {step}/{cfg.total_steps}; "
-                    f"checkpoint saved: continue with --resume")
+                run.log(f"--max-minutes {cfg.max_minutes} reached at step {step}/{cfg.total_steps}; "
+                        f"checkpoint saved: continue with --resume")
                 break
     finally:
-        if bar:
-            bar.close()
-        if tracker:
-            tracker.close()
+        shown.close()
+        metrics.close()
     return last
+
+
+def optimizer_step(run: TrainRun, step: int):
+    """One optimizer step on this process's share of global batch `step`; (loss, TTT stats, gradient norm, positions
+    counted over all processes). A non-finite loss or gradient stops the run on every process."""
+    cfg = run.cfg
+    idx = batch_indices(run.train_idx, step, cfg.batch_size, cfg.seed)
+    batch = collate([run.data.seqs[j] for j in idx[run.rank::run.world]], run.device, cfg.max_len)
+    denom = count_positions(batch, run.drafter.t2d, cfg.ttt_steps).to(torch.float32)
+    all_reduce_(denom)
+    with _autocast(cfg, run.device):
+        loss, stats = run.model(batch, denom)
+    # a diverged run stops here: one more step would turn every weight into NaN, and a drafter of NaNs
+    # still loads and "runs". Every rank learns of it (a rank alone in a collective would hang)
+    bad = torch.tensor([0.0 if bool(torch.isfinite(loss.detach())) else 1.0])
+    if float(all_reduce_(bad)) > 0:
+        raise SpecscopeError(divergence(step + 1, "loss", float(loss.detach()) * run.world, cfg, first=step == 0))
+    # DDP averages gradients over ranks; the per-rank loss is a share of the global sum, so scale back
+    (loss * run.world).backward()
+    gn = torch.nn.utils.clip_grad_norm_(run.params, cfg.grad_clip)
+    if not bool(torch.isfinite(gn)):     # the same on every rank: DDP has averaged the gradients
+        raise SpecscopeError(divergence(step + 1, "gradient norm", float(gn), cfg, first=step == 0))
+    run.opt.step()
+    run.sched.step()
+    run.opt.zero_grad(set_to_none=True)
+    ntok = torch.tensor([float(batch["valid"].sum())])
+    all_reduce_(ntok)
+    return loss, stats, gn, int(ntok)
+
+
+def fit_schedule(cfg: TrainConfig, elapsed_s: float, step: int, shown: _Display, log):
+    """A time budget on a fresh run: fit the cosine schedule to the steps the budget allows (measured over the first
+    10), so the learning rate has decayed when time is up."""
+    fit = int(10 / max(elapsed_s, 1e-6) * cfg.max_minutes * 60 * 0.9)
+    if fit < cfg.total_steps:
+        log(f"--max-minutes {cfg.max_minutes}: {fit} steps fit; schedule set to {fit} steps")
+        cfg.total_steps = max(fit, step + 1)
+        shown.set_total(cfg.total_steps)
+
+
+def _out_of_time(cfg: TrainConfig, t0: float, world: int) -> bool:
+    """--max-minutes spent; every rank stops at the same step (one alone in a collective would hang)."""
+    out_of_time = cfg.max_minutes is not None and time.time() - t0 > cfg.max_minutes * 60
+    if world > 1 and cfg.max_minutes is not None:
+        flag = torch.tensor([float(out_of_time)])
+        out_of_time = bool(all_reduce_(flag) > 0)
+    return out_of_time
+
+
+def evaluate_and_keep(run: TrainRun, step: int, tokens_seen: int, best: float, metrics: _MetricsLog,
+                      shown: _Display) -> float:
+    """Held-out evaluation at `step` (rank 0): logged, the weights kept as a snapshot, and as best.pt when their
+    chain τ is the best yet; the best chain τ so far."""
+    cfg, drafter = run.cfg, run.drafter
+    ev = evaluate(run.loss_mod, run.data, run.eval_idx, cfg, run.device)
+    metrics.write({"step": step, "split": "eval", "tokens": tokens_seen, "acc": ev["acc"], "loss_k": ev["loss"],
+                   "sim_tau": ev["sim_tau"], "chain_tau": ev["chain_tau"], "positions": ev["positions"]})
+    meta = {**run.meta, "tokens": tokens_seen, "eval": ev}
+    # every evaluated step's weights, for checkpoint selection by real decoding (the `select` stage)
+    with atomic_output(run.out_dir / "snapshots" / f"step-{step:07d}.pt", "snapshot", make_parents=True) as tmp:
+        torch.save({**_weights(drafter, step), "train_config": cfg.to_dict(), "meta": meta}, tmp)
+    if ev["chain_tau"] > best:
+        # the best held-out checkpoint by per-position chain τ (closer to real chain decoding than SpecForge's
+        # simulated τ); weights only
+        best = ev["chain_tau"]
+        with atomic_output(run.ckpt_dir / "best.pt", "checkpoint", make_parents=True) as tmp:
+            torch.save({**_weights(drafter, step), "meta": meta}, tmp)
+    shown.note(f"step {step}: held-out acc_0 {ev['acc'][0]:.3f} sim τ {ev['sim_tau']:.2f} "
+               f"chain τ {ev['chain_tau']:.2f}")
+    return best
+
+
+def _weights(drafter, step: int) -> dict:
+    return {"step": step, "model": {k: v.detach().cpu() for k, v in drafter.state_dict().items()},
+            "drafter_config": drafter.config.to_dict()}
 
 
 def _metric_step(line: str):
@@ -483,27 +533,58 @@ def _avg_tokens(data, idx, bs):
     return int(sum(int(data.read(i, ("loss_mask",))["loss_mask"].sum()) for i in idx) / len(idx) * bs)
 
 
-class _progress:
-    """The shared progress bar (specscope.progress: steps, rate, time left) on a terminal's stderr; None when not
-    wanted or when stderr is not a terminal (the trainer then logs a line a minute)."""
+class _MetricsLog:
+    """metrics.jsonl, and the --report-to tracker, written by rank 0 alone."""
 
-    def __new__(cls, enabled, total, start):
-        import sys
+    def __init__(self, path: Path, tracker: Tracker | None, enabled: bool):
+        self.path, self.tracker, self.enabled = path, tracker, enabled
 
-        if not enabled or not sys.stderr.isatty():
-            return None
-        return super().__new__(cls)
-
-    def __init__(self, enabled, total, start):
-        from specscope.progress import Progress
-
-        self.p = Progress("train", total, "step", start=start)
-
-    def update(self, step, loss, acc0, tau):
-        self.p.update(step, info=f"loss {loss:.3f} acc0 {acc0:.3f} τ {tau:.2f}")
-
-    def note(self, text):
-        self.p.note(text)
+    def write(self, rec: dict):
+        if self.enabled:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+            if self.tracker:
+                self.tracker.log(rec)
 
     def close(self):
-        self.p.close()
+        if self.tracker:
+            self.tracker.close()
+
+
+class _Display:
+    """How rank 0 shows the run: the shared progress bar (specscope.progress: steps, rate, time left) on a terminal's
+    stderr; with no live bar (--no-progress, or stderr is not a terminal: nohup, CI) a log line a minute with the
+    rate and the time left instead, so an hours-long run says how it is doing. The other ranks show nothing."""
+
+    def __init__(self, progress: bool, rank: int, total: int, start: int, log):
+        import sys
+
+        from specscope.progress import Progress
+
+        live = progress and rank == 0 and sys.stderr.isatty()
+        self.bar = Progress("train", total, "step", start=start) if live else None
+        self.lines = Rate("train step", total, log, start=start, every_s=60.0) if not live and rank == 0 else None
+        self.log = log
+
+    def set_total(self, total: int):
+        if self.bar:
+            self.bar.set_total(total)
+        if self.lines:
+            self.lines.total = total
+
+    def update(self, step: int, rec: dict):
+        info = f"loss {rec['loss']:.3f} acc0 {rec['acc'][0]:.3f} τ {rec['sim_tau']:.2f}"
+        if self.bar:
+            self.bar.update(step, info=info)
+        elif self.lines:
+            self.lines(step, info=info)
+
+    def note(self, text: str):
+        if self.bar:
+            self.bar.note(text)
+        else:
+            self.log(text)
+
+    def close(self):
+        if self.bar:
+            self.bar.close()

@@ -78,65 +78,90 @@ def _count(v) -> int | None:
     return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
 
 
+@dataclass
+class _Stream:
+    """One response being read: its result so far and the clock of its content chunks (t0: the send)."""
+    r: RequestResult
+    endpoint: str
+    t0: float
+    last: float | None = None                          # time of the last content chunk
+    parts: list[str] = field(default_factory=list)
+
+    def take(self, obj: dict) -> None:
+        """One parsed chunk: its text (timed), finish reason, usage and specscope's per-request verify count."""
+        r = self.r
+        text, finish = _content(obj, self.endpoint)
+        if text:
+            now = time.perf_counter()
+            if r.ttft_s is None:
+                r.ttft_s = now - self.t0
+            else:
+                r.itl_s.append(now - self.last)
+            self.last = now
+            self.parts.append(text)
+            r.chunks += 1
+        if finish:
+            r.finish_reason = finish
+        u = obj.get("usage")
+        if isinstance(u, dict):
+            r.completion_tokens = _count(u.get("completion_tokens")) or 0
+            r.prompt_tokens = _count(u.get("prompt_tokens"))
+        if isinstance(obj.get("spec"), dict):
+            r.spec = obj["spec"]
+
+
+async def _http_error(resp: httpx.Response) -> str:
+    """A non-200 answer as one line: the OpenAI error's message, else the body."""
+    raw = (await resp.aread()).decode(errors="replace")
+    try:
+        msg = json.loads(raw)["error"]["message"]
+    except (ValueError, KeyError, TypeError, RecursionError):
+        msg = raw
+    return f"HTTP {resp.status_code}: {_clip(msg) or '(empty body)'}"
+
+
+async def _read_events(resp: httpx.Response, s: _Stream) -> None:
+    """The SSE stream up to [DONE]: each data line a chunk; an error chunk or a bad one is kept as the error."""
+    r = s.r
+    async for line in resp.aiter_lines():
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            r.ok = r.error is None
+            break
+        try:
+            obj = json.loads(data)
+        except (ValueError, RecursionError):
+            obj = None
+        if not isinstance(obj, dict):   # garbage, or JSON that is not a chunk (a list, a number)
+            r.error = f"bad SSE chunk {_clip(data, 80)!r}"
+            continue
+        if "error" in obj:
+            err = obj["error"]
+            r.error = _clip(err.get("message", err) if isinstance(err, dict) else err)
+            continue
+        s.take(obj)
+    else:
+        r.error = r.error or "the stream ended without [DONE]"
+
+
 async def stream_one(client: httpx.AsyncClient, url: str, body: dict, endpoint: str, index: int,
                      headers: dict, tokenizer=None) -> RequestResult:
     r = RequestResult(index)
-    parts: list[str] = []
     t0 = r.start_s = time.perf_counter()
-    last = None
+    s = _Stream(r, endpoint, t0)
     try:
         async with client.stream("POST", url, json=body, headers=headers) as resp:
             if resp.status_code != 200:
-                raw = (await resp.aread()).decode(errors="replace")
-                try:
-                    msg = json.loads(raw)["error"]["message"]
-                except (ValueError, KeyError, TypeError, RecursionError):
-                    msg = raw
-                r.error = f"HTTP {resp.status_code}: {_clip(msg) or '(empty body)'}"
+                r.error = await _http_error(resp)
                 return r
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    r.ok = r.error is None
-                    break
-                try:
-                    obj = json.loads(data)
-                except (ValueError, RecursionError):
-                    obj = None
-                if not isinstance(obj, dict):   # garbage, or JSON that is not a chunk (a list, a number)
-                    r.error = f"bad SSE chunk {_clip(data, 80)!r}"
-                    continue
-                if "error" in obj:
-                    err = obj["error"]
-                    r.error = _clip(err.get("message", err) if isinstance(err, dict) else err)
-                    continue
-                text, finish = _content(obj, endpoint)
-                if text:
-                    now = time.perf_counter()
-                    if r.ttft_s is None:
-                        r.ttft_s = now - t0
-                    else:
-                        r.itl_s.append(now - last)
-                    last = now
-                    parts.append(text)
-                    r.chunks += 1
-                if finish:
-                    r.finish_reason = finish
-                u = obj.get("usage")
-                if isinstance(u, dict):
-                    r.completion_tokens = _count(u.get("completion_tokens")) or 0
-                    r.prompt_tokens = _count(u.get("prompt_tokens"))
-                if isinstance(obj.get("spec"), dict):
-                    r.spec = obj["spec"]
-            else:
-                r.error = r.error or "the stream ended without [DONE]"
+            await _read_events(resp, s)
     except httpx.HTTPError as e:
         r.error = f"{type(e).__name__}: {_clip(e)}"
     # vLLM's latency ends at the last token chunk, not at the usage chunk or [DONE] after it
-    r.e2e_s = (last if last is not None else time.perf_counter()) - t0
-    r.text = "".join(parts)
+    r.e2e_s = (s.last if s.last is not None else time.perf_counter()) - t0
+    r.text = "".join(s.parts)
     if not r.completion_tokens:
         # server sent no usage: the tokenizer's count of the text (vLLM), else one token per chunk
         r.completion_tokens = (len(tokenizer.tok.encode(r.text, add_special_tokens=False))

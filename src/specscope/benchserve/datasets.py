@@ -124,18 +124,9 @@ def build_requests(name: str, path: str | None, num_prompts: int, *, chat: bool,
     if name == "random":
         if categories:
             raise SpecscopeError("--category does not apply to --dataset-name random")
-        n_in = input_len or random_input_len
-        n_out = output_len or random_output_len
-        rows = random_prompts(num_prompts, n_in, n_out, random_range_ratio, seed)
-        reqs = []
-        for r in rows:
-            prompt, plen = r["prompt"], None
-            if tokenizer is not None:
-                # vLLM's random prompts are exactly input_len tokens once the server adds its special tokens
-                want = max(1, r["input_len"] - tokenizer.tok.num_special_tokens_to_add())
-                prompt = _fit_tokens(tokenizer, prompt, want)
-                plen = _count(tokenizer, prompt, chat)
-            reqs.append(Request(prompt, plen, r["max_tokens"]))
+        rows = random_prompts(num_prompts, input_len or random_input_len, output_len or random_output_len,
+                              random_range_ratio, seed)
+        reqs = _random_requests(rows, tokenizer, chat)
         return {"name": "random", "path": None, "hash": _hash(reqs), "requests": reqs}
 
     if name == "sharegpt":
@@ -148,21 +139,7 @@ def build_requests(name: str, path: str | None, num_prompts: int, *, chat: bool,
                                  "--tokenizer (or --sharegpt-output-len N / --output-len N)")
         if shuffle:
             random.Random(seed).shuffle(pairs)
-        fixed = output_len or sharegpt_output_len
-        reqs = []
-        for q, a in pairs:
-            if len(reqs) >= num_prompts:
-                break
-            plen = out = None
-            if tokenizer is not None:
-                plen = len(tokenizer.tok(q).input_ids)
-                out = fixed or len(tokenizer.tok(a).input_ids)
-                # vLLM's pruning: prompt and reply of 4+ tokens, prompt <= 1024, both <= 2048
-                if plen < 4 or (fixed is None and out < 4) or plen > 1024 or plen + out > 2048:
-                    continue
-                if chat:
-                    plen = _count(tokenizer, q, True)
-            reqs.append(Request(q, plen, out or fixed))
+        reqs = _sharegpt_requests(pairs, num_prompts, output_len or sharegpt_output_len, tokenizer, chat)
         if not reqs:
             raise SpecscopeError(f"{p}: no conversation passes vLLM's length limits (prompt and reply >= 4 tokens, "
                                  f"prompt <= 1024, both <= 2048)")
@@ -174,22 +151,68 @@ def build_requests(name: str, path: str | None, num_prompts: int, *, chat: bool,
         rows = [r["prompt"] for r in ds["prompts"]]
         if shuffle:
             random.Random(seed).shuffle(rows)
-        rows = rows[:num_prompts]
         n_out = output_len or (custom_output_len if name == "custom" else spec_bench_output_len)
-        reqs = []
-        for prompt in rows:
-            plen = None
-            if tokenizer is not None:
-                if not skip_chat_template:
-                    prompt = _template(tokenizer, prompt)
-                plen = _count(tokenizer, prompt, chat)
-            reqs.append(Request(prompt, plen, n_out))
+        reqs = _prompt_requests(rows[:num_prompts], n_out, tokenizer, chat, skip_chat_template)
         ds_name, ds_path = (ds["name"] if name == "custom" else name), ds["path"]
     if oversample and len(reqs) < num_prompts:
-        # vLLM's oversampling: random repeats of the sampled requests up to --num-prompts
-        rng, base = random.Random(seed), list(reqs)
-        reqs += [rng.choice(base) for _ in range(num_prompts - len(base))]
+        reqs = _oversample(reqs, num_prompts, seed)
     return {"name": ds_name, "path": ds_path, "hash": _hash(reqs), "requests": reqs}
+
+
+def _random_requests(rows: list[dict], tokenizer, chat: bool) -> list[Request]:
+    """random_prompts' rows as requests; with a tokenizer each prompt is cut to its exact token length."""
+    reqs = []
+    for r in rows:
+        prompt, plen = r["prompt"], None
+        if tokenizer is not None:
+            # vLLM's random prompts are exactly input_len tokens once the server adds its special tokens
+            want = max(1, r["input_len"] - tokenizer.tok.num_special_tokens_to_add())
+            prompt = _fit_tokens(tokenizer, prompt, want)
+            plen = _count(tokenizer, prompt, chat)
+        reqs.append(Request(prompt, plen, r["max_tokens"]))
+    return reqs
+
+
+def _sharegpt_requests(pairs: list[tuple[str, str]], num_prompts: int, fixed: int | None, tokenizer,
+                       chat: bool) -> list[Request]:
+    """Up to num_prompts (question, reply) pairs as requests of `fixed` output tokens, else the reply's length;
+    with a tokenizer, pairs outside vLLM's length limits are left out."""
+    reqs = []
+    for q, a in pairs:
+        if len(reqs) >= num_prompts:
+            break
+        plen = out = None
+        if tokenizer is not None:
+            plen = len(tokenizer.tok(q).input_ids)
+            out = fixed or len(tokenizer.tok(a).input_ids)
+            # vLLM's pruning: prompt and reply of 4+ tokens, prompt <= 1024, both <= 2048
+            if plen < 4 or (fixed is None and out < 4) or plen > 1024 or plen + out > 2048:
+                continue
+            if chat:
+                plen = _count(tokenizer, q, True)
+        reqs.append(Request(q, plen, out or fixed))
+    return reqs
+
+
+def _prompt_requests(prompts: list[str], n_out: int, tokenizer, chat: bool,
+                     skip_chat_template: bool) -> list[Request]:
+    """First user turns as requests of n_out tokens; with a tokenizer, templated client-side (unless skipped) and
+    counted."""
+    reqs = []
+    for prompt in prompts:
+        plen = None
+        if tokenizer is not None:
+            if not skip_chat_template:
+                prompt = _template(tokenizer, prompt)
+            plen = _count(tokenizer, prompt, chat)
+        reqs.append(Request(prompt, plen, n_out))
+    return reqs
+
+
+def _oversample(reqs: list[Request], num_prompts: int, seed: int) -> list[Request]:
+    """vLLM's oversampling: random repeats of the sampled requests up to --num-prompts."""
+    rng, base = random.Random(seed), list(reqs)
+    return reqs + [rng.choice(base) for _ in range(num_prompts - len(base))]
 
 
 def _hash(reqs: list[Request]) -> str:

@@ -333,121 +333,91 @@ def bench_serve(ctx, backend, endpoint, url, host, port, model, tokenizer, token
     options and result JSON: TTFT, TPOT, ITL and end-to-end latency (ms), throughput and goodput, per concurrency
     level, plus τ and acceptance from the server's /metrics deltas (SGLang: /get_server_info when /metrics has
     none)."""
-    import asyncio
-
-    from specscope.benchserve.datasets import build_requests, check_dataset, load_tokenizer
-    from specscope.benchserve.run import run_levels
+    from specscope.benchserve.bench import (BenchSetup, Metrics, Output, Prompts, Target, Traffic, load_workload,
+                                            run_bench)
+    from specscope.benchserve.datasets import check_dataset
 
     backend, kind, path = resolve_api(backend, endpoint)
     base = base_url_of(ctx, url, host, port)
     levels = parse_levels(concurrency)
-    metric_names, percentiles = parse_metrics(percentile_metrics), parse_percentiles(metric_percentiles)
-    slos = parse_goodput(goodput)
-    extra_headers = parse_pairs(headers, "--header")
+    metrics = Metrics(parse_metrics(percentile_metrics), parse_percentiles(metric_percentiles), parse_goodput(goodput))
+    target = Target(base, backend, kind, path, model, api_key, timeout_s, parse_pairs(headers, "--header"))
     meta = parse_pairs(metadata, "--metadata")
     sampling = {k: v for k, v in {"top_p": top_p, "top_k": top_k, "min_p": min_p,
                                   "frequency_penalty": frequency_penalty, "presence_penalty": presence_penalty,
                                   "repetition_penalty": repetition_penalty}.items() if v is not None}
     extra = {**sampling, **parse_extra_body(extra_body)}
-    legacy = legacy_dataset is not None
-    if legacy:
-        if dataset_name is not None or dataset_path is not None:
-            raise SpecscopeError("--dataset is the old spelling of --dataset-name / --dataset-path; give only the "
-                                 "new ones")
-        named = legacy_dataset in ("spec_bench", "mt_bench", "random")
-        dataset_name, dataset_path = (legacy_dataset, None) if named else ("custom", legacy_dataset)
-    dataset_name = dataset_name or ("custom" if dataset_path is not None else "spec_bench")
+    dataset_name, dataset_path, legacy = dataset_of(legacy_dataset, dataset_name, dataset_path)
     check_dataset(dataset_name, dataset_path)
     if result_filename is not None:
         check_result_filename(result_filename)
     if save_result or append_result:  # refused before the benchmark, not after it
         check_writable(result_dir or ".", "--result-dir", is_dir=True)
-    tok = load_tokenizer(tokenizer) if tokenizer is not None else None
-    if dataset_name == "random":
-        ignore_eos = True     # vLLM: random prompts decode to exactly their output length
-    ds = build_requests(dataset_name, dataset_path, num_prompts, chat=kind == "chat", tokenizer=tok, seed=seed,
-                        categories=tuple(category), output_len=max_tokens, input_len=input_len,
-                        random_input_len=random_input_len, random_output_len=random_output_len,
-                        random_range_ratio=random_range_ratio, spec_bench_output_len=spec_bench_output_len,
-                        custom_output_len=custom_output_len, sharegpt_output_len=sharegpt_output_len,
-                        shuffle=not (disable_shuffle or legacy), oversample=not (no_oversample or legacy),
-                        skip_chat_template=skip_chat_template)
-    requests = ds["requests"]
-    if not no_record:       # before minutes of requests: a registry that cannot take the run is refused now
-        from specscope.registry import check_registry
-
-        check_registry(db)
-    bar = _LevelBars(len(requests), len(levels), json_mode=as_json, enabled=not disable_tqdm)
-    try:
-        out = asyncio.run(run_levels(base, requests, levels, kind, model, 0, temperature, api_key, timeout_s,
-                                     bar.request, request_rate=request_rate, burstiness=burstiness, seed=seed,
-                                     ignore_eos=ignore_eos, metric_names=metric_names, percentiles=percentiles,
-                                     goodput=slos, path=path, extra_body=extra, extra_headers=extra_headers,
-                                     tokenizer=tok, on_level=bar.level))
-    finally:
-        bar.close()
-    first = out["levels"][0]
-    results = {"levels": out["levels"], "tok_per_s": first["output_throughput"],
-               "request_throughput": first["request_throughput"], "failed": sum(lv["failed"] for lv in out["levels"])}
-    sm = first.get("server_metrics") or {}
-    for key in ("accept_length", "per_position_acceptance", "draft_acceptance_rate"):
-        if key in sm:
-            results[key] = sm[key]
-    if "accept_length" not in results and (first.get("spec_decode") or {}).get("accept_length") is not None:
-        results["accept_length"] = first["spec_decode"]["accept_length"]      # SGLang's /get_server_info
-    config = {"url": base, "backend": backend, "endpoint": kind, "endpoint_path": path, "model": out["model"],
-              "engine": sm.get("engine") or (first.get("spec_decode") or {}).get("engine"),
-              "tokenizer": tokenizer, "prompt_set": ds["name"], "dataset_path": ds["path"],
-              "prompt_set_hash": ds["hash"], "categories": list(category), "num_prompts": len(requests),
-              "max_tokens": max_tokens, "max_concurrency": levels,
-              "request_rate": "inf" if math.isinf(request_rate) else request_rate, "burstiness": burstiness,
-              "ignore_eos": ignore_eos, "seed": seed, "goodput": slos, "label": label, "metadata": meta,
-              "sampling": {"temperature": temperature, **extra}}
-    if dataset_name == "random":
-        config.update(random_input_len=input_len or random_input_len, random_output_len=random_output_len,
-                      random_range_ratio=random_range_ratio)
-    if not any(lv["completed"] for lv in out["levels"]):
+    # vLLM: random prompts decode to exactly their output length
+    traffic = Traffic(levels, request_rate, burstiness, seed, ignore_eos or dataset_name == "random", temperature,
+                      extra)
+    prompts = Prompts(dataset_name, dataset_path, num_prompts, tuple(category), max_tokens, input_len,
+                      random_input_len, random_output_len, random_range_ratio, spec_bench_output_len,
+                      custom_output_len, sharegpt_output_len, shuffle=not (disable_shuffle or legacy),
+                      oversample=not (no_oversample or legacy), skip_chat_template=skip_chat_template,
+                      tokenizer=tokenizer)
+    output = Output(label, meta, name, tags, record=not no_record, db=db, save=save_result or append_result,
+                    append=append_result, detailed=save_detailed, result_dir=result_dir,
+                    result_filename=result_filename)
+    setup = BenchSetup(target, traffic, metrics, prompts, output)
+    work = load_workload(setup)
+    bar = _LevelBars(len(work.requests), len(levels), json_mode=as_json, enabled=not disable_tqdm)
+    run = run_bench(setup, work, bar)
+    if not run.succeeded:
         # nothing to measure: no table of zeros, no stored run, no result files, and a failing exit status
         if as_json:
-            emit_json({"run_id": None, "config": config, "results": results, "result_files": []})
-        examples = sorted({e for lv in out["levels"] for e in lv.get("error_examples", [])})
-        raise NoRequestSucceeded(f"no request succeeded ({results['failed']} of {results['failed']} failed; first "
-                                 f"error: {examples[0] if examples else 'none reported'}); check that the base URL "
-                                 f"is an OpenAI-compatible server and --model a model it serves")
-    run_id = None
-    if not no_record:
-        from specscope.registry import make_record, store_record
-
-        rec = make_record("bench_serve", name or f"bench-serve {out['model']}", config=config, results=results,
-                          samples={"per_request": out["per_request"]}, tags=tags)
-        # the model is remote: its "hash" is whatever the server calls it, not a local file
-        rec["config"].pop("model_hash", None)
-        run_id = store_record(rec, db)
-    # the client's clock (and a server on this machine) shared the CPUs with whatever else ran
-    from specscope.registry.fingerprint import timing_warning
-
-    warning = timing_warning(rec["env"] if run_id else None)
-    files = []
-    if save_result or append_result:
-        files = save_results(out, config, run_id, result_dir or ".", result_filename, save_detailed,
-                             num_prompts=num_prompts, append=append_result)
+            emit_json({"run_id": None, "config": run.config, "results": run.results, "result_files": []})
+        raise no_success(run)
     if as_json:
-        emit_json({"run_id": run_id, "config": config, "results": results, "result_files": files,
-                   "load_warning": warning})
+        emit_json(run.to_json())
         return
-    _print_table(base, out, len(requests), metric_names, percentiles, slos)
-    for lv in out["levels"]:
+    _print_run(run, setup)
+
+
+def dataset_of(legacy_dataset: str | None, name: str | None, path: str | None) -> tuple[str, str | None, bool]:
+    """(--dataset-name, --dataset-path, legacy) from the new options or the old --dataset (a name or a file, read
+    without shuffling or oversampling); spec_bench when neither is given, custom for a path alone."""
+    legacy = legacy_dataset is not None
+    if legacy:
+        if name is not None or path is not None:
+            raise SpecscopeError("--dataset is the old spelling of --dataset-name / --dataset-path; give only the "
+                                 "new ones")
+        named = legacy_dataset in ("spec_bench", "mt_bench", "random")
+        name, path = (legacy_dataset, None) if named else ("custom", legacy_dataset)
+    return name or ("custom" if path is not None else "spec_bench"), path, legacy
+
+
+def no_success(run) -> NoRequestSucceeded:
+    """The error of a run where no request of any level succeeded, with the first error the server gave."""
+    failed = run.results["failed"]
+    examples = sorted({e for lv in run.out["levels"] for e in lv.get("error_examples", [])})
+    return NoRequestSucceeded(f"no request succeeded ({failed} of {failed} failed; first error: "
+                              f"{examples[0] if examples else 'none reported'}); check that the base URL is an "
+                              f"OpenAI-compatible server and --model a model it serves")
+
+
+def _print_run(run, setup) -> None:
+    """The table of levels on stdout; each level's errors, the result files, the stored run and the load
+    warning on stderr."""
+    m = setup.metrics
+    _print_table(setup.target.base, run.out, run.config["num_prompts"], m.names, m.percentiles, m.goodput)
+    for lv in run.out["levels"]:
         for e in lv.get("error_examples", []):
             click.echo(f"max concurrency {lv['max_concurrency'] or 'unbounded'}: {e}", err=True)
         if lv.get("spec_decode_unavailable"):
             click.echo(f"max concurrency {lv['max_concurrency'] or 'unbounded'}: {lv['spec_decode_unavailable']}",
                        err=True)
-    for f in files:
+    for f in run.files:
         click.echo(f"result: {f}", err=True)
-    if run_id:
-        click.echo(f"stored run {run_id}", err=True)
-    if warning:
-        click.echo(warning, err=True)
+    if run.run_id:
+        click.echo(f"stored run {run.run_id}", err=True)
+    if run.load_warning:
+        click.echo(run.load_warning, err=True)
 
 
 class _LevelBars:
@@ -475,69 +445,6 @@ class _LevelBars:
         if self.bar is not None:
             self.bar.close()
             self.bar, self.failed = None, 0
-
-
-def vllm_result(lv: dict, lists: dict, config: dict, run_id, date: str, num_prompts: int, detailed: bool) -> dict:
-    """One level as `vllm bench serve --save-result` writes it: its setup fields, its benchmark fields (same names,
-    same units: seconds for duration and the per-request lists, ms for the statistics, acceptance rate in
-    percent), then specscope's own (base_url, dataset, spec_decode block, run id)."""
-    from specscope.benchserve.run import DETAILED, LISTS
-
-    res = {"date": date, "endpoint_type": config["backend"], "backend": config["backend"], "label": config["label"],
-           "model_id": config["model"], "tokenizer_id": config["tokenizer"], "num_prompts": num_prompts,
-           **config["metadata"], "request_rate": config["request_rate"], "burstiness": config["burstiness"],
-           "max_concurrency": lv["max_concurrency"]}
-    skip = ("max_concurrency", "request_rate", "burstiness", "num_prompts", "server_metrics")
-    for k, v in lv.items():
-        if k == "max_output_tokens_per_s":      # vLLM's order: the per-request lists come before the peaks
-            res.update({n: lists[n] for n in LISTS if detailed or n not in DETAILED})
-        if k not in skip:
-            res[k] = v
-    res.update(base_url=config["url"], endpoint=config["endpoint_path"], dataset_name=config["prompt_set"],
-               dataset_path=config["dataset_path"], ignore_eos=config["ignore_eos"], seed=config["seed"],
-               temperature=config["sampling"]["temperature"], specscope_run_id=run_id)
-    return res
-
-
-def save_results(out: dict, config: dict, run_id, result_dir, result_filename, detailed: bool, *,
-                 num_prompts: int, append: bool = False) -> list[str]:
-    """One JSON per level in `vllm bench serve --save-result`'s layout and file names; with append (vLLM's
-    --append-result) each level is one JSON line added to the file."""
-    import datetime
-    import json
-    from pathlib import Path
-
-    from specscope.fileio import read_text, write_atomic
-
-    d = Path(result_dir)
-    try:
-        d.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise SpecscopeError(f"cannot use --result-dir {str(d)!r}: {e.strerror or e}") from None
-    date = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    prefix = config["label"] or config["backend"]
-    model_base = str(out["model"]).rstrip("/").rsplit("/", 1)[-1]
-    files = []
-    for lv, lists in zip(out["levels"], out["lists"]):
-        c = lv["max_concurrency"]
-        result = vllm_result(lv, lists, config, run_id, date, num_prompts, detailed)
-        if result_filename:
-            name = result_filename if len(out["levels"]) == 1 or append else \
-                result_filename.removesuffix(".json") + f"-concurrency{c}.json"
-        else:
-            name = (f"{prefix}-{config['request_rate']}qps" + (f"-concurrency{c}" if c else "")
-                    + f"-{model_base}-{date}.json")
-        target = d / name
-        if append:
-            old = read_text(target, "--append-result file") if target.is_file() else ""
-            text = old + ("\n" if old.strip() and not old.endswith("\n") else "") \
-                + json.dumps(result, default=str, allow_nan=False) + "\n"
-        else:
-            text = json.dumps(result, indent=2, default=str, allow_nan=False) + "\n"
-        path = write_atomic(target, text, "--save-result file")
-        if str(path) not in files:
-            files.append(str(path))
-    return files
 
 
 def _print_table(base, out, n_prompts, metric_names, percentiles, slos):

@@ -2,8 +2,8 @@
 
 The first run is the reference; every other run is compared against it:
 
-* rows: tok/s, ms/token, τ, ms/cycle and each phase's ms/cycle with the relative change, its bootstrap interval
-  and a verdict (`stats.py`), intervals Bonferroni-corrected over the rows;
+* rows (`rows.py`): tok/s, ms/token, τ, ms/cycle and each phase's ms/cycle with the relative change, its
+  bootstrap interval and a verdict (`stats.py`), intervals Bonferroni-corrected over the rows;
 * config / env differences, only keys that differ (volatile fields such as the timestamp left out);
 * attribution: the change in ms/token split exactly into each phase's share plus acceptance (τ),
   Δ(cyc/τ) = Σ_p (b_p − a_p)/τ_b + cyc_a·(1/τ_b − 1/τ_a); a phase that moved out of proportion to the others;
@@ -20,140 +20,15 @@ import json
 import statistics
 
 from specscope.errors import SpecscopeError
-from specscope.profile.cycle import PHASE_LABELS, TOP_PHASES
 from specscope.registry import causes, stats
 from specscope.registry.fingerprint import VOLATILE, flatten, load_warning
+from specscope.registry.rows import metric_defs, same_prompts
 
 OOP_MIN_SHARE = 0.03       # phases below 3 % of a cycle are too small to call "out of proportion"
 JUDGED = ("better", "worse", "no significant change")
 HOW_TO_JUDGE = ("record runs that keep per-cycle samples (specscope generate / bench / bench-serve), or repeat each "
                 "setup a few times (ingest every log, tag them) and compare the repeats with --by to see the "
                 "run-to-run spread")
-
-
-# ---- per-run numbers ----------------------------------------------------------------------------------------
-def _cycles(rec: dict):
-    """(per-phase ms dict, total ms per cycle, tokens per cycle) from a record's samples; None parts if absent."""
-    s = rec.get("samples") or {}
-    cm = s.get("cycle_ms") or {}
-    total = s.get("cycle_total_ms")
-    if total is None and cm:
-        cols = [v for k, v in cm.items() if "." not in k]
-        total = [sum(x) for x in zip(*cols)] if cols else None
-    acc = s.get("accept_lengths")
-    if acc is not None and total is not None and len(acc) != len(total):
-        acc = None
-    return cm, total, acc
-
-
-def _per_prompt(rec: dict) -> list[float] | None:
-    pp = (rec.get("samples") or {}).get("per_prompt") or []
-    vals = [p.get("tok_per_s") for p in pp if isinstance(p, dict)]
-    return vals if vals and all(isinstance(v, (int, float)) for v in vals) else None
-
-
-def _same_prompts(a: dict, b: dict) -> bool:
-    ha, hb = (a.get("config") or {}).get("prompt_set_hash"), (b.get("config") or {}).get("prompt_set_hash")
-    return bool(ha) and ha == hb and len(_per_prompt(a) or []) == len(_per_prompt(b) or [])
-
-
-def _ones(x):
-    return [1.0] * len(x)
-
-
-def _metric_defs(runs: list[dict]) -> list[dict]:
-    """Rows to show: (key, label, higher_is_better, value(rec), samples(rec) -> (num, den) | None)."""
-    def res(rec, *path):
-        v = rec.get("results") or {}
-        for p in path:
-            v = v.get(p) if isinstance(v, dict) else None
-        return v
-
-    def tok_s(rec):
-        _, total, acc = _cycles(rec)
-        return ([a * 1000.0 for a in acc], total) if total and acc else None
-
-    def prompt_tok_s(rec):
-        pp = _per_prompt(rec)
-        return (pp, _ones(pp)) if pp else None
-
-    def ms_tok(rec):
-        _, total, acc = _cycles(rec)
-        return (total, acc) if total and acc else None
-
-    def tau(rec):
-        _, _, acc = _cycles(rec)
-        return (acc, _ones(acc)) if acc else None
-
-    def cyc(rec):
-        _, total, _ = _cycles(rec)
-        return (total, _ones(total)) if total else None
-
-    if all(_per_prompt(r) for r in runs):
-        # benchmarks: tok/s as Spec-Bench defines it (mean over prompts, prefill included), paired by prompt
-        # when both runs used the same prompt set; the cycles' decode-only tok/s gets its own row
-        defs = [dict(key="tok_per_s", label="tok/s (per prompt)", higher=True, value=lambda r: res(r, "tok_per_s"),
-                     samples=prompt_tok_s, paired=True)]
-        if any(tok_s(r) for r in runs):
-            defs.append(dict(key="decode_tok_per_s", label="decode tok/s", higher=True,
-                             value=lambda r: res(r, "decode_tok_per_s"), samples=tok_s))
-    else:
-        defs = [dict(key="tok_per_s", label="tok/s", higher=True, value=lambda r: res(r, "tok_per_s"), samples=tok_s)]
-    defs += [
-        dict(key="ms_per_token", label="ms/token", higher=False, value=lambda r: res(r, "decode_ms_per_token"),
-             samples=ms_tok),
-    ]
-    taus = [res(r, "accept_length") for r in runs]
-    if any(t not in (None, 1, 1.0) for t in taus):
-        defs.append(dict(key="accept_length", label="τ (accept length)", higher=True,
-                         value=lambda r: res(r, "accept_length"), samples=tau))
-    # unconditional acceptance per draft position (vLLM's definition): position i accepted ⇔ τ - 1 > i
-    depth = max((len(res(r, "per_position_acceptance") or []) for r in runs), default=0)
-    for i in range(min(depth, 8)):
-        def pos_samp(rec, i=i):
-            s = rec.get("samples") or {}
-            acc, nd = s.get("accept_lengths"), s.get("num_draft")
-            if not acc or not nd or len(acc) != len(nd):
-                return None
-            ind = [1.0 if a - 1 > i else 0.0 for a, n in zip(acc, nd) if n > 0]
-            return (ind, _ones(ind)) if ind else None
-
-        def pos_val(rec, i=i):
-            v = res(rec, "per_position_acceptance") or []
-            return v[i] if i < len(v) else None
-
-        defs.append(dict(key=f"acceptance.{i}", label=f"acceptance @{i + 1}", higher=True, value=pos_val,
-                         samples=pos_samp))
-    defs.append(dict(key="cycle_ms", label="ms/cycle", higher=False, value=lambda r: res(r, "cycle_ms", "mean_ms"),
-                     samples=cyc))
-    phases = []
-    for r in runs:
-        for p in (res(r, "phases") or {}):
-            if p not in phases:
-                phases.append(p)
-    phases.sort(key=lambda p: (TOP_PHASES.index(p.split(".")[0]) if p.split(".")[0] in TOP_PHASES else 99, p))
-    for p in phases:
-        label = PHASE_LABELS.get(p, p) + " ms/cyc"
-
-        def samp(rec, p=p):
-            cm, _, _ = _cycles(rec)
-            col = cm.get(p)
-            return (col, _ones(col)) if col else None
-
-        defs.append(dict(key=f"phase.{p}", label=label, higher=False,
-                         value=lambda r, p=p: res(r, "phases", p, "mean_ms"), samples=samp))
-    def base_value(r):   # {"baseline": {...}} or the flat key some producers use
-        v = res(r, "baseline", "decode_ms_per_token")
-        return v if v is not None else res(r, "baseline_decode_ms_per_token")
-
-    if any(base_value(r) is not None for r in runs):
-        def base_samp(rec):
-            col = (rec.get("samples") or {}).get("baseline_step_ms")
-            return (col, _ones(col)) if col else None
-
-        defs.append(dict(key="baseline.decode", label="Baseline decode ms/token", higher=False,
-                         value=base_value, samples=base_samp))
-    return defs
 
 
 # ---- differences --------------------------------------------------------------------------------------------
@@ -181,7 +56,7 @@ def settings_diff(runs: list[dict]) -> dict[str, list]:
 def compare_runs(runs: list[dict], alpha: float = 0.05, min_effect: float = 0.02) -> dict:
     if len(runs) < 2:
         raise SpecscopeError("compare needs at least two runs")
-    defs = _metric_defs(runs)
+    defs = metric_defs(runs)
     tested = sum(1 for d in defs if any(d["samples"](r) for r in runs))
     level = 1 - alpha / max(tested, 1)
     names = [run_name(r, i) for i, r in enumerate(runs)]
@@ -195,7 +70,7 @@ def compare_runs(runs: list[dict], alpha: float = 0.05, min_effect: float = 0.02
         for i, r in enumerate(runs[1:], 1):
             va, vb = values[0], values[i]
             s = d["samples"](r)
-            if ref_s and s and d.get("paired") and _same_prompts(runs[0], r):
+            if ref_s and s and d.get("paired") and same_prompts(runs[0], r):
                 ch = stats.paired_ratio_change(ref_s[0], s[0], level=level)
             elif ref_s and s:
                 ch = stats.ratio_change(*ref_s, *s, level=level)
@@ -317,27 +192,9 @@ def _attribute(a: dict, b: dict, rows: list[dict], i: int) -> dict:
     if tok and tok["changes"][i] and tok["changes"][i].get("change") is not None:
         out["tok_per_s_change"] = tok["changes"][i]["change"]
         out["tok_per_s_verdict"] = tok["verdicts"][i]
-    # exact split of the ms/token change into phases + acceptance
-    pa = (a.get("results") or {}).get("phases") or {}
-    pb = (b.get("results") or {}).get("phases") or {}
-    ta = (a.get("results") or {}).get("accept_length") or 1.0
-    tb = (b.get("results") or {}).get("accept_length") or 1.0
-    top = [p for p in dict.fromkeys(list(pa) + list(pb)) if "." not in p]
-    contributions = []
-    if top:
-        ma = {p: (pa.get(p) or {}).get("mean_ms", 0.0) for p in top}
-        mb = {p: (pb.get(p) or {}).get("mean_ms", 0.0) for p in top}
-        total = sum(mb.values()) / tb - sum(ma.values()) / ta
-        for p in top:
-            contributions.append({"phase": p, "delta_ms_per_token": (mb[p] - ma[p]) / tb})
-        if abs(ta - tb) > 1e-9:
-            contributions.append({"phase": "acceptance (τ)",
-                                  "delta_ms_per_token": sum(ma.values()) * (1 / tb - 1 / ta)})
-        for c in contributions:
-            c["share"] = round(c["delta_ms_per_token"] / total, 4) if abs(total) > 1e-12 else None
-            c["delta_ms_per_token"] = round(c["delta_ms_per_token"], 5)
-        contributions.sort(key=lambda c: -abs(c["delta_ms_per_token"]))
-        out["delta_ms_per_token"] = round(total, 5)
+    contributions, total = _split_ms_per_token(a, b)
+    if total is not None:
+        out["delta_ms_per_token"] = total
     out["contributions"] = contributions
     changed_phases = {r["metric"][6:] for r in rows if r["metric"].startswith("phase.") and "." not in r["metric"][6:]
                       and _changed(r["verdicts"][i])}
@@ -353,21 +210,10 @@ def _attribute(a: dict, b: dict, rows: list[dict], i: int) -> dict:
     out["judged"] = judged
     out["not_judged"] = [r["label"] for r in unjudged]
     out["judgeable"] = True
-    if not any_change and not judged:
-        # point values without samples: a difference cannot be told from noise, and "no change" would be a claim
-        out["explains"] = None
-        out["judgeable"] = False
-        moved = ", ".join(f"{r['label']} {r['changes'][i]['change'] * 100:+.1f}%" for r in unjudged[:4])
-        out["summary"] = ("cannot be judged from these data: no metric has per-cycle samples, so the noise of "
-                          + (f"the differences ({moved}) " if moved else "these values ") + "is unknown")
-        out["how_to_judge"] = HOW_TO_JUDGE
-    elif not any_change:
-        out["explains"] = None
-        out["summary"] = "no significant change in any metric" if not unjudged else (
-            f"no significant change in {', '.join(judged)}; not judged (no per-cycle samples): "
-            + ", ".join(r["label"] for r in unjudged))
-    else:
+    if any_change:
         out["summary"] = _change_summary(out, contributions, by, i, unjudged, oop)
+    else:
+        _no_change_summary(out, judged, unjudged, i)
     shape = {"out_of_proportion": oop["phase"] if oop else None, "tau_changed": tau_changed,
              "changed_phases": changed_phases}
     pair = settings_diff([a, b])
@@ -377,6 +223,46 @@ def _attribute(a: dict, b: dict, rows: list[dict], i: int) -> dict:
     elif not judged and not any_change:
         out["note"] = "to judge: " + HOW_TO_JUDGE
     return out
+
+
+def _split_ms_per_token(a: dict, b: dict) -> tuple[list[dict], float | None]:
+    """(contributions, total): the exact split of the ms/token change from a to b into each top-level phase's
+    share plus acceptance (τ), largest first; ([], None) when neither run has phases."""
+    pa = (a.get("results") or {}).get("phases") or {}
+    pb = (b.get("results") or {}).get("phases") or {}
+    ta = (a.get("results") or {}).get("accept_length") or 1.0
+    tb = (b.get("results") or {}).get("accept_length") or 1.0
+    top = [p for p in dict.fromkeys(list(pa) + list(pb)) if "." not in p]
+    if not top:
+        return [], None
+    ma = {p: (pa.get(p) or {}).get("mean_ms", 0.0) for p in top}
+    mb = {p: (pb.get(p) or {}).get("mean_ms", 0.0) for p in top}
+    total = sum(mb.values()) / tb - sum(ma.values()) / ta
+    contributions = [{"phase": p, "delta_ms_per_token": (mb[p] - ma[p]) / tb} for p in top]
+    if abs(ta - tb) > 1e-9:
+        contributions.append({"phase": "acceptance (τ)", "delta_ms_per_token": sum(ma.values()) * (1 / tb - 1 / ta)})
+    for c in contributions:
+        c["share"] = round(c["delta_ms_per_token"] / total, 4) if abs(total) > 1e-12 else None
+        c["delta_ms_per_token"] = round(c["delta_ms_per_token"], 5)
+    contributions.sort(key=lambda c: -abs(c["delta_ms_per_token"]))
+    return contributions, round(total, 5)
+
+
+def _no_change_summary(out: dict, judged: list[str], unjudged: list[dict], i: int) -> None:
+    """The words of an attribution where no metric changed beyond noise: no change where some metric was judged,
+    else that nothing could be (point values without samples)."""
+    out["explains"] = None
+    if judged:
+        out["summary"] = "no significant change in any metric" if not unjudged else (
+            f"no significant change in {', '.join(judged)}; not judged (no per-cycle samples): "
+            + ", ".join(r["label"] for r in unjudged))
+        return
+    # point values without samples: a difference cannot be told from noise, and "no change" would be a claim
+    out["judgeable"] = False
+    moved = ", ".join(f"{r['label']} {r['changes'][i]['change'] * 100:+.1f}%" for r in unjudged[:4])
+    out["summary"] = ("cannot be judged from these data: no metric has per-cycle samples, so the noise of "
+                      + (f"the differences ({moved}) " if moved else "these values ") + "is unknown")
+    out["how_to_judge"] = HOW_TO_JUDGE
 
 
 def _net_changed(by: dict, i: int) -> bool:

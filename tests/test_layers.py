@@ -159,3 +159,44 @@ def test_the_checks_can_fail(tmp_path):
     bad = upward(mods, edges, pkg)
     assert len(bad) == 1 and "imports specscope.session (runs) from the lower layer models" in bad[0]
     assert cycles(mods, edges) == [["specscope.models.llama", "specscope.session", "specscope.models.llama"]]
+
+
+# room to live in: a function a reader can hold on one screen, a module one can read in a sitting
+MAX_FUNCTION_LINES = 60
+MAX_FILE_LINES = 600
+
+
+def too_long(root: Path = ROOT) -> list[str]:
+    """Every function (methods and nested functions too, decorators not counted) over MAX_FUNCTION_LINES lines and
+    every module over MAX_FILE_LINES lines under root."""
+    bad = []
+    for p in sorted(root.rglob("*.py")):
+        text = p.read_text()
+        n = text.count("\n") + 1
+        if n > MAX_FILE_LINES:
+            bad.append(f"{p.relative_to(root.parent)}: {n} lines (at most {MAX_FILE_LINES}): split it by "
+                       f"responsibility")
+        for f in ast.walk(ast.parse(text, str(p))):
+            if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = f.end_lineno - f.lineno + 1
+                if length > MAX_FUNCTION_LINES:
+                    bad.append(f"{p.relative_to(root.parent)}:{f.lineno} {f.name}: {length} lines (at most "
+                               f"{MAX_FUNCTION_LINES})")
+    return bad
+
+
+def test_no_function_or_file_is_too_long():
+    bad = too_long()
+    assert not bad, "too long to live in:\n" + "\n".join(bad)
+
+
+def test_the_length_check_can_fail(tmp_path):
+    pkg = tmp_path / "specscope"
+    pkg.mkdir()
+    body = "".join(f"    x{i} = {i}\n" for i in range(MAX_FUNCTION_LINES))
+    (pkg / "long.py").write_text("class A:\n    def f(self):\n" + body.replace("    ", "        ") + "\n"
+                                 + "def g():\n" + body[:-len("    x59 = 59\n")])
+    (pkg / "big.py").write_text("x = 1\n" * MAX_FILE_LINES)
+    bad = too_long(pkg)
+    assert bad == ["specscope/big.py: 601 lines (at most 600): split it by responsibility",
+                   "specscope/long.py:2 f: 61 lines (at most 60)"], bad

@@ -71,8 +71,11 @@ def _offline_text(model_dir, prompt, n):
 
 @pytest.fixture(scope="module")
 def spec_server(model_dir):
-    """`specscope serve` with n-gram drafting (SGLang's spelling of --steps), shared by the tests below."""
-    server = Server(["--model", str(model_dir), "--draft", "ngram", "--speculative-num-steps", "3"], _env())
+    """`specscope serve` with n-gram drafting (SGLang's spelling of --steps), shared by the tests below; drafting at
+    every step (--spec-policy always): on the tiny random model the default priced policy soon stops drafting, and
+    these tests count drafts."""
+    server = Server(["--model", str(model_dir), "--draft", "ngram", "--speculative-num-steps", "3", "--spec-policy",
+                     "always"], _env())
     yield server
     server.stop()
 

@@ -306,7 +306,7 @@ def test_spec_policy_errors(tmp_path, monkeypatch):
         spec_policy("auto", SpecConfig(3, 1, 4))
     with pytest.raises(SpecscopeError, match="no table for model 'm' and drafter 'd' at .*spec-policy"):
         spec_policy("auto", SpecConfig(3, 1, 4), model="m", draft="d")
-    with pytest.raises(SpecscopeError, match="not one of always, off, auto"):
+    with pytest.raises(SpecscopeError, match="not one of priced, always, off, auto"):
         spec_policy("sometimes", SpecConfig(3, 1, 4))
     path = save_table(_table(), tmp_path / "t.json")
     # the engine sized for chains of 2 cannot run the table's chain of 3 at batch 1
@@ -422,3 +422,68 @@ def test_verify_curve_batch_on_a_tiny_model(tmp_path, capsys):
                          "--batch", "1,2", "--repeats", 1, "--device", "cpu", "--no-plot", "--no-record")
     assert code == 0, err
     assert "batch 2: a plain step" in out and "per sequence-token" in out
+
+
+def _step(batch, drafted, tokens, rows, verify_ms, draft_ms=0.0, other_ms=0.5, prompt_rows=0):
+    from specscope.engine.batch import StepRecord
+
+    return StepRecord(batch=batch, drafted=drafted, prompt_rows=prompt_rows, rows=rows, tokens=tokens,
+                      phases_ms={"draft": draft_ms, "verify": verify_ms, "accept": 0.1, "commit": 0.1,
+                                 "other": other_ms})
+
+
+def test_row_costs_interpolate_and_extrapolate():
+    from specscope.economics.policy import RowCosts
+    from specscope.speculative.budget import Prices
+
+    c = RowCosts(Prices({1: 1.0, 4: 1.2, 16: 2.0}, 10.0))
+    assert c(1) == pytest.approx(10.0) and c(4) == pytest.approx(12.0)
+    assert c(10) == pytest.approx(16.0)             # linear between bins
+    assert c(32) == pytest.approx(20.0 + 8 / 12 * 16)   # the last slope past the last bin
+    for _ in range(50):                              # the run's own steps replace the prior
+        c.add(16, 40.0)
+    assert c(16) == pytest.approx(40.0, rel=0.01)
+    assert RowCosts()(3) is None
+
+
+def test_priced_policy_drafts_alone_and_stops_under_load():
+    """A CPU-like machine: T(rows) = 10 ms + 1 ms a row; a drafting sequence commits 2.5 tokens a step for 7 verified
+    rows and 2 ms of drafting. At batch 1 that is 2.5 tokens in 19 ms against 1 in 11: it drafts. At 16 it is 40
+    tokens in 10 + 112 + 32 ms against 16 in 26: plain, with a drafting step only every 8 x probe steps."""
+    from specscope.economics.policy import PricedPolicy
+    from specscope.speculative.budget import Prices
+    from specscope.speculative.decode import SpecConfig
+
+    cfg = SpecConfig(3, 2, 7)
+    T = lambda rows: 10.0 + rows   # noqa: E731
+    pol = PricedPolicy(cfg, Prices({n: T(n) / T(1) for n in (1, 2, 4, 8, 16)}, T(1)), probe=4)
+
+    def run(batch, steps):
+        chosen = []
+        for _ in range(steps):
+            shape = pol(batch)
+            chosen.append(shape is not None)
+            rows = batch * (1 + cfg.verify_tokens) if shape else batch
+            pol.observe(_step(batch, batch if shape else 0, int(2.5 * batch) if shape else batch, rows, T(rows),
+                              2.0 * batch if shape else 0.0))
+        return chosen
+
+    assert all(run(1, 40))
+    under_load = run(16, 200)
+    assert sum(under_load) <= 200 // 32 + 2
+    assert pol(1) is cfg                      # what it learned at 16 rows costs nothing at batch 1
+
+
+def test_priced_policy_ignores_prefill_steps_for_rates():
+    from specscope.economics.policy import PricedPolicy
+    from specscope.speculative.decode import SpecConfig
+
+    pol = PricedPolicy(SpecConfig(3, 1, 4))
+    prior = pol.nodes.value
+    pol(2)
+    # a step that also prefilled 300 prompt rows: its time is a sample of T(rows) only
+    pol.observe(_step(2, 2, 2, 310, 300.0, 4.0, prompt_rows=300))
+    assert pol.tau.n == 2 and pol.costs(310) == pytest.approx(300.0)
+    pol(2)
+    pol.observe(_step(2, 2, 6, 10, 12.0, 2.0))
+    assert pol.tau.value > 2.0 and pol.nodes.value == pytest.approx(prior + (4 - prior) / 3)   # prior worth 2

@@ -243,7 +243,7 @@ def test_speculative_engine_counts_match_response(model_dir):
     pytest.importorskip("specscope.speculative.decode")
     from specscope.server.app import create_app
 
-    eng = _engine(model_dir, draft="ngram", steps=3)
+    eng = _engine(model_dir, draft="ngram", steps=3, spec_policy="always", draft_budget="fixed")
     with TestClient(create_app(eng)) as c:
         ids = eng.tokenizer.encode("the quick brown fox")
         r = c.post("/v1/completions", json={"prompt": "the quick brown fox", "max_tokens": 40, "temperature": 0,
@@ -259,6 +259,33 @@ def test_speculative_engine_counts_match_response(model_dir):
         assert sum(per_pos) == spec["accepted_tokens"]
         # alone in the engine: one step for the prefill, then one per verify cycle
         assert reg.get_sample_value("specscope:cycle_phase_seconds_count", {"phase": "step"}) == spec["verify_ct"] + 1
+        assert reg.get_sample_value("specscope:spec_decode_steps_total", {"mode": "draft"}) == spec["verify_ct"]
+        # every step's phases are exported and add up to the step (the worker's stamp also covers the step call)
+        phases = {p: reg.get_sample_value("specscope:cycle_phase_seconds_sum", {"phase": p})
+                  for p in ("draft", "verify", "accept", "commit", "other", "step")}
+        assert all(v > 0 for v in phases.values()), phases
+        parts = sum(v for p, v in phases.items() if p != "step")
+        assert 0.9 * phases["step"] <= parts <= phases["step"]
+
+
+def test_served_drafter_is_priced_by_default(model_dir):
+    """serve --draft without --spec-policy prices each step by batch size and each sequence's cycles: the policy is
+    the live PricedPolicy, the drafter is built with this host's prices, and the output stays lossless."""
+    from specscope.economics.policy import PricedPolicy
+    from specscope.server.app import create_app
+
+    eng = _engine(model_dir, draft="ngram", steps=3)
+    assert isinstance(eng.policy, PricedPolicy) and eng.drafter.prices is not None
+    with TestClient(create_app(eng)) as c:
+        ids = eng.tokenizer.encode("the quick brown fox")
+        r = c.post("/v1/completions", json={"prompt": "the quick brown fox", "max_tokens": 30, "temperature": 0,
+                                            "return_token_ids": True}).json()
+        assert r["choices"][0]["token_ids"] == _offline(eng, ids, 30)
+        reg = c.app.state.metrics.registry
+        steps = [reg.get_sample_value("specscope:spec_decode_steps_total", {"mode": m}) or 0 for m in ("draft", "plain")]
+        # one request alone: the prefill, then one step per cycle, drafted or plain as the policy chose
+        assert sum(steps) + 1 == reg.get_sample_value("specscope:cycle_phase_seconds_count", {"phase": "step"})
+        assert steps[0] == r["spec"]["verify_ct"]
 
 
 def test_chat_without_max_tokens_runs_to_the_context_end(engine):
@@ -647,7 +674,8 @@ def test_concurrent_streams_get_offline_greedy_tokens(model_dir, draft, max_num_
 
     kw = {}
     if draft is not None:
-        kw = dict(draft=str(model_dir) if draft == "self" else "ngram", steps=3)   # "self": the model drafts for itself
+        # "self": the model drafts for itself; every step drafts (the priced default may stop on a random model)
+        kw = dict(draft=str(model_dir) if draft == "self" else "ngram", steps=3, spec_policy="always")
     eng = _engine(model_dir, max_num_seqs=max_num_seqs, **kw)
     app = create_app(eng)
     sizes = _gate_first_step(app.state.worker, len(CONCURRENT_PROMPTS) + (draft is None))

@@ -387,7 +387,7 @@ def test_engine_logprobs_are_the_targets_under_a_drafting_tree(model_dir, temper
     from specscope.server.worker import ServeConfig, ServedModel
 
     served = ServedModel(ServeConfig(model=str(model_dir), device="cpu", dtype="fp32", draft=str(model_dir), steps=3,
-                                     topk=2, draft_tokens=6))
+                                     topk=2, draft_tokens=6, spec_policy="always", draft_budget="fixed"))
     engine = served.new_engine()
     prompt = served.tokenizer.encode(LOOP)
     got = {}

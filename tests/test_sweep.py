@@ -214,7 +214,7 @@ def test_plugin_steps_give_phases_breakeven_and_verdicts(tmp_path, capsys, monke
 def test_sweep_of_a_real_engine_killed_and_resumed(tiny, tmp_path, capsys):
     wd = tmp_path / "w"
     serve = (f"{sys.executable} -m specscope serve --model {tiny} --device cpu --dtype fp32 --threads 1 "
-             f"--draft ngram --port {{port}}")
+             f"--draft ngram --spec-policy always --port {{port}}")   # every run drafts: every cell has a τ
     args = ["--flag", "steps=1,3", "--env", "NCCL_PROTO=LL,Simple", "--repeats", "2", "--num-prompts", "5",
             "--output-len", "8", "--ignore-eos", "--serve-cmd", serve]
     proc = subprocess.Popen([sys.executable, "-m", "specscope", "sweep", "-w", str(wd), *args],

@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from specscope.cli.checks import THREADS, FiniteRange
-from specscope.cli.common import device_option, draft_option, dtype_option, spec_options
+from specscope.cli.common import device_option, draft_budget_option, draft_option, dtype_option, spec_options
 from specscope.errors import SpecscopeError
 
 
@@ -36,6 +36,35 @@ def bind_socket(host: str, port: int):
     return sock
 
 
+def _check_flags(model_name, draft, steps, topk, draft_tokens, ngram_tokens, dtype, device, threads, api_key,
+                 max_seq_len, spec_policy, draft_budget):
+    """Every flag that can be wrong, one error line each, before the model loads -> the torch device."""
+    from specscope.cli.common import setup_runtime
+    from specscope.economics.policy import spec_policy as check_policy
+    from specscope.models.loader import parse_dtype
+    from specscope.session import preflight
+
+    if api_key is not None and not api_key.strip():
+        # an unset variable in `--api-key "$KEY"` would otherwise serve with no authentication at all
+        raise SpecscopeError("--api-key (or SPECSCOPE_API_KEY) is empty, which would turn authentication off; pass "
+                             "a key, or leave both unset to serve without one")
+    _, model_cfg, spec_cfg = preflight(model_name, None, draft, steps, topk, draft_tokens, ngram_tokens)
+    if max_seq_len is not None and max_seq_len > model_cfg.max_position_embeddings:
+        raise SpecscopeError(f"--max-seq-len {max_seq_len} is over the model's context of "
+                             f"{model_cfg.max_position_embeddings} tokens (max_position_embeddings); use at most that")
+    given = click.get_current_context().get_parameter_source("spec_policy") != click.core.ParameterSource.DEFAULT
+    if not draft and given:
+        raise SpecscopeError(f"--spec-policy {spec_policy} picks draft shapes, but no --draft is given; add a "
+                             f"drafter (e.g. --draft ngram) or drop --spec-policy")
+    if not draft and draft_budget is not None:
+        raise SpecscopeError(f"--draft-budget {draft_budget} budgets a drafter's cycles, but no --draft is given; add "
+                             f"--draft (e.g. ngram or smollm2-135m-eagle3) or drop --draft-budget")
+    dev = setup_runtime(threads, device)
+    if draft:   # an unknown --spec-policy, or a table that does not fit the shape, is one error line here
+        check_policy(spec_policy, spec_cfg, model=model_name, draft=draft, dtype=parse_dtype(dtype, str(dev)))
+    return dev
+
+
 @click.command()
 @click.option("--model", "model_name", default="smollm2-135m", show_default=True,
               help="Target: a Hugging Face checkpoint directory, a Hugging Face id (org/name[@revision]) or a "
@@ -64,10 +93,14 @@ def bind_socket(host: str, port: int):
 @click.option("--max-seq-len", type=click.IntRange(min=2), default=None,
               help="Prompt + completion tokens per sequence, i.e. each sequence's KV region (default: the model's "
                    "context, at most 4096). The KV cache holds --max-num-seqs of them.")
-@click.option("--spec-policy", default="always", show_default=True,
-              help="Which draft shape a batched step uses by batch size: 'always' (the drafter's at every size), "
-                   "'off' (plain steps only), 'auto' (the table `specscope tune --save-policy` stored for this model, "
-                   "drafter and dtype: the best shape per batch size, plain past the crossover) or a table's path.")
+@click.option("--spec-policy", default="priced", show_default=True,
+              help="Whether a batched step drafts, and which shape, by batch size: 'priced' (each step drafts "
+                   "where it is predicted to commit more tokens per ms than a plain step at this batch size, from "
+                   "the server's own step times and acceptance: drafting pays at one request and stops paying "
+                   "under load on a CPU), 'always' (the drafter's shape at every size), 'off' (plain steps only), "
+                   "'auto' (the table `specscope tune --save-policy` stored for this model, drafter and dtype) or "
+                   "a table's path.")
+@draft_budget_option()
 @click.option("--max-prompt-tokens", type=click.IntRange(min=1), default=None,
               help="Longest prompt accepted (default: --max-seq-len - 1).")
 @click.option("--max-tokens-cap", type=click.IntRange(min=1), default=2048, show_default=True,
@@ -75,7 +108,7 @@ def bind_socket(host: str, port: int):
 @click.option("--metrics-prefix", type=click.Choice(["specscope", "vllm"]), default="specscope", show_default=True,
               help="Prefix of the /metrics names; 'vllm' gives vLLM's exact spec-decode counter names.")
 @click.option("--no-phase-profile", is_flag=True,
-              help="Do not record each engine step's time (cycle_phase_seconds{phase=\"step\"} in /metrics).")
+              help="Do not record each engine step's time and phases (cycle_phase_seconds in /metrics).")
 @click.option("--shutdown-timeout", type=FiniteRange(0, 3600), default=30.0, show_default=True,
               help="Seconds to let in-flight requests finish after SIGTERM.")
 @click.option("--body-timeout", type=FiniteRange(0, 3600, min_open=True), default=30.0, show_default=True,
@@ -84,43 +117,23 @@ def bind_socket(host: str, port: int):
               show_default=True)
 def serve(model_name, served_model_name, draft, steps, topk, draft_tokens, ngram_tokens, dtype, device, threads, host,
           port, api_key, max_queue, max_num_seqs, max_num_batched_tokens, enable_prefix_caching, max_seq_len,
-          spec_policy, max_prompt_tokens,
-          max_tokens_cap, metrics_prefix, no_phase_profile, shutdown_timeout, body_timeout, log_level):
+          spec_policy, draft_budget, max_prompt_tokens, max_tokens_cap, metrics_prefix, no_phase_profile,
+          shutdown_timeout, body_timeout, log_level):
     """Serve the model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /metrics)."""
     import ipaddress
 
     import uvicorn
 
-    from specscope.cli.common import setup_runtime
     from specscope.server.app import create_app
     from specscope.server.worker import ServeConfig, ServedModel
 
-    from specscope.session import preflight
-
-    if api_key is not None and not api_key.strip():
-        # an unset variable in `--api-key "$KEY"` would otherwise serve with no authentication at all
-        raise SpecscopeError("--api-key (or SPECSCOPE_API_KEY) is empty, which would turn authentication off; pass "
-                             "a key, or leave both unset to serve without one")
-    # bad flags fail before the model loads
-    _, model_cfg, spec_cfg = preflight(model_name, None, draft, steps, topk, draft_tokens, ngram_tokens)
-    if max_seq_len is not None and max_seq_len > model_cfg.max_position_embeddings:
-        raise SpecscopeError(f"--max-seq-len {max_seq_len} is over the model's context of "
-                             f"{model_cfg.max_position_embeddings} tokens (max_position_embeddings); use at most that")
-    from specscope.economics.policy import spec_policy as check_policy
-    from specscope.models.loader import parse_dtype
-
-    if not draft and click.get_current_context().get_parameter_source("spec_policy") != \
-            click.core.ParameterSource.DEFAULT:
-        raise SpecscopeError(f"--spec-policy {spec_policy} picks draft shapes, but no --draft is given; add a "
-                             f"drafter (e.g. --draft ngram) or drop --spec-policy")
-    dev = setup_runtime(threads, device)
-    if draft:   # an unknown --spec-policy, or a table that does not fit the shape, is one error line here
-        check_policy(spec_policy, spec_cfg, model=model_name, draft=draft, dtype=parse_dtype(dtype, str(dev)))
+    dev = _check_flags(model_name, draft, steps, topk, draft_tokens, ngram_tokens, dtype, device, threads, api_key,
+                       max_seq_len, spec_policy, draft_budget)
     cfg = ServeConfig(model=model_name, served_name=served_model_name, draft=draft, steps=steps, topk=topk,
                       draft_tokens=draft_tokens, ngram_tokens=ngram_tokens, dtype=dtype, device=str(dev),
                       max_queue=max_queue, max_num_seqs=max_num_seqs,
                       max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
-                      max_seq_len=max_seq_len, spec_policy=spec_policy,
+                      max_seq_len=max_seq_len, spec_policy=spec_policy, draft_budget=draft_budget or "priced",
                       max_prompt_tokens=max_prompt_tokens, max_tokens_cap=max_tokens_cap,
                       api_key=api_key, profile_phases=not no_phase_profile, metrics_prefix=metrics_prefix,
                       body_timeout_s=body_timeout)

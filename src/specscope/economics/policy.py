@@ -1,6 +1,7 @@
 """Which draft shape (or none) a batched step uses at a given batch size: `serve --spec-policy`.
 
-'always' and 'off' need nothing; 'auto' and a JSON path read a table that `specscope tune --save-policy` writes:
+'priced' (the default) learns it from the server's own steps (PricedPolicy, at the end of this module); 'always'
+and 'off' need nothing; 'auto' and a JSON path read a table that `specscope tune --save-policy` writes:
 the best predicted shape per concurrency level and the crossover concurrency past which plain decoding is faster.
 `auto` looks the table up under the cache directory, keyed by the model, the drafter and the dtype (`policy_path`):
 a bf16 step costs half an fp32 one while drafting does not, so their crossovers differ.
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 from pathlib import Path
 from typing import Callable
@@ -17,20 +19,22 @@ from typing import Callable
 from specscope.errors import SpecscopeError
 from specscope.jsonio import short_dtype
 
-POLICIES = ("always", "off", "auto")
+POLICIES = ("priced", "always", "off", "auto")
 TABLE_KIND = "spec_policy"
 TABLE_VERSION = 1
 
 
 def spec_policy(value: str, cfg, *, model: str | None = None, draft: str | None = None,
-                dtype: str | None = None) -> Callable[[int], object]:
-    """`--spec-policy` -> policy(batch_size) -> SpecConfig or None (a plain step). 'always': the drafter's
-    shape at every batch size; 'off': never speculate (the drafter still loads, for comparison runs); 'auto': the
-    table `tune --save-policy` stored for this model, drafter and dtype (`model`, `draft`, `dtype` name them; see
-    policy_path); any
-    other value: the path of such a table. A table's shapes must fit within `cfg`, the shape the engine sized its
+                dtype: str | None = None, prices=None) -> Callable[[int], object]:
+    """`--spec-policy` -> policy(batch_size) -> SpecConfig or None (a plain step). 'priced': a PricedPolicy, which
+    the engine also tells about every step (`prices`: this host's verify curve, its first estimate); 'always': the
+    drafter's shape at every batch size; 'off': never speculate (the drafter still loads, for comparison runs);
+    'auto': the table `tune --save-policy` stored for this model, drafter and dtype (`model`, `draft`, `dtype` name
+    them; see policy_path); any other value: the path of such a table. A table's shapes must fit within `cfg`, the shape the engine sized its
     regions and drafter caches for (`envelope(table)` is the smallest that does)."""
     dtype = short_dtype(dtype)
+    if value == "priced":
+        return PricedPolicy(cfg, prices)
     if value == "always":
         return lambda n: cfg
     if value == "off":
@@ -197,3 +201,119 @@ def policy_path(model: str, draft: str, dtype: str | None = None) -> Path:
     """Where `tune --save-policy` (no path) writes and `--spec-policy auto` reads the table:
     $SPECSCOPE_CACHE/spec-policy/<model>__<drafter>-<hash>.json (cache default ~/.cache/specscope)."""
     return policy_dir() / policy_key(model, draft, dtype)
+
+
+# ------------------------------------------------------------------------------------------------ priced, live
+
+class RowCosts:
+    """T(rows): the target forward's ms by its rows, learned from the engine's own steps (each step's verify phase
+    is a sample). A batched forward's cost depends on its total rows, not on how they split into sequences (the
+    kernels stream the weights once for all rows), so this one curve is the verify surface T(B, n) ~ T(B (1 + n)).
+    Samples fall in half-octave bins, each a running mean of (rows, ms); between bins T is linear, past the last
+    it keeps the last slope. `prices` (economics/prices.py, one sequence's curve up to 16 rows) seeds the bins
+    until steps replace them."""
+
+    def __init__(self, prices=None, ema: float = 0.1):
+        self.ema = ema
+        self.bins: dict[int, list[float]] = {}     # bin -> [mean rows, mean ms, samples]
+        if prices is not None:
+            for n, r in sorted(prices.verify_ratio.items()):
+                self.add(n, r * prices.decode_ms)
+
+    @staticmethod
+    def _bin(rows: int) -> int:
+        return round(2 * math.log2(max(rows, 1)))
+
+    def add(self, rows: int, ms: float) -> None:
+        b = self.bins.setdefault(self._bin(rows), [0.0, 0.0, 0])
+        b[2] += 1
+        a = max(self.ema, 1.0 / b[2])
+        b[0] += a * (rows - b[0])
+        b[1] += a * (ms - b[1])
+
+    def __call__(self, rows: float) -> float | None:
+        pts = sorted((r, ms) for r, ms, _ in self.bins.values())
+        if not pts:
+            return None
+        if rows <= pts[0][0] or len(pts) == 1:
+            return pts[0][1] if rows <= pts[0][0] else pts[0][1] * rows / pts[0][0]
+        for (n0, t0), (n1, t1) in zip(pts, pts[1:]):
+            if rows <= n1:
+                return t0 + (t1 - t0) * (rows - n0) / max(n1 - n0, 1e-9)
+        (n0, t0), (n1, t1) = pts[-2], pts[-1]
+        return t1 + max(0.0, (t1 - t0) / max(n1 - n0, 1e-9)) * (rows - n1)
+
+
+class _Mean:
+    """A running mean that starts as a prior worth `weight` samples, then follows about the last 1/ema."""
+
+    def __init__(self, prior: float, weight: float = 2.0, ema: float = 0.1):
+        self.value, self.n, self.ema = prior, weight, ema
+
+    def add(self, x: float) -> None:
+        self.n += 1
+        self.value += max(self.ema, 1.0 / self.n) * (x - self.value)
+
+
+class PricedPolicy:
+    """`--spec-policy priced` (serve's default): each step drafts or not by which is predicted to commit more
+    tokens per ms at this batch size B, from the server's own steps:
+
+        plain:       B tokens                 in  T(B)           + B * other_plain
+        speculative: B * accept_length tokens in  T(B (1 + v))   + draft(B) + B * other_spec
+
+    T is the live rows -> ms curve (RowCosts), v the verified draft nodes per sequence, accept_length (τ) the tokens
+    a drafting sequence commits per step, draft(B) and the per-sequence accept / commit / bookkeeping times
+    running means of the steps that had them (steps that also computed prompt rows are left out of all but T). On
+    a 2-core CPU a step of 16 sequences x 7 rows costs several plain steps, so what pays at one request stops paying
+    under load; a GPU's flat T keeps drafting. Live rather than from a table: the curve moves with the machine and
+    τ with the traffic. While the prediction says plain, a drafting step is still taken now and then (every
+    `probe` steps when the two are within 20 %, else every 8 x `probe`) so that τ and the draft cost stay current.
+    Lossless whatever it chooses: a plain step is the drafters' catch-up, not another output."""
+
+    def __init__(self, cfg, prices=None, probe: int = 64, ema: float = 0.1):
+        self.cfg, self.probe = cfg, probe
+        self.costs = RowCosts(prices, ema)
+        one = prices.decode_ms if prices is not None else 10.0
+        # priors worth two steps: a drafter that makes two tokens a step at a third of a decode step's drafting
+        self.tau = _Mean(2.0, ema=ema)
+        self.nodes = _Mean(float(cfg.verify_tokens), ema=ema)
+        self.draft_ms = _Mean(one / 3, ema=ema)                      # per drafting sequence
+        self.other_ms = {True: _Mean(0.0, 0.0, ema), False: _Mean(0.0, 0.0, ema)}   # per sequence, by mode
+        self.since_draft = 0
+        self.pending: bool | None = None
+        self.steps = {True: 0, False: 0}
+
+    def predict(self, batch: int) -> tuple[float, float] | None:
+        """(plain, speculative) tokens per ms at this batch size, or None before any cost is known."""
+        t_plain, t_spec = self.costs(batch), self.costs(batch * (1 + self.nodes.value))
+        if t_plain is None:
+            return None
+        plain = batch / (t_plain + batch * self.other_ms[False].value)
+        spec = batch * self.tau.value / (t_spec + batch * (self.draft_ms.value + self.other_ms[True].value))
+        return plain, spec
+
+    def __call__(self, batch: int):
+        rates = self.predict(batch)
+        draft = True if rates is None else rates[1] > rates[0]
+        if not draft:
+            close = rates[1] > 0.8 * rates[0]
+            draft = self.since_draft >= self.probe * (1 if close else 8)
+        self.pending = draft
+        return self.cfg if draft else None
+
+    def observe(self, rec) -> None:
+        """One engine step (engine/batch.py StepRecord) after the call that chose its shape."""
+        self.costs.add(rec.rows, rec.phases_ms.get("verify", 0.0))
+        drafted = bool(rec.drafted)
+        self.since_draft = 0 if drafted else self.since_draft + 1
+        if self.pending is None or rec.prompt_rows or not rec.batch:
+            return
+        self.pending = None
+        self.steps[drafted] += 1
+        ph = rec.phases_ms
+        self.other_ms[drafted].add((ph.get("accept", 0) + ph.get("commit", 0) + ph.get("other", 0)) / rec.batch)
+        if drafted and rec.drafted == rec.batch:
+            self.tau.add(rec.tokens / rec.batch)
+            self.nodes.add((rec.rows - rec.batch) / rec.batch)
+            self.draft_ms.add(ph.get("draft", 0.0) / rec.batch)

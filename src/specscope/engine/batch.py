@@ -105,6 +105,38 @@ class _Seq:
 
 
 @dataclass
+class StepRecord:
+    """What one engine step did and where its time went: `batch` sequences decoding (a token or a verified tree
+    each; `drafted` of them from a drafter), `prompt_rows` prompt tokens computed beside them, `tokens` committed,
+    and the wall time per phase in ms -- draft (the drafters), verify (the one target forward), accept (choosing
+    tokens from the logits), commit (KV compaction, the drafters' catch-up state, the counters), other (admission,
+    inputs, stop checks and the clients' streaming callbacks) -- which add up to the step's wall time."""
+    batch: int = 0
+    drafted: int = 0
+    prompt_rows: int = 0
+    rows: int = 0            # the target forward's rows: every sequence's (a token, or root + tree) + prompt rows
+    tokens: int = 0
+    phases_ms: dict = field(default_factory=dict)
+
+    @property
+    def ms(self) -> float:
+        return sum(self.phases_ms.values())
+
+
+class _Clock:
+    """Phase stopwatch of one step: `lap(name)` charges the time since the previous lap to `name`."""
+
+    def __init__(self):
+        self.t = time.perf_counter()
+        self.ms = dict.fromkeys(("draft", "verify", "accept", "commit", "other"), 0.0)
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.ms[name] += (now - self.t) * 1e3
+        self.t = now
+
+
+@dataclass
 class Rows:
     """One sequence's rows in a step, in its own coordinates: slots local to its region (0 = its first), mask
     [n, S_local] over its region."""
@@ -185,6 +217,7 @@ class BatchEngine:
         self.prefix_caching = prefix_caching and not self.aux_layers
         self.held: dict[int, list[int]] = {}
         self.prefix_queries = self.prefix_hits = 0   # prompt tokens admitted / reused (vLLM's counters)
+        self.last_step: StepRecord | None = None     # the latest step's phases and counts (the server exports them)
 
     # -- requests -----------------------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -206,35 +239,50 @@ class BatchEngine:
 
     # -- one step -------------------------------------------------------------------------------------------------
     def step(self) -> list[Finished]:
+        clock, self.last_step = _Clock(), None
         done = self._drop_cancelled()
         self._admit()
         if not self.running:
             return done
         shape = self.spec_policy(len(self.running)) if self.drafter is not None else None
+        clock.lap("other")
         self._draft(shape)
+        clock.lap("draft")
         self._chunk()
         stepping = [s for s in self.running if s.root is not None or s.chunk]
-        parts, plans = [], []
-        for seq in stepping:
-            rows, plan = self._plan(seq)
-            parts.append(rows)
-            plans.append(plan)
-        dev = self.target.device
-        ids, pos, slots, mask = batch_inputs(parts, dev)
+        planned = [self._plan(seq) for seq in stepping]
+        ids, pos, slots, mask = batch_inputs([rows for rows, _ in planned], self.target.device)
         # logits only where a token is chosen (a prompt's last row, every verified row) or a prompt logprob is due
         need, r = [], 0
-        for seq, p, plan in zip(stepping, parts, plans):
+        for seq, (p, plan) in zip(stepping, planned):
             n = int(p.ids.numel())
             need.extend(range(r + n - self._logit_rows(seq, plan, n), r + n))
             r += n
+        clock.lap("other")
         out = self.target(ids, pos, self.cache, slots, mask, logits_idx=need, aux_layers=self.aux_layers)
-        r = l = 0
+        clock.lap("verify")
+        rec = StepRecord(batch=sum(plan == "verify" for _, plan in planned), rows=int(ids.numel()),
+                         drafted=sum(seq.drafted for seq in stepping),
+                         prompt_rows=sum(seq.chunk for seq in stepping))
+        done += self._finish_all(stepping, planned, out, clock, rec)
+        rec.phases_ms = clock.ms
+        self.last_step = rec
+        observe = getattr(self.spec_policy, "observe", None)
+        if observe is not None:     # a live policy (economics/policy.py PricedPolicy) learns from every step
+            observe(rec)
+        return done
+
+    def _finish_all(self, stepping: list[_Seq], planned: list, out: ForwardOutput, clock: _Clock,
+                    rec: StepRecord) -> list[Finished]:
+        """Each sequence's part of the forward: choose and commit its tokens, stream them, retire it if it ended."""
+        done, r, l = [], 0, 0
         now = time.perf_counter()
-        for seq, p, plan in zip(stepping, parts, plans):
+        for seq, (p, plan) in zip(stepping, planned):
             n = int(p.ids.numel())
             nl = self._logit_rows(seq, plan, n)
             try:
-                new_tokens = self._finish(seq, plan, _slice(out, r, r + n, l, l + nl))
+                new_tokens = self._finish(seq, plan, _slice(out, r, r + n, l, l + nl), clock)
+                rec.tokens += len(new_tokens) if plan == "verify" else 0
                 reason = None
                 if new_tokens:
                     if seq.t_first is None:
@@ -244,6 +292,7 @@ class BatchEngine:
                 reason, seq.exc = "aborted", e
             if reason is not None:
                 done.append(self._retire(seq, reason))
+            clock.lap("other")
             r, l = r + n, l + nl
         return done
 
@@ -361,7 +410,7 @@ class BatchEngine:
         v = seq.tree.verify_inputs(seq.root, seq.length, seq.length)
         return Rows(v.ids[0], v.positions[0], v.slots[0], v.mask[0], seq.base), "verify"
 
-    def _finish(self, seq: _Seq, plan: str, out: ForwardOutput) -> list[int]:
+    def _finish(self, seq: _Seq, plan: str, out: ForwardOutput, clock: _Clock) -> list[int]:
         """Choose the sequence's tokens from its logits and commit them -> the new tokens."""
         logits = out.logits[0]
         if plan != "verify":
@@ -375,11 +424,13 @@ class BatchEngine:
             seq.root = int(next_token(logits[-1:], seq.req.sampling, seq.gen))
             if seq.lps is not None:
                 seq.step_lps = token_logprobs(logits[-1:], [seq.root], seq.req.logprobs)
+            clock.lap("accept")
             if seq.drafter is not None:   # the drafter starts from the whole prompt's states, chunks joined
                 aux = [torch.cat(a, dim=1) for a in zip(*seq.aux)] if seq.aux else []
                 seq.aux = []
                 seq.drafter.start(list(seq.req.prompt_ids), seq.root, ForwardOutput(out.logits[:, -1:], aux),
                                   seq.length + seq.req.max_new_tokens + 1 + self.cfg.expansion_slots)
+                clock.lap("draft")
             return [seq.root]
         tree = seq.tree
         if seq.drafter is None:     # plain decoding draws exactly as `generate` does
@@ -388,12 +439,14 @@ class BatchEngine:
             rows, new_tokens = accept(logits, tree, seq.req.sampling, seq.gen)
         if seq.lps is not None:   # token i was chosen by verify row rows[i]: the target's own logits there
             seq.step_lps = token_logprobs(logits[rows], new_tokens, seq.req.logprobs)
+        clock.lap("accept")
         self._compact(seq, rows)
         if seq.drafter is not None:
             seq.drafter.commit(rows, out, new_tokens)
             if seq.drafted:
                 seq.tally.add(tree, rows)
         seq.root = new_tokens[-1]
+        clock.lap("commit")
         return new_tokens
 
     @staticmethod

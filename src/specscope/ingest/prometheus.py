@@ -29,6 +29,9 @@ SGLANG_GAUGES = SGLANG_AVERAGED + SGLANG_SUMMED
 LEADER_LABELS = ("tp_rank", "pp_rank", "moe_ep_rank", "attn_tp_rank")
 COUNTERS_READ = {f"{b}{sfx}" for b in SPEC_COUNTERS + (PER_POS, "generation_tokens", "prompt_tokens")
                  for sfx in ("", "_total")}
+# specscope serve's engine steps: a histogram per phase (they add up to phase "step") and the steps that drafted
+PHASE_HIST = "cycle_phase_seconds"
+STEP_PHASES = ("draft", "verify", "accept", "commit", "other")
 
 
 def _unescape(v: str) -> str:
@@ -219,10 +222,31 @@ def spec_delta(before: Scrape | None, after: Scrape, engine: str | None = None) 
         out["per_position_acceptance"] = [None if a is None else a / drafts for a in out["accepted_per_pos"]]
     if out.get("num_draft_tokens") and acc is not None:
         out["draft_acceptance_rate"] = acc / out["num_draft_tokens"]
+    out.update(step_phases(b, after, engine))
     if engine == "sglang":
         out.update(sglang_gauges(after))   # gauges: SGLang's own averages over its last log interval
         if "accept_length" not in out and "spec_accept_length" in out:
             out["accept_length"] = out["spec_accept_length"]
+    return out
+
+
+def step_phases(before: Scrape, after: Scrape, engine: str) -> dict:
+    """specscope serve's engine steps over the window: {"phases": {phase: {"mean_ms" per step, "share" of the
+    step}}, "engine_steps", and with a drafter "drafted_step_share"}, the phases in the profiler's shape (registry
+    results["phases"]), so a served run is shown and compared like a `generate` run; {} for other engines."""
+    name = f"{engine}:{PHASE_HIST}"
+    steps = _delta(before.total(name + "_count", phase="verify"), after.total(name + "_count", phase="verify"))
+    sums = {p: _delta(before.total(name + "_sum", phase=p), after.total(name + "_sum", phase=p)) for p in STEP_PHASES}
+    if not steps or any(v is None for v in sums.values()):
+        return {}
+    total = sum(sums.values())
+    out = {"engine_steps": int(steps),
+           "phases": {p: {"mean_ms": round(v * 1e3 / steps, 4), "share": round(v / total, 4) if total > 0 else 0.0}
+                      for p, v in sums.items()}}
+    modes = f"{engine}:spec_decode_steps_total"   # a label appears once counted: a missing one is 0 steps
+    by_mode = {m: _delta(before.total(modes, mode=m), after.total(modes, mode=m)) or 0.0 for m in ("draft", "plain")}
+    if sum(by_mode.values()):
+        out["drafted_step_share"] = round(by_mode["draft"] / sum(by_mode.values()), 4)
     return out
 
 

@@ -2,8 +2,10 @@
 
 The speculative counters mirror vLLM's names with a `specscope:` prefix instead of `vllm:` (`--metrics-prefix
 vllm` gives vLLM's exact names; `bench-serve` reads either): num_drafts (verify cycles), num_draft_tokens,
-num_accepted_tokens and accepted tokens per draft position. specscope adds the wall time of each engine step
-(cycle_phase_seconds{phase="step"}: one batched forward and everything around it).
+num_accepted_tokens and accepted tokens per draft position. specscope adds the wall time of each engine step and
+its split (cycle_phase_seconds{phase="step"}: one batched forward and everything around it; phase draft, verify,
+accept, commit, other: the parts, which add up to it) and, with a drafter, how many steps drafted and how many ran
+plain (spec_decode_steps{mode=...}: the --spec-policy's choices).
 Each server owns its registry, so several apps can live in one process (tests).
 """
 
@@ -29,8 +31,11 @@ class ServerMetrics:
                                            registry=r)
         self.accepted_per_pos = Counter(P + "spec_decode_num_accepted_tokens_per_pos",
                                         "Accepted draft tokens by draft position.", ["position"], registry=r)
-        self.phase_seconds = Histogram(P + "cycle_phase_seconds", "Time per engine step (phase 'step').",
-                                       ["phase"], buckets=PHASE_BUCKETS, registry=r)
+        self.phase_seconds = Histogram(P + "cycle_phase_seconds", "Time per engine step ('step') and per phase of "
+                                       "it (draft, verify, accept, commit, other).", ["phase"],
+                                       buckets=PHASE_BUCKETS, registry=r)
+        self.spec_steps = Counter(P + "spec_decode_steps", "Engine steps with decoding sequences, by whether they "
+                                  "drafted (mode=draft) or ran plain (mode=plain).", ["mode"], registry=r)
         self.prompt_tokens = Counter(P + "prompt_tokens", "Prompt tokens processed.", registry=r)
         # vLLM's prefix-cache counters, in tokens: hits / queries is the share of prompt tokens not computed
         self.prefix_cache_queries = Counter(P + "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
@@ -69,6 +74,11 @@ class ServerMetrics:
             h = self.phase_seconds.labels(phase=phase)
             for v in values:
                 h.observe(float(v) / 1e3)
+
+    def observe_step(self, rec) -> None:
+        """Count one engine step (engine/batch.py StepRecord) of a server with a drafter by what it did."""
+        if rec.batch:
+            self.spec_steps.labels(mode="draft" if rec.drafted else "plain").inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from specscope import session   # session.load_target looked up per call: tests stub it
 from specscope.economics.policy import spec_policy
+from specscope.economics.prices import host_prices
 from specscope.engine.batch import BatchEngine, Finished, Request
 from specscope.errors import SpecscopeError
 from specscope.models.hub import parse_hub_id
@@ -31,7 +32,7 @@ from specscope.runtime.sampling import SamplingParams
 from specscope.runtime.tokenizer import StreamDecoder
 from specscope.server.metrics import ServerMetrics
 from specscope.server.protocol import ApiError, GenParams
-from specscope.speculative.decode import SpecConfig, build_drafter
+from specscope.speculative.decode import SpecConfig
 
 log = logging.getLogger("specscope.server")
 
@@ -54,7 +55,8 @@ class ServeConfig:
     max_num_batched_tokens: int = 2048     # prompt tokens + decode rows one engine step may take
     max_seq_len: int | None = None         # prompt + completion per sequence; default min(context, 4096)
     enable_prefix_caching: bool = True     # a new request reuses the keys of the longest prompt prefix it shares
-    spec_policy: str = "always"            # economics.policy.spec_policy: the draft shape per batch size
+    spec_policy: str = "priced"            # economics.policy.spec_policy: the draft shape per batch size
+    draft_budget: str = "priced"           # session.drafter_for: each sequence's cycles priced, or the fixed shape
     max_prompt_tokens: int | None = None   # default: max_seq_len - 1
     max_tokens_cap: int = 2048
     max_body_bytes: int = 1 << 20
@@ -132,9 +134,10 @@ class ServedModel:
         if cfg.draft:
             self.spec_cfg = SpecConfig.for_drafter(cfg.draft, cfg.steps, cfg.topk, cfg.draft_tokens,
                                                   cfg.ngram_tokens)
-            self.drafter = build_drafter(cfg.draft, self.model)
+            self.drafter = session.drafter_for(cfg.draft, self.model, cfg.draft_budget)
+            prices = host_prices(self.model) if cfg.spec_policy == "priced" else None
             self.policy = spec_policy(cfg.spec_policy, self.spec_cfg, model=cfg.model, draft=cfg.draft,
-                                      dtype=str(compute_dtype(self.model)))
+                                      dtype=str(compute_dtype(self.model)), prices=prices)
 
     def new_engine(self) -> BatchEngine:
         c = self.cfg
@@ -351,8 +354,14 @@ class Worker:
             for job in lost:                   # answered once the fresh engine is in place
                 self._fail(job, e, logged=True)
             return
-        if self.served.cfg.profile_phases:
-            self.metrics.observe_phases({"step": [(time.perf_counter() - t0) * 1e3]})
+        if self.served.cfg.profile_phases:   # the step's wall time and its split (engine/batch.py StepRecord)
+            rec = self.engine.last_step
+            phases = {"step": [(time.perf_counter() - t0) * 1e3]}
+            if rec is not None:
+                phases.update({k: [v] for k, v in rec.phases_ms.items()})
+            self.metrics.observe_phases(phases)
+            if rec is not None and self.served.drafter is not None:
+                self.metrics.observe_step(rec)
         for f in done:
             self._finish(f)
 

@@ -34,7 +34,11 @@ class NgramDrafter(Drafter):
         self._t0 = 0.0
 
     def spawn(self):
-        return NgramDrafter(self.device, self.source_name, self.prices, isinstance(self.pricing, LivePrices))
+        d = NgramDrafter(self.device, self.source_name, self.prices, isinstance(self.pricing, LivePrices))
+        # what the priced rule learned is the server's, not one request's (a 48-token request ends before the
+        # counts mean anything): every spawn shares its parent's prices and acceptance counts
+        d.pricing, d.copy_stats = self.pricing, self.copy_stats
+        return d
 
     def start(self, prompt_ids, root, target_out, max_len):
         self.source.reset(list(prompt_ids) + [root])
@@ -109,6 +113,7 @@ class HybridDrafter(Drafter):
         h = HybridDrafter(self.drafter.spawn(), self.context, self.source_name, self.adaptive, self.prices,
                           isinstance(self.pricing, LivePrices))
         h.copy_match, h.min_gain, h.probe, h.ema = self.copy_match, self.min_gain, self.probe, self.ema
+        h.pricing, h.rule = self.pricing, self.rule   # the priced rule's counts are the server's (NgramDrafter.spawn)
         return h
 
     def start(self, prompt_ids, root, target_out, max_len):

@@ -248,3 +248,72 @@ def test_drafting_together_gives_each_sequence_the_tree_it_drafts_alone(target):
                 from specscope.models.llama import ForwardOutput
                 for z in (x, y):
                     z.commit(rows, ForwardOutput(None, aux), toks)
+
+
+def test_requests_admitted_without_a_drafter_decode_plain_and_reuse_prefixes(target):
+    """A policy's attach(batch) decides per admitted request: those it turns down decode as plain sequences beside
+    the drafting ones (greedy output unchanged), reuse cached prompt prefixes though the drafter is EAGLE-3, and
+    keep no drafter state (no stats)."""
+    drafter, cfg = drafters(target)["eagle3 tree"]
+
+    class EveryOther:
+        def __init__(self):
+            self.asked = []
+
+        def __call__(self, n):
+            return cfg
+
+        def attach(self, n):
+            self.asked.append(n)
+            return len(self.asked) % 2 == 1
+
+    pol = EveryOther()
+    engine = BatchEngine(target, drafter, cfg, max_num_seqs=2, max_seq_len=CTX, spec_policy=pol)
+    rng = random.Random(5)
+    base = [rng.randrange(2, VOCAB) for _ in range(12)]
+    reqs = [Request(f"r{i}", base + [rng.randrange(2, VOCAB) for _ in range(i % 3 + 1)], 8, stop_ids=(1,))
+            for i in range(8)]
+    done, _ = run_schedule(engine, reqs, rng)
+    attached = [f for f in done.values() if f.stats is not None]
+    assert 0 < len(attached) < len(done) and len(pol.asked) == len(reqs)
+    assert engine.prefix_hits > 0                       # the plain ones reused the shared 12-token prefix
+    for r in reqs:
+        assert done[r.id].token_ids == offline(target, None, None, r.prompt_ids, 8, r.sampling), r.id
+
+
+def test_a_drafter_idle_under_load_is_dropped_and_the_sequence_decodes_on(target):
+    """Requests that joined when drafting paid, then sat in plain steps (the load rose): after DETACH such steps
+    each drops its drafter (the policy would not attach one now) and decodes plain, with unchanged greedy output and
+    the stats of the cycles it drafted."""
+    drafter, cfg = drafters(target)["eagle3 tree"]
+
+    class LoadRises:
+        attached = True
+
+        def __call__(self, n):
+            return cfg if self.attached else None
+
+        def attach(self, n):
+            return self.attached
+
+    pol = LoadRises()
+    engine = BatchEngine(target, drafter, cfg, max_num_seqs=2, max_seq_len=CTX, spec_policy=pol)
+    prompts = [[3, 4, 5, 6, 7, 3, 4], [5, 6, 7, 8, 9]]
+    for i, p in enumerate(prompts):
+        engine.add(Request(f"r{i}", p, 30, stop_ids=(1,)))
+    done = {}
+    for _ in range(3):
+        done.update({f.id: f for f in engine.step()})
+    pol.attached = False
+    steps = 0
+    while engine.busy:
+        done.update({f.id: f for f in engine.step()})
+        steps += 1
+        if steps == engine.DETACH - 1:
+            assert len(engine.running) == 2 and all(s.drafter is not None for s in engine.running)
+        if steps == engine.DETACH:
+            assert len(engine.running) == 2 and all(s.drafter is None for s in engine.running)
+    assert steps > engine.DETACH
+    for i, p in enumerate(prompts):
+        assert done[f"r{i}"].token_ids == offline(target, None, None, p, 30, SamplingParams())
+        assert done[f"r{i}"].stats is not None and done[f"r{i}"].stats.cycles >= 1

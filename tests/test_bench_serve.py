@@ -166,6 +166,14 @@ def test_serve_and_bench_serve_end_to_end(model_dir, spec_server, tmp_path):
             assert sum(m["accepted_per_pos"]) == m["num_accepted_tokens"]
             assert m["accept_length"] == pytest.approx(1 + m["num_accepted_tokens"] / m["num_drafts"])
         assert run["results"]["accept_length"] > 1.0
+        # the served run carries the engine's step phases, in the profiler's shape, as a generate run does
+        phases = run["results"]["phases"]
+        assert set(phases) == {"draft", "verify", "accept", "commit", "other"}
+        assert sum(p["share"] for p in phases.values()) == pytest.approx(1.0, abs=1e-3)
+        assert phases["verify"]["mean_ms"] > 0 and run["results"]["drafted_step_share"] == 1.0   # --spec-policy always
+        shown = subprocess.run([sys.executable, "-m", "specscope", "runs", "show", out["run_id"]], capture_output=True,
+                               text=True, timeout=120, env=_env())
+        assert shown.returncode == 0 and "phases (per cycle)" in shown.stdout and "verify" in shown.stdout, shown
 
         # --- the completions endpoint too (plain prompts, no chat template) ----------------------------------
         r = subprocess.run([sys.executable, "-m", "specscope", "bench-serve", "--base-url", spec.url + "/v1",

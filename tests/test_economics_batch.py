@@ -472,6 +472,7 @@ def test_priced_policy_drafts_alone_and_stops_under_load():
     under_load = run(16, 200)
     assert sum(under_load) <= 200 // 32 + 2
     assert pol(1) is cfg                      # what it learned at 16 rows costs nothing at batch 1
+    assert pol.attach(1) and not pol.attach(16)   # a request joining 15 others gets no drafter
 
 
 def test_priced_policy_ignores_prefill_steps_for_rates():

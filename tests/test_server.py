@@ -18,8 +18,12 @@ def model_dir(tmp_path_factory):
 
 
 def _engine(model_dir, draft=None, **kw):
+    """A served model; with a drafter, one that drafts every step in its declared shape (these tests count drafts
+    and trees on a tiny random model, where the priced defaults soon stop drafting) unless the test says otherwise."""
     from specscope.server.worker import ServedModel, ServeConfig
 
+    if draft is not None:
+        kw = {"spec_policy": "always", "draft_budget": "fixed", **kw}
     return ServedModel(ServeConfig(model=str(model_dir), device="cpu", dtype="fp32", draft=draft, **kw))
 
 
@@ -269,13 +273,16 @@ def test_speculative_engine_counts_match_response(model_dir):
 
 
 def test_served_drafter_is_priced_by_default(model_dir):
-    """serve --draft without --spec-policy prices each step by batch size and each sequence's cycles: the policy is
-    the live PricedPolicy, the drafter is built with this host's prices, and the output stays lossless."""
+    """serve --draft without --spec-policy prices each step by batch size: the policy is the live PricedPolicy
+    (each sequence verifies its declared shape when it drafts), and the output stays lossless."""
     from specscope.economics.policy import PricedPolicy
     from specscope.server.app import create_app
+    from specscope.server.worker import ServeConfig
 
-    eng = _engine(model_dir, draft="ngram", steps=3)
-    assert isinstance(eng.policy, PricedPolicy) and eng.drafter.prices is not None
+    eng = _engine(model_dir, draft="ngram", steps=3, spec_policy=ServeConfig.spec_policy,
+                  draft_budget=ServeConfig.draft_budget)      # serve's defaults
+    assert ServeConfig.spec_policy == "priced" and ServeConfig.draft_budget == "fixed"
+    assert isinstance(eng.policy, PricedPolicy) and eng.drafter.prices is None
     with TestClient(create_app(eng)) as c:
         ids = eng.tokenizer.encode("the quick brown fox")
         r = c.post("/v1/completions", json={"prompt": "the quick brown fox", "max_tokens": 30, "temperature": 0,

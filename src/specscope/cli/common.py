@@ -140,13 +140,13 @@ def spec_options(steps_help="Draft depth: drafter steps per cycle (tree depth / 
     return deco
 
 
-def draft_budget_option():
+def draft_budget_option(default: str = "priced", note: str = ""):
     # no default here: a budget given without --draft is refused, so the command must see whether it was given
     return click.option("--draft-budget", "draft_budget", type=click.Choice(["priced", "fixed"]), default=None,
-                        help="[default: priced] 'priced' verifies, each cycle, the nodes worth their rows at this host's verify "
-                             "cost by rows (measured once, cached), within the declared shape, and a model drafter "
-                             "sits out (plain steps, or the copy alone in a hybrid) where that has been faster; "
-                             "'fixed' verifies the declared shape every cycle.")
+                        help=f"[default: {default}] 'priced' verifies, each cycle, the nodes worth their rows at this "
+                             "host's verify cost by rows (measured once, cached), within the declared shape, and a "
+                             "model drafter sits out (plain steps, or the copy alone in a hybrid) where that has been "
+                             "faster; 'fixed' verifies the declared shape every cycle." + note)
 
 
 def draft_option(help="Drafter: an EAGLE-3 directory, shipped name or Hugging Face id (org/name[@revision]), "

@@ -268,8 +268,9 @@ class PricedPolicy:
     a 2-core CPU a step of 16 sequences x 7 rows costs several plain steps, so what pays at one request stops paying
     under load; a GPU's flat T keeps drafting. Live rather than from a table: the curve moves with the machine and
     τ with the traffic. While the prediction says plain, a drafting step is still taken now and then (every
-    `probe` steps when the two are within 20 %, else every 8 x `probe`) so that τ and the draft cost stay current.
-    Lossless whatever it chooses: a plain step is the drafters' catch-up, not another output."""
+    `probe` steps when the two are within 20 %, else every 8 x `probe`) so that τ and the draft cost stay current,
+    and a request that joins where drafting does not pay gets no drafter (`attach`). Lossless whatever it
+    chooses: a plain step is the drafters' catch-up, not another output."""
 
     def __init__(self, cfg, prices=None, probe: int = 64, ema: float = 0.1):
         self.cfg, self.probe = cfg, probe
@@ -292,6 +293,14 @@ class PricedPolicy:
         plain = batch / (t_plain + batch * self.other_ms[False].value)
         spec = batch * self.tau.value / (t_spec + batch * (self.draft_ms.value + self.other_ms[True].value))
         return plain, spec
+
+    def attach(self, batch: int) -> bool:
+        """Whether a request joining a batch of `batch` sequences gets a drafter (engine/batch.py): only where
+        drafting is predicted to pay at that size. One that joins a loaded server decodes plain to its end -- its
+        prompt reuses cached prefixes and no drafter state is kept per token -- so under load a drafter costs
+        nothing; requests that arrive once the load has dropped draft again."""
+        rates = self.predict(batch)
+        return rates is None or rates[1] > rates[0]
 
     def __call__(self, batch: int):
         rates = self.predict(batch)

@@ -98,6 +98,7 @@ class _Seq:
         self.t_queued, self.t_scheduled, self.t_first = t_queued, None, None
         self.tree: DraftTree | None = None
         self.drafted = False              # this step's tree came from the drafter (a plain step's did not)
+        self.idle = 0                     # plain steps in a row with a drafter attached (see BatchEngine.DETACH)
         self.exc: BaseException | None = None
         self.lps = [] if req.logprobs is not None else None                # per committed token
         self.prompt_lps = [None] if req.prompt_logprobs is not None else None
@@ -186,7 +187,9 @@ class BatchEngine:
     are the bits it would compute: the kernels are row-invariant); sequences whose drafter needs the target's
     hidden states over the whole prompt (EAGLE-3) always compute it. `spec_policy(batch_size) -> SpecConfig |
     None` picks the draft shape for the step's speculative sequences (None: a plain step; their drafters catch up
-    later)."""
+    later). A policy with `attach(batch_size)` also says whether a request admitted at that batch size gets a
+    drafter at all: one that will not draft at the load it joins decodes as a plain sequence (its prompt reusing
+    cached prefixes, no drafter state kept per token), which is what makes a drafter free under load."""
 
     def __init__(self, target, drafter: Drafter | None = None, cfg=None, max_num_seqs: int = 16,
                  max_seq_len: int | None = None, max_num_batched_tokens: int = 2048,
@@ -209,12 +212,13 @@ class BatchEngine:
         self.running: list[_Seq] = []
         self.cancelled: set[str] = set()
         self.aux_layers = drafter.aux_layers if drafter is not None else ()
+        self.attach = getattr(self.spec_policy, "attach", None) if drafter is not None else None
         # the drafters' caches: one shared cache in regions where the drafter allows it, so one forward drafts for
         # every sequence (speculative/drafters.py run_together); else each spawn keeps its own
         self.draft_region = self.region + 1 + (cfg.expansion_slots if cfg is not None else 0)
         self.draft_cache = drafter.region_cache(self.draft_region * max_num_seqs) if drafter is not None else None
         # prefix caching: the tokens whose keys/values each free region still holds (slots base .. base + len - 1)
-        self.prefix_caching = prefix_caching and not self.aux_layers
+        self.prefix_caching = prefix_caching
         self.held: dict[int, list[int]] = {}
         self.prefix_queries = self.prefix_hits = 0   # prompt tokens admitted / reused (vLLM's counters)
         self.last_step: StepRecord | None = None     # the latest step's phases and counts (the server exports them)
@@ -259,7 +263,8 @@ class BatchEngine:
             need.extend(range(r + n - self._logit_rows(seq, plan, n), r + n))
             r += n
         clock.lap("other")
-        out = self.target(ids, pos, self.cache, slots, mask, logits_idx=need, aux_layers=self.aux_layers)
+        aux = self.aux_layers if any(s.drafter is not None for s in stepping) else ()
+        out = self.target(ids, pos, self.cache, slots, mask, logits_idx=need, aux_layers=aux)
         clock.lap("verify")
         rec = StepRecord(batch=sum(plan == "verify" for _, plan in planned), rows=int(ids.numel()),
                          drafted=sum(seq.drafted for seq in stepping),
@@ -333,12 +338,18 @@ class BatchEngine:
         budget = self.token_budget - sum(1 + (s.cfg.verify_tokens if s.drafter else 0) if s.root is not None
                                          else len(s.req.prompt_ids) - s.prefilled for s in self.running)
         new = []
+        # the batch a request joins: everyone running and waiting, as far as regions go (four requests arriving
+        # together join a batch of four, not of one, two, three and four)
+        joins = min(len(self.running) + len(self.waiting), self.max_num_seqs)
         while self.waiting and self.free and budget > 0:
             req, tq = self.waiting.pop(0)
-            base, reuse = self._region_for(req.prompt_ids, req.prompt_logprobs is None)
+            drafting = self.drafter is not None and (self.attach is None or self.attach(joins))
+            # a drafter that needs the target's states over the whole prompt (EAGLE-3) cannot start from reused keys
+            base, reuse = self._region_for(req.prompt_ids, req.prompt_logprobs is None
+                                           and not (drafting and self.aux_layers))
             budget -= len(req.prompt_ids) - reuse
-            drafter = self.drafter.spawn() if self.drafter is not None else None
-            if self.draft_cache is not None:
+            drafter = self.drafter.spawn() if drafting else None
+            if drafter is not None and self.draft_cache is not None:
                 drafter.use_region(self.draft_cache, base // self.region * self.draft_region)
             seq = _Seq(req, base, drafter, self.cfg, tq)
             seq.prefilled = seq.cached = reuse
@@ -398,10 +409,29 @@ class BatchEngine:
             seq.tree = DraftTree.empty(dev)
             if seq.drafted:
                 drafting.append(seq)
+        if shape is None and self.attach is not None:
+            self._detach_idle()
         trees = run_together([s.drafter.drafting(shape.within(self.context - 1 - s.length), s.req.sampling, s.gen)
                               for s in drafting])
         for seq, tree in zip(drafting, trees):
             seq.tree = tree
+            seq.idle = 0
+
+    DETACH = 8   # plain steps in a row after which a sequence drops its drafter, if its batch would not attach one
+
+    def _detach_idle(self) -> None:
+        """A sequence that joined when drafting paid and has sat in plain steps since (the load rose) drops its
+        drafter once the policy would not attach one at this batch size: it decodes plain from here (the same
+        tokens; sampling stays exact), without the drafter's per-token state. Its counts so far stay in its stats."""
+        attach = None
+        for seq in self.running:
+            if seq.drafter is None or seq.root is None:
+                continue
+            seq.idle += 1
+            if seq.idle >= self.DETACH:
+                attach = self.attach(len(self.running)) if attach is None else attach
+                if not attach:
+                    seq.drafter = None
 
     def _plan(self, seq: _Seq) -> tuple[Rows, str]:
         if seq.root is None:   # "prefill": the chunk that ends the prompt; "chunk": an earlier one
@@ -416,7 +446,7 @@ class BatchEngine:
         if plan != "verify":
             self._prompt_logprobs(seq, logits)
             seq.prefilled += seq.chunk
-            if self.aux_layers:
+            if seq.drafter is not None and self.aux_layers:
                 seq.aux.append(out.aux_hidden)
             if plan == "chunk":
                 return []

@@ -56,7 +56,9 @@ class ServeConfig:
     max_seq_len: int | None = None         # prompt + completion per sequence; default min(context, 4096)
     enable_prefix_caching: bool = True     # a new request reuses the keys of the longest prompt prefix it shares
     spec_policy: str = "priced"            # economics.policy.spec_policy: the draft shape per batch size
-    draft_budget: str = "priced"           # session.drafter_for: each sequence's cycles priced, or the fixed shape
+    # session.drafter_for: each sequence's cycles in the declared shape ("fixed") or priced as if it ran alone
+    # ("priced"); the batch-size pricing is spec_policy's
+    draft_budget: str = "fixed"
     max_prompt_tokens: int | None = None   # default: max_seq_len - 1
     max_tokens_cap: int = 2048
     max_body_bytes: int = 1 << 20

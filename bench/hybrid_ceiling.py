@@ -81,13 +81,12 @@ def accepted(tokens: list[int], parents: list[int], truth: list[int]) -> int:
 def replay(target, drafters, shapes, source, prompt_ids, out_ids, copy_max):
     """Per position of out_ids (the root out_ids[i]): the copy's length, matched suffix and accepted tokens, and per
     shape the tree's size, accepted tokens, how much of the copy is already a path in it, and the drafting ms."""
-    from specscope.generate import prefill
-
     P, N = len(prompt_ids), len(out_ids)
     aux_layers = drafters[0].aux_layers
     cache = target.new_cache(P + N)
-    with torch.inference_mode():
-        full = prefill(target, cache, torch.tensor([prompt_ids + out_ids]), aux_layers).aux_hidden
+    with torch.inference_mode():     # one causal forward over prompt + output: every position's target states
+        full = target(torch.tensor([prompt_ids + out_ids]), torch.arange(P + N)[None], cache,
+                      aux_layers=aux_layers).aux_hidden
     start = _Verified([a[:, :P] for a in full])
     for d in drafters:
         d.start(list(prompt_ids), out_ids[0], start, P + N + 1 + max(c.expansion_slots for c in shapes))

@@ -317,3 +317,26 @@ def test_a_drafter_idle_under_load_is_dropped_and_the_sequence_decodes_on(target
     for i, p in enumerate(prompts):
         assert done[f"r{i}"].token_ids == offline(target, None, None, p, 30, SamplingParams())
         assert done[f"r{i}"].stats is not None and done[f"r{i}"].stats.cycles >= 1
+
+
+def test_one_request_is_profiled_cycle_by_cycle(target):
+    """generate / speculative_generate run a batch of one through the engine: each decode step is one profiler
+    cycle, with the drafters' sub-phases, acceptance counted as the request's stats count it, and phases that add
+    up to the cycle; plain decoding's forward is its "decode" phase."""
+    from specscope.profile import CycleProfiler
+
+    d, cfg = drafters(target)["eagle3 tree"]
+    prof = CycleProfiler()
+    r = speculative_generate(target, d, [3, 4, 5, 6], 20, stop_ids=[], cfg=cfg, profiler=prof)
+    s = prof.summary()
+    assert s["cycles"] == r.stats.cycles == len(r.step_ms) > 0
+    assert s["tokens"] == sum(r.stats.accept_lengths) >= r.num_tokens - 1
+    assert {"draft", "verify", "accept", "commit", "draft.step0", "draft.step1"} <= set(s["phases"])
+    top = sum(v["mean_ms"] for k, v in s["phases"].items() if "." not in k)
+    assert top == pytest.approx(s["cycle_ms"]["mean_ms"], rel=1e-3)
+    assert s["phases"]["draft.step0"]["mean_ms"] <= s["phases"]["draft"]["mean_ms"]
+    plain = CycleProfiler()
+    g = generate(target, [3, 4, 5, 6], 12, stop_ids=[], profiler=plain)
+    ps = plain.summary()
+    assert ps["cycles"] == g.num_tokens - 1 == len(g.step_ms)
+    assert "decode" in ps["phases"] and "verify" not in ps["phases"] and ps["accept_length"] == 1

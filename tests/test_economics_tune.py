@@ -8,7 +8,7 @@ import torch
 
 from specscope.cli import main
 from specscope.economics.cost import expected_tree, tree_tau
-from specscope.economics.probe import RankRecorder
+from specscope.speculative.acceptance import RankCounts
 from specscope.economics.tune import AcceptanceModel, CostModel, candidate_configs, predict, rank
 from specscope.errors import SpecscopeError
 from tiny import make_hf_model, make_tiny_tokenizer
@@ -52,47 +52,26 @@ def test_acceptance_from_rank_counts():
     assert acc.rate(2, 1) == pytest.approx(0.4) and acc.rate(2, 2) == 0.0 and acc.rate(1, 3) == 0.0
 
 
-def test_rank_recorder_on_a_real_tree():
+def test_rank_counts_on_a_real_tree():
     from specscope.speculative.tree import DraftTree
-
-    class Fixed:
-        kind, aux_layers = "fixed", ()
-
-        def __init__(self, tree):
-            self.tree, self.commits = tree, []
-
-        def start(self, *a):
-            pass
-
-        def propose(self, cfg, sampling, gen, profiler=None):
-            return self.tree
-
-        def commit(self, rows, out, toks):
-            self.commits.append(rows)
 
     # root ─┬─ A(node 0) ─┬─ C(2)        rows are node + 1; accepted path root -> A -> D = rows [0, 1, 4]
     #       │             └─ D(3)
     #       └─ B(1) ─── E(4)
     tree = DraftTree(torch.tensor([10, 11, 12, 13, 14]), torch.tensor([-1, -1, 0, 0, 1]),
                      torch.tensor([1, 1, 2, 2, 2]))
-    rec = RankRecorder(Fixed(tree), steps=3, topk=2)
-    rec.start()
-    rec.propose(None, None, None)
-    rec.commit([0, 1, 4], None, [11, 13, 7])
+    rec = RankCounts(steps=3, topk=2)
+    rec.add(tree, [0, 1, 4])
     # depth 1: A, B offered, A (rank 1) accepted; depth 2: C, D offered, D (rank 2) accepted; D has no children
     assert rec.offered == [[1, 1], [1, 1], [0, 0]]
     assert rec.accepted == [[1, 0], [0, 1], [0, 0]]
     # along the all-rank-1 path: depth 1 offered + accepted (A), depth 2 offered, rejected (D is rank 2)
     assert rec.top_offered == [1, 1, 0] and rec.top_accepted == [1, 0, 0]
-    rec.propose(None, None, None)
-    rec.commit([0], None, [5])                     # nothing accepted: only depth 1 was offered
+    rec.add(tree, [0])                             # nothing accepted: only depth 1 was offered
     assert rec.offered[0] == [2, 2] and rec.accepted[0] == [1, 0] and rec.tree_sizes == [5, 5]
     assert rec.top_offered == [2, 1, 0] and rec.top_accepted == [1, 0, 0]
-    rec.inner.tree = DraftTree.empty()             # nothing proposed counts as a rejected first draft
-    rec.propose(None, None, None)
-    rec.commit([0], None, [5])
+    rec.add(DraftTree.empty(), [0])                # nothing proposed counts as a rejected first draft
     assert rec.offered[0] == [3, 2] and rec.top_offered[0] == 3 and rec.accepted[0] == [1, 0]
-    assert rec.inner.commits == [[0, 1, 4], [0], [0]]   # the wrapped drafter still sees every commit
 
 
 def _phases(**ms):

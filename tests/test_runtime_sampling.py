@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from specscope.generate import StopCriteria, generate
+from specscope.engine.request import StopCriteria
+from specscope.generate import generate
 from specscope.runtime.sampling import SamplingParams, make_generator, next_token, probs_from_logits, sample
 from specscope.errors import SpecscopeError
 from specscope.models import load_model

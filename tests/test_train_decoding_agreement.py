@@ -25,8 +25,8 @@ class _Recording(Eagle3TreeDrafter):
         super().__init__(drafter, target)
         self.firsts = []
 
-    def propose(self, cfg, sampling, gen, profiler=None):
-        tree = super().propose(cfg, sampling, gen, profiler)
+    def drafting(self, cfg, sampling, gen, profiler=None):   # what the decoding loop drives
+        tree = yield from super().drafting(cfg, sampling, gen, profiler)
         self.firsts.append((self.root_pos, int(tree.tokens[0])))
         return tree
 

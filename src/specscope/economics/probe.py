@@ -13,33 +13,6 @@ from specscope.speculative.acceptance import RankCounts, SourceCounts
 from specscope.speculative.decode import SpecConfig, check_chain, speculative_generate
 
 
-class RankRecorder(RankCounts):
-    """Wraps a drafter and counts acceptance by (depth, sibling rank) after each verify (see RankCounts).
-    speculative_generate records the same counts itself (`GenerationResult.stats.acceptance_by_depth_rank`);
-    this wrapper serves callers that drive a drafter directly."""
-
-    def __init__(self, drafter, steps: int, topk: int):
-        super().__init__(steps, topk)
-        self.inner = drafter
-        self._tree = None
-
-    def __getattr__(self, name):          # kind, aux_layers, ... of the wrapped drafter
-        return getattr(self.inner, name)
-
-    def start(self, *a, **kw):
-        self._tree = None
-        return self.inner.start(*a, **kw)
-
-    def propose(self, cfg, sampling, gen, profiler=None):
-        self._tree = self.inner.propose(cfg, sampling, gen, profiler)
-        return self._tree
-
-    def commit(self, rows, verify_out, new_tokens):
-        if self._tree is not None:
-            self.add(self._tree, list(rows))
-        return self.inner.commit(rows, verify_out, new_tokens)
-
-
 def encode_prompts(tokenizer, prompts: list[str], chat: bool = True) -> list[list[int]]:
     ids = [tokenizer.encode(p, chat=chat) for p in prompts]
     if not ids or any(not x for x in ids):

@@ -1,5 +1,6 @@
-"""Batched decoding: many sequences in one target forward (engine/batch.py)."""
+"""The decoding loop: requests (engine/request.py) decoded together, plain and speculative (engine/batch.py)."""
 
-from specscope.engine.batch import BatchEngine, Finished, Request
+from specscope.engine.batch import BatchEngine, StepRecord
+from specscope.engine.request import Finished, Request
 
-__all__ = ["BatchEngine", "Finished", "Request"]
+__all__ = ["BatchEngine", "Finished", "Request", "StepRecord"]

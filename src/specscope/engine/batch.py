@@ -13,77 +13,31 @@ from __future__ import annotations
 
 import heapq
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, NamedTuple
+from typing import Callable
 
 import torch
 
+from specscope.engine.request import (Finished, Request, StopCriteria, TokenLogprob, check_context,
+                                      token_logprobs)
 from specscope.errors import SpecscopeError
-from specscope.generate import StopCriteria, check_context
 from specscope.models.context import region_inputs
 from specscope.models.llama import ForwardOutput
-from specscope.runtime.sampling import SamplingParams, make_generator, next_token
+from specscope.runtime.sampling import make_generator, next_token
 from specscope.speculative.acceptance import accept
 from specscope.speculative.drafters import Drafter, run_together
-from specscope.speculative.stats import SpecTally
+from specscope.speculative.stats import CycleCounts, SpecTally
 from specscope.speculative.tree import DraftTree
 
-
-class TokenLogprob(NamedTuple):
-    """One position under the target: the log-softmax of its raw logits (before temperature, top-k, top-p), at
-    the token that stands there and at the k likeliest tokens, as (id, logprob), likeliest first."""
-    logprob: float
-    top: list[tuple[int, float]]
-
-
-def token_logprobs(logits: torch.Tensor, tokens: list[int], k: int) -> list[TokenLogprob]:
-    """logits [n, V] (the rows that chose or predicted `tokens`, one each) -> a TokenLogprob per row."""
-    lp = torch.log_softmax(logits.float(), dim=-1)
-    chosen = lp[torch.arange(len(tokens)), torch.tensor(tokens, dtype=torch.long)].tolist()
-    if not k:
-        return [TokenLogprob(c, []) for c in chosen]
-    vals, idx = torch.topk(lp, min(k, lp.shape[-1]), dim=-1)
-    return [TokenLogprob(c, list(zip(i, v))) for c, i, v in zip(chosen, idx.tolist(), vals.tolist())]
-
-
-@dataclass
-class Request:
-    id: str
-    prompt_ids: list[int]
-    max_new_tokens: int = 128
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    stop_ids: tuple = ()
-    on_tokens: Callable[[list[int]], None] | None = None   # streamed as tokens are committed; raising cancels
-    # log-probabilities, taken from the logits the step chose each token by (a verify row when drafts were
-    # accepted): so speculation never changes them. None: not computed; k: also the k likeliest tokens
-    logprobs: int | None = None
-    prompt_logprobs: int | None = None   # the same for prompt tokens 2..n: the prompt is then computed, not reused
-    # (records, prompt) -> None: the prompt's records once (its first token's is None), then each committed
-    # token's, always before on_tokens gets those tokens
-    on_logprobs: Callable[[list, bool], None] | None = None
-
-
-@dataclass
-class Finished:
-    id: str
-    token_ids: list[int]
-    stop_reason: str                      # "eos" | "length" | "cancelled" | "aborted" (see exc)
-    prompt_len: int
-    t_queued: float                       # perf_counter seconds: added, first scheduled, first token, finished
-    t_scheduled: float | None
-    t_first_token: float | None
-    t_finished: float
-    stats: object | None = None           # SpecStats for a speculative sequence
-    exc: BaseException | None = None      # what on_tokens (or committing the sequence) raised, for "aborted"
-    cached_tokens: int = 0                # prompt tokens whose keys/values were reused, not computed
-    logprobs: list[TokenLogprob] | None = None          # per token_ids entry (Request.logprobs)
-    prompt_logprobs: list[TokenLogprob | None] | None = None   # per prompt token, None for the first
+__all__ = ["BatchEngine", "Finished", "Request", "StepRecord", "TokenLogprob"]
+PLAIN = CycleCounts(1, [], 0, None)      # a plain sequence's step, as the profiler counts it
 
 
 class _Seq:
     """A running sequence: its region of the target cache, committed length, next root and drafter."""
 
-    def __init__(self, req: Request, base: int, drafter: Drafter | None, cfg, t_queued: float):
+    def __init__(self, req: Request, base: int, drafter: Drafter | None, cfg, t_queued: float, device):
         self.req, self.base, self.drafter, self.cfg = req, base, drafter, cfg
         self.length = 0                   # committed target tokens (slots base .. base + length - 1)
         self.root: int | None = None      # the token the next step feeds (None until prefilled)
@@ -93,11 +47,12 @@ class _Seq:
         self.aux: list[list[torch.Tensor]] = []   # the chunks' aux states, for a drafter's start
         self.produced: list[int] = []
         self.stop = StopCriteria(req.max_new_tokens, req.stop_ids)
-        self.gen = make_generator(req.sampling, torch.device("cpu"))
+        self.gen = make_generator(req.sampling, device)     # on the logits' device, as torch.multinomial needs
         self.tally = SpecTally(cfg, drafter.kind, drafter.model_kind) if drafter is not None else None
         self.t_queued, self.t_scheduled, self.t_first = t_queued, None, None
         self.tree: DraftTree | None = None
         self.drafted = False              # this step's tree came from the drafter (a plain step's did not)
+        self.counts = PLAIN               # this step's, for a profiler
         self.idle = 0                     # plain steps in a row with a drafter attached (see BatchEngine.DETACH)
         self.exc: BaseException | None = None
         self.lps = [] if req.logprobs is not None else None                # per committed token
@@ -121,20 +76,39 @@ class StepRecord:
 
     @property
     def ms(self) -> float:
-        return sum(self.phases_ms.values())
+        return sum(v for k, v in self.phases_ms.items() if "." not in k)   # sub-phases lie inside their phase
+
+
+PHASES = ("draft", "verify", "accept", "commit", "other")
 
 
 class _Clock:
-    """Phase stopwatch of one step: `lap(name)` charges the time since the previous lap to `name`."""
+    """Phase stopwatch of one step: `lap(name)` charges the time since the previous lap to `name`; `phase(name)`
+    times a sub-phase within the current one (a drafter's "draft.step0", kept for a profiler). On CUDA every
+    reading waits for the device, so each phase holds its own kernels' time rather than their launches'."""
 
-    def __init__(self):
-        self.t = time.perf_counter()
-        self.ms = dict.fromkeys(("draft", "verify", "accept", "commit", "other"), 0.0)
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.t = self._now()
+        self.ms = dict.fromkeys(PHASES, 0.0)
+
+    def _now(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
 
     def lap(self, name: str) -> None:
-        now = time.perf_counter()
+        now = self._now()
         self.ms[name] += (now - self.t) * 1e3
         self.t = now
+
+    @contextmanager
+    def phase(self, name: str):
+        t0 = self._now()
+        try:
+            yield
+        finally:
+            self.ms[name] = self.ms.get(name, 0.0) + (self._now() - t0) * 1e3
 
 
 @dataclass
@@ -189,11 +163,15 @@ class BatchEngine:
     None` picks the draft shape for the step's speculative sequences (None: a plain step; their drafters catch up
     later). A policy with `attach(batch_size)` also says whether a request admitted at that batch size gets a
     drafter at all: one that will not draft at the load it joins decodes as a plain sequence (its prompt reusing
-    cached prefixes, no drafter state kept per token), which is what makes a drafter free under load."""
+    cached prefixes, no drafter state kept per token), which is what makes a drafter free under load.
+
+    `profiler` (profile/cycle.py CycleProfiler): every step that decodes is one cycle of it, with the step's
+    phases (a step where nothing drafted is "decode") and, for one sequence, its acceptance: `generate` runs a
+    request as a batch of one through this loop and profiles it so."""
 
     def __init__(self, target, drafter: Drafter | None = None, cfg=None, max_num_seqs: int = 16,
                  max_seq_len: int | None = None, max_num_batched_tokens: int = 2048,
-                 spec_policy: Callable[[int], object] | None = None, prefix_caching: bool = True):
+                 spec_policy: Callable[[int], object] | None = None, prefix_caching: bool = True, profiler=None):
         if max_num_seqs < 1:
             raise SpecscopeError(f"--max-num-seqs must be >= 1, got {max_num_seqs}")
         if max_num_batched_tokens < 1:
@@ -216,12 +194,16 @@ class BatchEngine:
         # the drafters' caches: one shared cache in regions where the drafter allows it, so one forward drafts for
         # every sequence (speculative/drafters.py run_together); else each spawn keeps its own
         self.draft_region = self.region + 1 + (cfg.expansion_slots if cfg is not None else 0)
-        self.draft_cache = drafter.region_cache(self.draft_region * max_num_seqs) if drafter is not None else None
+        # (a batch of one: its drafter keeps a cache of its own and drafts as it would alone)
+        self.draft_cache = drafter.region_cache(self.draft_region * max_num_seqs) \
+            if drafter is not None and max_num_seqs > 1 else None
         # prefix caching: the tokens whose keys/values each free region still holds (slots base .. base + len - 1)
         self.prefix_caching = prefix_caching
         self.held: dict[int, list[int]] = {}
         self.prefix_queries = self.prefix_hits = 0   # prompt tokens admitted / reused (vLLM's counters)
         self.last_step: StepRecord | None = None     # the latest step's phases and counts (the server exports them)
+        self.profiler = profiler
+        self.no_tree = DraftTree.empty(target.device)   # a plain step's (never modified: one for all)
 
     # -- requests -----------------------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -243,14 +225,14 @@ class BatchEngine:
 
     # -- one step -------------------------------------------------------------------------------------------------
     def step(self) -> list[Finished]:
-        clock, self.last_step = _Clock(), None
+        clock, self.last_step = _Clock(self.target.device), None
         done = self._drop_cancelled()
         self._admit()
         if not self.running:
             return done
         shape = self.spec_policy(len(self.running)) if self.drafter is not None else None
         clock.lap("other")
-        self._draft(shape)
+        self._draft(shape, clock if self.profiler is not None else None)
         clock.lap("draft")
         self._chunk()
         stepping = [s for s in self.running if s.root is not None or s.chunk]
@@ -272,6 +254,8 @@ class BatchEngine:
         done += self._finish_all(stepping, planned, out, clock, rec)
         rec.phases_ms = clock.ms
         self.last_step = rec
+        if self.profiler is not None and rec.batch:
+            self._profile(rec, [s for s, (_, plan) in zip(stepping, planned) if plan == "verify"])
         observe = getattr(self.spec_policy, "observe", None)
         if observe is not None:     # a live policy (economics/policy.py PricedPolicy) learns from every step
             observe(rec)
@@ -300,6 +284,17 @@ class BatchEngine:
             clock.lap("other")
             r, l = r + n, l + nl
         return done
+
+    def _profile(self, rec: StepRecord, decoding: list[_Seq]) -> None:
+        """The step as one profiler cycle: a plain step's forward, choice and commit are its "decode" (as plain
+        decoding has always been profiled); a drafted step keeps its phases. One sequence's acceptance counts; a
+        step of several sequences counts the tokens they committed."""
+        ph = dict(rec.phases_ms)
+        if not rec.drafted:
+            ph = {"decode": ph.pop("verify") + ph.pop("accept") + ph.pop("commit"), "other": ph.pop("other") +
+                  ph.pop("draft"), **ph}
+        counts = decoding[0].counts if len(decoding) == 1 else CycleCounts(rec.tokens, [], 0, None)
+        self.profiler.add_cycle(ph, *counts)
 
     @staticmethod
     def _logit_rows(seq: _Seq, plan: str, n: int) -> int:
@@ -348,10 +343,11 @@ class BatchEngine:
             base, reuse = self._region_for(req.prompt_ids, req.prompt_logprobs is None
                                            and not (drafting and self.aux_layers))
             budget -= len(req.prompt_ids) - reuse
-            drafter = self.drafter.spawn() if drafting else None
+            # one sequence at a time keeps the caller's drafter (its state stays theirs to read, as generate's has)
+            drafter = (self.drafter if self.max_num_seqs == 1 else self.drafter.spawn()) if drafting else None
             if drafter is not None and self.draft_cache is not None:
                 drafter.use_region(self.draft_cache, base // self.region * self.draft_region)
-            seq = _Seq(req, base, drafter, self.cfg, tq)
+            seq = _Seq(req, base, drafter, self.cfg, tq, self.target.device)
             seq.prefilled = seq.cached = reuse
             seq.t_scheduled = time.perf_counter()
             self.prefix_queries += len(req.prompt_ids)
@@ -399,20 +395,19 @@ class BatchEngine:
         return Finished(seq.req.id, seq.produced, reason, len(seq.req.prompt_ids), seq.t_queued, seq.t_scheduled,
                         seq.t_first, time.perf_counter(), stats, seq.exc, seq.cached, seq.lps, seq.prompt_lps)
 
-    def _draft(self, shape) -> None:
+    def _draft(self, shape, clock: _Clock | None = None) -> None:
         """Every prefilled sequence's tree for this step: drafted together (shape given) or empty (a plain step;
-        a drafter catches up on it later)."""
-        dev = self.target.device
+        a drafter catches up on it later). `clock`: where the drafters time their own sub-phases (profiled)."""
         drafting = []
         for seq in self.running:
             seq.drafted = seq.root is not None and seq.drafter is not None and shape is not None
-            seq.tree = DraftTree.empty(dev)
+            seq.tree = self.no_tree
             if seq.drafted:
                 drafting.append(seq)
         if shape is None and self.attach is not None:
             self._detach_idle()
-        trees = run_together([s.drafter.drafting(shape.within(self.context - 1 - s.length), s.req.sampling, s.gen)
-                              for s in drafting])
+        trees = run_together([s.drafter.drafting(shape.within(self.context - 1 - s.length), s.req.sampling, s.gen,
+                                                 clock) for s in drafting])
         for seq, tree in zip(drafting, trees):
             seq.tree = tree
             seq.idle = 0
@@ -471,10 +466,11 @@ class BatchEngine:
             seq.step_lps = token_logprobs(logits[rows], new_tokens, seq.req.logprobs)
         clock.lap("accept")
         self._compact(seq, rows)
+        seq.counts = PLAIN
         if seq.drafter is not None:
             seq.drafter.commit(rows, out, new_tokens)
             if seq.drafted:
-                seq.tally.add(tree, rows)
+                seq.counts = seq.tally.add(tree, rows)
         seq.root = new_tokens[-1]
         clock.lap("commit")
         return new_tokens
@@ -493,13 +489,8 @@ class BatchEngine:
             seq.req.on_logprobs(seq.prompt_lps, True)
 
     def _compact(self, seq: _Seq, rows: list[int]) -> None:
-        """Move the accepted rows' cache entries to the end of the committed ones (as KVCache.compact does for
-        row 0 of a cache of its own)."""
-        c, n, dst = self.cache, len(rows), seq.base + seq.length
-        keep = torch.tensor(rows, device=c.k.device) + dst
-        if rows != list(range(n)):
-            c.k[:, 0, :, dst:dst + n] = c.k[:, 0, :, keep]
-            c.v[:, 0, :, dst:dst + n] = c.v[:, 0, :, keep]
-            c.pos[0, dst:dst + n] = c.pos[0, keep]
-        seq.length += n
-        c.pos[0, seq.base + seq.length:seq.base + self.region] = -1
+        """The accepted rows' cache entries to the end of the sequence's committed ones; the rest of its region
+        emptied."""
+        dst = seq.base + seq.length
+        self.cache.compact([r + dst for r in rows], dst, seq.base + self.region)
+        seq.length += len(rows)

@@ -58,6 +58,9 @@ def region_inputs(parts) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     slots [n] and mask [n, S_local] in the region's own coordinates, the region's first slot). -> positions and
     slots [1, N], mask [1, N, S] with each part's block at its region's columns and nothing else open, so a row
     attends to its own sequence only (the row kernels then give it the bits it gets alone)."""
+    if len(parts) == 1 and parts[0][3] == 0:     # one sequence at the cache's start: its own inputs as they are
+        pos, slots, mask, _ = parts[0]
+        return pos[None], slots[None], mask[None]
     N = sum(int(p[0].numel()) for p in parts)
     S = max(base + mask.shape[1] for _, _, mask, base in parts)
     out = torch.zeros(N, S, dtype=torch.bool, device=parts[0][0].device)

@@ -175,10 +175,35 @@ class CycleProfiler:
         """Close the current cycle: `accept_length` tokens were produced (accepted drafts + the bonus token);
         `accepted` flags per draft position along the chosen path; `num_draft` tokens were drafted; `sources`
         names the source of each accepted draft token, in path order (hybrid drafters)."""
-        if accept_length < 0:
-            raise SpecscopeError(f"accept_length must be >= 0, got {accept_length}")
         if self._cycle_t0 is None:
             self._start_cycle()
+        self._count(accept_length, accepted, num_draft, sources)
+        if self._cuda and not self.sync:
+            end = self._event()
+            self._unresolved.append((self._cycle_t0, end, self._pending))
+            self._pending = []
+            self._cycle_t0 = None
+            if len(self._unresolved) >= 256:
+                self._resolve(block=False)
+        else:
+            if self._cuda:
+                self._torch.cuda.synchronize(self.device)
+            self._store((time.perf_counter_ns() - self._cycle_t0) * 1e-6, self._cur)
+            self._cur = {}
+            self._cycle_t0 = None
+
+    def add_cycle(self, phases_ms: dict[str, float], accept_length: int, accepted: list[bool] | None = None,
+                  num_draft: int = 0, sources: list[str] | None = None) -> None:
+        """A cycle its engine timed itself (the batched engine's step laps, synchronised on CUDA): its top phases'
+        ms, which add up to its wall time, and sub-phases ("draft.step0") inside them; counted like `end_cycle`."""
+        self._count(accept_length, accepted, num_draft, sources)
+        self._store(sum(v for k, v in phases_ms.items() if "." not in k), phases_ms)
+        if self._cuda:
+            self.sync = True       # what summary() reports as the timer: wall-clock laps, not CUDA events
+
+    def _count(self, accept_length: int, accepted, num_draft: int, sources) -> None:
+        if accept_length < 0:
+            raise SpecscopeError(f"accept_length must be >= 0, got {accept_length}")
         if accepted is not None:
             accepted = [bool(a) for a in accepted]
             num_draft = max(num_draft, len(accepted))
@@ -193,19 +218,6 @@ class CycleProfiler:
             col += [0] * (i + 1 - len(col))
             col[i] += 1
         self._num_draft.append(int(num_draft))
-        if self._cuda and not self.sync:
-            end = self._event()
-            self._unresolved.append((self._cycle_t0, end, self._pending))
-            self._pending = []
-            self._cycle_t0 = None
-            if len(self._unresolved) >= 256:
-                self._resolve(block=False)
-        else:
-            if self._cuda:
-                self._torch.cuda.synchronize(self.device)
-            self._store((time.perf_counter_ns() - self._cycle_t0) * 1e-6, self._cur)
-            self._cur = {}
-            self._cycle_t0 = None
         self._cycles += 1
 
     # ---- bookkeeping ----------------------------------------------------------------------------------------

@@ -58,17 +58,21 @@ class KVCache:
                 f"sequence needs {needed} KV slots but the cache holds {self.max_len}; "
                 f"shorten the prompt or lower --max-new-tokens")
 
-    def compact(self, keep_slots, row: int = 0):
-        """Move the entries at `keep_slots` (ascending, all >= length) to length.., drop the rest."""
-        keep = torch.as_tensor(keep_slots, dtype=torch.long, device=self.k.device)
-        n = int(keep.numel())
-        dst = torch.arange(self.length, self.length + n, device=self.k.device)
-        if n and not torch.equal(keep, dst):
-            self.k[:, row, :, self.length:self.length + n] = self.k[:, row, :, keep]
-            self.v[:, row, :, self.length:self.length + n] = self.v[:, row, :, keep]
-            self.pos[row, self.length:self.length + n] = self.pos[row, keep]
-        self.length += n
-        self.pos[row, self.length:] = -1
+    def compact(self, keep_slots: list[int], dst: int | None = None, end: int | None = None):
+        """Move the entries at `keep_slots` (ascending, all >= dst) to dst.., and mark dst + len(keep)..end - 1
+        empty. By default dst is the committed length, which then grows by what was kept, and end the cache's
+        (one sequence in a cache of its own); the batched engine passes its sequence's region."""
+        n = len(keep_slots)
+        own = dst is None
+        dst = self.length if own else dst
+        if keep_slots != list(range(dst, dst + n)):
+            keep = torch.tensor(keep_slots, dtype=torch.long, device=self.k.device)
+            self.k[:, 0, :, dst:dst + n] = self.k[:, 0, :, keep]
+            self.v[:, 0, :, dst:dst + n] = self.v[:, 0, :, keep]
+            self.pos[0, dst:dst + n] = self.pos[0, keep]
+        if own:
+            self.length += n
+        self.pos[0, dst + n:end] = -1
 
     def truncate(self, length: int):
         self.length = length

@@ -1,4 +1,4 @@
-"""OpenAI's logprobs shapes, built from the engine's records (engine/batch.py TokenLogprob).
+"""OpenAI's logprobs shapes, built from the engine's records (engine/request.py TokenLogprob).
 
 Chat: choices[].logprobs = {"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}, the
 k likeliest tokens in top_logprobs. Completions (legacy): {"tokens", "token_logprobs", "top_logprobs",

@@ -24,7 +24,7 @@ from pathlib import Path
 from specscope import session   # session.load_target looked up per call: tests stub it
 from specscope.economics.policy import spec_policy
 from specscope.economics.prices import host_prices
-from specscope.engine.batch import BatchEngine, Finished, Request
+from specscope.engine import BatchEngine, Finished, Request
 from specscope.errors import SpecscopeError
 from specscope.models.hub import parse_hub_id
 from specscope.models.loader import compute_dtype
@@ -88,7 +88,7 @@ class Job:
         self.t_first: float | None = None
         self.text = ""      # streamed so far: decoded text, and how much of it was sent (the rest is holdback)
         self.sent = 0
-        # the engine's logprob records (engine/batch.py TokenLogprob), filled on the worker thread before the
+        # the engine's logprob records (engine/request.py TokenLogprob), filled on the worker thread before the
         # event that carries their tokens is posted: a reader of that event finds them here
         self.lps: list = []
         self.prompt_lps: list | None = None

@@ -1,26 +1,23 @@
-"""The speculative cycle: draft -> verify -> accept -> commit, and `speculative_generate` around it."""
+"""What speculative decoding is asked to do: the --draft value (`DraftSpec`), the drafting shape (`SpecConfig`,
+a drafter's declared shape), the drafter it builds (`build_drafter`), and `speculative_generate`. The cycle
+itself (draft -> verify -> accept -> commit) is the batched engine's step (engine/batch.py)."""
 
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from specscope.errors import SpecscopeError
-from specscope.generate import GenerationResult, StopCriteria, check_context, prefill, sync
+from specscope.generate import GenerationResult, generate
 from specscope.models import loader   # loader.load_model looked up per call: tests stub it
 from specscope.models.hub import DRAFTER_ASSETS as ASSETS  # one place for the shipped drafters
 from specscope.models.hub import KNOWN_MODELS, parse_hub_id, resolve_drafter
 from specscope.models.linear import pack_linears
-from specscope.runtime.sampling import SamplingParams, make_generator, next_token
-from specscope.speculative.acceptance import accept
-from specscope.speculative.drafters import DraftModelDrafter, Drafter, Eagle3TreeDrafter, _phase
+from specscope.runtime.sampling import SamplingParams
+from specscope.speculative.drafters import DraftModelDrafter, Drafter, Eagle3TreeDrafter
 from specscope.speculative.hybrid import HybridDrafter, NgramDrafter, priced_alone
 from specscope.speculative.formats import is_eagle3_config, load_drafter, read_config
-from specscope.speculative.stats import SpecTally
 
 DEFAULT_DRAFTER = "smollm2-135m-eagle3"
 # --draft spellings of n-gram copying -> its source (speculative/ngram.py); "ngram" is the one measured best
@@ -218,47 +215,13 @@ def declared_shape(draft: str) -> SpecConfig | None:
     return cfg
 
 
-@torch.inference_mode()
 def speculative_generate(target, drafter: Drafter, prompt_ids: list[int], max_new_tokens: int = 128,
                          sampling: SamplingParams | None = None, stop_ids=(), cfg: SpecConfig | None = None,
                          on_tokens=None, profiler=None) -> GenerationResult:
-    """Speculative decoding with any drafter; greedy output equals `generate`'s, sampling keeps its distribution."""
-    sampling = sampling or SamplingParams()
+    """Speculative decoding with any drafter, through `generate`'s loop (the batched engine, one sequence);
+    greedy output equals plain `generate`'s, sampling keeps its distribution."""
     cfg = _checked(cfg or SpecConfig.from_knobs(), drafter)
-    device, T = target.device, len(prompt_ids)
-    max_len = check_context(target, T, max_new_tokens, extra=cfg.verify_tokens + 1)
-    ctx = target.config.max_position_embeddings
-    cache = target.new_cache(max_len)
-    gen = make_generator(sampling, device)
-    stop = StopCriteria(max_new_tokens, stop_ids)
-
-    sync(device)
-    t0 = time.perf_counter()
-    # the drafter's cache: the committed sequence (+1: a draft model also holds the root) and one cycle's expansions
-    out = prefill(target, cache, torch.tensor([prompt_ids], device=device), drafter.aux_layers)
-    root = int(next_token(out.logits[:, -1], sampling, gen))
-    drafter.start(list(prompt_ids), root, out, T + max_new_tokens + 1 + cfg.expansion_slots)
-    sync(device)
-    t1 = time.perf_counter()
-
-    produced: list[int] = []
-    reason = stop.emit(produced, [root], on_tokens)
-    tally = SpecTally(cfg, drafter.kind, drafter.model_kind)
-    cycle_ms = []
-    while reason is None:
-        tc = time.perf_counter()
-        # the root sits at position cache.length; a node at depth d is verified at cache.length + d < ctx.
-        # The loop runs only while tokens are owed, so the root is at most ctx - 2 and one level always fits.
-        tree, rows, new_tokens = cycle(target, drafter, cache, root, cfg.within(ctx - 1 - cache.length), sampling,
-                                       gen, profiler)
-        with _phase(profiler, "other"):
-            reason = stop.emit(produced, new_tokens, on_tokens)
-        tally.add(tree, rows, profiler)
-        root = new_tokens[-1]                     # the bonus token roots the next cycle
-        cycle_ms.append((time.perf_counter() - tc) * 1e3)
-    sync(device)
-    t2 = time.perf_counter()
-    return GenerationResult(produced, T, t1 - t0, t2 - t1, reason, cycle_ms, tally.stats())
+    return generate(target, prompt_ids, max_new_tokens, sampling, stop_ids, on_tokens, profiler, drafter, cfg)
 
 
 def _checked(cfg: SpecConfig, drafter: Drafter) -> SpecConfig:
@@ -268,18 +231,3 @@ def _checked(cfg: SpecConfig, drafter: Drafter) -> SpecConfig:
         raise SpecscopeError("--ngram-tokens is the n-gram branch of a hybrid drafter (--draft DRAFTER+ngram)")
     return cfg
 
-
-def cycle(target, drafter: Drafter, cache, root: int, cfg: SpecConfig, sampling, gen, profiler=None):
-    """One cycle: draft a tree under `root`, verify it in one target forward, accept a path, commit it to both
-    caches. -> (tree, accepted rows: 0 is the root, new tokens: the accepted drafts + the bonus token)."""
-    with _phase(profiler, "draft"):
-        tree = drafter.propose(cfg, sampling, gen, profiler)
-    with _phase(profiler, "verify"):
-        v_ids, v_pos, v_slots, v_mask = tree.verify_inputs(root, cache.length, cache.length)
-        vout = target(v_ids, v_pos, cache, v_slots, v_mask, aux_layers=drafter.aux_layers)
-    with _phase(profiler, "accept"):
-        rows, new_tokens = accept(vout.logits[0], tree, sampling, gen)
-    with _phase(profiler, "commit"):
-        cache.compact(torch.tensor(rows, device=target.device) + cache.length)
-        drafter.commit(rows, vout, new_tokens)
-    return tree, rows, new_tokens

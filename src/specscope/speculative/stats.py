@@ -5,6 +5,7 @@ Typed so that a reader names a field instead of a string key (a misspelt key rea
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from specscope.speculative.acceptance import RankCounts, SourceCounts
 from specscope.speculative.tree import DRAFTED, DraftTree
@@ -40,6 +41,15 @@ class SpecStats:
         return self.hybrid_cycles is not None
 
 
+class CycleCounts(NamedTuple):
+    """One cycle as the profiler counts it (CycleProfiler.add_cycle): tokens committed (accepted + bonus), the
+    accepted flag per draft depth along the path, nodes verified, and a hybrid's source per accepted token."""
+    accept_length: int
+    accepted: list[bool]
+    num_draft: int
+    sources: list[str] | None
+
+
 class SpecTally:
     """The counters of one speculative generation, added cycle by cycle -> `stats()`. `model_kind`: a hybrid's
     model drafter (its tree is counted as if it had drafted alone; the copy's tokens by source)."""
@@ -53,8 +63,8 @@ class SpecTally:
         self.by_source = SourceCounts(model_kind) if model_kind else None
         self.verified: list[int] = []             # draft nodes verified per cycle
 
-    def add(self, tree: DraftTree, rows: list[int], profiler=None) -> None:
-        """One cycle: `tree` verified, `rows` its accepted path (0 = the root); ends the profiler's cycle too."""
+    def add(self, tree: DraftTree, rows: list[int]) -> CycleCounts:
+        """One cycle: `tree` verified, `rows` its accepted path (0 = the root)."""
         hybrid = self.by_source is not None
         self.verified.append(tree.size)
         own = drafted_part(tree, rows) if hybrid else (tree, rows)
@@ -70,8 +80,7 @@ class SpecTally:
                 self.acc_pos[i] += 1
         self.accept_lengths.append(n_acc + 1)
         sources = self.by_source.add(tree, rows) if hybrid else None
-        if profiler is not None:
-            profiler.end_cycle(n_acc + 1, [i < n_acc for i in range(depth)], tree.size, sources)
+        return CycleCounts(n_acc + 1, [i < n_acc for i in range(depth)], tree.size, sources)
 
     def stats(self) -> SpecStats:
         cfg, cycles, bs = self.cfg, len(self.accept_lengths), self.by_source

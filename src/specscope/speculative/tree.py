@@ -72,6 +72,9 @@ class DraftTree:
     def verify_inputs(self, root: int, root_pos: int, prefix_len: int) -> VerifyInput:
         dev = self.tokens.device
         n = self.size
+        if n == 0:   # a plain step, the commonest under load: the root alone, over every slot before it
+            t = torch.tensor([[root], [root_pos], [prefix_len]], device=dev)
+            return VerifyInput(t[0:1], t[1:2], t[2:3], torch.ones(1, 1, prefix_len + 1, dtype=torch.bool, device=dev))
         ids = torch.cat([torch.tensor([root], device=dev), self.tokens])[None]
         pos = (root_pos + torch.cat([torch.zeros(1, dtype=torch.long, device=dev), self.depth]))[None]
         slots = torch.arange(prefix_len, prefix_len + n + 1, device=dev)[None]

@@ -158,6 +158,7 @@ def train(workdir, target_name, stages, dataset, dataset_split, dataset_config, 
     SpecForge's spellings work too: --target-model-path, --train-data-path, --num-epochs, --learning-rate,
     --max-length, --ttt-length, --output-dir, --report-to, --server-address, --max-tokens, --concurrency.
     """
+    from specscope.train.pipeline import Answering
     from specscope.train.stages import AnswerServer, CaptureOptions, DataOptions, TrainJob, plan_stages, run_stages
     from specscope.train.trainer import TrainConfig, process_device
 
@@ -166,10 +167,11 @@ def train(workdir, target_name, stages, dataset, dataset_split, dataset_config, 
                       eval_every=eval_every, ckpt_every=ckpt_every, eval_fraction=eval_fraction, max_len=max_len,
                       max_minutes=max_minutes)
     data = DataOptions(dataset=dataset, dataset_split=dataset_split, dataset_config=dataset_config,
-                       dataset_streaming=dataset_streaming, prompt_files=list(prompt_files), synth=synth,
-                       regenerate=regenerate, synth_batch=synth_batch, user_temperature=user_temperature,
-                       answer_batch=answer_batch, capture_batch=capture_batch, user_tokens=user_tokens,
-                       response_tokens=response_tokens, gen_dtype=gen_dtype)
+                       dataset_streaming=dataset_streaming, prompt_files=list(prompt_files),
+                       answering=Answering(regenerate=regenerate, synth=synth, synth_batch=synth_batch,
+                                           user_tokens=user_tokens, user_temperature=user_temperature,
+                                           response_tokens=response_tokens, answer_batch=answer_batch),
+                       capture_batch=capture_batch, gen_dtype=gen_dtype)
     job = TrainJob(workdir, target_name, _stages(stages), cfg, data, CaptureOptions(capture, capture_dir, engine_args),
                    AnswerServer(answers_from, served_model_name, api_key, concurrency, timeout_s),
                    draft_vocab=draft_vocab, init_from=init_from, resume=resume, report_to=report_to,

@@ -194,8 +194,9 @@ def read_data_sources(dataset: str | None, prompt_files: list[str] | None, synth
 
 @dataclass
 class Answering:
-    """How the data stage gets its answers (data_stage's flags, grouped): from `endpoint` (a train.endpoint.Endpoint)
-    or the local target (`regenerate`: none / greedy / sample), plus `synth` Magpie conversations of the target."""
+    """How the data stage gets its answers (the train command's flags, grouped): from `endpoint` (a
+    train.endpoint.Endpoint) or the local target (`regenerate`: none / greedy / sample), plus `synth` Magpie
+    conversations of the target; `seed` and `endpoint` are set when the stage runs."""
 
     regenerate: str = "none"
     synth: int = 0
@@ -213,22 +214,19 @@ class Answering:
             sources.items or (sources.convs is not None and self.regenerate != "none"))
 
 
-def data_stage(workdir: Path, model, tok, tinfo: dict, *, dataset: str | None = None, synth: int = 0,
-               regenerate: str = "none", aux_layers: list[int], synth_batch: int = 16, user_tokens: int = 64,
-               response_tokens: int = 192, max_len: int = 1024, seed: int = 0, gen_model=None, log=print,
-               prompt_files: list[str] | None = None, answer_batch: int = 32, capture_batch: int = 4,
-               user_temperature: float = 0.8, sources: DataSources | None = None, endpoint=None,
+def data_stage(workdir: Path, model, tok, tinfo: dict, *, dataset: str | None = None, aux_layers: list[int],
+               how: Answering | None = None, max_len: int = 1024, gen_model=None, log=print,
+               prompt_files: list[str] | None = None, capture_batch: int = 4, sources: DataSources | None = None,
                features=None, captured_by: dict | None = None) -> dict:
-    """`sources`: what read_data_sources returned for these flags (read here when not given). `endpoint`: a
-    train.endpoint.Endpoint that answers the --prompt-file prompts, or regenerates the --dataset's assistant turns,
-    instead of the local target (which still writes --synth conversations and captures every feature).
-    `features` (train.capture.VLLMFeatures): an engine computes the features instead; `model` then only gives
-    its `.config`, so every answer must come from `endpoint`."""
+    """`how`: where the answers come from and how much is synthesised (Answering; its `endpoint`, a
+    train.endpoint.Endpoint, answers the --prompt-file prompts or regenerates the --dataset's assistant turns
+    instead of the local target, which still writes --synth conversations and captures every feature).
+    `sources`: what read_data_sources returned for these flags (read here when not given). `features`
+    (train.capture.VLLMFeatures): an engine computes the features instead; `model` then only gives its `.config`,
+    so every answer must come from the endpoint."""
+    how = how or Answering()
     if sources is None:
-        sources = read_data_sources(dataset, prompt_files, synth, log)
-    how = Answering(regenerate=regenerate, synth=synth, synth_batch=synth_batch, user_tokens=user_tokens,
-                    user_temperature=user_temperature, response_tokens=response_tokens, answer_batch=answer_batch,
-                    seed=seed, endpoint=endpoint)
+        sources = read_data_sources(dataset, prompt_files, how.synth, log)
     if features is not None and how.needs_forward(sources):
         raise SpecscopeError("the target's forward does not run here (--capture): its answers must come from a "
                              "server (--answers-from, or the capture server itself), and --synth needs it")

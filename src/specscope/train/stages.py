@@ -3,7 +3,7 @@ and files decide checked before the target loads (`plan_stages`), then run in or
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -24,14 +24,8 @@ class DataOptions:
     dataset_config: str | None = None
     dataset_streaming: bool = False
     prompt_files: list[str] = field(default_factory=list)
-    synth: int = 0
-    regenerate: str = "none"           # none | greedy | sample
-    synth_batch: int = 16
-    user_temperature: float = 0.8
-    answer_batch: int = 32
+    answering: pipeline.Answering = field(default_factory=pipeline.Answering)   # answers and synthesis
     capture_batch: int = 4
-    user_tokens: int = 64
-    response_tokens: int = 192
     gen_dtype: str = "fp32"
 
 
@@ -126,14 +120,14 @@ def plan_stages(job: TrainJob, echo: Callable[[str], None]) -> Plan:
     if world > 1 and ("data" in todo or "vocab" in todo or "select" in todo):
         raise SpecscopeError("run the data, vocab and select stages in one process; torchrun only --stages train")
     cap_mode, cap_argv = check_flags(job.capture.mode, job.capture.capture_dir, job.capture.engine_args, todo,
-                                     d.synth)
+                                     d.answering.synth)
     # the target's forward runs here only for a local data stage and for select
     runs_forward = ("data" in todo and cap_mode is None) or "select" in todo
     tpath, tcfg = _preflight(job.target_name, runs_forward)
     init = pipeline.init_drafter(job.init_from, resolve_target(str(tpath), job.target_name)) \
         if job.init_from else None
     aux = aux_layers(tcfg, init)
-    sources = (pipeline.read_data_sources(d.dataset, list(d.prompt_files), d.synth, log=say,
+    sources = (pipeline.read_data_sources(d.dataset, list(d.prompt_files), d.answering.synth, log=say,
                                           dataset_split=d.dataset_split, dataset_config=d.dataset_config,
                                           dataset_streaming=d.dataset_streaming)
                if "data" in todo else None)
@@ -220,8 +214,8 @@ def connect_answers(job: TrainJob, url: str, model: str | None, say):
         raise SpecscopeError("--answers-from answers --prompt-file prompts or regenerates a --dataset's assistant "
                              "turns; --synth conversations are written by the local target, so drop --answers-from "
                              "or add one of those")
-    sampled = d.regenerate == "sample"
-    ep = Endpoint(url, model=model, api_key=a.api_key, max_tokens=d.response_tokens,
+    sampled = d.answering.regenerate == "sample"
+    ep = Endpoint(url, model=model, api_key=a.api_key, max_tokens=d.answering.response_tokens,
                   temperature=0.8 if sampled else 0.0, top_p=0.95 if sampled else 1.0, seed=job.train.seed,
                   concurrency=a.concurrency, timeout_s=a.timeout_s)
     ep.connect(say)
@@ -255,15 +249,13 @@ def data_stage(job: TrainJob, plan: Plan, target: LoadedTarget) -> dict:
             target.model, _ = pipeline.load_target_head(job.target_name, target.dev)
         return {k: man.get(k) for k in ("sequences", "tokens", "loss_tokens", "skipped", "answers", "captured_by")}
     # the local target generates unless an endpoint answers everything (it still synthesises --synth)
-    local_gen = plan.endpoint is None or d.synth > 0
+    local_gen = plan.endpoint is None or d.answering.synth > 0
     gen = pipeline.load_target(job.target_name, target.dev, d.gen_dtype)[0] \
         if d.gen_dtype != "fp32" and local_gen else target.model
-    man = pipeline.data_stage(job.work, target.model, target.tok, target.info, dataset=d.dataset, synth=d.synth,
-                              regenerate=d.regenerate, aux_layers=plan.aux, synth_batch=d.synth_batch,
-                              user_tokens=d.user_tokens, response_tokens=d.response_tokens, max_len=job.train.max_len,
-                              seed=job.train.seed, gen_model=gen, log=plan.log, prompt_files=list(d.prompt_files),
-                              answer_batch=d.answer_batch, capture_batch=d.capture_batch,
-                              user_temperature=d.user_temperature, sources=plan.sources, endpoint=plan.endpoint)
+    how = replace(d.answering, seed=job.train.seed, endpoint=plan.endpoint)
+    man = pipeline.data_stage(job.work, target.model, target.tok, target.info, dataset=d.dataset, how=how,
+                              aux_layers=plan.aux, max_len=job.train.max_len, gen_model=gen, log=plan.log,
+                              prompt_files=list(d.prompt_files), capture_batch=d.capture_batch, sources=plan.sources)
     return {k: man.get(k) for k in ("sequences", "tokens", "loss_tokens", "skipped", "answers")}
 
 
@@ -278,17 +270,16 @@ def capture_data(job: TrainJob, plan: Plan, target: LoadedTarget) -> dict:
                         timeout_s=job.answers.timeout_s, model=job.answers.model) as cs:
         feats = cs.open(target.tok.encode_messages([{"role": "user", "content": "Hello"}]), say)
         src = plan.sources
-        needs_answers = bool(src.items) or (src.convs is not None and d.regenerate != "none")
+        needs_answers = bool(src.items) or (src.convs is not None and d.answering.regenerate != "none")
         if endpoint is None and needs_answers:
             endpoint = connect_answers(job, feats.url, feats.model, say)
             if cs.engine is not None:       # its port changes per run: its answers are cached under its launch
                 endpoint.key_as = "vllm started by specscope: " + " ".join([str(target.path), *plan.cap_argv])
-        return pipeline.data_stage(job.work, target.model, target.tok, target.info, aux_layers=plan.aux,
-                                   endpoint=endpoint, features=feats, captured_by=dict(feats.info), dataset=d.dataset,
-                                   synth=d.synth, regenerate=d.regenerate, response_tokens=d.response_tokens,
-                                   max_len=job.train.max_len, seed=job.train.seed, log=say,
-                                   prompt_files=list(d.prompt_files), capture_batch=d.capture_batch,
-                                   sources=plan.sources)
+        how = replace(d.answering, seed=job.train.seed, endpoint=endpoint)
+        return pipeline.data_stage(job.work, target.model, target.tok, target.info, aux_layers=plan.aux, how=how,
+                                   features=feats, captured_by=dict(feats.info), dataset=d.dataset,
+                                   max_len=job.train.max_len, log=say, prompt_files=list(d.prompt_files),
+                                   capture_batch=d.capture_batch, sources=plan.sources)
 
 
 def train_stage(job: TrainJob, plan: Plan, target: LoadedTarget, data) -> dict:

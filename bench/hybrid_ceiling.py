@@ -178,7 +178,7 @@ def methods_for(shapes, copy_max):
 class PricedRule:
     """The shipped priced rule (speculative/budget.py's BudgetRule, as HybridDrafter applies it) replayed on the
     recorded positions: the copy's length from the copy counts, whether to draft from the realized rates, the
-    verified nodes by calibrated probability. `copy=False`: the model drafter alone (`priced_alone`). One rule across
+    verified nodes by calibrated probability. `copy=False`: the model drafter alone (`PricedDrafter`). One rule across
     prompts, as the bench's priced drafters are; prices: the prompt's own measured curve (the live prices' target)."""
 
     def __init__(self, shape: int, limit: int, copy: bool = True):

@@ -103,7 +103,7 @@ def main(argv=None):
     from specscope.models import rowgemm
     from specscope.models.hub import KNOWN_MODELS, _package_file, cache_dir
     from specscope.speculative.decode import SpecConfig, build_drafter, speculative_generate
-    from specscope.speculative.hybrid import HybridDrafter
+    from specscope.speculative.hybrid import CopyFirstHybrid
 
     target, tok, _ = load_target("smollm2-135m", args.dtype, "cpu")
     stop = stop_ids_for(target, tok)
@@ -141,7 +141,7 @@ def main(argv=None):
                     out, secs, tau = r.token_ids, r.seconds, None
                 else:
                     if m == "hybrid":   # fresh n-gram state around the loaded EAGLE-3 drafter
-                        d, cfg = HybridDrafter(eagle, target.config.max_position_embeddings), hybrid
+                        d, cfg = CopyFirstHybrid(eagle, target.config.max_position_embeddings), hybrid
                     else:
                         d = eagle if m == "eagle3" else build_drafter("ngram", target)
                         cfg = shape if m == "eagle3" else SpecConfig(4, 1, 5)

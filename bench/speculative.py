@@ -2,8 +2,8 @@
 
 Methods: our baseline, EAGLE-3 (tree and chain, the shipped drafter), n-gram copying (the suffix index, `ngram`, and
 prompt lookup, `ngram_lookup`), the hybrid of the EAGLE-3 tree and n-gram copying in one verified tree
-(`eagle3_ngram`; `eagle3_ngram_adaptive`: its drafter sits out short-copy cycles while its own nodes earn
-under 0.5 accepted tokens a cycle; `eagle3_ngram_priced` and `ngram_priced`: each cycle's copy length and whether the
+(`eagle3_ngram`: the fixed copy-first rule, `CopyFirstHybrid`; `eagle3_ngram_priced` and `ngram_priced`: each
+cycle's copy length and whether the
 drafter runs chosen from this host's measured verify cost by rows, speculative/budget.py; `eagle3_priced`: EAGLE-3
 alone under the same rule, drafting where it has paid and verifying the nodes worth their rows), transformers `generate` and transformers prompt-lookup decoding. For each: tok/s (Spec-Bench: Σ new tokens / Σ wall time per prompt, plain
 mean over prompts of a task), speedup over our baseline, τ (accepted + 1 per cycle, pooled over cycles), and whether
@@ -104,7 +104,7 @@ def main(argv=None):
     from specscope.progress import Progress
     from specscope.session import load_target, stop_ids_for
     from specscope.speculative.decode import SpecConfig, build_drafter, speculative_generate
-    from specscope.speculative.hybrid import HybridDrafter
+    from specscope.speculative.hybrid import CopyFirstHybrid
     from specscope.errors import SpecscopeError
     from specscope.train.data import open_for_append, read_jsonl
 
@@ -128,7 +128,6 @@ def main(argv=None):
         methods["eagle3_priced"] = ("eagle-priced", knobs(args.priced_tree))
         if args.hybrid:
             methods["eagle3_ngram"] = ("hybrid", knobs(args.hybrid))
-            methods["eagle3_ngram_adaptive"] = ("hybrid-adaptive", knobs(args.hybrid))
             methods["eagle3_ngram_priced"] = ("hybrid-priced", knobs(args.hybrid))
     except SpecscopeError as e:
         console.print(f"[yellow]EAGLE-3 skipped: {e}")
@@ -157,7 +156,7 @@ def main(argv=None):
     prices, priced = None, {}
     if any(isinstance(v, tuple) and v[0].endswith("-priced") for v in methods.values()):
         from specscope.economics.prices import measure_prices
-        from specscope.speculative.hybrid import NgramDrafter, priced_alone
+        from specscope.speculative.hybrid import HybridDrafter, NgramDrafter, PricedDrafter
 
         prices = measure_prices(target)
         console.print("verify cost by rows (decode steps): " +
@@ -168,7 +167,7 @@ def main(argv=None):
         if "eagle3_ngram_priced" in methods:
             priced["hybrid-priced"] = HybridDrafter(eagle, target.config.max_position_embeddings, prices=prices)
         if "eagle3_priced" in methods:
-            priced["eagle-priced"] = priced_alone(eagle.spawn(), target.config.max_position_embeddings, prices)
+            priced["eagle-priced"] = PricedDrafter(eagle.spawn(), target.config.max_position_embeddings, prices)
 
     per = {m: [] for m in methods}
     # resume: one line per finished prompt (all methods), keyed by the flags that change the numbers
@@ -192,7 +191,7 @@ def main(argv=None):
         ids = tok.encode(prompts[0]["prompt"], chat=True)
         generate(target, ids, 16, stop_ids=stop)
         if eagle is not None:
-            speculative_generate(target, HybridDrafter(eagle, target.config.max_position_embeddings), ids, 16,
+            speculative_generate(target, CopyFirstHybrid(eagle, target.config.max_position_embeddings), ids, 16,
                                  stop_ids=stop, cfg=knobs(args.hybrid) if args.hybrid else None)
     # the shared progress (specscope.progress): a bar on a terminal, a line every 30 s in a log; the rate counts
     # only this run's prompts, not the resumed ones
@@ -216,9 +215,8 @@ def main(argv=None):
                         d = eagle
                     elif spec[0] in priced:
                         d = priced[spec[0]]
-                    elif spec[0] in ("hybrid", "hybrid-adaptive"):   # fresh n-gram state, EAGLE-3 shared
-                        d = HybridDrafter(eagle, target.config.max_position_embeddings,
-                                          adaptive=spec[0] == "hybrid-adaptive")
+                    elif spec[0] == "hybrid":   # fresh n-gram state, EAGLE-3 shared
+                        d = CopyFirstHybrid(eagle, target.config.max_position_embeddings)
                     else:
                         d = build_drafter(spec[0], target)
                     r = speculative_generate(target, d, ids, args.max_new_tokens, stop_ids=stop, cfg=spec[1])

@@ -22,7 +22,7 @@ from specscope.models.linear import pack_linears
 from specscope.runtime.sampling import SamplingParams
 from specscope.speculative.decode import SpecConfig, speculative_generate
 from specscope.speculative.drafters import Eagle3TreeDrafter
-from specscope.speculative.hybrid import HybridDrafter, NgramDrafter
+from specscope.speculative.hybrid import CopyFirstHybrid, NgramDrafter
 from spec_helpers import random_eagle3, tiny_target
 
 CTX = 64
@@ -50,7 +50,7 @@ def drafters(target):
         "eagle3 tree": (Eagle3TreeDrafter(d, target), SpecConfig(3, 2, 5)),
         "eagle3 chain": (Eagle3TreeDrafter(d, target), SpecConfig(3, 1, 4)),
         "ngram": (NgramDrafter(target.device), SpecConfig(4, 1, 5)),
-        "hybrid": (HybridDrafter(Eagle3TreeDrafter(d, target), CTX), SpecConfig(2, 2, 4, ngram_tokens=3)),
+        "hybrid": (CopyFirstHybrid(Eagle3TreeDrafter(d, target), CTX), SpecConfig(2, 2, 4, ngram_tokens=3)),
     }
 
 

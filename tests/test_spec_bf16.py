@@ -12,7 +12,7 @@ from specscope.models.linear import PackedLinear, pack_linears
 from specscope.models.loader import compute_dtype, round_to_bf16
 from specscope.speculative.decode import SpecConfig, speculative_generate
 from specscope.speculative.drafters import DraftModelDrafter, Eagle3TreeDrafter
-from specscope.speculative.hybrid import HybridDrafter, NgramDrafter
+from specscope.speculative.hybrid import CopyFirstHybrid, NgramDrafter
 from spec_helpers import random_eagle3
 from test_spec_lossless import SHAPES, prompts
 from test_spec_sampling import CASES, N, V, chi2_p, drafter_for, exact_pair_dist, sample_pairs
@@ -77,7 +77,7 @@ def test_ngram_hybrid_and_draft_model_greedy_equal_plain_bf16(tmp_path, target):
     d = bf16_drafter(target, draft_vocab=60)
     drafters = {"ngram": (lambda: NgramDrafter(target.device), SpecConfig(4, 1, 5)),
                 "draft model": (lambda: DraftModelDrafter(other, target), SpecConfig(3, 2, 6)),
-                "hybrid": (lambda: HybridDrafter(Eagle3TreeDrafter(d, target), target.config.max_position_embeddings),
+                "hybrid": (lambda: CopyFirstHybrid(Eagle3TreeDrafter(d, target), target.config.max_position_embeddings),
                            SpecConfig(3, 2, 6, 3))}
     for name, (make, cfg) in drafters.items():
         for p in prompts():

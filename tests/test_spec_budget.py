@@ -17,7 +17,7 @@ from specscope.speculative.budget import (Calibration, CopyStats, LivePrices, Pr
                                           best_nodes, copy_value, node_probs)
 from specscope.speculative.decode import SpecConfig, speculative_generate
 from specscope.speculative.drafters import DraftModelDrafter, Eagle3TreeDrafter
-from specscope.speculative.hybrid import HybridDrafter, NgramDrafter, priced_alone
+from specscope.speculative.hybrid import HybridDrafter, NgramDrafter, PricedDrafter
 from specscope.speculative.tree import COPIED, DRAFTED, DraftTree
 from spec_helpers import check_grid, tiny_target
 from test_spec_hybrid import CTX, FuzzSource, _prompt, eagle, hybrid_cases, target  # noqa: F401 (fixtures)
@@ -278,11 +278,11 @@ def test_priced_model_drafter_alone_equals_greedy_and_prunes(target, eagle):
     """EAGLE-3 alone under the priced rule (no copy): greedy output is plain greedy decoding's at flat and steep
     prices, it reports as the model drafter (no per-source counts), and where rows cost more it verifies fewer
     nodes than the declared shape."""
-    kept = {pn: priced_alone(Eagle3TreeDrafter(eagle, target), CTX, p, live=False)
+    kept = {pn: PricedDrafter(Eagle3TreeDrafter(eagle, target), CTX, p, live=False)
             for pn, p in (("flat", FLAT), ("steep", STEEP))}
     assert all(d.kind == "eagle3" and d.model_kind is None for d in kept.values())
     # and a separate draft model (the target drafting for itself) under the same rule
-    own = priced_alone(DraftModelDrafter(target, target), CTX, STEEP, live=False)
+    own = PricedDrafter(DraftModelDrafter(target, target), CTX, STEEP, live=False)
     cases = [(c, T, m) for c, T, m in hybrid_cases(10, 43, [0], rng_seed=3)]
     stats = check_grid(target, {**{f"alone-{pn}": (lambda d=d: d) for pn, d in kept.items()},
                                 "alone-draft-model": lambda: own}, cases, _prompt)

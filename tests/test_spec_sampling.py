@@ -18,7 +18,7 @@ from specscope.speculative.acceptance import accept_sampling
 from specscope.speculative.decode import SpecConfig, speculative_generate
 from specscope.speculative.budget import Prices
 from specscope.speculative.drafters import Eagle3TreeDrafter
-from specscope.speculative.hybrid import HybridDrafter, priced_alone
+from specscope.speculative.hybrid import CopyFirstHybrid, HybridDrafter, PricedDrafter
 from spec_helpers import random_eagle3, tiny_target
 
 V = 6
@@ -98,14 +98,14 @@ class ContextCopy:
 
 def drafter_for(target, d, name):
     if name.startswith("priced"):
-        h = priced_alone(Eagle3TreeDrafter(d, target), target.config.max_position_embeddings, PRICES)
+        h = PricedDrafter(Eagle3TreeDrafter(d, target), target.config.max_position_embeddings, PRICES)
         PRICED[name] = h
         return lambda: h
     if not name.startswith("hybrid"):
         return lambda: Eagle3TreeDrafter(d, target)
 
     def make():
-        h = HybridDrafter(Eagle3TreeDrafter(d, target), target.config.max_position_embeddings)
+        h = CopyFirstHybrid(Eagle3TreeDrafter(d, target), target.config.max_position_embeddings)
         h.source = ContextCopy()
         return h
     if "priced" in name:

@@ -16,7 +16,7 @@ from specscope.models.hub import KNOWN_MODELS, parse_hub_id, resolve_drafter
 from specscope.models.linear import pack_linears
 from specscope.runtime.sampling import SamplingParams
 from specscope.speculative.drafters import DraftModelDrafter, Drafter, Eagle3TreeDrafter
-from specscope.speculative.hybrid import HybridDrafter, NgramDrafter, priced_alone
+from specscope.speculative.hybrid import CopyFirstHybrid, HybridDrafter, NgramDrafter, PricedDrafter
 from specscope.speculative.formats import is_eagle3_config, load_drafter, read_config
 
 DEFAULT_DRAFTER = "smollm2-135m-eagle3"
@@ -54,12 +54,12 @@ class DraftSpec:
 CHAIN_ONLY = "n-gram drafting proposes a chain; use --topk 1"
 
 
-def check_chain(drafter: DraftSpec | Drafter, topk: int, say_topk: bool = False) -> None:
+def check_chain(drafter: DraftSpec | Drafter, topk: int, say_topk: bool = False, hint: str = "") -> None:
     """Refuse a tree for n-gram drafting alone (a parsed --draft, or a built drafter): it copies one continuation
-    per cycle, so only topk 1 fits. say_topk: also name the refused topk (preflight's wording)."""
+    per cycle, so only topk 1 fits. say_topk: also name the refused topk; hint: what else the caller advises."""
     ngram_only = drafter.ngram_only if isinstance(drafter, DraftSpec) else isinstance(drafter, NgramDrafter)
     if ngram_only and topk != 1:
-        raise SpecscopeError(CHAIN_ONLY + (f" (got --topk {topk})" if say_topk else ""))
+        raise SpecscopeError(CHAIN_ONLY + hint + (f" (got --topk {topk})" if say_topk else ""))
 
 
 @dataclass
@@ -147,13 +147,16 @@ def build_drafter(draft: str, target, prices=None) -> Drafter:
     """'ngram' (or 'ngram-lookup'), a shipped drafter name, an EAGLE-3 checkpoint directory, a small HF model
     directory/name, or one of those + 'ngram' (the hybrid); placed on the target's device and dtype. `prices`
     (speculative/budget.py): every drafter chooses each cycle's verified nodes by this host's verify cost, within
-    its declared shape (a model drafter alone: drafting only where it has paid, `priced_alone`)."""
+    its declared shape (a model drafter alone: drafting only where it has paid, `PricedDrafter`); without them, a
+    hybrid follows the fixed copy-first rule (`CopyFirstHybrid`)."""
     spec = DraftSpec.parse(draft)
     if spec.ngram_only:
         return NgramDrafter(target.device, spec.ngram, prices)
+    ctx = target.config.max_position_embeddings
     if spec.hybrid:
-        return HybridDrafter(build_drafter(spec.model, target), target.config.max_position_embeddings, spec.ngram,
-                             prices=prices)
+        model = build_drafter(spec.model, target)
+        return HybridDrafter(model, ctx, spec.ngram, prices) if prices is not None else \
+            CopyFirstHybrid(model, ctx, spec.ngram)
     path = drafter_path(draft)
     raw = read_config(path)
     if is_eagle3_config(raw):
@@ -166,7 +169,7 @@ def build_drafter(draft: str, target, prices=None) -> Drafter:
     else:
         drafter = DraftModelDrafter(loader.load_model(path, dtype=loader.compute_dtype(target),
                                                             device=target.device), target)
-    return priced_alone(drafter, target.config.max_position_embeddings, prices) if prices is not None else drafter
+    return PricedDrafter(drafter, ctx, prices) if prices is not None else drafter
 
 
 def shipped_drafter(name: str) -> Path | None:

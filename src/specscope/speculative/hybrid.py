@@ -1,5 +1,6 @@
-"""The copy-based drafters: n-gram copying alone (`NgramDrafter`), and the hybrid of a model drafter and n-gram
-copying in one tree (`HybridDrafter`; `priced_alone`: a model drafter under the hybrid's priced rule, with no copy).
+"""The copy-based drafters: n-gram copying alone (`NgramDrafter`), and a model drafter and n-gram copying in one
+tree: priced (`HybridDrafter`, the default) or under the fixed copy-first rule (`CopyFirstHybrid`, --draft-budget
+fixed); `PricedDrafter`: a model drafter alone under the hybrid's priced rule.
 
 The copies come from `ngram.py`'s sources; the model drafters and the interface they share from `drafters.py`.
 """
@@ -9,7 +10,7 @@ from __future__ import annotations
 import time
 
 from specscope.speculative.budget import BudgetRule, CopyStats, FixedPrices, LivePrices, Prices, best_copy
-from specscope.speculative.drafters import Drafter, TreeDrafter
+from specscope.speculative.drafters import Drafter
 from specscope.speculative.ngram import SOURCES
 from specscope.speculative.tree import COPIED, DRAFTED, DraftTree
 
@@ -62,66 +63,24 @@ class NgramDrafter(Drafter):
         self.source.extend(new_tokens)
 
 
-class HybridDrafter(Drafter):
-    """A model drafter's tree (EAGLE-3, or a draft model) and an n-gram copy in one verified tree.
+class _Hybrid(Drafter):
+    """What the hybrids share: a model drafter (EAGLE-3, or a draft model) and an n-gram copy source over the same
+    sequence, its state delegated to the model drafter. Accepted tokens leave the drafter's own tree when they come
+    from the copy; its state does not care: it catches up on the accepted tokens and their target hidden states
+    from the verify forward, whichever node proposed them."""
 
-    Each cycle the n-gram source proposes a copy of what followed the context's last tokens. When it matched at
-    least `copy_match` tokens, the answer is copying: the model drafter sits the cycle out and the copy alone is
-    verified, as a chain of the whole budget (draft_tokens - 1 + ngram_tokens). Otherwise the model drafter's tree
-    (draft_tokens - 1 nodes) gets the copy's first `ngram_tokens` tokens grafted on, sharing the nodes where they
-    agree. The rule comes from replaying 28 Spec-Bench prompts' greedy outputs (all six tasks, fp32, 128 tokens,
-    SmolLM2 + the shipped drafter at 2x4x8) with the drafter's tree at every position: grafting whatever matched
-    gave τ 2.75 at 6 copied tokens, against 2.60 / 2.42 when a match of 2 / 3 tokens was required; copy-only
-    cycles from 4 matched tokens raised it to 2.97 and save the drafter's cost (EAGLE-3 alone 1.76, the suffix
-    copy alone 2.14 at 8 tokens).
-
-    Accepted tokens leave the drafter's own tree when they come from the copy; its state does not care: it
-    catches up on the accepted tokens and their target hidden states from the verify forward, whichever node
-    proposed them."""
-
-    copy_match = 4
-    # adaptive (opt-in): where the model drafter's own nodes have been earning less than `min_gain` accepted tokens
-    # a tree cycle (a running mean), it sits out the short-copy cycles too, and is tried again every `probe` cycles
-    min_gain, probe, ema = 0.5, 8, 0.25
-
-    def __init__(self, drafter: Drafter, context: int, source: str | None = "suffix", adaptive: bool = False,
-                 prices: Prices | None = None, live: bool = True):
-        if source is None and prices is None:
-            raise ValueError("a model drafter without a copy source is only wrapped to be priced: pass prices")
+    def __init__(self, drafter: Drafter, context: int, source: str | None = "suffix"):
         self.drafter = drafter
         self.context = context                   # the target's: a node at depth d sits at position root + d
         self.source_name = source
-        # source None: no copy at all -- the model drafter alone under the priced rule (`priced_alone`)
-        self.source = SOURCES[source]() if source is not None else _NoCopy()
-        self.kind = f"{drafter.kind}+ngram" if source is not None else drafter.kind
-        self.model_kind = drafter.kind if source is not None else None
+        self.source = SOURCES[source]() if source is not None else None
+        self.kind = f"{drafter.kind}+ngram"
+        self.model_kind = drafter.kind           # its accepted tokens are counted by source
         self.aux_layers = drafter.aux_layers
-        self.adaptive = adaptive
-        self.gain: float | None = None           # drafted-only accepted tokens per tree cycle (running mean)
-        self.idle = 0                            # short-copy cycles the drafter sat out since it last drafted
-        self._tree: DraftTree | None = None      # this cycle's tree, when the drafter drafted
-        # priced (budget.py; replaces the copy_match and adaptive rules): each cycle drafts a tree only where the
-        # drafter's cycles have yielded more tokens per ms than the copy's cost-optimal prefix alone, and verifies
-        # the nodes worth their rows; counts outlive a request (start() keeps them), as a server's would
-        self.prices = prices
-        self.pricing = (LivePrices(prices) if live else FixedPrices(prices)) if prices is not None else None
-        self.rule = BudgetRule() if prices is not None else None
-        self._cycle: tuple | None = None         # (class, copied tokens verified, drafting cost or None, tree)
-        self._t0 = self._drafted_at = 0.0        # when this cycle's drafting began, and ended
 
-    def spawn(self):
-        h = HybridDrafter(self.drafter.spawn(), self.context, self.source_name, self.adaptive, self.prices,
-                          isinstance(self.pricing, LivePrices))
-        h.copy_match, h.min_gain, h.probe, h.ema = self.copy_match, self.min_gain, self.probe, self.ema
-        h.pricing, h.rule = self.pricing, self.rule   # the priced rule's counts are the server's (NgramDrafter.spawn)
-        return h
-
-    def start(self, prompt_ids, root, target_out, max_len):
-        self.drafter.start(prompt_ids, root, target_out, max_len)
-        self.source.reset(list(prompt_ids) + [root])
-        self.gain, self.idle, self._tree = None, 0, None
-        if self.rule is not None:
-            self.rule.tree_stats.new_request()
+    @property
+    def device(self):
+        return self.drafter.device
 
     def region_cache(self, slots):
         return self.drafter.region_cache(slots)
@@ -129,23 +88,84 @@ class HybridDrafter(Drafter):
     def use_region(self, cache, base):
         return self.drafter.use_region(cache, base)
 
-    def drafting(self, cfg, sampling, gen, profiler=None):
+    def start(self, prompt_ids, root, target_out, max_len):
+        self.drafter.start(prompt_ids, root, target_out, max_len)
+        if self.source is not None:
+            self.source.reset(list(prompt_ids) + [root])
+
+    def _copy(self, cfg) -> tuple[list[int], int]:
+        """The copy's proposal for this cycle, within the verify budget and the context -> (chain, matched)."""
+        if self.source is None:
+            return [], 0
         room = self.context - len(self.source.tokens)        # depths left before the context ends
         budget = min(cfg.draft_tokens - 1 + cfg.ngram_tokens, room)
         chain, match = self.source.propose(budget)
-        chain = chain[:budget]                   # a source may offer more than asked
-        self._tree = None
-        if self.prices is not None:
-            return (yield from self._priced(cfg, sampling, gen, profiler, chain, match))
+        return chain[:budget], match             # a source may offer more than asked
+
+    def commit(self, rows, verify_out, new_tokens):
+        self.drafter.commit(rows, verify_out, new_tokens)
+        if self.source is not None:
+            self.source.extend(new_tokens)
+
+
+class CopyFirstHybrid(_Hybrid):
+    """The hybrid under a fixed rule (--draft-budget fixed): when the copy matched at least `copy_match` tokens,
+    the model drafter sits the cycle out and the copy alone is verified, as a chain of the whole budget
+    (draft_tokens - 1 + ngram_tokens); otherwise the model drafter's tree (draft_tokens - 1 nodes) gets the copy's
+    first `ngram_tokens` tokens grafted on, sharing the nodes where they agree. The rule comes from replaying 28
+    Spec-Bench prompts' greedy outputs (all six tasks, fp32, 128 tokens, SmolLM2 + the shipped drafter at 2x4x8)
+    with the drafter's tree at every position: grafting whatever matched gave τ 2.75 at 6 copied tokens, against
+    2.60 / 2.42 when a match of 2 / 3 tokens was required; copy-only cycles from 4 matched tokens raised it to 2.97
+    and save the drafter's cost (EAGLE-3 alone 1.76, the suffix copy alone 2.14 at 8 tokens)."""
+
+    copy_match = 4
+
+    def spawn(self):
+        h = CopyFirstHybrid(self.drafter.spawn(), self.context, self.source_name)
+        h.copy_match = self.copy_match
+        return h
+
+    def drafting(self, cfg, sampling, gen, profiler=None):
+        chain, match = self._copy(cfg)
         if match >= self.copy_match:
             return DraftTree.empty(self.device).graft(chain)
-        if self.adaptive and self.gain is not None and self.gain < self.min_gain and self.idle < self.probe:
-            self.idle += 1   # a short match: only the copy's first ngram_tokens, as a tree cycle would graft
-            return DraftTree.empty(self.device).graft(chain[:cfg.ngram_tokens])
-        self.idle = 0
         tree = yield from self.drafter.drafting(cfg, sampling, gen, profiler)
-        self._tree = tree.graft(chain[:cfg.ngram_tokens]) if chain else tree
-        return self._tree
+        return tree.graft(chain[:cfg.ngram_tokens]) if chain else tree
+
+
+class HybridDrafter(_Hybrid):
+    """A model drafter's tree and an n-gram copy in one verified tree, priced (budget.py; the default budget):
+    each cycle drafts a tree only where the drafter's cycles have yielded more tokens per ms than the copy's
+    cost-optimal prefix alone, and verifies the nodes (drafted and copied) worth their rows at this host's verify
+    cost, within the declared shape. Counts outlive a request (start() keeps them) and spawns share them, as a
+    server's would. `live`: the prices follow the run's own verify times (LivePrices); False keeps them as given."""
+
+    def __init__(self, drafter: Drafter, context: int, source: str | None = "suffix", prices: Prices | None = None,
+                 live: bool = True):
+        if prices is None:
+            raise ValueError("HybridDrafter is priced: pass prices (CopyFirstHybrid is the fixed rule)")
+        super().__init__(drafter, context, source)
+        self.prices = prices
+        self.pricing = LivePrices(prices) if live else FixedPrices(prices)
+        self.rule = BudgetRule()
+        self._cycle: tuple | None = None         # (class, copied tokens verified, drafting cost or None, tree)
+        self._t0 = self._drafted_at = 0.0        # when this cycle's drafting began, and ended
+
+    def spawn(self):
+        h = type(self).__new__(type(self))
+        h.__dict__.update(self.__dict__)         # the priced rule's counts and prices are shared (NgramDrafter.spawn)
+        h.drafter = self.drafter.spawn()
+        h.source = SOURCES[self.source_name]() if self.source_name is not None else None
+        h._cycle = None
+        return h
+
+    def start(self, prompt_ids, root, target_out, max_len):
+        super().start(prompt_ids, root, target_out, max_len)
+        self.rule.tree_stats.new_request()
+
+    def drafting(self, cfg, sampling, gen, profiler=None):
+        chain, match = self._copy(cfg)
+        return (yield from self._priced(cfg, sampling, gen, profiler, chain, match))
 
     def _priced(self, cfg, sampling, gen, profiler, chain, match):
         cls, rates, L, draft = self.rule.plan(match, len(chain), self.pricing)
@@ -165,10 +185,6 @@ class HybridDrafter(Drafter):
         self._cycle = (cls, sum(1 for x in src if x & COPIED), cost, tree)
         return tree
 
-    @property
-    def device(self):
-        return self.drafter.device
-
     def commit(self, rows, verify_out, new_tokens):
         if self._cycle is not None:
             cls, offered, cost, tree = self._cycle
@@ -181,36 +197,17 @@ class HybridDrafter(Drafter):
                             (now - self._t0) * 1e3, nodes)
             self.pricing.observe(tree.size + 1, (now - (self._t0 if cost is None else self._drafted_at)) * 1e3)
             self._cycle = None
-        if self._tree is not None:   # what the drafter's own nodes earned this cycle (rows: 0 = root, i = node i-1)
-            src = self._tree.node_sources()
-            got = sum(1 for r in rows[1:] if src[r - 1] == DRAFTED)
-            self.gain = got if self.gain is None else (1 - self.ema) * self.gain + self.ema * got
-            self._tree = None
-        self.drafter.commit(rows, verify_out, new_tokens)
-        self.source.extend(new_tokens)
+        super().commit(rows, verify_out, new_tokens)
 
 
-class _NoCopy:
-    """The copy source of a model drafter priced alone: it follows the sequence (the hybrid reads its length for
-    the context's room) and never proposes."""
+class PricedDrafter(HybridDrafter):
+    """A model drafter alone under the hybrid's priced rule, with no copy to weigh: each cycle it drafts only where
+    its cycles have been yielding more tokens per ms than plain steps, and verifies the drafted nodes worth their
+    rows at this host's prices. It reports as its model drafter (kind, no per-source counts). Replaying 130
+    Spec-Bench prompts' greedy outputs at costs measured per prompt on a 2-core AVX-512 VM
+    (bench/hybrid_ceiling.py) it predicts 1.20x for the shipped drafter's 2x4x8 tree, against 0.96x verifying the
+    whole tree every cycle."""
 
-    def __init__(self):
-        self.tokens: list[int] = []
-
-    def reset(self, tokens: list[int]) -> None:
-        self.tokens = list(tokens)
-
-    def extend(self, tokens: list[int]) -> None:
-        self.tokens += tokens
-
-    def propose(self, k: int) -> tuple[list[int], int]:
-        return [], 0
-
-
-def priced_alone(drafter: TreeDrafter, context: int, prices: Prices, live: bool = True) -> HybridDrafter:
-    """A model drafter under the priced rule without a copy: each cycle it drafts only where its cycles have been
-    yielding more tokens per ms than plain steps, and verifies the drafted nodes worth their rows at this host's
-    prices (the hybrid's rule with no copy to weigh). Replaying 130 Spec-Bench prompts' greedy outputs at costs
-    measured per prompt on a 2-core AVX-512 VM (bench/hybrid_ceiling.py) it predicts 1.20x for the shipped
-    drafter's 2x4x8 tree, against 0.96x verifying the whole tree every cycle."""
-    return HybridDrafter(drafter, context, None, prices=prices, live=live)
+    def __init__(self, drafter: Drafter, context: int, prices: Prices, live: bool = True):
+        super().__init__(drafter, context, None, prices, live)
+        self.kind, self.model_kind = drafter.kind, None

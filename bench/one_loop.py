@@ -2,7 +2,9 @@
 as the loops it replaced?
 
     .venv/bin/python bench/one_loop.py [--old d15cae3] [--prompts 16] [--max-new-tokens 112] [--rounds 2]
-                                       [--draft smollm2-135m-eagle3+ngram] [--out bench/results/one_loop.json]
+                                       [--draft smollm2-135m-eagle3+ngram] [--draft-budget priced|fixed]
+                                       [--prompt-set mt-bench|speculative] [--methods plain,speculative]
+                                       [--out bench/results/one_loop.json]
 
 The source tree at --old (`git archive`, into a temporary directory) and this checkout's each run in a worker
 process of their own that loads SmolLM2-135M-Instruct and the demo's drafter (priced, its declared shape) once;
@@ -37,7 +39,11 @@ from specscope.speculative.decode import SpecConfig, speculative_generate
 target, tok, _ = session.load_target(sys.argv[1], "auto", "cpu")
 stop = session.stop_ids_for(target, tok)
 draft = sys.argv[2]
-drafter, cfg = session.drafter_for(draft, target, "priced"), SpecConfig.for_drafter(draft)
+if hasattr(session, "Drafting"):      # this checkout (one DecodeSpec builds every drafter)
+    drafting = session.Drafting.from_flags(draft, budget=sys.argv[5])
+    drafter, cfg = drafting.build(target), drafting.shape
+else:                                 # an older one
+    drafter, cfg = session.drafter_for(draft, target, sys.argv[5]), SpecConfig.for_drafter(draft)
 ids = [tok.encode(p, chat=True) for p in json.load(open(sys.argv[4]))]
 def run(method, i, n):
     if method == "plain":
@@ -56,7 +62,7 @@ class Worker:
     def __init__(self, src: Path, args, prompts: Path):
         env = {**os.environ, "PYTHONPATH": str(src), "OMP_NUM_THREADS": str(args.threads)}
         self.p = subprocess.Popen([sys.executable, "-c", WORKER, args.model, args.draft, str(args.threads),
-                                   str(prompts)],
+                                   str(prompts), args.draft_budget],
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         self.ask_ready()
 
@@ -102,6 +108,8 @@ def main(argv=None) -> None:
                     "separate generate / speculative_generate loops)")
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--draft", default="smollm2-135m-eagle3+ngram")
+    ap.add_argument("--draft-budget", choices=("priced", "fixed"), default="priced",
+                    help="the drafter's budget (priced: the demo's; fixed: its declared shape every cycle)")
     ap.add_argument("--prompts", type=int, default=16, help="the first N of the prompt set")
     ap.add_argument("--prompt-set", choices=("mt-bench", "speculative"), default="mt-bench",
                     help="MT-bench first turns, or bench/speculative.py's 130 (80 MT-bench + 10 of each other task)")
@@ -154,7 +162,7 @@ def main(argv=None) -> None:
               f"{row['decode_ratio']:>15.3f}")
     out = {"bench": "one_loop", "old": args.old, "new": subprocess.run(
                ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
-           "model": args.model, "draft": args.draft, "prompt_set": args.prompt_set, "prompts": args.prompts, "max_new_tokens": args.max_new_tokens,
+           "model": args.model, "draft": args.draft, "draft_budget": args.draft_budget, "prompt_set": args.prompt_set, "prompts": args.prompts, "max_new_tokens": args.max_new_tokens,
            "rounds": args.rounds, "threads": args.threads, "methods": res, "answers_differ": differ,
            "env": {"python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count()},
            "reproduce": "python bench/one_loop.py " + " ".join(argv if argv is not None else sys.argv[1:])}

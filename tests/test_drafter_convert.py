@@ -77,7 +77,7 @@ def test_upstream_layouts_load_with_their_quirks(tmp_path, target, name, prefix,
         want = (t["input_norm.weight"] * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + d.config.rms_norm_eps)) \
             @ t["fc.weight"].T
         torch.testing.assert_close(d.fuse(aux), want, rtol=1e-5, atol=1e-5)
-        assert d.config.extra["verifier_logits_layer"] == 7
+        assert d.config.meta.verifier_logits_layer == 7
 
 
 def test_sliding_window_masks_old_keys(tmp_path, target):

@@ -64,10 +64,17 @@ def test_published_speculators_config_loads_as_published(tmp_path, target):
     d = load_drafter(write_raw(tmp_path / "d", raw, t), target)
     c = d.config
     assert c.format == "speculators" and c.aux_convention_in_file == "input"
-    assert list(d.aux_layers) == [1, 4, 6] and c.extra["verifier_logits_layer"] == 7   # entering-layer ids as given
+    assert list(d.aux_layers) == [1, 4, 6] and c.meta.verifier_logits_layer == 7   # entering-layer ids as given
     assert c.norm_before_residual and c.norm_output and c.norm_before_fc and c.target_hidden_size == 64
     assert c.sliding_window == 2048
     _check_against_reference(d, t, "layers.0.")
+    # the config a training checkpoint stores round-trips, and one stored with the old `extra` dict still loads
+    from specscope.speculative.eagle3 import DrafterConfig
+
+    assert DrafterConfig.from_dict(c.to_dict()) == c
+    old = c.to_dict()
+    old["extra"] = old.pop("meta")
+    assert DrafterConfig.from_dict(old) == c
 
 
 def test_speculators_omitted_norm_before_residual_defaults_true(tmp_path, target):

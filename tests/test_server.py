@@ -208,17 +208,17 @@ def test_cancel_aborts_generation_via_on_tokens(engine):
 
     from specscope.server.metrics import ServerMetrics
     from specscope.server.protocol import GenParams
-    from specscope.server.worker import Job, Worker
+    from specscope.server.worker import Dropped, Job, Tokens, Worker
 
     class CancelAfterTwo(Job):
         n = 0
 
-        def post(self, *ev):
-            if ev[0] == "tokens":
+        def post(self, ev):
+            if isinstance(ev, Tokens):
                 self.n += 1
                 if self.n == 2:
                     self.cancel()
-            super().post(*ev)
+            super().post(ev)
 
     m = ServerMetrics()
     w = Worker(engine, m, 4)
@@ -229,7 +229,7 @@ def test_cancel_aborts_generation_via_on_tokens(engine):
         job = CancelAfterTwo(GenParams(kind="completion", prompt="hi", max_tokens=200, temperature=0.0,
                                        ignore_eos=True), engine.tokenizer.encode("the quick"), loop)
         w.submit(job)
-        while (ev := await asyncio.wait_for(job.events.get(), 30))[0] == "tokens":
+        while isinstance(ev := await asyncio.wait_for(job.events.get(), 30), Tokens):
             pass
         return job, ev
 
@@ -237,7 +237,7 @@ def test_cancel_aborts_generation_via_on_tokens(engine):
         job, last = asyncio.run(run())
     finally:
         w.stop()
-    assert last == ("cancelled", None) and job.n == 2
+    assert last == Dropped() and job.n == 2
     assert m.registry.get_sample_value("specscope:request_failed_total", {"reason": "cancelled"}) == 1
     gen = m.registry.get_sample_value("specscope:generation_tokens_total")
     assert gen == 2  # dropped by the engine at the step after the cancel, far from max_tokens=200

@@ -291,7 +291,7 @@ def vllm_checks(report: Report, eng: dict, cfg: DrafterConfig | None, has_token_
         wrong = [i - 1 for i in cfg.aux_layer_ids]
         report.add("engine: aux layers", WARN,
                    f"vLLM reads this SGLang-layout drafter's eagle_config layer ids "
-                   f"{cfg.extra.get('aux_ids_in_file') or wrong} as hidden-state indices without SGLang's +1, so it "
+                   f"{cfg.meta.aux_ids_in_file or wrong} as hidden-state indices without SGLang's +1, so it "
                    f"feeds the drafter the states entering layers {wrong} instead of {list(cfg.aux_layer_ids)} "
                    f"(no error; acceptance is no longer what the drafter was trained for); give vLLM "
                    f"`specscope export DRAFTER --format speculators` instead")
@@ -323,7 +323,7 @@ def static_checks(report: Report, path: Path, facts: TargetFacts):
                                       f"checkpoint has no d2t: draft ids cannot be mapped to target ids")
     rope_check(report, cfg, facts)
     # verifier recorded in the drafter
-    ver = (cfg.extra.get("verifier") or {}).get("name_or_path")
+    ver = (cfg.meta.verifier or {}).get("name_or_path")
     if ver and facts.name_or_path and Path(str(ver)).name.lower() != Path(str(facts.name_or_path)).name.lower():
         report.add("verifier", WARN, f"the drafter names verifier {ver!r}, checked here against {facts.name_or_path!r}")
     dtype_check(report, raw, facts)

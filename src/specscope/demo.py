@@ -38,8 +38,7 @@ from specscope.report import write_report
 from specscope.runtime.tokenizer import StreamDecoder
 from specscope.speculative import decode
 from specscope.speculative.acceptance import RankCounts, SourceCounts
-from specscope.speculative.decode import (DEFAULT_DRAFTER, DraftSpec, SpecConfig, check_chain, drafter_path,
-                                          speculative_generate)
+from specscope.speculative.decode import DEFAULT_DRAFTER, DraftSpec, speculative_generate
 
 # Used only when the packaged Spec-Bench question file is missing (a broken install); said loudly.
 FALLBACK_NAME = "built-in demo prompts (the packaged Spec-Bench file is missing)"
@@ -65,7 +64,7 @@ def demo_drafter() -> str:
 class DemoOptions:
     model: str = "smollm2-135m"
     draft: str | None = None              # None: demo_drafter()
-    draft_budget: str = "priced"          # every drafter: session.drafter_for
+    draft_budget: str = "priced"          # session.Drafting: priced or fixed
     prompts: int = 4
     max_new_tokens: int = 112
     steps: int | None = None
@@ -115,11 +114,12 @@ def pick_prompts(n: int) -> tuple[list[dict], str]:
 def run_demo(opts: DemoOptions, ui: DemoUI | None = None) -> dict:
     """Run the whole demo; returns a JSON-ready summary (runs, numbers, break-even, report path)."""
     ui = ui or DemoUI()
-    prompts, prompt_set, draft, spec_cfg, out_dir = _plan(opts)
+    prompts, prompt_set, drafting, out_dir = _plan(opts)
+    draft, spec_cfg = drafting.draft, drafting.shape
     dev = str(opts.device)
     t_start = time.perf_counter()
     dtype = dtype_name(parse_dtype(opts.dtype, dev))
-    target, tok, path, drafter = _load(opts, draft, spec_cfg, ui)
+    target, tok, path, drafter = _load(opts, drafting, ui)
     stop = session.stop_ids_for(target, tok)
     ids = [tok.encode(p["prompt"], chat=True) for p in prompts]
     if any(not x for x in ids):
@@ -172,38 +172,37 @@ def run_demo(opts: DemoOptions, ui: DemoUI | None = None) -> dict:
 
 
 def _plan(opts: DemoOptions):
-    """What flags and files decide, before a model loads: (prompts, prompt set name, draft, SpecConfig, output
+    """What flags and files decide, before a model loads: (prompts, prompt set name, the drafting, output
     directory). The output files, the registry and the drafter's files are checked now rather than after minutes
     of decoding."""
     if opts.max_new_tokens < 2:
         raise SpecscopeError(f"--max-new-tokens must be >= 2, got {opts.max_new_tokens}")
     prompts, prompt_set = pick_prompts(opts.prompts)
     draft = opts.draft or demo_drafter()
+    _check_shipped(draft)
     # no knobs: the drafter's own best measured shape (a shipped drafter declares it), else the defaults
-    spec_cfg = SpecConfig.for_drafter(draft, opts.steps, opts.topk, opts.draft_tokens, opts.ngram_tokens)
-    check_chain(DraftSpec.parse(draft), spec_cfg.topk)
+    drafting = session.Drafting.from_flags(draft, opts.steps, opts.topk, opts.draft_tokens, opts.ngram_tokens,
+                                           opts.draft_budget)
     out_dir = Path(opts.out).expanduser()
     check_writable(out_dir, "--output", is_dir=True)
     for name in ("report.html", "summary.json"):
         check_output_file(out_dir / name, "--output")
     check_registry(opts.db)
-    _check_shipped(draft)
-    if not DraftSpec.parse(draft).ngram_only:
-        drafter_path(draft)          # a missing --draft fails here, not after the target loads
-    return prompts, prompt_set, draft, spec_cfg, out_dir
+    return prompts, prompt_set, drafting, out_dir
 
 
-def _load(opts: DemoOptions, draft: str, spec_cfg: SpecConfig, ui: DemoUI):
+def _load(opts: DemoOptions, drafting: session.Drafting, ui: DemoUI):
     """(target, tokenizer, model path, drafter), the target pulled first on a machine's first run."""
     if opts.model in KNOWN_MODELS and not is_pulled(opts.model):
         # first run on this machine: the pull draws its own progress bar, so no spinner meanwhile
         ui.note(f"pulling {opts.model} into the model cache (first run only)")
         resolve_model(opts.model)
-    session.preflight(opts.model, opts.max_new_tokens, draft, spec_cfg.steps, spec_cfg.topk, spec_cfg.draft_tokens)
+    spec = session.decode_spec(opts.model, drafting, dtype=opts.dtype, device=str(opts.device),
+                               max_new_tokens=opts.max_new_tokens)
     ui.stage(f"loading {opts.model}")
-    target, tok, path = session.load_target(opts.model, opts.dtype, str(opts.device))
-    ui.stage(f"loading drafter {draft}")
-    return target, tok, path, session.drafter_for(draft, target, opts.draft_budget, ui.note)
+    target, tok, path = spec.load()
+    ui.stage(f"loading drafter {drafting.draft}")
+    return target, tok, path, spec.drafter(target, ui.note)
 
 
 def _decode_all(target, drafter, tok, prompts, ids, stop, spec_cfg, max_new_tokens, profs, method, ui):

@@ -1,15 +1,18 @@
-"""The library entry point behind `specscope generate`: resolve models, run baseline or speculative decoding,
-and return a JSON-ready result. The CLI and the server stay thin over this."""
+"""The library entry point behind `specscope generate`: what a run decodes with, checked once (`DecodeSpec`, the
+one place every command's target and drafter are resolved and every drafter is built), then baseline or
+speculative decoding and a JSON-ready result. The CLI, the demo and the server stay thin over this."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, asdict, field
+from dataclasses import dataclass, asdict
 from functools import lru_cache
+from pathlib import Path
 
 from specscope.errors import SpecscopeError
-from specscope.generate import generate
+from specscope.generate import GenerationResult, generate
 from specscope.models import loader   # loader.load_model looked up per call: tests stub it
 from specscope.models.hub import resolve_model
+from specscope.models.config import ModelConfig
 from specscope.models.loader import load_config, weight_files
 from specscope.profile import CycleProfiler
 from specscope.registry import (check_registry, drafting_config, machine_config, make_record, open_registry,
@@ -43,10 +46,17 @@ class GenerateRequest:
     ngram_tokens: int | None = None
     record: bool = True
     db: str | None = None
-    extra: dict = field(default_factory=dict)
+    name: str = ""                 # the stored run's name and tags (registry)
+    tags: tuple[str, ...] = ()
 
     def sampling(self) -> SamplingParams:
         return SamplingParams(self.temperature, self.top_k, self.top_p, self.seed)
+
+    def decoding(self) -> "DecodeSpec":
+        drafting = Drafting.from_flags(self.draft, self.steps, self.topk, self.draft_tokens, self.ngram_tokens,
+                                       self.draft_budget)
+        return decode_spec(self.model, drafting, dtype=self.dtype, device=self.device,
+                           max_new_tokens=self.max_new_tokens)
 
 
 @lru_cache(maxsize=4)
@@ -62,11 +72,87 @@ def stop_ids_for(model, tokenizer) -> list[int]:
     return sorted(ids)
 
 
-def preflight(model: str, max_new_tokens: int | None = None, draft: str | None = None, steps=None, topk=None,
-              draft_tokens=None, ngram_tokens=None):
-    """Everything checkable from flags and files before the model loads (8-18 s for a real one): the directory,
-    config.json, weight files, tokenizer, the drafting knobs, the drafter's config, and max_new_tokens against the
-    context. Returns (path, ModelConfig, SpecConfig or None)."""
+DRAFT_BUDGETS = ("priced", "fixed")
+
+
+@dataclass(frozen=True)
+class Drafting:
+    """A drafter as asked for (--draft, its knobs and --draft-budget), checked from flags and files alone: the
+    value given, parsed; the shape it drafts in (the knobs, else the drafter's declared best shape); the budget."""
+    draft: str
+    parsed: DraftSpec
+    shape: SpecConfig
+    budget: str = "priced"
+
+    @classmethod
+    def from_flags(cls, draft: str | None, steps=None, topk=None, draft_tokens=None, ngram_tokens=None,
+                   budget: str = "priced") -> "Drafting | None":
+        """None without --draft (and then no drafting knob may be given)."""
+        if draft is None:
+            if any(v is not None for v in (steps, topk, draft_tokens, ngram_tokens)):
+                raise SpecscopeError("--steps/--topk/--draft-tokens/--ngram-tokens need --draft")
+            return None
+        if budget not in DRAFT_BUDGETS:
+            raise SpecscopeError(f"--draft-budget must be one of {', '.join(DRAFT_BUDGETS)}, got {budget!r}")
+        shape = SpecConfig.for_drafter(draft, steps, topk, draft_tokens, ngram_tokens)
+        parsed = DraftSpec.parse(draft)
+        check_chain(parsed, shape.topk, say_topk=True)
+        if not parsed.ngram_only:
+            drafter_path(draft)          # a missing drafter fails here, before any model loads
+        return cls(draft, parsed, shape, budget)
+
+    def check_against(self, target_cfg) -> None:
+        """The drafter's files against the target: an EAGLE-3 config's layer ids, a draft model's files."""
+        if self.parsed.ngram_only:
+            return
+        dpath = drafter_path(self.draft)
+        raw = read_config(dpath)
+        if is_eagle3_config(raw):
+            parse_config(raw, target_cfg.num_hidden_layers)
+        else:  # a small HF model as the drafter
+            load_config(dpath)
+            weight_files(dpath)
+
+    def build(self, target, note=None):
+        """The drafter, on the target's device and dtype. Budget "priced" prices every drafter's cycles with this
+        host's verify cost by rows (economics/prices.py: measured once, cached) within its shape; "fixed"
+        verifies the shape every cycle."""
+        prices = None
+        if self.budget == "priced":
+            from specscope.economics.prices import host_prices
+
+            prices = host_prices(target, note)
+        return build_drafter(self.draft, target, prices)
+
+
+@dataclass(frozen=True)
+class DecodeSpec:
+    """What a run decodes with, checked once before any model loads (8-18 s for a real one): the target (its
+    directory and config), dtype, device, and the drafting (None: plain decoding). `generate`, the demo, `serve`
+    and `tune` each build theirs with `decode_spec`; every drafter they run comes from `drafter()`."""
+    model: str
+    path: Path
+    config: ModelConfig
+    dtype: str = "auto"
+    device: str = "cpu"
+    drafting: Drafting | None = None
+
+    @property
+    def shape(self) -> SpecConfig | None:
+        return self.drafting.shape if self.drafting is not None else None
+
+    def load(self):
+        """(model, tokenizer, path), cached per process."""
+        return load_target(self.model, self.dtype, self.device)
+
+    def drafter(self, target, note=None):
+        return self.drafting.build(target, note) if self.drafting is not None else None
+
+
+def decode_spec(model: str, drafting: Drafting | None = None, *, dtype: str = "auto", device: str = "cpu",
+                max_new_tokens: int | None = None) -> DecodeSpec:
+    """Everything checkable from flags and files before the model loads: the target's directory, config.json,
+    weight files and tokenizer, max_new_tokens against its context, and the drafter's files against it."""
     path = resolve_model(model)
     cfg, _ = load_config(path)
     weight_files(path)
@@ -75,50 +161,27 @@ def preflight(model: str, max_new_tokens: int | None = None, draft: str | None =
     if max_new_tokens is not None and max_new_tokens >= ctx:
         raise SpecscopeError(f"--max-new-tokens {max_new_tokens} leaves no room for a prompt in the model's context "
                              f"of {ctx} tokens (max_position_embeddings in config.json); use at most {ctx - 1}")
-    if draft is None:
-        if any(v is not None for v in (steps, topk, draft_tokens, ngram_tokens)):
-            raise SpecscopeError("--steps/--topk/--draft-tokens/--ngram-tokens need --draft")
-        return path, cfg, None
-    spec_cfg = SpecConfig.for_drafter(draft, steps, topk, draft_tokens, ngram_tokens)
-    spec = DraftSpec.parse(draft)
-    if spec.ngram_only:
-        check_chain(spec, spec_cfg.topk, say_topk=True)
-        return path, cfg, spec_cfg
-    dpath = drafter_path(draft)
-    raw = read_config(dpath)
-    if is_eagle3_config(raw):
-        parse_config(raw, cfg.num_hidden_layers)
-    else:  # a small HF model as the drafter
-        load_config(dpath)
-        weight_files(dpath)
-    return path, cfg, spec_cfg
+    if drafting is not None:
+        drafting.check_against(cfg)
+    return DecodeSpec(model, path, cfg, dtype, device, drafting)
 
 
-DRAFT_BUDGETS = ("priced", "fixed")
+@dataclass
+class GenerateOutcome:
+    """One `specscope generate`: the decoding `result`, the JSON-ready `report` (what --json prints: text, timings,
+    drafting, profile, run id, and the summary lines) and `lines`, the summary for people."""
+    result: GenerationResult
+    report: dict
+    lines: list[str]
 
 
-def drafter_for(draft: str, target, budget: str = "priced", note=None):
-    """build_drafter with the --draft-budget rule: "priced" (the default) prices every drafter's cycles with this
-    host's verify cost by rows (economics/prices.py: measured once, cached) within its declared shape; "fixed"
-    verifies the declared shape every cycle."""
-    if budget not in DRAFT_BUDGETS:
-        raise SpecscopeError(f"--draft-budget must be one of {', '.join(DRAFT_BUDGETS)}, got {budget!r}")
-    prices = None
-    if budget == "priced":
-        from specscope.economics.prices import host_prices
-
-        prices = host_prices(target, note)
-    return build_drafter(draft, target, prices)
-
-
-def run_generate(req: GenerateRequest, on_text=None) -> dict:
-    # preflight already resolved the drafting shape (None without --draft): reuse it rather than resolve it twice
-    _, _, spec_cfg = preflight(req.model, req.max_new_tokens, req.draft, req.steps, req.topk, req.draft_tokens,
-                               req.ngram_tokens)
+def run_generate(req: GenerateRequest, on_text=None) -> GenerateOutcome:
+    spec = req.decoding()
+    spec_cfg = spec.shape
     if req.record:      # a registry that cannot take the run is refused now, not warned about after the work
         check_registry(req.db)
     sp = req.sampling()
-    model, tok, path = load_target(req.model, req.dtype, req.device)
+    model, tok, path = spec.load()
     prompt_ids = tok.encode(req.prompt, chat=req.chat)
     if not prompt_ids:
         raise SpecscopeError("the prompt is empty after tokenisation")
@@ -126,11 +189,10 @@ def run_generate(req: GenerateRequest, on_text=None) -> dict:
     on_tokens = (lambda ids: on_text(dec.push(ids))) if on_text else None
     stop = stop_ids_for(model, tok)
     prof = CycleProfiler(device=model.device)      # where the model really is ("auto" resolved)
-    if req.draft is None:
+    if spec_cfg is None:
         res = generate(model, prompt_ids, req.max_new_tokens, sp, stop, on_tokens=on_tokens, profiler=prof)
     else:
-        drafter = drafter_for(req.draft, model, req.draft_budget)
-        res = speculative_generate(model, drafter, prompt_ids, req.max_new_tokens, sp, stop, spec_cfg,
+        res = speculative_generate(model, spec.drafter(model), prompt_ids, req.max_new_tokens, sp, stop, spec_cfg,
                                    on_tokens=on_tokens, profiler=prof)
     out = {
         "text": tok.decode(res.token_ids),
@@ -159,8 +221,8 @@ def run_generate(req: GenerateRequest, on_text=None) -> dict:
     if out["load_warning"]:
         lines.append(out["load_warning"])
     out["summary_lines"] = lines
-    out["_result"] = res
-    return _public(out)
+    out["internal"] = {"step_ms": res.step_ms}
+    return GenerateOutcome(res, out, lines)
 
 
 def _record_run(req: GenerateRequest, path, model, spec_cfg, res, prof, out: dict, lines: list[str]) -> None:
@@ -180,8 +242,7 @@ def _record_run(req: GenerateRequest, path, model, spec_cfg, res, prof, out: dic
         if res.stats.hybrid:   # ... and other n-gram budgets of a hybrid
             results["hybrid_cycles"] = res.stats.hybrid_cycles
     try:
-        rec = make_record("generate", name=req.extra.get("name", ""), config=config, profiler=prof,
-                          results=results, tags=req.extra.get("tags", ()))
+        rec = make_record("generate", name=req.name, config=config, profiler=prof, results=results, tags=req.tags)
         with open_registry(req.db) as reg:
             out["run_id"] = reg.add_run(rec)
         lines.append(f"Run stored: {out['run_id']}")
@@ -190,9 +251,3 @@ def _record_run(req: GenerateRequest, path, model, spec_cfg, res, prof, out: dic
         out["record_error"] = str(e)
         lines.append(f"warning: run not stored: {e} (use --no-record to skip)")
 
-
-def _public(out: dict) -> dict:
-    res = out.pop("_result")
-    out.setdefault("internal", {})
-    out["internal"] = {"step_ms": res.step_ms}
-    return out

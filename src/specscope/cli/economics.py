@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import click
@@ -210,13 +211,13 @@ def _check_request(req, draft):
     if req.output:
         check_writable(req.output, "--output", is_dir=True)
     if req.profile:
-        from specscope.speculative.decode import DraftSpec, SpecConfig
+        from specscope.speculative.decode import DraftSpec, SpecConfig, check_chain
 
         if not draft:
             raise SpecscopeError("--profile needs --draft (e.g. smollm2-135m-eagle3 or ngram)")
-        if DraftSpec.parse(draft).ngram_only and req.topk != 1:     # every n-gram spelling, before the model loads
-            raise SpecscopeError(f"n-gram drafting proposes a chain: profile it with --topk 1 --draft-tokens "
-                                 f"{req.steps + 1} (got --topk {req.topk}; tune profiles a --topk 4 tree by default)")
+        # every n-gram spelling, before the model loads
+        check_chain(DraftSpec.parse(draft), req.topk, hint=f" --draft-tokens {req.steps + 1} to profile it (got --topk "
+                                                           f"{req.topk}; tune profiles a --topk 4 tree by default)")
         # the profiled shape is one the drafter can propose
         SpecConfig.from_knobs(req.steps, req.topk, req.draft_tokens)
     if req.measures:        # these store runs (the profiled pair, a verify curve)
@@ -230,15 +231,17 @@ def _load_workload(ctx):
     runtime's threads and device), once the tune first measures."""
     from specscope.economics.probe import encode_prompts
     from specscope.economics.tune_session import Workload
-    from specscope.session import load_target, preflight, stop_ids_for
-    from specscope.speculative.decode import build_drafter
+    from specscope.session import Drafting, decode_spec, stop_ids_for
 
-    # the target's and the drafter's files, and the token budget against the context: before loading
-    preflight(ctx.model_name, ctx.max_new_tokens, ctx.draft)
+    # the target's and the drafter's files, and the token budget against the context: before loading. The tuner
+    # searches shapes itself and measures every cycle in full: a fixed budget, whatever the drafter declares
+    drafting = Drafting.from_flags(ctx.draft, budget="fixed") if ctx.draft else None
+    spec = decode_spec(ctx.model_name, drafting, dtype=ctx.dtype, max_new_tokens=ctx.max_new_tokens)
     prompts = ctx.prompts = ctx.prompts or read_prompts(ctx.prompts_file, ctx.num_prompts)
     dev = setup_runtime(ctx.threads, ctx.device)
-    target, tok, path = load_target(ctx.model_name, ctx.dtype, str(dev))
-    drafter = build_drafter(ctx.draft, target)
+    spec = dataclasses.replace(spec, device=str(dev))
+    target, tok, path = spec.load()
+    drafter = spec.drafter(target)
     return Workload(target, drafter, encode_prompts(tok, prompts), stop_ids_for(target, tok), path)
 
 

@@ -50,8 +50,7 @@ def generate(model_name, prompt, chat, max_new_tokens, temperature, top_p, top_k
                           draft_tokens=draft_tokens, ngram_tokens=ngram_tokens, record=not no_record, db=db)
 
     if as_json:
-        res = run_generate(req)
-        emit_json(res)
+        emit_json(run_generate(req).report)
         return
     out = sys.stdout
 
@@ -61,5 +60,5 @@ def generate(model_name, prompt, chat, max_new_tokens, temperature, top_p, top_k
 
     res = run_generate(req, on_text=stream)
     out.write("\n")
-    for line in res.get("summary_lines", []):
+    for line in res.lines:
         click.echo(line, err=True)

@@ -42,13 +42,15 @@ def _check_flags(model_name, draft, steps, topk, draft_tokens, ngram_tokens, dty
     from specscope.cli.common import setup_runtime
     from specscope.economics.policy import spec_policy as check_policy
     from specscope.models.loader import parse_dtype
-    from specscope.session import preflight
+    from specscope.session import Drafting, decode_spec
 
     if api_key is not None and not api_key.strip():
         # an unset variable in `--api-key "$KEY"` would otherwise serve with no authentication at all
         raise SpecscopeError("--api-key (or SPECSCOPE_API_KEY) is empty, which would turn authentication off; pass "
                              "a key, or leave both unset to serve without one")
-    _, model_cfg, spec_cfg = preflight(model_name, None, draft, steps, topk, draft_tokens, ngram_tokens)
+    spec = decode_spec(model_name, Drafting.from_flags(draft, steps, topk, draft_tokens, ngram_tokens,
+                                                       draft_budget or "fixed"))
+    model_cfg, spec_cfg = spec.config, spec.shape
     if max_seq_len is not None and max_seq_len > model_cfg.max_position_embeddings:
         raise SpecscopeError(f"--max-seq-len {max_seq_len} is over the model's context of "
                              f"{model_cfg.max_position_embeddings} tokens (max_position_embeddings); use at most that")

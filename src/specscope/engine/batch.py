@@ -26,7 +26,7 @@ from specscope.models.context import region_inputs
 from specscope.models.llama import ForwardOutput
 from specscope.runtime.sampling import make_generator, next_token
 from specscope.speculative.acceptance import accept
-from specscope.speculative.drafters import Drafter, run_together
+from specscope.speculative.drafters import Drafter, run_alone, run_together
 from specscope.speculative.stats import CycleCounts, SpecTally
 from specscope.speculative.tree import DraftTree
 
@@ -406,8 +406,10 @@ class BatchEngine:
                 drafting.append(seq)
         if shape is None and self.attach is not None:
             self._detach_idle()
-        trees = run_together([s.drafter.drafting(shape.within(self.context - 1 - s.length), s.req.sampling, s.gen,
-                                                 clock) for s in drafting])
+        steps = [s.drafter.drafting(shape.within(self.context - 1 - s.length), s.req.sampling, s.gen, clock)
+                 for s in drafting]
+        # one sequence drafting in a cache of its own (a batch of one): its forwards as it would run them alone
+        trees = [run_alone(steps[0])] if len(steps) == 1 and self.draft_cache is None else run_together(steps)
         for seq, tree in zip(drafting, trees):
             seq.tree = tree
             seq.idle = 0

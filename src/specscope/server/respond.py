@@ -16,7 +16,7 @@ from specscope.runtime.params import SEED_MAX
 from specscope.server import protocol as P
 from specscope.server.logprobs import TokenText, chat_logprobs, completion_logprobs
 from specscope.server.protocol import ApiError, GenParams
-from specscope.server.worker import Job
+from specscope.server.worker import Done, Failed, Job, Tokens
 
 
 class _Tagged:
@@ -88,44 +88,44 @@ class Answer:
         return completion_logprobs(self.text_of, ids, recs, offset)
 
     # -- the whole answer -----------------------------------------------------------------------------------------
-    def whole(self, done: dict[int, dict]) -> dict:
+    def whole(self, done: dict[int, Done]) -> dict:
         p, choices = self.p, []
         for i, job in enumerate(self.jobs):
             d = done[i]
-            ids = d["token_ids"]
-            text = (self.prompt_text if p.echo else "") + d["text"]
+            ids = d.token_ids
+            text = (self.prompt_text if p.echo else "") + d.text
             lp = self._logprobs(i, ids, job.lps[:len(ids)], p.echo, 0)
-            choices.append(P.choice(p, i, text, d["finish"], lp, ids))
+            choices.append(P.choice(p, i, text, d.finish, lp, ids))
         d0 = done[0]
-        return P.full_response(p, self.rid, self.served.name, choices, d0["prompt_tokens"],
-                               sum(len(d["token_ids"]) for d in done.values()),
-                               merge_spec([done[i]["spec"] for i in range(p.n)]), d0["cached_tokens"])
+        return P.full_response(p, self.rid, self.served.name, choices, d0.prompt_tokens,
+                               sum(len(d.token_ids) for d in done.values()),
+                               merge_spec([done[i].spec for i in range(p.n)]), d0.cached_tokens)
 
     # -- the stream -----------------------------------------------------------------------------------------------
     async def stream(self):
         created, sent, done = int(time.time()), [_Sent() for _ in self.jobs], {}
         while len(done) < len(self.jobs):
             i, ev = await self.q.get()
-            if ev[0] == "tokens":
-                c = self._chunk(i, sent[i], created, ev[1], ev[2])
+            if isinstance(ev, Tokens):
+                c = self._chunk(i, sent[i], created, ev.text, ev.token_ids)
                 if c is not None:
                     yield P.sse(c)
-            elif ev[0] == "done":
-                done[i] = ev[1]
-                yield P.sse(self._chunk(i, sent[i], created, None, [], ev[1]["finish"]))
-            elif ev[0] == "error":
-                yield P.sse(ev[1].body())
+            elif isinstance(ev, Done):
+                done[i] = ev
+                yield P.sse(self._chunk(i, sent[i], created, None, [], ev.finish))
+            elif isinstance(ev, Failed):
+                yield P.sse(ev.error.body())
                 yield P.sse("[DONE]")
                 return
-            else:  # cancelled: the client is gone, nothing to say
+            else:  # Dropped: the client is gone, nothing to say
                 return
         if self.p.include_usage:
             d0 = done[0]
             last = {"id": self.rid, "object": "chat.completion.chunk" if self.p.kind == "chat" else "text_completion",
                     "created": created, "model": self.served.name, "choices": [],
-                    "usage": P.usage(d0["prompt_tokens"], sum(len(d["token_ids"]) for d in done.values()),
-                                     d0["cached_tokens"])}
-            spec = merge_spec([done[i]["spec"] for i in range(len(self.jobs))])
+                    "usage": P.usage(d0.prompt_tokens, sum(len(d.token_ids) for d in done.values()),
+                                     d0.cached_tokens)}
+            spec = merge_spec([done[i].spec for i in range(len(self.jobs))])
             if spec is not None:
                 last["spec"] = spec
             yield P.sse(last)
@@ -155,7 +155,7 @@ class Answer:
 
 async def wait_whole(answer: Answer, request) -> dict | None:
     """Every choice's `done` -> the whole answer; None when the client hung up (its jobs are cancelled)."""
-    done: dict[int, dict] = {}
+    done: dict[int, Done] = {}
     next_check = time.monotonic() + 0.1
     while len(done) < len(answer.jobs):
         try:
@@ -167,12 +167,12 @@ async def wait_whole(answer: Answer, request) -> dict | None:
             if await request.is_disconnected():  # nobody will read the answer: stop decoding it
                 answer.cancel()
                 return None
-        if ev is None or ev[0] == "tokens":
+        if ev is None or isinstance(ev, Tokens):
             continue
-        if ev[0] == "done":
-            done[i] = ev[1]
-        elif ev[0] == "error":
-            raise ev[1]
+        if isinstance(ev, Done):
+            done[i] = ev
+        elif isinstance(ev, Failed):
+            raise ev.error
         else:
             raise ApiError(503, "the request was cancelled")
     return answer.whole(done)

@@ -32,7 +32,6 @@ from specscope.runtime.sampling import SamplingParams
 from specscope.runtime.tokenizer import StreamDecoder
 from specscope.server.metrics import ServerMetrics
 from specscope.server.protocol import ApiError, GenParams
-from specscope.speculative.decode import SpecConfig
 
 log = logging.getLogger("specscope.server")
 
@@ -56,7 +55,7 @@ class ServeConfig:
     max_seq_len: int | None = None         # prompt + completion per sequence; default min(context, 4096)
     enable_prefix_caching: bool = True     # a new request reuses the keys of the longest prompt prefix it shares
     spec_policy: str = "priced"            # economics.policy.spec_policy: the draft shape per batch size
-    # session.drafter_for: each sequence's cycles in the declared shape ("fixed") or priced as if it ran alone
+    # session.Drafting: each sequence's cycles in the declared shape ("fixed") or priced as if it ran alone
     # ("priced"); the batch-size pricing is spec_policy's
     draft_budget: str = "fixed"
     max_prompt_tokens: int | None = None   # default: max_seq_len - 1
@@ -67,6 +66,11 @@ class ServeConfig:
     profile_phases: bool = True            # record each engine step's wall time (cycle_phase_seconds{phase=step})
     metrics_prefix: str = "specscope"
 
+    def decoding(self) -> session.DecodeSpec:
+        drafting = session.Drafting.from_flags(self.draft, self.steps, self.topk, self.draft_tokens,
+                                               self.ngram_tokens, self.draft_budget)
+        return session.decode_spec(self.model, drafting, dtype=self.dtype, device=self.device)
+
 
 class Cancelled(Exception):
     """Raised inside on_tokens when the client went away."""
@@ -74,6 +78,39 @@ class Cancelled(Exception):
 
 class StopString(Exception):
     """Raised inside on_tokens when a stop string appeared; the text is already cut."""
+
+
+@dataclass(frozen=True)
+class Tokens:
+    """Text ready to send (what a stop string could still claim is held back) and the token ids it came from."""
+    text: str
+    token_ids: list[int]
+
+
+@dataclass(frozen=True)
+class Done:
+    """A choice that finished: its whole text and ids, why it stopped, the usage counts and, with a drafter, its
+    speculative counters (`spec`: verify_ct, accepted_tokens, draft_tokens, accept_length)."""
+    text: str
+    finish: str
+    token_ids: list[int]
+    prompt_tokens: int
+    cached_tokens: int
+    spec: dict | None
+
+
+@dataclass(frozen=True)
+class Failed:
+    """A choice that cannot be answered: the error the client gets."""
+    error: ApiError
+
+
+@dataclass(frozen=True)
+class Dropped:
+    """A choice cancelled because its client left: nobody is told."""
+
+
+Event = Tokens | Done | Failed | Dropped
 
 
 class Job:
@@ -93,7 +130,7 @@ class Job:
         self.lps: list = []
         self.prompt_lps: list | None = None
 
-    def post(self, *event) -> None:
+    def post(self, event: Event) -> None:
         try:
             self.loop.call_soon_threadsafe(self.events.put_nowait, event)
         except RuntimeError:  # the loop is gone (shutdown); nobody is listening
@@ -120,7 +157,8 @@ class ServedModel:
 
     def __init__(self, cfg: ServeConfig):
         self.cfg = cfg
-        self.model, self.tokenizer, self.path = session.load_target(cfg.model, cfg.dtype, cfg.device)
+        spec = cfg.decoding()
+        self.model, self.tokenizer, self.path = spec.load()
         hub = None if Path(cfg.model).expanduser().exists() else parse_hub_id(cfg.model)
         self.name = cfg.served_name or (hub[0] if hub else self.path.name)   # a hub id, as vLLM serves it
         self.stop_ids = session.stop_ids_for(self.model, self.tokenizer)
@@ -132,11 +170,8 @@ class ServedModel:
         self.max_seq_len = cfg.max_seq_len or min(self.context, DEFAULT_MAX_SEQ_LEN)
         self.max_prompt = min(cfg.max_prompt_tokens or self.max_seq_len - 1, self.max_seq_len - 1)
         self.tok_lock = threading.Lock()  # HF fast tokenizers are not safe to share across threads unguarded
-        self.drafter = self.spec_cfg = self.policy = None
-        if cfg.draft:
-            self.spec_cfg = SpecConfig.for_drafter(cfg.draft, cfg.steps, cfg.topk, cfg.draft_tokens,
-                                                  cfg.ngram_tokens)
-            self.drafter = session.drafter_for(cfg.draft, self.model, cfg.draft_budget)
+        self.spec_cfg, self.drafter, self.policy = spec.shape, spec.drafter(self.model), None
+        if spec.drafting is not None:
             prices = host_prices(self.model) if cfg.spec_policy == "priced" else None
             self.policy = spec_policy(cfg.spec_policy, self.spec_cfg, model=cfg.model, draft=cfg.draft,
                                       dtype=str(compute_dtype(self.model)), prices=prices)
@@ -219,7 +254,7 @@ class ServedModel:
         cut = self._find_stop(full, job.params.stop)
         text = full if cut is None else full[:cut]
         if len(text) > job.sent:
-            job.post("tokens", text[job.sent:], [])
+            job.post(Tokens(text[job.sent:], []))
         spec = None
         if self.drafter is not None:
             st = f.stats   # None when no step drafted for it (max_tokens 1, --spec-policy off): zero counters
@@ -228,20 +263,19 @@ class ServedModel:
             spec = {"verify_ct": st.cycles if st else 0, "accepted_tokens": sum(st.accepted_per_pos) if st else 0,
                     "draft_tokens": sum(st.drafts_per_pos) if st else 0,
                     "accept_length": round(st.accept_length, 4) if st else 0.0}
-        job.post("done", {"text": text, "finish": finish, "token_ids": ids, "prompt_tokens": len(job.prompt_ids),
-                          "cached_tokens": f.cached_tokens, "spec": spec})
+        job.post(Done(text, finish, ids, len(job.prompt_ids), f.cached_tokens, spec))
 
     def _emit(self, job: Job, new_ids: list[int]) -> None:
         text, stops = job.text, job.params.stop
         cut = self._find_stop(text, stops, start=max(0, job.sent - max((len(s) for s in stops), default=0)))
         if cut is not None:
             if cut > job.sent:
-                job.post("tokens", text[job.sent:cut], new_ids)
+                job.post(Tokens(text[job.sent:cut], new_ids))
                 job.sent = cut
             raise StopString()
         safe = len(text) - _holdback(text, stops)
         if safe > job.sent or new_ids:
-            job.post("tokens", text[job.sent:safe] if safe > job.sent else "", new_ids)
+            job.post(Tokens(text[job.sent:safe] if safe > job.sent else "", new_ids))
             job.sent = max(safe, job.sent)
 
     @staticmethod
@@ -383,7 +417,7 @@ class Worker:
         exc = f.exc
         if f.stop_reason == "cancelled" or isinstance(exc, Cancelled):
             m.request_failed.labels(reason="cancelled").inc()
-            job.post("cancelled", None)
+            job.post(Dropped())
             return
         if exc is not None and not isinstance(exc, StopString):
             self._fail(job, exc)
@@ -400,14 +434,14 @@ class Worker:
     def _fail(self, job: Job, e: BaseException, logged: bool = False) -> None:
         if isinstance(e, SpecscopeError):
             self.metrics.request_failed.labels(reason="invalid").inc()
-            job.post("error", ApiError(400, str(e)))
+            job.post(Failed(ApiError(400, str(e))))
             return
         # a bug: keep serving; the client gets a 500 and an id to find the traceback by
         if not logged:
             log.error("request %s failed", job.rid, exc_info=(type(e), e, e.__traceback__))
         self.metrics.request_failed.labels(reason="error").inc()
-        job.post("error", ApiError(500, f"internal error during generation ({type(e).__name__}; request id "
-                                        f"{job.rid}); the server log has the traceback; please report it"))
+        job.post(Failed(ApiError(500, f"internal error during generation ({type(e).__name__}; request id "
+                                        f"{job.rid}); the server log has the traceback; please report it")))
 
     def _fail_queued(self) -> None:
         while True:
@@ -417,7 +451,7 @@ class Worker:
                 return
             if job is not None:
                 job.cancel()
-                job.post("error", ApiError(503, "the server is shutting down"))
+                job.post(Failed(ApiError(503, "the server is shutting down")))
 
     def stop(self, timeout: float = 10.0) -> None:
         """Refuse new work, fail what is queued, cancel what runs, and join the thread."""

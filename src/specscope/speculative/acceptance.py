@@ -77,15 +77,21 @@ def accept_sampling(target_probs: torch.Tensor, tree: DraftTree, gen) -> VerifyO
         cur = accepted
 
 
-def accept(logits: torch.Tensor, tree: DraftTree, sampling, gen) -> tuple[list[int], list[int]]:
-    """The accepted path of `tree` under the target's logits [1 + size, V], greedy or by the sampling rule ->
-    (rows: 0 is the root, new tokens: the accepted drafts + the bonus token)."""
+class Accepted(NamedTuple):
+    """A cycle's outcome: the accepted verify rows (0 is the root) and the tokens committed (the accepted drafts
+    and the bonus token)."""
+    rows: list[int]
+    tokens: list[int]
+
+
+def accept(logits: torch.Tensor, tree: DraftTree, sampling, gen) -> Accepted:
+    """The accepted path of `tree` under the target's logits [1 + size, V], greedy or by the sampling rule."""
     if sampling.greedy:
         rows, bonus = accept_greedy(logits.argmax(-1).tolist(), tree)
     else:
         rows, bonus = accept_sampling(probs_from_logits(logits, sampling), tree, gen)
     toks = tree.tokens.tolist()
-    return rows, [toks[r - 1] for r in rows[1:]] + [bonus]
+    return Accepted(rows, [toks[r - 1] for r in rows[1:]] + [bonus])
 
 
 def _q_row(tree: DraftTree, node: int) -> torch.Tensor | None:

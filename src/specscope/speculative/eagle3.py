@@ -25,6 +25,18 @@ ROPE_CHUNK = 4096
 
 
 @dataclass
+class FileMeta:
+    """What a drafter's config.json holds beyond the network: named in checks, written back on export."""
+    aux_ids_in_file: list | None = None        # the aux layer ids as the file wrote them (in its convention)
+    verifier_logits_layer: int | None = None   # speculators' 4th aux id (entering convention): feeds the verifier's
+                                               # logits in training only
+    verifier: dict | None = None               # speculators: {"name_or_path", "architectures"} of the target
+    proposal_methods: list | None = None       # speculators' proposal methods and the default one
+    default_proposal_method: str | None = None
+    speculators_version: str | None = None
+
+
+@dataclass
 class DrafterConfig:
     hidden_size: int
     intermediate_size: int
@@ -47,7 +59,15 @@ class DrafterConfig:
     sliding_window: int | None = None   # drafter attention sees only the last `sliding_window` positions
     attention_bias: bool = False
     format: str = "sglang"           # the layout it was loaded from
-    extra: dict = field(default_factory=dict)   # file metadata kept for re-export (verifier, proposal methods, ...)
+    meta: FileMeta = field(default_factory=FileMeta)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "DrafterConfig":
+        """The inverse of to_dict (a training checkpoint's copy), also of one written before `meta` had fields
+        of its own (an `extra` dict of the same keys)."""
+        d = dict(d)
+        meta = d.pop("meta", None) or d.pop("extra", None) or {}
+        return cls(**d, meta=FileMeta(**{k: v for k, v in meta.items() if k in FileMeta.__dataclass_fields__}))
 
     def layer_config(self) -> ModelConfig:
         return ModelConfig(

@@ -12,7 +12,7 @@ from specscope.errors import SpecscopeError
 from specscope.models.config import (MAX_HEAD_DIM, MAX_HEADS, MAX_HIDDEN, MAX_LAYERS, MAX_POSITIONS, MAX_VOCAB,
                                      cfg_bool, cfg_float, cfg_int, cfg_str, rope_scaling_of, rope_theta_of)
 from specscope.models.loader import read_json_object
-from specscope.speculative.eagle3 import DrafterConfig
+from specscope.speculative.eagle3 import DrafterConfig, FileMeta
 
 SGLANG_ARCHS = ("LlamaForCausalLMEagle3", "LlamaForCausalLM", "Eagle3LlamaForCausalLM")
 SPECULATORS_ARCHS = ("Eagle3Speculator", "Eagle3DraftModel")
@@ -114,24 +114,24 @@ def _aux_ids(ids, convention: str, target_layers: int | None, problems: list[str
     return ids[:3], convention, (ids[3] if len(ids) == 4 else None)
 
 
-def _speculators_extra(raw: dict) -> dict:
+def _speculators_meta(raw: dict) -> FileMeta:
     """The speculators file's metadata kept for re-export: verifier, proposal methods, format version."""
-    extra: dict = {}
+    meta = FileMeta()
     sc = raw.get("speculators_config") or {}
     if isinstance(sc, dict):
         if isinstance(sc.get("verifier"), dict):
-            extra["verifier"] = {k: sc["verifier"].get(k) for k in ("name_or_path", "architectures")}
+            meta.verifier = {k: sc["verifier"].get(k) for k in ("name_or_path", "architectures")}
         if isinstance(sc.get("proposal_methods"), list):
-            extra["proposal_methods"] = sc["proposal_methods"]
-            extra["default_proposal_method"] = sc.get("default_proposal_method")
+            meta.proposal_methods = sc["proposal_methods"]
+            meta.default_proposal_method = sc.get("default_proposal_method")
     if raw.get("speculators_version"):
-        extra["speculators_version"] = str(raw["speculators_version"])
-    return extra
+        meta.speculators_version = str(raw["speculators_version"])
+    return meta
 
 
 def _layout(raw: dict, fmt: str, target_layers: int | None, problems: list[str]):
-    """(the layer's fields, aux layer ids, their convention in the file, the norm_before_residual default, extra
-    metadata) of either layout; aux-id problems go to `problems`."""
+    """(the layer's fields, aux layer ids, their convention in the file, the norm_before_residual default, the
+    file's metadata) of either layout; aux-id problems go to `problems`."""
     if fmt == "speculators":
         layer = raw.get("transformer_layer_config")
         if not isinstance(layer, dict):
@@ -139,7 +139,7 @@ def _layout(raw: dict, fmt: str, target_layers: int | None, problems: list[str])
         file_ids = raw.get("eagle_aux_hidden_state_layer_ids")
         ids, conv, fourth = _aux_ids(file_ids, "input", target_layers, problems)
         nbr_default = True       # vLLM assumes True when a speculators config omits it
-        extra = _speculators_extra(raw)
+        meta = _speculators_meta(raw)
     else:
         layer = raw
         eagle = raw.get("eagle_config") or {}
@@ -148,19 +148,17 @@ def _layout(raw: dict, fmt: str, target_layers: int | None, problems: list[str])
         file_ids = eagle.get("eagle_aux_hidden_state_layer_ids")
         ids, conv, fourth = _aux_ids(file_ids, "output", target_layers, problems)
         nbr_default = False      # the original EAGLE layer adds the un-normed residual
-        extra = {}
-    if file_ids is not None:
-        extra["aux_ids_in_file"] = file_ids
-    if fourth is not None:
-        extra["verifier_logits_layer"] = fourth     # entering-layer convention, like aux_layer_ids
-    return layer, ids, conv, nbr_default, extra
+        meta = FileMeta()
+    meta.aux_ids_in_file = file_ids
+    meta.verifier_logits_layer = fourth     # entering-layer convention, like aux_layer_ids
+    return layer, ids, conv, nbr_default, meta
 
 
 def parse_config(raw: dict, target_layers: int | None = None) -> DrafterConfig:
     """A drafter config.json (either layout) -> DrafterConfig. Every problem is reported in one error."""
     fmt = detect_format(raw)
     problems: list[str] = []
-    layer, ids, conv, nbr_default, extra = _layout(raw, fmt, target_layers, problems)
+    layer, ids, conv, nbr_default, meta = _layout(raw, fmt, target_layers, problems)
     problems += _problems_of(layer, raw)
     missing = [k for k in ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size") if k not in layer]
     if missing:
@@ -196,7 +194,7 @@ def parse_config(raw: dict, target_layers: int | None = None) -> DrafterConfig:
         sliding_window=_sliding_window(layer),
         attention_bias=cfg_bool(layer, "attention_bias", False, where=w),
         format=fmt,
-        extra=extra,
+        meta=meta,
     )
     if cfg.num_attention_heads % cfg.num_key_value_heads:
         problems.append(f"num_attention_heads ({cfg.num_attention_heads}) is not a multiple of "
@@ -219,11 +217,11 @@ def aux_conventions(cfg: DrafterConfig) -> dict:
     """The aux layer ids in both conventions, saying which is which."""
     return {"hidden_state_index": list(cfg.aux_layer_ids),
             "sglang_output_of_layer": [i - 1 for i in cfg.aux_layer_ids],
-            "in_file": cfg.extra.get("aux_ids_in_file"),
+            "in_file": cfg.meta.aux_ids_in_file,
             "file_convention": {"input": "hidden_state_index", "output": "sglang_output_of_layer",
                                 "default": "none named: the target's default (2, L//2, L-3)"}[
                 cfg.aux_convention_in_file],
-            "verifier_logits_layer": cfg.extra.get("verifier_logits_layer"),
+            "verifier_logits_layer": cfg.meta.verifier_logits_layer,
             "note": "hidden_state_index i = the hidden state entering target layer i (HF output_hidden_states[i], "
                     "vLLM/speculators); SGLang/SpecForge store i - 1 (output of layer i - 1) and add 1 when reading"}
 

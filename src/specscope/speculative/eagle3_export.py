@@ -51,8 +51,8 @@ def _decimal(x: float) -> float:
 
 
 def _speculators_version(cfg: DrafterConfig) -> str:
-    if cfg.extra.get("speculators_version"):
-        return cfg.extra["speculators_version"]
+    if cfg.meta.speculators_version:
+        return cfg.meta.speculators_version
     try:
         return version("speculators")
     except Exception:
@@ -60,8 +60,8 @@ def _speculators_version(cfg: DrafterConfig) -> str:
 
 
 def _proposal_methods(cfg: DrafterConfig, speculative_tokens: int | None) -> tuple[list[dict], str]:
-    methods = [dict(m) for m in cfg.extra.get("proposal_methods") or [] if isinstance(m, dict)]
-    default = cfg.extra.get("default_proposal_method") or "greedy"
+    methods = [dict(m) for m in cfg.meta.proposal_methods or [] if isinstance(m, dict)]
+    default = cfg.meta.default_proposal_method or "greedy"
     if not methods:
         methods = [{"proposal_type": "greedy", "speculative_tokens": speculative_tokens or DEFAULT_SPECULATIVE_TOKENS,
                     "accept_tolerance": 0.0, "verifier_accept_k": 1}]
@@ -103,7 +103,7 @@ def config_dict(drafter: Eagle3Drafter, fmt: str, target_info: dict | None = Non
                                  "use_aux_hidden_state": True},
                 **flags}
     if fmt == "speculators":
-        verifier = dict(cfg.extra.get("verifier") or {})
+        verifier = dict(cfg.meta.verifier or {})
         verifier.update({k: v for k, v in (target_info or {}).items()
                          if k in ("name_or_path", "architectures") and v})
         if not verifier.get("name_or_path"):
@@ -113,8 +113,8 @@ def config_dict(drafter: Eagle3Drafter, fmt: str, target_info: dict | None = Non
             raise SpecscopeError(f"the verifier's architectures are unknown; pass --model with the target's config.json "
                                  f"(recording {verifier['name_or_path']!r})")
         ids = list(cfg.aux_layer_ids)
-        if "verifier_logits_layer" in cfg.extra:
-            ids.append(cfg.extra["verifier_logits_layer"])
+        if cfg.meta.verifier_logits_layer is not None:
+            ids.append(cfg.meta.verifier_logits_layer)
         methods, default = _proposal_methods(cfg, speculative_tokens)
         return {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
                 "speculators_version": _speculators_version(cfg), "draft_vocab_size": cfg.draft_vocab_size,

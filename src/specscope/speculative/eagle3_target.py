@@ -127,8 +127,8 @@ def pair_problems(cfg: DrafterConfig, t: TargetFacts) -> list[str]:
         out.append(f"drafter was built for a target vocabulary of {cfg.vocab_size} tokens but the target "
                    f"has {t.vocab_size}; it belongs to a different model")
     L = t.num_hidden_layers
-    ids = list(cfg.aux_layer_ids) + ([cfg.extra["verifier_logits_layer"]] if "verifier_logits_layer" in cfg.extra
-                                     else [])
+    fourth = cfg.meta.verifier_logits_layer
+    ids = list(cfg.aux_layer_ids) + ([fourth] if fourth is not None else [])
     bad = [i for i in ids if not 0 <= i <= L]
     if bad:
         out.append(f"drafter aux layer ids {ids} (entering-layer convention) are out of range for a target "

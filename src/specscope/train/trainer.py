@@ -273,7 +273,7 @@ def load_checkpoint(path: Path) -> dict:
 
 
 def drafter_from_checkpoint(state: dict):
-    d = Eagle3Drafter(DrafterConfig(**state["drafter_config"]))
+    d = Eagle3Drafter(DrafterConfig.from_dict(state["drafter_config"]))
     d.load_state_dict(state["model"])
     return d
 

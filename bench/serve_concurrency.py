@@ -287,7 +287,9 @@ def checks_of(s: dict, idle_after_s: float | None, health: int, exit_code) -> di
 # ---- running it ---------------------------------------------------------------------------------------------------
 
 def serve_flags(args, max_num_seqs: int) -> list[str]:
-    flags = ["--max-num-seqs", str(max_num_seqs), "--spec-policy", args.spec_policy]
+    flags = ["--max-num-seqs", str(max_num_seqs)]
+    if args.draft:     # serve refuses a --spec-policy without a drafter to apply it to
+        flags += ["--spec-policy", args.spec_policy]
     if args.prefix_caching == "off":
         flags.append("--no-enable-prefix-caching")
     if args.max_seq_len:
@@ -371,7 +373,7 @@ def main():
         "command": "python bench/serve_concurrency.py " + " ".join(sys.argv[1:]),
         "config": {"model": args.model, "draft": args.draft or None, "clients": args.clients,
                    "duration_s": args.duration, "max_num_seqs": modes, "max_seq_len": args.max_seq_len,
-                   "spec_policy": args.spec_policy, "prefix_caching": args.prefix_caching,
+                   "spec_policy": args.spec_policy if args.draft else None, "prefix_caching": args.prefix_caching,
                    "max_tokens": args.max_tokens, "threads": args.threads,
                    "device": args.device, "prompts": ds, "distinct_prompts": len(set(ps)), "temperature": 0.0},
         "env": {"python": platform.python_version(), "torch": torch.__version__, "cpus": os.cpu_count(),

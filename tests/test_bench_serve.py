@@ -508,8 +508,10 @@ def test_serve_concurrency_bench_parses_and_its_numbers_are_right():
     assert x["mean_request_queue_time_ms"] is None and x["p99_ttft_ms"] is None
     assert m.ratios(dict(serial, completed=0), batched)["completed"] is None
 
-    args = argparse.Namespace(spec_policy="always", max_seq_len=None, prefix_caching="on")
+    args = argparse.Namespace(spec_policy="always", max_seq_len=None, prefix_caching="on", draft="ngram")
     assert m.serve_flags(args, 1) == ["--max-num-seqs", "1", "--spec-policy", "always"]
+    args.draft = ""         # serve refuses --spec-policy without a drafter: the plain servers get none
+    assert m.serve_flags(args, 1) == ["--max-num-seqs", "1"]
     args.max_seq_len = 512
     assert m.serve_flags(args, 16)[-2:] == ["--max-seq-len", "512"]
     args.prefix_caching = "off"

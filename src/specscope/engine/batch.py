@@ -84,11 +84,12 @@ PHASES = ("draft", "verify", "accept", "commit", "other")
 
 class _Clock:
     """Phase stopwatch of one step: `lap(name)` charges the time since the previous lap to `name`; `phase(name)`
-    times a sub-phase within the current one (a drafter's "draft.step0", kept for a profiler). On CUDA every
-    reading waits for the device, so each phase holds its own kernels' time rather than their launches'."""
+    times a sub-phase within the current one (a drafter's "draft.step0", kept for a profiler). `sync` (on CUDA,
+    when a profiler reads the phases): every reading waits for the device, so each phase holds its own kernels'
+    time rather than their launches'; without one the step pays no extra synchronisation."""
 
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
+    def __init__(self, device: torch.device, sync: bool = False):
+        self.cuda = sync and device.type == "cuda"
         self.t = self._now()
         self.ms = dict.fromkeys(PHASES, 0.0)
 
@@ -225,7 +226,7 @@ class BatchEngine:
 
     # -- one step -------------------------------------------------------------------------------------------------
     def step(self) -> list[Finished]:
-        clock, self.last_step = _Clock(self.target.device), None
+        clock, self.last_step = _Clock(self.target.device, sync=self.profiler is not None), None
         done = self._drop_cancelled()
         self._admit()
         if not self.running:

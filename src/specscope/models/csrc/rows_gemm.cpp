@@ -429,8 +429,9 @@ static inline void weighted_sum(const float* vh, int64_t D, const int32_t* idx, 
 template <int G, int NV>
 static void attend_group(const float* const* qs, const float* kh, const float* vh, int64_t D, const int32_t* idx,
                          int64_t m, float scale, float* sc, float* const* outs) {
-    // KB = 4 for simd::hsum4; G * JC accumulators + a broadcast + loads fit 16 registers
-    constexpr int KB = 4, JC = G <= 2 ? 4 : 3;
+    // KB = 4 for simd::hsum4; G * JC accumulators + a broadcast + JC loads fit the register file (AVX2: 16, else
+    // 32), so the weighted sum takes a 64-wide head (4 AVX-512 vectors) in one pass of G * 4 chains
+    constexpr int KB = 4, JC = L == 8 && G > 2 ? 3 : 4;
     const int nv = NV ? NV : (int)((D + L - 1) / L);
     auto ld = [&](const float* p, int j) { return NV ? simd::load(p + j * L) : simd::load_n(p + j * L, (int)(D - j * L)); };
     vf qr[G][NV ? NV : MAXV];
@@ -512,41 +513,47 @@ int rows_attention(const float* q, int64_t q_row, int64_t T, int64_t Hq, int64_t
 #undef GROUPS
     const group_fn* fns = D == 64 ? d64 : D == 128 ? d128 : any_d;
     const float scale = 1.0f / sqrtf((float)D);
-    const int64_t items = T * Hkv * (G / gb);
+    const int64_t passes = G / gb, items = Hkv * passes * T;
+    // the visible slots of every row, in order, listed once per call (every kv head's pass reads them)
+    static thread_local std::vector<int32_t> idx_all;
+    static thread_local std::vector<int64_t> m_all;
+    const size_t need = (size_t)(S > 0 ? S : 1);
+    if (idx_all.size() < (size_t)T * need) idx_all.resize((size_t)T * need);
+    if (m_all.size() < (size_t)T) m_all.resize((size_t)T);
+    int32_t* idx_rows = idx_all.data();
+    int64_t* ms = m_all.data();
+    for (int64_t t = 0; t < T; ++t) {
+        const uint8_t* mr = mask ? mask + t * mask_row : nullptr;
+        int32_t* idx = idx_rows + t * need;
+        int64_t m = 0;
+        for (int64_t s = 0; s < S;) {
+            // a batch's row opens one region of many: skip closed slots 64, then 8 at a time
+            if (mr && s + 64 <= S) {
+                uint64_t w[8], any = 0;
+                memcpy(w, mr + s, 64);
+                for (int j = 0; j < 8; ++j) any |= w[j];
+                if (!any) { s += 64; continue; }
+            }
+            uint64_t w;
+            if (mr && s + 8 <= S && (memcpy(&w, mr + s, 8), w == 0)) { s += 8; continue; }
+            if (!mr || mr[s]) idx[m++] = (int32_t)s;
+            ++s;
+        }
+        ms[t] = m;
+    }
+    // kv-head-major: a thread's items share one kv head's keys and values (read from memory once per thread, not
+    // once per row), every row of it in turn
     #pragma omp parallel num_threads(nthreads) if (nthreads > 1 && items > 1)
     {
         // per-thread scratch kept across calls: sized by the mask's width (all regions of a batch), so zero-filling
         // fresh vectors cost more than the attention itself at 16 regions of 4096 slots
         static thread_local std::vector<float> sc_buf;
-        static thread_local std::vector<int32_t> idx_buf;
-        const size_t need = (size_t)(S > 0 ? S : 1);
         if (sc_buf.size() < (size_t)gb * need) sc_buf.resize((size_t)gb * need);
-        if (idx_buf.size() < need) idx_buf.resize(need);
         float* sc = sc_buf.data();
-        int32_t* idx = idx_buf.data();
-        int64_t cur_t = -1, m = 0;
         #pragma omp for schedule(static)
         for (int64_t it = 0; it < items; ++it) {
-            int64_t t = it / (Hkv * (G / gb)), rest = it % (Hkv * (G / gb));
-            int64_t g = rest / (G / gb), h0 = g * G + (rest % (G / gb)) * gb;
-            if (t != cur_t) {   // the visible slots of row t, in order
-                const uint8_t* mr = mask ? mask + t * mask_row : nullptr;
-                m = 0;
-                for (int64_t s = 0; s < S;) {
-                    // a batch's row opens one region of many: skip closed slots 64, then 8 at a time
-                    if (mr && s + 64 <= S) {
-                        uint64_t w[8], any = 0;
-                        memcpy(w, mr + s, 64);
-                        for (int j = 0; j < 8; ++j) any |= w[j];
-                        if (!any) { s += 64; continue; }
-                    }
-                    uint64_t w;
-                    if (mr && s + 8 <= S && (memcpy(&w, mr + s, 8), w == 0)) { s += 8; continue; }
-                    if (!mr || mr[s]) idx[m++] = (int32_t)s;
-                    ++s;
-                }
-                cur_t = t;
-            }
+            const int64_t t = it % T, gp = it / T, g = gp / passes, h0 = g * G + (gp % passes) * gb;
+            const int64_t m = ms[t];
             const float* qs[4];
             float* outs[4];
             for (int64_t u = 0; u < gb; ++u) {
@@ -557,7 +564,7 @@ int rows_attention(const float* q, int64_t q_row, int64_t T, int64_t Hq, int64_t
                 for (int64_t u = 0; u < gb; ++u) memset(outs[u], 0, D * sizeof(float));
                 continue;
             }
-            fns[gb](qs, k + g * kv_head, v + g * kv_head, D, idx, m, scale, sc, outs);
+            fns[gb](qs, k + g * kv_head, v + g * kv_head, D, idx_rows + t * need, m, scale, sc, outs);
         }
     }
     return 0;

@@ -179,7 +179,8 @@ def weight_bytes(model) -> int:
 
 def kv_bytes(model, context: int) -> int:
     c = model.config
-    return 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * context * model.dtype.itemsize
+    el = model.new_cache(1).k.element_size()   # the bf16 precision keeps a bf16 cache in an fp32 model
+    return 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * context * el
 
 
 # ---- measurements ----------------------------------------------------------------------------------------------

@@ -208,7 +208,9 @@ def test_kernels_can_be_switched_off(monkeypatch, capsys, fresh_library, off):
 
 def test_the_best_isa_of_each_cpu(monkeypatch):
     monkeypatch.delenv("SPECSCOPE_KERNELS", raising=False)
-    cases = [("x86_64", {"avx512f", "avx512dq", "avx512vl", "avx2", "fma", "avx512_bf16"}, "avx512_bf16"),  # Zen 4, SPR
+    zen4 = {"avx512f", "avx512dq", "avx512vl", "avx512bw", "avx2", "fma", "avx512_bf16"}
+    cases = [("x86_64", zen4, "avx512_bf16"),                                               # Zen 4/5, SPR
+             ("x86_64", zen4 - {"avx512bw"}, "avx512"),   # the bf16 attention's 16-bit interleaves need AVX512BW
              ("x86_64", {"avx512f", "avx512dq", "avx512vl", "avx2", "fma"}, "avx512"),
              ("x86_64", {"avx2", "fma", "avx"}, "avx2"),       # Zen 1-3, Alder Lake, VMs hiding AVX-512
              ("x86_64", {"avx2"}, None),                       # AVX2 without FMA: the FMA chain needs it

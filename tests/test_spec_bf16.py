@@ -42,7 +42,8 @@ def test_a_bf16_model_is_fp32_tensors_of_bf16_values_behind_bf16_linears(target)
     assert lins and all(pl.fmt == "bf16a" for pl in lins)
     for p in target.parameters():
         assert torch.equal(p, p.bfloat16().float())
-    assert target.new_cache(8).k.dtype == torch.float32      # the KV cache and the residual stream stay fp32
+    cache = target.new_cache(8)   # keys and values in bf16, as a bf16 engine keeps them; the residual stream fp32
+    assert cache.k.dtype == cache.v.dtype == torch.bfloat16
 
 
 def test_bf16_logits_are_the_checkpoints_within_bf16_rounding(tmp_path):

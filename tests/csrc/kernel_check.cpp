@@ -172,7 +172,7 @@ static void check_attention() {
         for (int64_t t = 0; t < T; ++t)
             for (int64_t s = 0; s < S; ++s) mask[t * S + s] = s < S - T || ((s + t) % 3 != 0 && s <= S - T + t);
         std::vector<float> out(T * Hq * D), o1(Hq * D);
-        CHECK(rows_attention(q.data(), Hq * D, T, Hq, Hkv, D, k.data(), v.data(), maxlen * D, S, mask.data(), S,
+        CHECK(rows_attention(q.data(), Hq * D, T, Hq, Hkv, D, k.data(), v.data(), 0, maxlen * D, S, mask.data(), S,
                              out.data(), 2) == 0, "attention");
         for (int64_t t = 0; t < T; ++t) {
             for (int64_t h = 0; h < Hq; ++h) {
@@ -194,7 +194,7 @@ static void check_attention() {
                     CHECK(fabs(out[(t * Hq + h) * D + j] - ref) <= 1e-5, "attention %ld/%ld/%ld value", (long)Hq, (long)Hkv, (long)D);
                 }
             }
-            rows_attention(q.data() + t * Hq * D, Hq * D, 1, Hq, Hkv, D, k.data(), v.data(), maxlen * D, S,
+            rows_attention(q.data() + t * Hq * D, Hq * D, 1, Hq, Hkv, D, k.data(), v.data(), 0, maxlen * D, S,
                            mask.data() + t * S, S, o1.data(), 1);
             CHECK(memcmp(o1.data(), out.data() + t * Hq * D, Hq * D * 4) == 0, "attention row %ld alone differs", (long)t);
             // the invisible slots simply absent: the same bits (slot order, not masking, decides the sums)
@@ -208,7 +208,7 @@ static void check_attention() {
                     }
                     ++m;
                 }
-            rows_attention(q.data() + t * Hq * D, Hq * D, 1, Hq, Hkv, D, kk.data(), vv.data(), maxlen * D, m, nullptr,
+            rows_attention(q.data() + t * Hq * D, Hq * D, 1, Hq, Hkv, D, kk.data(), vv.data(), 0, maxlen * D, m, nullptr,
                            0, o1.data(), 1);
             CHECK(memcmp(o1.data(), out.data() + t * Hq * D, Hq * D * 4) == 0, "attention row %ld compacted differs", (long)t);
         }
@@ -223,25 +223,110 @@ static void check_rope_attention() {
     std::vector<int64_t> slots(P + T);
     for (int64_t i = 0; i < P + T; ++i) slots[i] = i;
     std::vector<float> pre(P * Hq * D);
-    CHECK(rows_rope_attention(qkv.data(), P, Hq, Hkv, D, cs.data(), sn.data(), slots.data(), kc1.data(), vc1.data(),
+    CHECK(rows_rope_attention(qkv.data(), P, Hq, Hkv, D, cs.data(), sn.data(), slots.data(), kc1.data(), vc1.data(), 0,
                               maxlen * D, maxlen, P, nullptr, 0, pre.data(), 2) == 0, "prefill");
     kc2 = kc1, vc2 = vc1;
     std::vector<uint8_t> mask(T * (P + T));
     for (int64_t t = 0; t < T; ++t)
         for (int64_t s = 0; s < P + T; ++s) mask[t * (P + T) + s] = s <= P + t;
     rows_rope_attention(qkv.data() + P * H * D, T, Hq, Hkv, D, cs.data() + P * D, sn.data() + P * D, slots.data() + P,
-                        kc1.data(), vc1.data(), maxlen * D, maxlen, P + T, mask.data(), P + T, out1.data(), 2);
+                        kc1.data(), vc1.data(), 0, maxlen * D, maxlen, P + T, mask.data(), P + T, out1.data(), 2);
     for (int64_t t = 0; t < T; ++t) {
         rows_rope_attention(qkv.data() + (P + t) * H * D, 1, Hq, Hkv, D, cs.data() + (P + t) * D, sn.data() + (P + t) * D,
-                            slots.data() + P + t, kc2.data(), vc2.data(), maxlen * D, maxlen, P + t + 1, nullptr, 0,
+                            slots.data() + P + t, kc2.data(), vc2.data(), 0, maxlen * D, maxlen, P + t + 1, nullptr, 0,
                             out2.data(), 1);
         CHECK(memcmp(out2.data(), out1.data() + t * Hq * D, Hq * D * 4) == 0, "verify row %ld != decode step", (long)t);
     }
     CHECK(memcmp(kc1.data(), kc2.data(), kc1.size() * 4) == 0 && memcmp(vc1.data(), vc2.data(), vc1.size() * 4) == 0,
           "cache writes differ");
     int64_t bad[2] = {3, maxlen};
-    CHECK(rows_rope_attention(qkv.data(), 2, Hq, Hkv, D, cs.data(), sn.data(), bad, kc1.data(), vc1.data(), maxlen * D,
+    CHECK(rows_rope_attention(qkv.data(), 2, Hq, Hkv, D, cs.data(), sn.data(), bad, kc1.data(), vc1.data(), 0, maxlen * D,
                               maxlen, 4, nullptr, 0, out1.data(), 1) == -3, "slot past the cache accepted");
+}
+
+// A bf16 KV cache (the bf16 precision's): against float64 over the cached bf16 values, within what rounding the
+// query and the probabilities to bf16 costs (the vdpbf16ps build) or fp32 sums (the widening builds); and the bits
+// checks of the fp32 cache: a row alone, a verify row vs the decode step, invisible slots vs absent ones
+static void check_attention_bf16kv() {
+    const int64_t cfgs[][3] = {{9, 3, 64}, {8, 2, 128}, {4, 2, 16}, {3, 3, 80}, {2, 1, 64}};
+    for (auto& c : cfgs) {
+        for (int64_t S : {5, 37, 70}) {
+            int64_t Hq = c[0], Hkv = c[1], D = c[2], T = 6, maxlen = 80;
+            auto kf = randv(Hkv * maxlen * D), vf_ = randv(Hkv * maxlen * D), q = randv(T * Hq * D, 2.0f);
+            std::vector<uint16_t> k(kf.size()), v(vf_.size());
+            for (size_t i = 0; i < k.size(); ++i) k[i] = to_bf16(kf[i]), v[i] = to_bf16(vf_[i]);
+            std::vector<uint8_t> mask(T * S);
+            for (int64_t t = 0; t < T; ++t)
+                for (int64_t s = 0; s < S; ++s)
+                    mask[t * S + s] = S <= T ? s <= t : (s < S - T || ((s + t) % 3 != 0 && s <= S - T + t));
+            std::vector<float> out(T * Hq * D), o1(Hq * D);
+            CHECK(rows_attention(q.data(), Hq * D, T, Hq, Hkv, D, k.data(), v.data(), 1, maxlen * D, S, mask.data(), S,
+                                 out.data(), 2) == 0, "bf16 kv attention");
+            for (int64_t t = 0; t < T; ++t) {
+                for (int64_t h = 0; h < Hq; ++h) {
+                    int64_t g = h / (Hq / Hkv);
+                    std::vector<double> sc(S);
+                    double mx = -1e300, den = 0;
+                    for (int64_t s = 0; s < S; ++s) {
+                        if (!mask[t * S + s]) continue;
+                        double d = 0;
+                        for (int64_t j = 0; j < D; ++j)
+                            d += (double)q[(t * Hq + h) * D + j] * bf16_value(kf[(g * maxlen + s) * D + j]);
+                        sc[s] = d / sqrt((double)D);
+                        mx = sc[s] > mx ? sc[s] : mx;
+                    }
+                    for (int64_t s = 0; s < S; ++s) if (mask[t * S + s]) den += exp(sc[s] - mx);
+                    for (int64_t j = 0; j < D; ++j) {
+                        double ref = 0;
+                        for (int64_t s = 0; s < S; ++s)
+                            if (mask[t * S + s]) ref += exp(sc[s] - mx) / den * bf16_value(vf_[(g * maxlen + s) * D + j]);
+                        // bf16 query and probabilities: relative 2^-8 on each, so ~1 % of the largest |v| at worst
+                        CHECK(fabs(out[(t * Hq + h) * D + j] - ref) <= 2e-2, "bf16 kv attention %ld/%ld/%ld S %ld value %g vs %g",
+                              (long)Hq, (long)Hkv, (long)D, (long)S, out[(t * Hq + h) * D + j], ref);
+                    }
+                }
+                rows_attention(q.data() + t * Hq * D, Hq * D, 1, Hq, Hkv, D, k.data(), v.data(), 1, maxlen * D, S,
+                               mask.data() + t * S, S, o1.data(), 1);
+                CHECK(memcmp(o1.data(), out.data() + t * Hq * D, Hq * D * 4) == 0, "bf16 kv row %ld alone differs", (long)t);
+                std::vector<uint16_t> kk(k.size()), vv(v.size());
+                int64_t m = 0;
+                for (int64_t s = 0; s < S; ++s)
+                    if (mask[t * S + s]) {
+                        for (int64_t gg = 0; gg < Hkv; ++gg) {
+                            memcpy(&kk[(gg * maxlen + m) * D], &k[(gg * maxlen + s) * D], D * 2);
+                            memcpy(&vv[(gg * maxlen + m) * D], &v[(gg * maxlen + s) * D], D * 2);
+                        }
+                        ++m;
+                    }
+                rows_attention(q.data() + t * Hq * D, Hq * D, 1, Hq, Hkv, D, kk.data(), vv.data(), 1, maxlen * D, m,
+                               nullptr, 0, o1.data(), 1);
+                CHECK(memcmp(o1.data(), out.data() + t * Hq * D, Hq * D * 4) == 0, "bf16 kv row %ld compacted differs", (long)t);
+            }
+        }
+    }
+    // a chain verify of T tokens equals T one-token decode steps with a bf16 cache, cache writes included
+    const int64_t Hq = 6, Hkv = 2, D = 64, T = 5, P = 21, maxlen = 32, H = Hq + 2 * Hkv;
+    auto qkv = randv((P + T) * H * D), cs = randv((P + T) * D), sn = randv((P + T) * D);
+    std::vector<uint16_t> kc1(Hkv * maxlen * D), vc1(Hkv * maxlen * D), kc2, vc2;
+    std::vector<float> out1(T * Hq * D), out2(Hq * D), pre(P * Hq * D);
+    std::vector<int64_t> slots(P + T);
+    for (int64_t i = 0; i < P + T; ++i) slots[i] = i;
+    CHECK(rows_rope_attention(qkv.data(), P, Hq, Hkv, D, cs.data(), sn.data(), slots.data(), kc1.data(), vc1.data(), 1,
+                              maxlen * D, maxlen, P, nullptr, 0, pre.data(), 2) == 0, "bf16 kv prefill");
+    CHECK(vc1[(1 * maxlen + 3) * D + 5] == to_bf16(qkv[3 * H * D + (Hq + Hkv + 1) * D + 5]), "bf16 kv: value not rounded");
+    kc2 = kc1, vc2 = vc1;
+    std::vector<uint8_t> mask(T * (P + T));
+    for (int64_t t = 0; t < T; ++t)
+        for (int64_t s = 0; s < P + T; ++s) mask[t * (P + T) + s] = s <= P + t;
+    rows_rope_attention(qkv.data() + P * H * D, T, Hq, Hkv, D, cs.data() + P * D, sn.data() + P * D, slots.data() + P,
+                        kc1.data(), vc1.data(), 1, maxlen * D, maxlen, P + T, mask.data(), P + T, out1.data(), 2);
+    for (int64_t t = 0; t < T; ++t) {
+        rows_rope_attention(qkv.data() + (P + t) * H * D, 1, Hq, Hkv, D, cs.data() + (P + t) * D, sn.data() + (P + t) * D,
+                            slots.data() + P + t, kc2.data(), vc2.data(), 1, maxlen * D, maxlen, P + t + 1, nullptr, 0,
+                            out2.data(), 1);
+        CHECK(memcmp(out2.data(), out1.data() + t * Hq * D, Hq * D * 4) == 0, "bf16 kv verify row %ld != decode step", (long)t);
+    }
+    CHECK(kc1 == kc2 && vc1 == vc2, "bf16 kv cache writes differ");
 }
 
 int main() {
@@ -251,6 +336,7 @@ int main() {
     check_norm_silu();
     check_attention();
     check_rope_attention();
+    check_attention_bf16kv();
     printf("ok %s %d\n", rows_gemm_isa(), checks);
     return 0;
 }

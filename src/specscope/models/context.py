@@ -42,6 +42,7 @@ class ForwardContext:
         if self.cache is not None:
             self.cache.write(attn.layer, self.slots, k, v)
             k, v = self.cache.k[attn.layer, :B, :, :self.kv_len], self.cache.v[attn.layer, :B, :, :self.kv_len]
+            k, v = k.to(q.dtype), v.to(q.dtype)   # a bf16 cache under fp32 activations (the bf16 precision)
         attn_mask = self.mask[:, None] if self.mask is not None else None
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=attn.n_kv != attn.n_heads)
         return y.transpose(1, 2).reshape(B, T, attn.q_size)

@@ -133,7 +133,10 @@ class Transformer(nn.Module):
         return self.embed_tokens.weight.dtype
 
     def new_cache(self, max_len: int, batch: int = 1) -> KVCache:
-        return KVCache.for_model(self.config, max_len, batch, self.device, self.dtype)
+        # the bf16 precision keeps keys and values in bf16, as a bf16 engine does: half the cache's bytes, and the
+        # row kernels' bf16 attention (vdpbf16ps where the CPU has it)
+        dtype = torch.bfloat16 if self.precision == "bf16" else self.dtype
+        return KVCache.for_model(self.config, max_len, batch, self.device, dtype)
 
     def run_layers(self, h, ctx: ForwardContext, aux_layers) -> tuple[torch.Tensor, dict]:
         """(h after the last layer, {layer: h entering it} for aux_layers)."""

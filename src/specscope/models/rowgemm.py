@@ -46,7 +46,7 @@ from specscope.errors import SpecscopeError
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCE = CSRC / "rows_gemm.cpp"
 SOURCES = (SOURCE, CSRC / "simd.h")
-ABI = 10
+ABI = 11
 # -ffp-contract=off: the compiler may fuse a*b-c into an FMA in one copy of a loop (vectorised) and not in another
 # (scalar), which broke verify == decode for the rotary embedding under -O3 on aarch64; every FMA we want is explicit
 COMMON_FLAGS = ["-O3", "-std=c++17", "-ffp-contract=off", "-fPIC", "-shared"]
@@ -54,8 +54,8 @@ COMMON_FLAGS = ["-O3", "-std=c++17", "-ffp-contract=off", "-fPIC", "-shared"]
 ISAS = {
     # AVX-512 plus vdpbf16ps (Zen 4, Cooper Lake, Sapphire Rapids+): the fp32 kernels of avx512, bit for bit, and
     # bf16-input linears two products per lane per instruction
-    "avx512_bf16": ({"avx512f", "avx512dq", "avx512vl", "fma", "avx512_bf16"},
-                    ["-mavx512f", "-mavx512dq", "-mavx512vl", "-mfma", "-mavx512bf16"]),
+    "avx512_bf16": ({"avx512f", "avx512dq", "avx512vl", "avx512bw", "fma", "avx512_bf16"},
+                    ["-mavx512f", "-mavx512dq", "-mavx512vl", "-mavx512bw", "-mfma", "-mavx512bf16"]),
     "avx512": ({"avx512f", "avx512dq", "avx512vl", "fma"}, ["-mavx512f", "-mavx512dq", "-mavx512vl", "-mfma"]),
     "avx2": ({"avx2", "fma"}, ["-mavx2", "-mfma"]),
     "neon": (set(), []),   # baseline on aarch64
@@ -326,10 +326,10 @@ SIGNATURES = {
     "rows_gemm_bf16a": (_INT, [_P, _I64, _P, _I64, _I64, _I64, _P, _P, _INT, _INT]),
     "rows_rmsnorm": (None, [_P, _P, _I64, _I64, _P, _F32, _P, _P]),
     "rows_silu_mul": (None, [_P, _I64, _I64, _P]),
-    "rows_attention": (_INT, [_P, _I64, _I64, _I64, _I64, _I64, _P, _P, _I64, _I64, _P, _I64, _P, _INT]),
-    "rows_rope_attention": (_INT, [_P, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _P, _I64, _I64, _I64, _P, _I64,
-                                   _P, _INT]),
-    "rows_layers": (_INT, [_I64, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _F32, _P, _P, _P, _P, _P, _I64,
+    "rows_attention": (_INT, [_P, _I64, _I64, _I64, _I64, _I64, _P, _P, _I64, _I64, _I64, _P, _I64, _P, _INT]),
+    "rows_rope_attention": (_INT, [_P, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _P,
+                                   _I64, _P, _INT]),
+    "rows_layers": (_INT, [_I64, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _F32, _P, _P, _P, _P, _P, _I64, _I64,
                            _I64, _I64, _I64, _P, _I64, _P, _INT]),
 }
 
@@ -440,10 +440,17 @@ def silu_mul(gu: torch.Tensor, inter: int) -> torch.Tensor:
     return out
 
 
+def kv_format(cache: torch.Tensor) -> int:
+    """The kernels' code for a KV cache's element type: 0 fp32, 1 bf16 (the bf16 precision's cache)."""
+    if cache.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"the row kernels take an fp32 or bf16 KV cache, not {cache.dtype}")
+    return int(cache.dtype == torch.bfloat16)
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, S: int, mask: torch.Tensor | None) -> torch.Tensor:
     """q: [T, Hq, D] (rows may be strided; each row's heads contiguous); k, v: [Hkv, max_len, D] cache of one
-    sequence (slots and head_dim contiguous); slots 0..S-1 visible where mask [T, S] (bool) allows (None: all).
-    Returns [T, Hq*D]."""
+    sequence (slots and head_dim contiguous; fp32 or bf16); slots 0..S-1 visible where mask [T, S] (bool) allows
+    (None: all). Returns [T, Hq*D]."""
     T, Hq, D = q.shape
     Hkv = k.shape[0]
     if q.stride(2) != 1 or q.stride(1) != D:
@@ -456,7 +463,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, S: int, mask: t
     if mask is not None:
         mask = mask.contiguous()
     rc = (_lib or library()).rows_attention(q.data_ptr(), q.stride(0), T, Hq, Hkv, D, k.data_ptr(), v.data_ptr(),
-                                            k.stride(0), S, None if mask is None else mask.data_ptr(),
+                                            kv_format(k), k.stride(0), S, None if mask is None else mask.data_ptr(),
                                             0 if mask is None else mask.stride(0), out.data_ptr(),
                                             torch.get_num_threads())
     if rc != 0:
@@ -468,7 +475,8 @@ def rope_attention(qkv: torch.Tensor, n_heads: int, n_kv: int, cos: torch.Tensor
                    slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, S: int,
                    mask: torch.Tensor | None) -> torch.Tensor:
     """One layer's rotary embedding, cache write and attention from the fused qkv output [T, (Hq+2Hkv)*D] of one
-    sequence: cos, sin [T, D] fp32; slots [T] int64; k_cache, v_cache [Hkv, max_len, D]. Returns [T, Hq*D]."""
+    sequence: cos, sin [T, D] fp32; slots [T] int64; k_cache, v_cache [Hkv, max_len, D] (fp32, or bf16: the
+    new keys and values rounded as they are written). Returns [T, Hq*D]."""
     T = qkv.shape[0]
     D, max_len = k_cache.shape[-1], k_cache.shape[1]
     out = torch.empty(T, n_heads * D, dtype=torch.float32)
@@ -476,8 +484,8 @@ def rope_attention(qkv: torch.Tensor, n_heads: int, n_kv: int, cos: torch.Tensor
         mask = mask.contiguous()
     slots, cos, sin = slots.contiguous(), cos.contiguous(), sin.contiguous()
     rc = (_lib or library()).rows_rope_attention(qkv.data_ptr(), T, n_heads, n_kv, D, cos.data_ptr(), sin.data_ptr(),
-                                  slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0),
-                                  max_len, S, None if mask is None else mask.data_ptr(),
+                                  slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), kv_format(k_cache),
+                                  k_cache.stride(0), max_len, S, None if mask is None else mask.data_ptr(),
                                   0 if mask is None else mask.stride(0), out.data_ptr(), torch.get_num_threads())
     if rc == -3:   # the message index_copy_ gives, so callers see one error whichever path ran
         bad = int(slots[(slots < 0) | (slots >= max_len)][0])
@@ -545,8 +553,8 @@ class LayerStack:
         k, v = cache.k, cache.v
         rc = (_lib or library()).rows_layers(
             self.n, self._array(T), h.data_ptr(), T, self.H, self.Hq, self.Hkv, self.D, self.inter, self.eps,
-            cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(2),
-            k.shape[3], kv_len, None if mask is None else mask.data_ptr(), 0 if mask is None else mask.stride(0),
+            cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), k.data_ptr(), v.data_ptr(), kv_format(k), k.stride(0),
+            k.stride(2), k.shape[3], kv_len, None if mask is None else mask.data_ptr(), 0 if mask is None else mask.stride(0),
             aux_ptrs, torch.get_num_threads())
         if rc == -3:   # the message index_copy_ gives, so callers see one error whichever path ran
             bad = int(slots[(slots < 0) | (slots >= k.shape[3])][0])

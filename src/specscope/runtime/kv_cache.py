@@ -43,7 +43,8 @@ class KVCache:
         return self._row_views()[3]
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        """k, v: [B, Hkv, T, D] written at slots [B, T]."""
+        """k, v: [B, Hkv, T, D] written at slots [B, T] (rounded to the cache's dtype, e.g. a bf16 cache)."""
+        k, v = k.to(self.k.dtype), v.to(self.v.dtype)
         if k.shape[0] == 1:
             self.k[layer, 0].index_copy_(1, slots[0], k[0])
             self.v[layer, 0].index_copy_(1, slots[0], v[0])

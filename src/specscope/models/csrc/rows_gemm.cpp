@@ -194,7 +194,7 @@ static void pack_panels(const float* w, int64_t out, int64_t in, int64_t nb, WT*
 
 extern "C" {
 
-int rows_gemm_abi() { return 10; }
+int rows_gemm_abi() { return 11; }
 
 const char* rows_gemm_isa() { return simd::ISA; }
 
@@ -351,46 +351,58 @@ void rows_silu_mul(const float* gu, int64_t n, int64_t inter, float* out) {
 }
 
 // Attention of T query rows over S cached slots (one sequence), grouped-query, scale 1/sqrt(D).
-// q: row t, head h at q + t*q_row + h*D. k/v: kv head g, slot s at k + g*kv_head + s*D. mask: [T, S] bytes
-// (row stride mask_row; null = every slot). out: [T, Hq*D].
+// q: row t, head h at q + t*q_row + h*D. k/v: kv head g, slot s at k + g*kv_head + s*D elements: fp32
+// (kv_fmt 0) or bf16 (kv_fmt 1, the bf16 precision's cache). mask: [T, S] bytes (row stride mask_row; null =
+// every slot). out: [T, Hq*D].
 // Row-invariant and slot-order-exact: a row's result depends only on its own query and the keys it may see,
 // accumulated in slot order (masked slots are skipped, not added as zeros), so a verify row equals the decode step
 // that sees the same keys in the same order.
-int rows_attention(const float* q, int64_t q_row, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, const float* k,
-                   const float* v, int64_t kv_head, int64_t S, const uint8_t* mask, int64_t mask_row, float* out,
-                   int nthreads);
+int rows_attention(const float* q, int64_t q_row, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, const void* k,
+                   const void* v, int64_t kv_fmt, int64_t kv_head, int64_t S, const uint8_t* mask, int64_t mask_row,
+                   float* out, int nthreads);
 
 // Rotary embedding + KV-cache write + attention for one layer, from the fused qkv projection [T, (Hq+2Hkv)*D]:
-// k heads are rotated and written with v at `slots`, q heads rotated, then rows_attention over slots 0..S-1.
-// cos/sin: [T, D] rows for the tokens' positions (HF layout: rotate_half pairs i with i + D/2). Slots outside
-// the cache are refused (-3) before anything is written.
+// k heads are rotated and written with v at `slots` (rounded to bf16 for a bf16 cache), q heads rotated, then
+// rows_attention over slots 0..S-1. cos/sin: [T, D] rows for the tokens' positions (HF layout: rotate_half pairs i
+// with i + D/2). Slots outside the cache are refused (-3) before anything is written.
 int rows_rope_attention(const float* qkv, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, const float* cos,
-                        const float* sin, const int64_t* slots, float* kc, float* vc, int64_t kv_head, int64_t max_len,
-                        int64_t S, const uint8_t* mask, int64_t mask_row, float* out, int nthreads) {
-    if (D % 2) return -1;
+                        const float* sin, const int64_t* slots, void* kc, void* vc, int64_t kv_fmt, int64_t kv_head,
+                        int64_t max_len, int64_t S, const uint8_t* mask, int64_t mask_row, float* out, int nthreads) {
+    if (D % 2 || D > 256) return -1;
     if (S > max_len) return -2;
     for (int64_t t = 0; t < T; ++t)
         if (slots[t] < 0 || slots[t] >= max_len) return -3;   // checked before anything is written
     const int64_t H = Hq + 2 * Hkv, half = D / 2;
     std::vector<float> qr((size_t)(T * Hq * D));
+    float kr[256];
     for (int64_t t = 0; t < T; ++t) {
         const float* row = qkv + t * H * D;
         const float* c = cos + t * D;
         const float* sn = sin + t * D;
         for (int64_t h = 0; h < Hq + Hkv; ++h) {
             const float* x = row + h * D;
-            float* o = h < Hq ? &qr[(t * Hq + h) * D] : kc + (h - Hq) * kv_head + slots[t] * D;
+            const int64_t at = (h - Hq) * kv_head + slots[t] * D;
+            float* o = h < Hq ? &qr[(t * Hq + h) * D] : kv_fmt ? kr : (float*)kc + at;
             for (int64_t i = 0; i < half; ++i) {
                 float a = x[i] * c[i], b = x[i + half] * sn[i];
                 o[i] = a - b;
                 float a2 = x[i + half] * c[i + half], b2 = x[i] * sn[i + half];
                 o[i + half] = a2 + b2;
             }
+            if (h >= Hq && kv_fmt)
+                for (int64_t i = 0; i < D; ++i) ((uint16_t*)kc)[at + i] = to_bf16(kr[i]);
         }
-        for (int64_t g = 0; g < Hkv; ++g)
-            memcpy(vc + g * kv_head + slots[t] * D, row + (Hq + Hkv + g) * D, D * sizeof(float));
+        for (int64_t g = 0; g < Hkv; ++g) {
+            const float* x = row + (Hq + Hkv + g) * D;
+            const int64_t at = g * kv_head + slots[t] * D;
+            if (kv_fmt)
+                for (int64_t i = 0; i < D; ++i) ((uint16_t*)vc)[at + i] = to_bf16(x[i]);
+            else
+                memcpy((float*)vc + at, x, D * sizeof(float));
+        }
     }
-    return rows_attention(qr.data(), Hq * D, T, Hq, Hkv, D, kc, vc, kv_head, S, mask, mask_row, out, nthreads);
+    return rows_attention(qr.data(), Hq * D, T, Hq, Hkv, D, kc, vc, kv_fmt, kv_head, S, mask, mask_row, out,
+                          nthreads);
 }
 
 }  // extern "C"
@@ -398,15 +410,15 @@ int rows_rope_attention(const float* qkv, int64_t T, int64_t Hq, int64_t Hkv, in
 constexpr int MAXV = 256 / L;   // head_dim <= 256
 
 // out[q][j0*L .. (j0+W)*L) = sum over visible keys t (slot order) of p[q][t] * v[t], times inv[q]: W*G independent
-// FMA chains, W fixed at compile time so they stay in registers
-template <int G, int W, int NV>
-static inline void weighted_sum(const float* vh, int64_t D, const int32_t* idx, int64_t m, const float* sc,
+// FMA chains, W fixed at compile time so they stay in registers. KT: fp32 values, or bf16 widened exactly.
+template <int G, int W, int NV, typename KT>
+static inline void weighted_sum(const KT* vh, int64_t D, const int32_t* idx, int64_t m, const float* sc,
                                 const float* inv, int j0, float* const* outs) {
     vf acc[G][W];
     for (int q = 0; q < G; ++q)
         for (int w = 0; w < W; ++w) acc[q][w] = simd::zero();
     for (int64_t t = 0; t < m; ++t) {
-        const float* vs = vh + (int64_t)idx[t] * D + j0 * L;
+        const KT* vs = vh + (int64_t)idx[t] * D + j0 * L;
         vf vv[W];
         for (int w = 0; w < W; ++w) vv[w] = NV ? simd::load(vs + w * L) : simd::load_n(vs + w * L, (int)(D - (j0 + w) * L));
         for (int q = 0; q < G; ++q) {
@@ -419,27 +431,60 @@ static inline void weighted_sum(const float* vh, int64_t D, const int32_t* idx, 
             simd::store_n(outs[q] + (j0 + w) * L, simd::mul(acc[q][w], simd::set1(inv[q])), (int)(D - (j0 + w) * L));
 }
 
+static const float ONES[16] = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
+
+// scores -> unnormalised probabilities in place (exp of score - max) and each head's 1 / sum, for G heads of m
+// visible keys: every step's order fixed by the key sequence alone
+template <int G>
+static inline void softmax_rows(float* sc, int64_t m, float* inv) {
+    for (int q = 0; q < G; ++q) {
+        float* sq = sc + q * m;
+        float mx = -INFINITY;   // a max is exact in any order
+        int64_t t = 0;
+        if (m >= L) {
+            vf mv = simd::load(sq);
+            for (t = L; t + L <= m; t += L) mv = simd::max(mv, simd::load(sq + t));
+            mx = simd::hmax(mv);
+        }
+        for (; t < m; ++t) mx = sq[t] > mx ? sq[t] : mx;
+        const vf mxv = simd::set1(mx);
+        // the denominator in L partial sums by visible index (t % L, the tail's missing lanes adding +0), then the
+        // fixed hsum tree: fixed by the key sequence alone
+        vf den = simd::zero();
+        for (t = 0; t < m; t += L) {
+            int w = (int)(m - t < L ? m - t : L);
+            vf e = vexp(simd::sub(simd::load_n(sq + t, w), mxv));
+            if (w < L) e = simd::mul(e, simd::load_n(ONES, w));   // lanes past m: exp(0 - mx) times 0
+            simd::store_n(sq + t, e, w);
+            den = simd::add(den, e);
+        }
+        inv[q] = 1.0f / simd::hsum(den);
+    }
+}
+
 // The G query heads that share one kv head, for one row: every key and value row is read once for all G (the
 // cache lives in L2, whose bandwidth is what attention on a CPU runs into). NV > 0: head_dim = NV * L, known at
-// compile time (the common 64 / 128, fully unrolled); NV == 0: any head_dim up to 256.
+// compile time (the common 64 / 128, fully unrolled); NV == 0: any head_dim up to 256. KT: fp32 cache, or a bf16
+// one widened exactly in registers (ISAs without vdpbf16ps, or head_dim not 64 / 128).
 // Speed comes from independent chains: KB keys x G heads of dot products at once, and JC output vectors x G heads
 // in the weighted sum, so the FMAs pipeline instead of waiting on one accumulator. Exactness does not depend on
 // that blocking: a score is always the FMA chain over its head_dim in order, then one fixed hsum tree; an output
 // lane always the FMA chain over the visible keys in slot order.
-template <int G, int NV>
-static void attend_group(const float* const* qs, const float* kh, const float* vh, int64_t D, const int32_t* idx,
-                         int64_t m, float scale, float* sc, float* const* outs) {
+template <int G, int NV, typename KT>
+static void attend_group(const float* const* qs, const KT* kh, const KT* vh, int64_t D, const int32_t* idx,
+                         int64_t m, float scale, float* sc, uint32_t*, float* const* outs) {
     // KB = 4 for simd::hsum4; G * JC accumulators + a broadcast + JC loads fit the register file (AVX2: 16, else
     // 32), so the weighted sum takes a 64-wide head (4 AVX-512 vectors) in one pass of G * 4 chains
     constexpr int KB = 4, JC = L == 8 && G > 2 ? 3 : 4;
     const int nv = NV ? NV : (int)((D + L - 1) / L);
-    auto ld = [&](const float* p, int j) { return NV ? simd::load(p + j * L) : simd::load_n(p + j * L, (int)(D - j * L)); };
+    auto ldq = [&](const float* p, int j) { return NV ? simd::load(p + j * L) : simd::load_n(p + j * L, (int)(D - j * L)); };
+    auto ld = [&](const KT* p, int j) { return NV ? simd::load(p + j * L) : simd::load_n(p + j * L, (int)(D - j * L)); };
     vf qr[G][NV ? NV : MAXV];
     for (int q = 0; q < G; ++q)
-        for (int j = 0; j < nv; ++j) qr[q][j] = ld(qs[q], j);
+        for (int j = 0; j < nv; ++j) qr[q][j] = ldq(qs[q], j);
     int64_t i = 0;
     for (; i + KB <= m; i += KB) {   // scores, KB keys at a time
-        const float* ks[KB];
+        const KT* ks[KB];
         for (int u = 0; u < KB; ++u) ks[u] = kh + (int64_t)idx[i + u] * D;
         vf acc[KB][G];
         for (int u = 0; u < KB; ++u)
@@ -456,7 +501,7 @@ static void attend_group(const float* const* qs, const float* kh, const float* v
         }
     }
     for (; i < m; ++i) {             // the last keys, one at a time: the same chain and tree per key
-        const float* ks = kh + (int64_t)idx[i] * D;
+        const KT* ks = kh + (int64_t)idx[i] * D;
         vf acc[G];
         for (int q = 0; q < G; ++q) acc[q] = simd::zero();
         for (int j = 0; j < nv; ++j) {
@@ -466,52 +511,192 @@ static void attend_group(const float* const* qs, const float* kh, const float* v
         for (int q = 0; q < G; ++q) sc[q * m + i] = simd::hsum(acc[q]) * scale;
     }
     float inv[G];
-    for (int q = 0; q < G; ++q) {
-        float* sq = sc + q * m;
-        float mx = -INFINITY;   // a max is exact in any order
-        int64_t t = 0;
-        if (m >= L) {
-            vf mv = simd::load(sq);
-            for (t = L; t + L <= m; t += L) mv = simd::max(mv, simd::load(sq + t));
-            mx = simd::hmax(mv);
-        }
-        for (; t < m; ++t) mx = sq[t] > mx ? sq[t] : mx;
-        const vf mxv = simd::set1(mx);
-        for (t = 0; t < m; t += L) {
-            int w = (int)(m - t < L ? m - t : L);
-            simd::store_n(sq + t, vexp(simd::sub(simd::load_n(sq + t, w), mxv)), w);
-        }
-        // the denominator in 4 partial sums by visible index (t % 4), fixed by the key sequence alone
-        float p0 = 0.0f, p1 = 0.0f, p2 = 0.0f, p3 = 0.0f;
-        for (t = 0; t + 4 <= m; t += 4) p0 += sq[t], p1 += sq[t + 1], p2 += sq[t + 2], p3 += sq[t + 3];
-        if (t < m) p0 += sq[t];
-        if (t + 1 < m) p1 += sq[t + 1];
-        if (t + 2 < m) p2 += sq[t + 2];
-        inv[q] = 1.0f / ((p0 + p1) + (p2 + p3));
-    }
+    softmax_rows<G>(sc, m, inv);
     // weighted sum of the values over the visible keys in slot order, JC output vectors at a time
     int j0 = 0;
-    for (; j0 + JC <= nv; j0 += JC) weighted_sum<G, JC, NV>(vh, D, idx, m, sc, inv, j0, outs);
+    for (; j0 + JC <= nv; j0 += JC) weighted_sum<G, JC, NV, KT>(vh, D, idx, m, sc, inv, j0, outs);
     if constexpr (NV == 0 || NV % JC != 0)
-        for (; j0 < nv; ++j0) weighted_sum<G, 1, NV>(vh, D, idx, m, sc, inv, j0, outs);
+        for (; j0 < nv; ++j0) weighted_sum<G, 1, NV, KT>(vh, D, idx, m, sc, inv, j0, outs);
 }
 
-typedef void (*group_fn)(const float* const*, const float*, const float*, int64_t, const int32_t*, int64_t, float,
-                         float*, float* const*);
+#if defined(SPECSCOPE_DPBF16)
+// r[j] <- column j of the 16 x 16 matrix of 32-bit elements whose rows are r[0..15]
+static inline void transpose16(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 8; ++i) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; ++i) {   // r[4i + e], 128-bit lane L: element 4L + e of rows 4i .. 4i + 3
+        r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int e = 0; e < 4; ++e) {
+        __m512i a = _mm512_shuffle_i32x4(r[e], r[4 + e], 0x44), b = _mm512_shuffle_i32x4(r[8 + e], r[12 + e], 0x44);
+        __m512i c = _mm512_shuffle_i32x4(r[e], r[4 + e], 0xEE), d = _mm512_shuffle_i32x4(r[8 + e], r[12 + e], 0xEE);
+        t[e] = _mm512_shuffle_i32x4(a, b, 0x88);
+        t[4 + e] = _mm512_shuffle_i32x4(a, b, 0xDD);
+        t[8 + e] = _mm512_shuffle_i32x4(c, d, 0x88);
+        t[12 + e] = _mm512_shuffle_i32x4(c, d, 0xDD);
+    }
+    for (int j = 0; j < 16; ++j) r[j] = t[j];
+}
+
+static inline __m512bh as_bh(__m512i v) { return (__m512bh)v; }
+
+// The keys of 16 slots (block b: slots 16b .. 16b + 15, those past S standing in as 16b) transposed as k pairs
+// (32-bit): kt[(c * 16 + j) * 16 + lane] = pair 16c + j of slot 16b + lane, so one vdpbf16ps adds one pair of 16
+// keys' dot products. Done once per call for every row's keys (a verify's rows share the context's).
+template <int ND>
+static void transpose_keys(const uint16_t* kh, int64_t D, int64_t b, int64_t S, uint32_t* kt) {
+    const uint16_t* rows[16];
+    for (int u = 0; u < 16; ++u) rows[u] = kh + (16 * b + u < S ? 16 * b + u : 16 * b) * D;
+    for (int c = 0; c < ND; ++c) {
+        __m512i r[16];
+        for (int u = 0; u < 16; ++u) r[u] = _mm512_loadu_si512((const void*)(rows[u] + 32 * c));
+        transpose16(r);
+        for (int j = 0; j < 16; ++j) _mm512_storeu_si512((void*)(kt + (c * 16 + j) * 16), r[j]);
+    }
+}
+
+// A bf16 cache with vdpbf16ps (head_dim 32 * ND): the query and the probabilities are rounded to bf16 (vcvtneps2bf16:
+// nearest even, denormals as zero), products are exact and sums fp32, as a bf16 engine computes attention.
+// Scores with keys in lanes, from the transposed blocks (kt, the block of slot s at kt + pos[s / 16] * 256 * ND):
+// four chains over the pairs (j % 4) summed (c0 + c1) + (c2 + c3), no horizontal sums, and a score depends on its
+// query and key alone (a block's other slots, visible or not, never enter it).
+// Weighted sum over pairs of visible keys (visible index 2i, 2i+1, the last alone with a zero partner): their value
+// rows interleaved 16 bits at a time, so one vdpbf16ps adds both keys' products for 16 outputs, one chain per
+// output lane in visible order. The pairing follows the visible sequence, so a verify row still equals the decode
+// step that sees the same keys in the same order.
+template <int G, int ND>
+static void attend_group_dp(const float* const* qs, const uint32_t* kt, const int32_t* pos, const uint16_t* vh,
+                            int64_t D, const int32_t* idx, int64_t m, float scale, float* sc, uint32_t* pp,
+                            float* const* outs) {
+    constexpr int NP = 16 * ND;   // k pairs per head
+    uint32_t qp[G][NP];           // each head's query as bf16 pairs (even d low): its bf16 values in order
+    for (int q = 0; q < G; ++q)
+        for (int j = 0; j < 2 * ND; ++j)
+            _mm256_storeu_si256((__m256i*)&qp[q][8 * j], (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(qs[q] + 16 * j)));
+    for (int64_t i = 0; i < m;) {   // the visible keys block by block (slot order: a block's are consecutive)
+        const int64_t b = idx[i] >> 4;
+        int64_t e = i;
+        uint32_t lanes = 0;   // the block's visible slots
+        for (; e < m && (idx[e] >> 4) == b; ++e) lanes |= 1u << (idx[e] & 15);
+        const uint32_t* kb = kt + (int64_t)pos[b] * 256 * ND;
+        vf acc[G][4];
+        for (int q = 0; q < G; ++q)
+            for (int c = 0; c < 4; ++c) acc[q][c] = simd::zero();
+        for (int c = 0; c < ND; ++c)
+            for (int j = 0; j < 16; ++j) {
+                __m512bh kv = as_bh(_mm512_loadu_si512((const void*)(kb + (c * 16 + j) * 16)));
+                for (int q = 0; q < G; ++q)
+                    acc[q][j & 3] = _mm512_dpbf16_ps(acc[q][j & 3], kv, as_bh(_mm512_set1_epi32((int)qp[q][16 * c + j])));
+            }
+        for (int q = 0; q < G; ++q) {   // the visible lanes, in slot order, to visible indices i .. e - 1
+            const vf r = simd::mul(simd::add(simd::add(acc[q][0], acc[q][1]), simd::add(acc[q][2], acc[q][3])),
+                                   simd::set1(scale));
+            simd::store_n(sc + q * m + i, lanes == 0xFFFFu ? r : _mm512_maskz_compress_ps((__mmask16)lanes, r),
+                          (int)(e - i));
+        }
+        i = e;
+    }
+    float inv[G];
+    softmax_rows<G>(sc, m, inv);
+    // the probabilities as bf16 pairs (visible index 2i low, 2i + 1 high; an odd last one with 0): each head's
+    // bf16 values in order, zero-padded to a whole vector
+    const int64_t mp = (m + 1) / 2, mp16 = (mp + 15) / 16 * 16;
+    for (int q = 0; q < G; ++q) {
+        const float* sq = sc + q * m;
+        uint16_t* ph = (uint16_t*)(pp + q * mp16);
+        for (int64_t t = 0; t < 2 * mp16; t += 16) {
+            const int w = (int)(m - t < 16 ? (m - t > 0 ? m - t : 0) : 16);
+            _mm256_storeu_si256((__m256i*)(ph + t), (__m256i)_mm512_cvtneps_pbh(simd::load_n(sq + t, w)));
+        }
+    }
+    vf acc[G][2 * ND];
+    for (int q = 0; q < G; ++q)
+        for (int c = 0; c < 2 * ND; ++c) acc[q][c] = simd::zero();
+    for (int64_t i = 0; i < mp; ++i) {
+        const uint16_t* a = vh + (int64_t)idx[2 * i] * D;
+        const uint16_t* b = 2 * i + 1 < m ? vh + (int64_t)idx[2 * i + 1] * D : nullptr;
+        __m512i lo[ND], hi[ND];   // lo[c], 128-bit lane L, element e: the pair for output 32c + 8L + e; hi: + 4
+        for (int c = 0; c < ND; ++c) {
+            __m512i va = _mm512_loadu_si512((const void*)(a + 32 * c));
+            __m512i vb = b ? _mm512_loadu_si512((const void*)(b + 32 * c)) : _mm512_setzero_si512();
+            lo[c] = _mm512_unpacklo_epi16(va, vb);
+            hi[c] = _mm512_unpackhi_epi16(va, vb);
+        }
+        for (int q = 0; q < G; ++q) {
+            __m512bh pv = as_bh(_mm512_set1_epi32((int)pp[q * mp16 + i]));
+            for (int c = 0; c < ND; ++c) {
+                acc[q][2 * c] = _mm512_dpbf16_ps(acc[q][2 * c], as_bh(lo[c]), pv);
+                acc[q][2 * c + 1] = _mm512_dpbf16_ps(acc[q][2 * c + 1], as_bh(hi[c]), pv);
+            }
+        }
+    }
+    const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    for (int q = 0; q < G; ++q) {
+        const vf s = simd::set1(inv[q]);
+        for (int c = 0; c < ND; ++c) {
+            simd::store(outs[q] + 32 * c, simd::mul(_mm512_permutex2var_ps(acc[q][2 * c], first, acc[q][2 * c + 1]), s));
+            simd::store(outs[q] + 32 * c + 16,
+                        simd::mul(_mm512_permutex2var_ps(acc[q][2 * c], second, acc[q][2 * c + 1]), s));
+        }
+    }
+}
+#endif
+
+// one row's G heads of kv head g: its keys k (or their transposed blocks kt, pos), values v
+typedef void (*group_fn)(const float* const*, const void*, const uint32_t*, const int32_t*, const void*, int64_t,
+                         const int32_t*, int64_t, float, float*, uint32_t*, float* const*);
+
+template <int G, int NV, typename KT>
+static void group_any(const float* const* qs, const void* k, const uint32_t*, const int32_t*, const void* v,
+                      int64_t D, const int32_t* idx, int64_t m, float scale, float* sc, uint32_t* pp,
+                      float* const* outs) {
+    attend_group<G, NV, KT>(qs, (const KT*)k, (const KT*)v, D, idx, m, scale, sc, pp, outs);
+}
+
+#if defined(SPECSCOPE_DPBF16)
+template <int G, int ND>
+static void group_dp(const float* const* qs, const void*, const uint32_t* kt, const int32_t* pos, const void* v,
+                     int64_t D, const int32_t* idx, int64_t m, float scale, float* sc, uint32_t* pp,
+                     float* const* outs) {
+    attend_group_dp<G, ND>(qs, kt, pos, (const uint16_t*)v, D, idx, m, scale, sc, pp, outs);
+}
+#endif
+
+// the group kernel for (head_dim, cache format), indexed by heads per pass (1..4)
+static const group_fn* group_fns(int64_t D, int64_t kv_fmt) {
+#define GROUPS(NV, KT) {nullptr, group_any<1, NV, KT>, group_any<2, NV, KT>, group_any<3, NV, KT>, group_any<4, NV, KT>}
+    static const group_fn any_d[5] = GROUPS(0, float), d64[5] = GROUPS(64 / L, float), d128[5] = GROUPS(128 / L, float);
+    static const group_fn any_d16[5] = GROUPS(0, uint16_t), d64_16[5] = GROUPS(64 / L, uint16_t),
+                          d128_16[5] = GROUPS(128 / L, uint16_t);
+#undef GROUPS
+#if defined(SPECSCOPE_DPBF16)
+#define GROUPS(ND) {nullptr, group_dp<1, ND>, group_dp<2, ND>, group_dp<3, ND>, group_dp<4, ND>}
+    static const group_fn dp2[5] = GROUPS(2), dp4[5] = GROUPS(4);
+#undef GROUPS
+    if (kv_fmt) return D == 64 ? dp2 : D == 128 ? dp4 : any_d16;
+#endif
+    if (kv_fmt) return D == 64 ? d64_16 : D == 128 ? d128_16 : any_d16;
+    return D == 64 ? d64 : D == 128 ? d128 : any_d;
+}
 
 extern "C" {
 
-int rows_attention(const float* q, int64_t q_row, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, const float* k,
-                   const float* v, int64_t kv_head, int64_t S, const uint8_t* mask, int64_t mask_row, float* out,
-                   int nthreads) {
-    if (D > 256 || D < 1 || Hq % Hkv) return -1;
+int rows_attention(const float* q, int64_t q_row, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, const void* k,
+                   const void* v, int64_t kv_fmt, int64_t kv_head, int64_t S, const uint8_t* mask, int64_t mask_row,
+                   float* out, int nthreads) {
+    if (D > 256 || D < 1 || Hq % Hkv || kv_fmt < 0 || kv_fmt > 1) return -1;
     const int64_t G = Hq / Hkv;
     // groups of up to 4 heads per pass (registers); larger groups take several passes
     const int64_t gb = G % 4 == 0 ? 4 : G % 3 == 0 ? 3 : G % 2 == 0 ? 2 : 1;
-#define GROUPS(NV) {nullptr, attend_group<1, NV>, attend_group<2, NV>, attend_group<3, NV>, attend_group<4, NV>}
-    static const group_fn any_d[5] = GROUPS(0), d64[5] = GROUPS(64 / L), d128[5] = GROUPS(128 / L);
-#undef GROUPS
-    const group_fn* fns = D == 64 ? d64 : D == 128 ? d128 : any_d;
+    const group_fn* fns = group_fns(D, kv_fmt);
+    const size_t es = kv_fmt ? 2 : 4;
     const float scale = 1.0f / sqrtf((float)D);
     const int64_t passes = G / gb, items = Hkv * passes * T;
     // the visible slots of every row, in order, listed once per call (every kv head's pass reads them)
@@ -527,12 +712,20 @@ int rows_attention(const float* q, int64_t q_row, int64_t T, int64_t Hq, int64_t
         int32_t* idx = idx_rows + t * need;
         int64_t m = 0;
         for (int64_t s = 0; s < S;) {
-            // a batch's row opens one region of many: skip closed slots 64, then 8 at a time
-            if (mr && s + 64 <= S) {
-                uint64_t w[8], any = 0;
-                memcpy(w, mr + s, 64);
-                for (int j = 0; j < 8; ++j) any |= w[j];
-                if (!any) { s += 64; continue; }
+            // a batch's row opens one region of many: skip closed slots 64, then 8 at a time; a verify's row sees
+            // most of its region: take open slots 64 at a time (bool bytes: all 1)
+            if (s + 64 <= S) {
+                uint64_t w[8], any = 0, all = ~0ull;
+                if (mr) {
+                    memcpy(w, mr + s, 64);
+                    for (int j = 0; j < 8; ++j) any |= w[j], all &= w[j] == 0x0101010101010101ull ? ~0ull : 0ull;
+                }
+                if (mr && !any) { s += 64; continue; }
+                if (all) {
+                    for (int j = 0; j < 64; ++j) idx[m + j] = (int32_t)(s + j);
+                    m += 64, s += 64;
+                    continue;
+                }
             }
             uint64_t w;
             if (mr && s + 8 <= S && (memcpy(&w, mr + s, 8), w == 0)) { s += 8; continue; }
@@ -541,6 +734,32 @@ int rows_attention(const float* q, int64_t q_row, int64_t T, int64_t Hq, int64_t
         }
         ms[t] = m;
     }
+#if defined(SPECSCOPE_DPBF16)
+    const int64_t ND = kv_fmt && (D == 64 || D == 128) ? D / 32 : 0;   // the vdpbf16ps path (group_fns agrees)
+#else
+    const int64_t ND = 0;
+#endif
+    // the vdpbf16ps path's key blocks: every block that holds a slot some row sees, numbered as met
+    static thread_local std::vector<int32_t> pos_all;
+    static thread_local std::vector<uint32_t> kt_all;
+    const int64_t nblk = (S + 15) / 16;
+    int64_t used = 0;
+    if (ND) {
+        if (pos_all.size() < (size_t)nblk) pos_all.resize((size_t)nblk);
+        std::fill(pos_all.begin(), pos_all.begin() + nblk, -1);
+        for (int64_t t = 0; t < T; ++t) {
+            const int32_t* idx = idx_rows + t * need;
+            for (int64_t i = 0; i < ms[t];) {
+                int32_t& p = pos_all[idx[i] >> 4];
+                if (p < 0) p = (int32_t)used++;
+                // a whole block of visible slots: on to the next
+                i += (idx[i] & 15) == 0 && i + 15 < ms[t] && idx[i + 15] == idx[i] + 15 ? 16 : 1;
+            }
+        }
+        if (kt_all.size() < (size_t)(Hkv * used * 256 * ND)) kt_all.resize((size_t)(Hkv * used * 256 * ND));
+    }
+    const int32_t* pos = pos_all.data();
+    uint32_t* kt = kt_all.data();
     // kv-head-major: a thread's items share one kv head's keys and values (read from memory once per thread, not
     // once per row), every row of it in turn
     #pragma omp parallel num_threads(nthreads) if (nthreads > 1 && items > 1)
@@ -548,8 +767,24 @@ int rows_attention(const float* q, int64_t q_row, int64_t T, int64_t Hq, int64_t
         // per-thread scratch kept across calls: sized by the mask's width (all regions of a batch), so zero-filling
         // fresh vectors cost more than the attention itself at 16 regions of 4096 slots
         static thread_local std::vector<float> sc_buf;
+        static thread_local std::vector<uint32_t> pp_buf;
         if (sc_buf.size() < (size_t)gb * need) sc_buf.resize((size_t)gb * need);
+        if (kv_fmt && pp_buf.size() < (size_t)gb * (need / 2 + 16)) pp_buf.resize((size_t)gb * (need / 2 + 16));
         float* sc = sc_buf.data();
+        uint32_t* pp = pp_buf.data();
+#if defined(SPECSCOPE_DPBF16)
+        if (ND) {   // every kv head's used key blocks transposed, before any row reads them
+            #pragma omp for schedule(static)
+            for (int64_t it = 0; it < Hkv * nblk; ++it) {
+                const int64_t g = it / nblk, b = it % nblk;
+                if (pos[b] < 0) continue;
+                uint32_t* dst = kt + (g * used + pos[b]) * 256 * ND;
+                const uint16_t* kh = (const uint16_t*)k + g * kv_head;
+                if (ND == 2) transpose_keys<2>(kh, D, b, S, dst);
+                else transpose_keys<4>(kh, D, b, S, dst);
+            }
+        }
+#endif
         #pragma omp for schedule(static)
         for (int64_t it = 0; it < items; ++it) {
             const int64_t t = it % T, gp = it / T, g = gp / passes, h0 = g * G + (gp % passes) * gb;
@@ -564,7 +799,8 @@ int rows_attention(const float* q, int64_t q_row, int64_t T, int64_t Hq, int64_t
                 for (int64_t u = 0; u < gb; ++u) memset(outs[u], 0, D * sizeof(float));
                 continue;
             }
-            fns[gb](qs, k + g * kv_head, v + g * kv_head, D, idx_rows + t * need, m, scale, sc, outs);
+            fns[gb](qs, (const char*)k + g * kv_head * es, kt + g * used * 256 * ND, pos,
+                    (const char*)v + g * kv_head * es, D, idx_rows + t * need, m, scale, sc, pp, outs);
         }
     }
     return 0;
@@ -592,12 +828,12 @@ struct RowLayer {          // one Llama-family decoder layer (no q/k norm)
 
 extern "C" {
 
-// h [T, H] is updated in place through layers 0..nl-1. k/v caches: layer l, kv head g, slot s at
-// kc + l*layer_stride + g*kv_head + s*D. aux: nl+1 pointers, aux[i] (if not null) receives h entering layer i
+// h [T, H] is updated in place through layers 0..nl-1. k/v caches (fp32, or bf16 for kv_fmt 1): layer l, kv
+// head g, slot s at element kc + l*layer_stride + g*kv_head + s*D. aux: nl+1 pointers, aux[i] (if not null) receives h entering layer i
 // (aux[nl]: leaving the last). Returns 0, or the first kernel's error code.
 int rows_layers(int64_t nl, const RowLayer* layers, float* h, int64_t T, int64_t H, int64_t Hq, int64_t Hkv,
                 int64_t D, int64_t inter, float eps, const float* cos, const float* sin, const int64_t* slots,
-                float* kc, float* vc, int64_t layer_stride, int64_t kv_head, int64_t max_len, int64_t S,
+                void* kc, void* vc, int64_t kv_fmt, int64_t layer_stride, int64_t kv_head, int64_t max_len, int64_t S,
                 const uint8_t* mask, int64_t mask_row, float* const* aux, int nthreads) {
     std::vector<float> x((size_t)(T * H)), qkv((size_t)(T * (Hq + 2 * Hkv) * D)), att((size_t)(T * Hq * D)),
         o((size_t)(T * H)), gu((size_t)(T * 2 * inter)), act((size_t)(T * inter)), hn((size_t)(T * H));
@@ -612,9 +848,9 @@ int rows_layers(int64_t nl, const RowLayer* layers, float* h, int64_t T, int64_t
         if (aux && aux[l]) memcpy(aux[l], h, (size_t)(T * H) * sizeof(float));
         rows_rmsnorm(h, nullptr, T, H, w.in_norm, eps, nullptr, x.data());
         int rc = lin(w.qkv, x.data(), qkv.data());
-        if (!rc) rc = rows_rope_attention(qkv.data(), T, Hq, Hkv, D, cos, sin, slots, kc + l * layer_stride,
-                                          vc + l * layer_stride, kv_head, max_len, S, mask, mask_row, att.data(),
-                                          nthreads);
+        const int64_t at = l * layer_stride * (kv_fmt ? 2 : 4);   // bytes
+        if (!rc) rc = rows_rope_attention(qkv.data(), T, Hq, Hkv, D, cos, sin, slots, (char*)kc + at, (char*)vc + at,
+                                          kv_fmt, kv_head, max_len, S, mask, mask_row, att.data(), nthreads);
         if (!rc) rc = lin(w.o, att.data(), o.data());
         if (rc) return rc;
         rows_rmsnorm(h, o.data(), T, H, w.post_norm, eps, hn.data(), x.data());   // h + attn, and its norm

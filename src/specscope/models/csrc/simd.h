@@ -26,6 +26,12 @@ static inline vf load(const uint16_t* p) {   // bf16 -> fp32 is exact: the bits 
 }
 static inline void store(float* p, vf v) { _mm512_storeu_ps(p, v); }
 static inline vf load_n(const float* p, int n) { return _mm512_maskz_loadu_ps(lanes(n), p); }
+static inline vf load_n(const uint16_t* p, int n) {   // the first n bf16 values widened, the rest zero
+    if (n >= 16) return load(p);
+    uint16_t t[16] = {0};
+    if (n > 0) memcpy(t, p, (size_t)n * 2);
+    return load(t);
+}
 static inline void store_n(float* p, vf v, int n) { _mm512_mask_storeu_ps(p, lanes(n), v); }
 static inline vf add(vf a, vf b) { return _mm512_add_ps(a, b); }
 static inline vf sub(vf a, vf b) { return _mm512_sub_ps(a, b); }
@@ -70,6 +76,12 @@ static inline vf load(const uint16_t* p) {   // bf16 -> fp32 is exact: the bits 
 }
 static inline void store(float* p, vf v) { _mm256_storeu_ps(p, v); }
 static inline vf load_n(const float* p, int n) { return n >= 8 ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, lanes(n)); }
+static inline vf load_n(const uint16_t* p, int n) {   // the first n bf16 values widened, the rest zero
+    if (n >= 8) return load(p);
+    uint16_t t[8] = {0};
+    if (n > 0) memcpy(t, p, (size_t)n * 2);
+    return load(t);
+}
 static inline void store_n(float* p, vf v, int n) {
     if (n >= 8) _mm256_storeu_ps(p, v); else _mm256_maskstore_ps(p, lanes(n), v);
 }
@@ -119,6 +131,12 @@ static inline vf load_n(const float* p, int n) {   // no masked loads: stage the
     float t[4] = {0, 0, 0, 0};
     if (n > 0) memcpy(t, p, (size_t)n * sizeof(float));
     return vld1q_f32(t);
+}
+static inline vf load_n(const uint16_t* p, int n) {   // the first n bf16 values widened, the rest zero
+    if (n >= 4) return load(p);
+    uint16_t t[4] = {0, 0, 0, 0};
+    if (n > 0) memcpy(t, p, (size_t)n * 2);
+    return load(t);
 }
 static inline void store_n(float* p, vf v, int n) {
     if (n >= 4) { vst1q_f32(p, v); return; }

@@ -273,7 +273,7 @@ class Forwards:
 
 def time_forwards(fws: dict, rounds: int, bw: Bandwidth, warmup: int = 2) -> tuple[dict, dict]:
     """{label: {"decode": ms, n: ms}} medians over interleaved rounds (a bandwidth sample before each), and the
-    rounds themselves: {"gbps": [...], label: [decode ms, ...]} in round order."""
+    rounds themselves: {"gbps": [...], label: [decode ms, ...], "verify": {label: {n: [ms, ...]}}} in round order."""
     samples = {lab: {k: [] for k in ("decode", *ROWS)} for lab in fws}
     per_round = {"gbps": []}
     from specscope.progress import Progress
@@ -293,7 +293,14 @@ def time_forwards(fws: dict, rounds: int, bw: Bandwidth, warmup: int = 2) -> tup
             prog.advance()
     for lab in fws:
         per_round[lab] = samples[lab]["decode"]
+    per_round["verify"] = {lab: {n: samples[lab][n] for n in ROWS} for lab in fws}
     return {lab: {k: statistics.median(v) for k, v in s.items()} for lab, s in samples.items()}, per_round
+
+
+def paired_ratios(verify: dict) -> dict:
+    """{n: median over rounds of that round's T(n) / T(1)}: each ratio from forwards timed back to back, so a
+    machine that drifts between rounds (this VM's bandwidth moves 40-75 GB/s) moves both sides of it."""
+    return {n: statistics.median(a / b for a, b in zip(verify[n], verify[1])) for n in ROWS}
 
 
 def paired_fraction(step_bytes: int, gbps: list[float], decode_ms: list[float]) -> float:
@@ -411,6 +418,7 @@ def main(argv=None):
     floor = {c: step[c] / gbps / 1e6 for c in cols}
     floor_ms = floor[cols[0]]
     paired = {c: paired_fraction(step[c], per_round["gbps"], per_round[c]) for c in cols}
+    ratios = {c: paired_ratios(per_round["verify"][c]) for c in cols}
     floor_med = statistics.median(per_round["gbps"])
     drafts = {}
     for lab in cols:
@@ -436,7 +444,8 @@ def main(argv=None):
         print(f"{f'verify T({n}) ms':46s}" + "".join(f"{times[c][n]:16.2f}" for c in cols))
     for n in ROWS[1:]:
         goal = {4: " (goal <= 1.05)", 8: " (goal <= 1.15; bf16 1.10)"}.get(n, "")
-        print(f"{f'  T({n})/T(1){goal}':46s}" + "".join(f"{times[c][n] / times[c][1]:16.2f}" for c in cols))
+        print(f"{f'  T({n})/T(1), same round{goal}':46s}" + "".join(f"{ratios[c][n]:16.2f}" for c in cols))
+    print(f"{'  T(8)/T(1), of the medians':46s}" + "".join(f"{times[c][8] / times[c][1]:16.2f}" for c in cols))
     print(f"{'  T(8)/decode':46s}" + "".join(f"{times[c][8] / times[c]['decode']:16.2f}" for c in cols))
     for key, name in (("chain", "chain step"), ("tree_topk4", "tree level (topk 4)")):
         goal = " (goal <= 3)" if key == "chain" else " (goal <= 4)"
@@ -472,6 +481,9 @@ def main(argv=None):
                            "decode_ms_by_round": [round(d, 3) for d in per_round[c]],
                            "verify_ms": {str(n): round(times[c][n], 3) for n in ROWS},
                            "verify_ratio": {str(n): round(times[c][n] / times[c][1], 3) for n in ROWS},
+                           "verify_ratio_same_round": {str(n): round(ratios[c][n], 3) for n in ROWS},
+                           "verify_ms_by_round": {str(n): [round(v, 3) for v in per_round["verify"][c][n]]
+                                                  for n in ROWS},
                            "drafter": drafts[c]} for c in cols},
            "three_chain_cycle_ms": round(cyc, 2),
            "loadavg_before": load0, "loadavg_after": os.getloadavg(),

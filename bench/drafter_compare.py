@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from speculative import TASKS, draft_files, pick_prompts  # noqa: E402  (one prompt selection for both benches)
+from speculative import TASKS, code_version, draft_files, pick_prompts  # noqa: E402  (one prompt selection for both benches)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -101,6 +101,7 @@ def main(argv=None):
     # the state file is keyed by what changes the numbers, drafter files included (a retrained drafter, new state)
     key = {k: v for k, v in vars(args).items() if k not in ("out", "fresh", "threads")}
     key["files"] = {d: draft_files(d) for d in args.draft}
+    key["code"] = code_version()
     state = cache_dir() / "bench" / f"drafter_compare-{hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]}.jsonl"
     state.parent.mkdir(parents=True, exist_ok=True)
     if args.fresh and state.exists():

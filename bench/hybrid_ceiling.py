@@ -45,7 +45,7 @@ from pathlib import Path
 
 import torch
 
-from speculative import TASKS, draft_files, pick_prompts, prompt_args   # bench/ is on the path: this script's own folder
+from speculative import TASKS, code_version, draft_files, pick_prompts, prompt_args   # bench/ is on the path: this script's own folder
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -329,6 +329,7 @@ def main(argv=None):
     key = {k: v for k, v in vars(args).items() if k not in ("out", "fresh", "cycle_overhead_ms")}
     key["draft_files"] = draft_files(args.draft)
     key["replay"] = REPLAY_VERSION
+    key["code"] = code_version()
     state = cache_dir() / "bench" / f"ceiling-{hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]}.jsonl"
     state.parent.mkdir(parents=True, exist_ok=True)
     if args.fresh and state.exists():

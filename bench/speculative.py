@@ -47,6 +47,21 @@ def draft_files(spec: str) -> list:
                   if p.is_file())
 
 
+def code_version() -> str:
+    """What identifies the measuring code in a resume key: a hash of specscope's sources (Python and the kernels'
+    C++), so a rerun after a change measures afresh instead of resuming numbers an older build produced."""
+    import hashlib
+
+    import specscope
+
+    root = Path(specscope.__file__).resolve().parent
+    h = hashlib.sha1()
+    for f in sorted(root.rglob("*")):
+        if f.suffix in (".py", ".cpp", ".h") and "__pycache__" not in f.parts:
+            h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()[:16]
+
+
 def pick_prompts(tasks, limit, mt_limit=None):
     from specscope.prompts import spec_bench_path
 
@@ -176,6 +191,7 @@ def main(argv=None):
     from specscope.models.hub import cache_dir
 
     key = {k: v for k, v in vars(args).items() if k not in ("out", "fresh")}
+    key["code"] = code_version()
     if eagle is not None:
         key["draft_files"] = draft_files(args.draft)
     state = cache_dir() / "bench" / f"speculative-{hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]}.jsonl"

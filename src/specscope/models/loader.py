@@ -239,8 +239,10 @@ def load_model(path: str | Path, dtype: torch.dtype | str | None = None, device:
 def round_to_bf16(model: torch.nn.Module) -> None:
     """bf16 on CPU through our kernels: every weight rounded to bf16 (as `.to(torch.bfloat16)` rounds), held in fp32
     tensors; the linears then stream them as bf16 and round their inputs to bf16 (pack_linears precision="bf16"),
-    while norms, attention, the KV cache and the residual stream stay fp32. Row-invariant like the fp32 path, so
-    speculative bf16 output equals plain bf16 output; not torch's bf16 forward (which rounds every activation)."""
+    the KV cache holds bf16 keys and values (Transformer.new_cache; attention rounds its query and probabilities
+    too where it runs on vdpbf16ps), while norms and the residual stream stay fp32. Row-invariant like the fp32
+    path, so speculative bf16 output equals plain bf16 output; not torch's bf16 forward (which rounds every
+    activation)."""
     for p in model.parameters():
         p.data = p.data.to(torch.bfloat16).float()
     model.precision = "bf16"
@@ -249,9 +251,9 @@ def round_to_bf16(model: torch.nn.Module) -> None:
 def describe_dtype(model) -> str:
     """Which dtype a loaded model runs in, and why, in one line (the demo prints it)."""
     if getattr(model, "precision", None) == "bf16":
-        return (f"bf16 through specscope's kernels ({rowgemm.bf16_method()}): weights and each linear's input in "
-                f"bf16, fp32 sums, norms, attention and KV cache; row-invariant, so speculative output equals "
-                f"plain bf16 output")
+        return (f"bf16 through specscope's kernels ({rowgemm.bf16_method()}): weights, each linear's input and the "
+                f"KV cache in bf16, fp32 sums, norms and residual stream; row-invariant, so speculative output "
+                f"equals plain bf16 output")
     if model.device.type != "cpu":
         return f"{dtype_name(model.dtype)} on {model.device.type}"
     if model.dtype == torch.float32:

@@ -6,7 +6,8 @@ that bandwidth), one decode step, verify forwards of n = 1, 2, 4, 8, 12, 16 toke
 draft.stepK rows (draft.step0 = catch-up on the accepted tokens, then one row per chain step / topk rows per tree
 level). Rounds are interleaved and medians kept, so a noisy machine hurts every column alike. On CPU the same
 forwards also run in bf16 through our kernels (`--dtype bf16` as the CLI runs it: weights and each linear's input
-rounded to bf16, fp32 accumulation; `--no-bf16` skips it) and with the stock oneDNN path in fp32 and torch's bf16
+rounded to bf16, its KV cache bf16, fp32 accumulation; `--no-bf16` skips it), the same bf16 model over an fp32 KV
+cache (what the bf16 cache and its vdpbf16ps attention buy), and with the stock oneDNN path in fp32 and torch's bf16
 (`--no-stock` skips those): every column in one table, each against its own floor (bf16 streams half the bytes).
 
 The floor is sampled in every round, right before that round's forwards. A shared VM's bandwidth swings (30 to 53
@@ -177,9 +178,9 @@ def weight_bytes(model) -> int:
     return sum(nbytes(m) for m in model.modules() if isinstance(m, (PackedLinear, torch.nn.Linear)))
 
 
-def kv_bytes(model, context: int) -> int:
+def kv_bytes(model, context: int, cache) -> int:
     c = model.config
-    el = model.new_cache(1).k.element_size()   # the bf16 precision keeps a bf16 cache in an fp32 model
+    el = cache.k.element_size()   # the bf16 precision keeps a bf16 cache in an fp32 model
     return 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * context * el
 
 
@@ -232,12 +233,15 @@ class Bandwidth:
 class Forwards:
     """Decode and chain-verify forwards of one target at a fixed context (nothing committed: repeatable)."""
 
-    def __init__(self, target, context: int, aux=()):
+    def __init__(self, target, context: int, aux=(), kv_dtype=None):
+        from specscope.runtime.kv_cache import KVCache
         from specscope.speculative.tree import DraftTree
 
         self.t, self.dev, self.aux = target, target.device, aux
         V = target.config.vocab_size
-        self.cache = target.new_cache(context + max(ROWS) + 1)
+        n = context + max(ROWS) + 1
+        self.cache = target.new_cache(n) if kv_dtype is None else KVCache.for_model(target.config, n, 1, self.dev,
+                                                                                     kv_dtype)
         g = torch.Generator(device="cpu").manual_seed(0)
         ids = torch.randint(3, V, (1, context), generator=g).to(self.dev)
         with torch.inference_mode():
@@ -391,20 +395,23 @@ def main(argv=None):
 
     ours = device.type == "cpu" and rowgemm.available()
     # columns: (label, linear kernel, dtype); the first is the headline (its drafter prices the 3-chain cycle)
+    # (label, linear kernel, dtype, KV cache dtype: None = the model's own)
     specs = [(f"ours ({rowgemm.isa()})" if ours and dtype == torch.float32
               else f"ours bf16 ({rowgemm.isa()})" if ours and dtype == torch.bfloat16
-              else ("cuBLAS" if device.type == "cuda" else "stock"), "auto", dtype)]
+              else ("cuBLAS" if device.type == "cuda" else "stock"), "auto", dtype, None)]
     if ours and dtype == torch.float32 and not args.no_bf16:
-        specs.append(("ours bf16", "auto", torch.bfloat16))
+        specs += [("ours bf16", "auto", torch.bfloat16, None), ("bf16, fp32 KV", "auto", torch.bfloat16, torch.float32)]
     if ours and dtype == torch.float32 and not args.no_stock:
-        specs.append(("stock oneDNN", "onednn", torch.float32))
+        specs.append(("stock oneDNN", "onednn", torch.float32, None))
         if not args.no_bf16 and torch.ops.mkldnn._is_mkldnn_bf16_supported():
-            specs.append(("stock bf16", "onednn", torch.bfloat16))
-    models, fws = {}, {}
-    for lab, k, dt in specs:
-        models[lab] = load(args, device, dt, k)
+            specs.append(("stock bf16", "onednn", torch.bfloat16, None))
+    models, fws, loaded = {}, {}, {}
+    for lab, k, dt, kv in specs:
+        if (k, dt) not in loaded:   # the fp32-KV column reuses the bf16 model: only its cache differs
+            loaded[k, dt] = load(args, device, dt, k)
+        models[lab] = loaded[k, dt]
         t, d, what = models[lab]
-        fws[lab] = Forwards(t, context, d.aux_layers)
+        fws[lab] = Forwards(t, context, d.aux_layers, kv_dtype=kv)
     cols = list(fws)
     target, dmodel, what = models[cols[0]]
     bwm = Bandwidth(device, dtype)
@@ -413,7 +420,7 @@ def main(argv=None):
     del bwm
     gbps = max(bw.values())
     # each column against the bytes its own decode step must read (bf16 weights: half)
-    step = {c: weight_bytes(models[c][0]) + kv_bytes(models[c][0], context) for c in cols}
+    step = {c: weight_bytes(models[c][0]) + kv_bytes(models[c][0], context, fws[c].cache) for c in cols}
     step_bytes = step[cols[0]]
     floor = {c: step[c] / gbps / 1e6 for c in cols}
     floor_ms = floor[cols[0]]
@@ -423,8 +430,9 @@ def main(argv=None):
     drafts = {}
     for lab in cols:
         t, d, _ = models[lab]
-        drafts[lab] = {"chain": drafter_steps(t, d, context, rounds, topk=1),
-                       "tree_topk4": drafter_steps(t, d, context, rounds, topk=4)}
+        same = next((c for c in drafts if models[c] is models[lab]), None)   # the fp32-KV column: its model's
+        drafts[lab] = drafts[same] if same else {"chain": drafter_steps(t, d, context, rounds, topk=1),
+                                                 "tree_topk4": drafter_steps(t, d, context, rounds, topk=4)}
 
     print(f"{what} · {dtype} · {device}{'' if device.type == 'cuda' else f' · {args.threads} threads'} · "
           f"context {context} · load {load0[0]:.1f}" + (f" · bf16 linears: {rowgemm.bf16_method()}"

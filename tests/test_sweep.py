@@ -262,6 +262,21 @@ def test_sweep_of_a_real_engine_killed_and_resumed(tiny, tmp_path, capsys):
             assert m["cells"][i][j]["value"] == pytest.approx(cell["tok_per_s"]["mean"], abs=1e-3)
 
 
+def test_a_phase_is_judged_against_the_whole_launchs_noise_too():
+    """Launches vary as a whole: a phase whose own repeats spread 10 % is still judged against the 32 % the cycle
+    spread (two NCCL_PROTO cells, which change nothing, once moved draft and verify 14 % together); τ and the
+    acceptance rates, not times, keep their own (here none)."""
+    from specscope.sweep.matrix import launch_noise, own_noise
+
+    pairs = [{"metric": "phase.verify", "change": 0.10}, {"metric": "phase.verify", "change": -0.06},
+             {"metric": "cycle_ms", "change": -0.32}, {"metric": "tok_per_s", "change": 0.24},
+             {"metric": "accept_length", "change": 0.0}, {"metric": "phase.draft", "change": 0.40}]
+    band = launch_noise(pairs)
+    assert band == {"phase.verify": 0.32, "cycle_ms": 0.32, "tok_per_s": 0.32, "accept_length": 0.0,
+                    "phase.draft": 0.40}
+    assert own_noise(pairs)["phase.verify"] == 0.10
+
+
 def test_a_change_inside_the_launch_to_launch_noise_is_not_called():
     """compare calls +20 % on the pooled cells and both repeat pairs agree, but two launches of one cell differ by
     30 % in this sweep: not called. The same change past the band is."""

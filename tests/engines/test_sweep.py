@@ -118,9 +118,9 @@ def test_steps_cause_the_verify_change_and_nccl_changes_nothing(sweep_run):
     assert steps["verdict"] == "changed"
     verify = [{r["metric"]: r for r in s["rows"]}["phase.verify"] for s in steps["slices"]]
     assert not any(r["verdict"] == "better" for r in verify), verify
-    # 2 vs 4 tokens verified: +20-35 % here. Two launches of one cell land up to ±40 % apart on these machines in
-    # some phases (the sweep measures each metric's launch-to-launch noise and calls only changes beyond it), so
-    # the verify change is asserted called wherever it leaves that band, and said otherwise
+    # 2 vs 4 tokens verified: +20-35 % here. Two launches of one cell land up to ±40 % apart on these machines
+    # (the sweep measures the launch-to-launch noise, a phase's own and the whole launch's, and calls only changes
+    # beyond it), so the verify change is asserted called wherever it leaves that band, and said otherwise
     band = doc["launch_noise"]["by_metric"].get("phase.verify", 0.0)
     clear = [r for r in verify if r["change"] > band and r["pooled"] == "worse"
              and all(c is not None and c > 0 for c in r["repeat_changes"])]

@@ -8,7 +8,11 @@
   likely causes. The repeats of a cell are pooled (their cycles and prompts end to end) for the comparison, and
   each repeat pair is compared too: a change is called when compare calls it on the pooled cells, no repeat
   pair points the other way, and it is larger than that metric's launch-to-launch noise — the largest change
-  between two repeats of one cell anywhere in the sweep. compare's intervals cover the noise within a run; two
+  between two repeats of one cell anywhere in the sweep; for a time (a phase, ms/cycle, tok/s) at least the
+  whole launch's (a launch that runs slow runs slow in every phase, and a few repeat pairs understate one phase's
+  spread: on the 2-core CPU draft and verify moved 14 % together between two NCCL_PROTO cells, which change
+  nothing, while their own repeats had spread 10-11 % and the cycle's 32 %). compare's intervals cover the noise
+  within a run; two
   launches of one setting can land tens of percent apart on a shared machine, which only repeats show (and the
   ABBA order turns a drift into repeat pairs that disagree). A phase compare would not name (under its 3 % share
   floor, or "other") is listed with its change but does not make an axis "changed".
@@ -112,23 +116,40 @@ def launch_spread(recs: list[dict]) -> list[dict]:
     return out
 
 
-def launch_noise(pairs: list[dict]) -> dict[str, float]:
-    """metric -> the largest |change| between two launches of one cell (launch_spread's pairs, all cells): the
-    band a change between cells must leave to be called."""
+# the whole launch's speed: the cycle-level times (a phase's band is at least the largest of these)
+LAUNCH_TIMES = ("cycle_ms", "ms_per_token", "tok_per_s", "decode_tok_per_s")
+
+
+def timed(metric: str) -> bool:
+    return metric in LAUNCH_TIMES or metric.startswith("phase.")
+
+
+def own_noise(pairs: list[dict]) -> dict[str, float]:
+    """metric -> the largest |change| between two launches of one cell (launch_spread's pairs, all cells)."""
     out: dict[str, float] = {}
     for p in pairs:
         out[p["metric"]] = max(out.get(p["metric"], 0.0), abs(p["change"]))
     return out
 
 
+def launch_noise(pairs: list[dict]) -> dict[str, float]:
+    """metric -> the band a change between cells must leave to be called: its own launch-to-launch spread, and
+    for a time at least the whole launch's (the largest spread of the cycle-level times)."""
+    own = own_noise(pairs)
+    whole = max((own[m] for m in LAUNCH_TIMES if m in own), default=0.0)
+    return {m: max(v, whole) if timed(m) else v for m, v in own.items()}
+
+
 def _launch_noise(pairs: list[dict], by_metric: dict[str, float]) -> dict | None:
-    """The sweep's headline noise figure (ms/cycle where the runs have cycles, else tok/s) and every metric's."""
+    """The sweep's headline noise figure (ms/cycle where the runs have cycles, else tok/s), every metric's band
+    (by_metric) and its own repeats' spread (own_by_metric)."""
     timed = [p for p in pairs if p["metric"] == "cycle_ms"] or [p for p in pairs if p["metric"] == "tok_per_s"]
     if not timed:
         return None
     return {"metric": timed[0]["metric"], "max_change": max(abs(p["change"]) for p in timed), "pairs": len(timed),
             "called": sum(p["verdict"] in ("better", "worse") for p in timed),
-            "by_metric": {m: round(v, 4) for m, v in sorted(by_metric.items())}}
+            "by_metric": {m: round(v, 4) for m, v in sorted(by_metric.items())},
+            "own_by_metric": {m: round(v, 4) for m, v in sorted(own_noise(pairs).items())}}
 
 
 def _baseline_for(spec: SweepSpec, cell: Cell, by_cell: dict, stored: dict | None) -> tuple[str, list] | None:

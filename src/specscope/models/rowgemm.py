@@ -459,6 +459,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, S: int, mask: t
         if t.stride(2) != 1 or t.stride(1) != D or t.stride(0) != k.stride(0):
             raise ValueError(f"attention: k and v must be [heads, slots, {D}] with contiguous slots; got strides "
                              f"{tuple(t.stride())}")
+    if v.dtype != k.dtype:
+        raise ValueError(f"attention: k and v must share a dtype; got {k.dtype} and {v.dtype}")
     out = torch.empty(T, Hq * D, dtype=torch.float32)
     if mask is not None:
         mask = mask.contiguous()

@@ -163,170 +163,119 @@ static void check_norm_silu() {
     }
 }
 
+// One attention case over a cache of KT (float: fp32, kv_fmt 0; uint16_t: bf16, the bf16 precision's, kv_fmt 1):
+// against float64 over the cached values within tol (a bf16 cache's vdpbf16ps path also rounds the query and the
+// probabilities: relative 2^-8 on each), then the bits: a row alone, and a row whose invisible slots are absent
+// (slot order, not masking, decides the sums)
+template <typename KT>
+static void check_attention_case(int64_t Hq, int64_t Hkv, int64_t D, int64_t S, int64_t maxlen, float qscale,
+                                 double tol) {
+    constexpr int64_t fmt = sizeof(KT) == 2;
+    const char* name = fmt ? "bf16 kv attention" : "attention";
+    const int64_t T = 6;
+    auto kf = randv(Hkv * maxlen * D), vf_ = randv(Hkv * maxlen * D), q = randv(T * Hq * D, qscale);
+    std::vector<KT> k(kf.size()), v(vf_.size());
+    for (size_t i = 0; i < k.size(); ++i) {
+        if constexpr (fmt) k[i] = to_bf16(kf[i]), v[i] = to_bf16(vf_[i]);
+        else k[i] = kf[i], v[i] = vf_[i];
+    }
+    auto cached = [&](float x) { return fmt ? bf16_value(x) : (double)x; };
+    std::vector<uint8_t> mask(T * S);
+    for (int64_t t = 0; t < T; ++t)
+        for (int64_t s = 0; s < S; ++s)
+            mask[t * S + s] = S <= T ? s <= t : (s < S - T || ((s + t) % 3 != 0 && s <= S - T + t));
+    std::vector<float> out(T * Hq * D), o1(Hq * D);
+    CHECK(rows_attention(q.data(), Hq * D, T, Hq, Hkv, D, k.data(), v.data(), fmt, maxlen * D, S, mask.data(), S,
+                         out.data(), 2) == 0, "%s", name);
+    for (int64_t t = 0; t < T; ++t) {
+        for (int64_t h = 0; h < Hq; ++h) {
+            int64_t g = h / (Hq / Hkv);
+            std::vector<double> sc(S);
+            double mx = -1e300, den = 0;
+            for (int64_t s = 0; s < S; ++s) {
+                if (!mask[t * S + s]) continue;
+                double d = 0;
+                for (int64_t j = 0; j < D; ++j) d += (double)q[(t * Hq + h) * D + j] * cached(kf[(g * maxlen + s) * D + j]);
+                sc[s] = d / sqrt((double)D);
+                mx = sc[s] > mx ? sc[s] : mx;
+            }
+            for (int64_t s = 0; s < S; ++s) if (mask[t * S + s]) den += exp(sc[s] - mx);
+            for (int64_t j = 0; j < D; ++j) {
+                double ref = 0;
+                for (int64_t s = 0; s < S; ++s)
+                    if (mask[t * S + s]) ref += exp(sc[s] - mx) / den * cached(vf_[(g * maxlen + s) * D + j]);
+                CHECK(fabs(out[(t * Hq + h) * D + j] - ref) <= tol, "%s %ld/%ld/%ld S %ld value %g vs %g", name,
+                      (long)Hq, (long)Hkv, (long)D, (long)S, out[(t * Hq + h) * D + j], ref);
+            }
+        }
+        rows_attention(q.data() + t * Hq * D, Hq * D, 1, Hq, Hkv, D, k.data(), v.data(), fmt, maxlen * D, S,
+                       mask.data() + t * S, S, o1.data(), 1);
+        CHECK(memcmp(o1.data(), out.data() + t * Hq * D, Hq * D * 4) == 0, "%s row %ld alone differs", name, (long)t);
+        std::vector<KT> kk(k.size()), vv(v.size());
+        int64_t m = 0;
+        for (int64_t s = 0; s < S; ++s)
+            if (mask[t * S + s]) {
+                for (int64_t gg = 0; gg < Hkv; ++gg) {
+                    memcpy(&kk[(gg * maxlen + m) * D], &k[(gg * maxlen + s) * D], D * sizeof(KT));
+                    memcpy(&vv[(gg * maxlen + m) * D], &v[(gg * maxlen + s) * D], D * sizeof(KT));
+                }
+                ++m;
+            }
+        rows_attention(q.data() + t * Hq * D, Hq * D, 1, Hq, Hkv, D, kk.data(), vv.data(), fmt, maxlen * D, m, nullptr,
+                       0, o1.data(), 1);
+        CHECK(memcmp(o1.data(), out.data() + t * Hq * D, Hq * D * 4) == 0, "%s row %ld compacted differs", name, (long)t);
+    }
+}
+
 static void check_attention() {
     const int64_t cfgs[][3] = {{4, 2, 16}, {9, 3, 64}, {2, 2, 80}, {8, 1, 128}, {3, 3, 5}};
-    for (auto& c : cfgs) {
-        int64_t Hq = c[0], Hkv = c[1], D = c[2], S = 37, T = 6, maxlen = 48;
-        auto k = randv(Hkv * maxlen * D), v = randv(Hkv * maxlen * D), q = randv(T * Hq * D);
-        std::vector<uint8_t> mask(T * S);
-        for (int64_t t = 0; t < T; ++t)
-            for (int64_t s = 0; s < S; ++s) mask[t * S + s] = s < S - T || ((s + t) % 3 != 0 && s <= S - T + t);
-        std::vector<float> out(T * Hq * D), o1(Hq * D);
-        CHECK(rows_attention(q.data(), Hq * D, T, Hq, Hkv, D, k.data(), v.data(), 0, maxlen * D, S, mask.data(), S,
-                             out.data(), 2) == 0, "attention");
-        for (int64_t t = 0; t < T; ++t) {
-            for (int64_t h = 0; h < Hq; ++h) {
-                int64_t g = h / (Hq / Hkv);
-                std::vector<double> sc(S);
-                double mx = -1e300, den = 0;
-                for (int64_t s = 0; s < S; ++s) {
-                    if (!mask[t * S + s]) continue;
-                    double d = 0;
-                    for (int64_t j = 0; j < D; ++j) d += (double)q[(t * Hq + h) * D + j] * k[(g * maxlen + s) * D + j];
-                    sc[s] = d / sqrt((double)D);
-                    mx = sc[s] > mx ? sc[s] : mx;
-                }
-                for (int64_t s = 0; s < S; ++s) if (mask[t * S + s]) den += exp(sc[s] - mx);
-                for (int64_t j = 0; j < D; ++j) {
-                    double ref = 0;
-                    for (int64_t s = 0; s < S; ++s)
-                        if (mask[t * S + s]) ref += exp(sc[s] - mx) / den * v[(g * maxlen + s) * D + j];
-                    CHECK(fabs(out[(t * Hq + h) * D + j] - ref) <= 1e-5, "attention %ld/%ld/%ld value", (long)Hq, (long)Hkv, (long)D);
-                }
-            }
-            rows_attention(q.data() + t * Hq * D, Hq * D, 1, Hq, Hkv, D, k.data(), v.data(), 0, maxlen * D, S,
-                           mask.data() + t * S, S, o1.data(), 1);
-            CHECK(memcmp(o1.data(), out.data() + t * Hq * D, Hq * D * 4) == 0, "attention row %ld alone differs", (long)t);
-            // the invisible slots simply absent: the same bits (slot order, not masking, decides the sums)
-            std::vector<float> kk(k.size()), vv(v.size());
-            int64_t m = 0;
-            for (int64_t s = 0; s < S; ++s)
-                if (mask[t * S + s]) {
-                    for (int64_t gg = 0; gg < Hkv; ++gg) {
-                        memcpy(&kk[(gg * maxlen + m) * D], &k[(gg * maxlen + s) * D], D * 4);
-                        memcpy(&vv[(gg * maxlen + m) * D], &v[(gg * maxlen + s) * D], D * 4);
-                    }
-                    ++m;
-                }
-            rows_attention(q.data() + t * Hq * D, Hq * D, 1, Hq, Hkv, D, kk.data(), vv.data(), 0, maxlen * D, m, nullptr,
-                           0, o1.data(), 1);
-            CHECK(memcmp(o1.data(), out.data() + t * Hq * D, Hq * D * 4) == 0, "attention row %ld compacted differs", (long)t);
-        }
-    }
+    for (auto& c : cfgs) check_attention_case<float>(c[0], c[1], c[2], 37, 48, 1.0f, 1e-5);
 }
 
-static void check_rope_attention() {
-    // a chain verify of T tokens equals T one-token decode steps, cache writes included
-    const int64_t Hq = 4, Hkv = 2, D = 16, T = 5, P = 9, maxlen = 24, H = Hq + 2 * Hkv;
+// a chain verify of T tokens equals T one-token decode steps, cache writes included, over a cache of KT (float:
+// fp32; uint16_t: bf16, each key and value rounded as it is written); a slot past the cache is refused
+template <typename KT>
+static void check_rope_chain(int64_t Hq, int64_t Hkv, int64_t D, int64_t P, int64_t maxlen) {
+    constexpr int64_t fmt = sizeof(KT) == 2;
+    const int64_t T = 5, H = Hq + 2 * Hkv;
     auto qkv = randv((P + T) * H * D), cs = randv((P + T) * D), sn = randv((P + T) * D);
-    std::vector<float> kc1(Hkv * maxlen * D), vc1(Hkv * maxlen * D), kc2, vc2, out1(T * Hq * D), out2(Hq * D);
-    std::vector<int64_t> slots(P + T);
-    for (int64_t i = 0; i < P + T; ++i) slots[i] = i;
-    std::vector<float> pre(P * Hq * D);
-    CHECK(rows_rope_attention(qkv.data(), P, Hq, Hkv, D, cs.data(), sn.data(), slots.data(), kc1.data(), vc1.data(), 0,
-                              maxlen * D, maxlen, P, nullptr, 0, pre.data(), 2) == 0, "prefill");
-    kc2 = kc1, vc2 = vc1;
-    std::vector<uint8_t> mask(T * (P + T));
-    for (int64_t t = 0; t < T; ++t)
-        for (int64_t s = 0; s < P + T; ++s) mask[t * (P + T) + s] = s <= P + t;
-    rows_rope_attention(qkv.data() + P * H * D, T, Hq, Hkv, D, cs.data() + P * D, sn.data() + P * D, slots.data() + P,
-                        kc1.data(), vc1.data(), 0, maxlen * D, maxlen, P + T, mask.data(), P + T, out1.data(), 2);
-    for (int64_t t = 0; t < T; ++t) {
-        rows_rope_attention(qkv.data() + (P + t) * H * D, 1, Hq, Hkv, D, cs.data() + (P + t) * D, sn.data() + (P + t) * D,
-                            slots.data() + P + t, kc2.data(), vc2.data(), 0, maxlen * D, maxlen, P + t + 1, nullptr, 0,
-                            out2.data(), 1);
-        CHECK(memcmp(out2.data(), out1.data() + t * Hq * D, Hq * D * 4) == 0, "verify row %ld != decode step", (long)t);
-    }
-    CHECK(memcmp(kc1.data(), kc2.data(), kc1.size() * 4) == 0 && memcmp(vc1.data(), vc2.data(), vc1.size() * 4) == 0,
-          "cache writes differ");
-    int64_t bad[2] = {3, maxlen};
-    CHECK(rows_rope_attention(qkv.data(), 2, Hq, Hkv, D, cs.data(), sn.data(), bad, kc1.data(), vc1.data(), 0, maxlen * D,
-                              maxlen, 4, nullptr, 0, out1.data(), 1) == -3, "slot past the cache accepted");
-}
-
-// A bf16 KV cache (the bf16 precision's): against float64 over the cached bf16 values, within what rounding the
-// query and the probabilities to bf16 costs (the vdpbf16ps build) or fp32 sums (the widening builds); and the bits
-// checks of the fp32 cache: a row alone, a verify row vs the decode step, invisible slots vs absent ones
-static void check_attention_bf16kv() {
-    const int64_t cfgs[][3] = {{9, 3, 64}, {8, 2, 128}, {4, 2, 16}, {3, 3, 80}, {2, 1, 64}};
-    for (auto& c : cfgs) {
-        for (int64_t S : {5, 37, 70}) {
-            int64_t Hq = c[0], Hkv = c[1], D = c[2], T = 6, maxlen = 80;
-            auto kf = randv(Hkv * maxlen * D), vf_ = randv(Hkv * maxlen * D), q = randv(T * Hq * D, 2.0f);
-            std::vector<uint16_t> k(kf.size()), v(vf_.size());
-            for (size_t i = 0; i < k.size(); ++i) k[i] = to_bf16(kf[i]), v[i] = to_bf16(vf_[i]);
-            std::vector<uint8_t> mask(T * S);
-            for (int64_t t = 0; t < T; ++t)
-                for (int64_t s = 0; s < S; ++s)
-                    mask[t * S + s] = S <= T ? s <= t : (s < S - T || ((s + t) % 3 != 0 && s <= S - T + t));
-            std::vector<float> out(T * Hq * D), o1(Hq * D);
-            CHECK(rows_attention(q.data(), Hq * D, T, Hq, Hkv, D, k.data(), v.data(), 1, maxlen * D, S, mask.data(), S,
-                                 out.data(), 2) == 0, "bf16 kv attention");
-            for (int64_t t = 0; t < T; ++t) {
-                for (int64_t h = 0; h < Hq; ++h) {
-                    int64_t g = h / (Hq / Hkv);
-                    std::vector<double> sc(S);
-                    double mx = -1e300, den = 0;
-                    for (int64_t s = 0; s < S; ++s) {
-                        if (!mask[t * S + s]) continue;
-                        double d = 0;
-                        for (int64_t j = 0; j < D; ++j)
-                            d += (double)q[(t * Hq + h) * D + j] * bf16_value(kf[(g * maxlen + s) * D + j]);
-                        sc[s] = d / sqrt((double)D);
-                        mx = sc[s] > mx ? sc[s] : mx;
-                    }
-                    for (int64_t s = 0; s < S; ++s) if (mask[t * S + s]) den += exp(sc[s] - mx);
-                    for (int64_t j = 0; j < D; ++j) {
-                        double ref = 0;
-                        for (int64_t s = 0; s < S; ++s)
-                            if (mask[t * S + s]) ref += exp(sc[s] - mx) / den * bf16_value(vf_[(g * maxlen + s) * D + j]);
-                        // bf16 query and probabilities: relative 2^-8 on each, so ~1 % of the largest |v| at worst
-                        CHECK(fabs(out[(t * Hq + h) * D + j] - ref) <= 2e-2, "bf16 kv attention %ld/%ld/%ld S %ld value %g vs %g",
-                              (long)Hq, (long)Hkv, (long)D, (long)S, out[(t * Hq + h) * D + j], ref);
-                    }
-                }
-                rows_attention(q.data() + t * Hq * D, Hq * D, 1, Hq, Hkv, D, k.data(), v.data(), 1, maxlen * D, S,
-                               mask.data() + t * S, S, o1.data(), 1);
-                CHECK(memcmp(o1.data(), out.data() + t * Hq * D, Hq * D * 4) == 0, "bf16 kv row %ld alone differs", (long)t);
-                std::vector<uint16_t> kk(k.size()), vv(v.size());
-                int64_t m = 0;
-                for (int64_t s = 0; s < S; ++s)
-                    if (mask[t * S + s]) {
-                        for (int64_t gg = 0; gg < Hkv; ++gg) {
-                            memcpy(&kk[(gg * maxlen + m) * D], &k[(gg * maxlen + s) * D], D * 2);
-                            memcpy(&vv[(gg * maxlen + m) * D], &v[(gg * maxlen + s) * D], D * 2);
-                        }
-                        ++m;
-                    }
-                rows_attention(q.data() + t * Hq * D, Hq * D, 1, Hq, Hkv, D, kk.data(), vv.data(), 1, maxlen * D, m,
-                               nullptr, 0, o1.data(), 1);
-                CHECK(memcmp(o1.data(), out.data() + t * Hq * D, Hq * D * 4) == 0, "bf16 kv row %ld compacted differs", (long)t);
-            }
-        }
-    }
-    // a chain verify of T tokens equals T one-token decode steps with a bf16 cache, cache writes included
-    const int64_t Hq = 6, Hkv = 2, D = 64, T = 5, P = 21, maxlen = 32, H = Hq + 2 * Hkv;
-    auto qkv = randv((P + T) * H * D), cs = randv((P + T) * D), sn = randv((P + T) * D);
-    std::vector<uint16_t> kc1(Hkv * maxlen * D), vc1(Hkv * maxlen * D), kc2, vc2;
+    std::vector<KT> kc1(Hkv * maxlen * D), vc1(Hkv * maxlen * D), kc2, vc2;
     std::vector<float> out1(T * Hq * D), out2(Hq * D), pre(P * Hq * D);
     std::vector<int64_t> slots(P + T);
     for (int64_t i = 0; i < P + T; ++i) slots[i] = i;
-    CHECK(rows_rope_attention(qkv.data(), P, Hq, Hkv, D, cs.data(), sn.data(), slots.data(), kc1.data(), vc1.data(), 1,
-                              maxlen * D, maxlen, P, nullptr, 0, pre.data(), 2) == 0, "bf16 kv prefill");
-    CHECK(vc1[(1 * maxlen + 3) * D + 5] == to_bf16(qkv[3 * H * D + (Hq + Hkv + 1) * D + 5]), "bf16 kv: value not rounded");
+    CHECK(rows_rope_attention(qkv.data(), P, Hq, Hkv, D, cs.data(), sn.data(), slots.data(), kc1.data(), vc1.data(),
+                              fmt, maxlen * D, maxlen, P, nullptr, 0, pre.data(), 2) == 0, "prefill (kv_fmt %ld)", (long)fmt);
+    const float v35 = qkv[3 * H * D + (Hq + Hkv + 1) * D + 5];   // slot 3's value, kv head 1, lane 5
+    if constexpr (fmt) CHECK(vc1[(1 * maxlen + 3) * D + 5] == to_bf16(v35), "bf16 kv: value not rounded");
+    else CHECK(vc1[(1 * maxlen + 3) * D + 5] == v35, "value not written");
     kc2 = kc1, vc2 = vc1;
     std::vector<uint8_t> mask(T * (P + T));
     for (int64_t t = 0; t < T; ++t)
         for (int64_t s = 0; s < P + T; ++s) mask[t * (P + T) + s] = s <= P + t;
     rows_rope_attention(qkv.data() + P * H * D, T, Hq, Hkv, D, cs.data() + P * D, sn.data() + P * D, slots.data() + P,
-                        kc1.data(), vc1.data(), 1, maxlen * D, maxlen, P + T, mask.data(), P + T, out1.data(), 2);
+                        kc1.data(), vc1.data(), fmt, maxlen * D, maxlen, P + T, mask.data(), P + T, out1.data(), 2);
     for (int64_t t = 0; t < T; ++t) {
         rows_rope_attention(qkv.data() + (P + t) * H * D, 1, Hq, Hkv, D, cs.data() + (P + t) * D, sn.data() + (P + t) * D,
-                            slots.data() + P + t, kc2.data(), vc2.data(), 1, maxlen * D, maxlen, P + t + 1, nullptr, 0,
+                            slots.data() + P + t, kc2.data(), vc2.data(), fmt, maxlen * D, maxlen, P + t + 1, nullptr, 0,
                             out2.data(), 1);
-        CHECK(memcmp(out2.data(), out1.data() + t * Hq * D, Hq * D * 4) == 0, "bf16 kv verify row %ld != decode step", (long)t);
+        CHECK(memcmp(out2.data(), out1.data() + t * Hq * D, Hq * D * 4) == 0, "verify row %ld != decode step (kv_fmt %ld)",
+              (long)t, (long)fmt);
     }
-    CHECK(kc1 == kc2 && vc1 == vc2, "bf16 kv cache writes differ");
+    CHECK(memcmp(kc1.data(), kc2.data(), kc1.size() * sizeof(KT)) == 0 &&
+          memcmp(vc1.data(), vc2.data(), vc1.size() * sizeof(KT)) == 0, "cache writes differ (kv_fmt %ld)", (long)fmt);
+    int64_t bad[2] = {3, maxlen};
+    CHECK(rows_rope_attention(qkv.data(), 2, Hq, Hkv, D, cs.data(), sn.data(), bad, kc1.data(), vc1.data(), fmt,
+                              maxlen * D, maxlen, 4, nullptr, 0, out1.data(), 1) == -3, "slot past the cache accepted");
+}
+
+static void check_rope_attention() { check_rope_chain<float>(4, 2, 16, 9, 24); }
+
+// A bf16 KV cache (the bf16 precision's): the attention cases, and a chain verify against decode steps
+static void check_attention_bf16kv() {
+    const int64_t cfgs[][3] = {{9, 3, 64}, {8, 2, 128}, {4, 2, 16}, {3, 3, 80}, {2, 1, 64}};
+    for (auto& c : cfgs)
+        for (int64_t S : {5, 37, 70}) check_attention_case<uint16_t>(c[0], c[1], c[2], S, 80, 2.0f, 2e-2);
+    check_rope_chain<uint16_t>(6, 2, 64, 21, 32);
 }
 
 int main() {

@@ -52,8 +52,9 @@ ABI = 11
 COMMON_FLAGS = ["-O3", "-std=c++17", "-ffp-contract=off", "-fPIC", "-shared"]
 # per instruction set: the CPU flags (/proc/cpuinfo names) it needs and the compiler flags that enable it
 ISAS = {
-    # AVX-512 plus vdpbf16ps (Zen 4, Cooper Lake, Sapphire Rapids+): the fp32 kernels of avx512, bit for bit, and
-    # bf16-input linears two products per lane per instruction
+    # AVX-512 plus vdpbf16ps (Zen 4/5, Cooper Lake, Sapphire Rapids+): the fp32 kernels of avx512, bit for bit, and
+    # bf16-input linears and bf16-cache attention two products per lane per instruction (its value interleaves need
+    # AVX512BW, which every such CPU has)
     "avx512_bf16": ({"avx512f", "avx512dq", "avx512vl", "avx512bw", "fma", "avx512_bf16"},
                     ["-mavx512f", "-mavx512dq", "-mavx512vl", "-mavx512bw", "-mfma", "-mavx512bf16"]),
     "avx512": ({"avx512f", "avx512dq", "avx512vl", "fma"}, ["-mavx512f", "-mavx512dq", "-mavx512vl", "-mfma"]),
@@ -556,8 +557,8 @@ class LayerStack:
         rc = (_lib or library()).rows_layers(
             self.n, self._array(T), h.data_ptr(), T, self.H, self.Hq, self.Hkv, self.D, self.inter, self.eps,
             cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), k.data_ptr(), v.data_ptr(), kv_format(k), k.stride(0),
-            k.stride(2), k.shape[3], kv_len, None if mask is None else mask.data_ptr(), 0 if mask is None else mask.stride(0),
-            aux_ptrs, torch.get_num_threads())
+            k.stride(2), k.shape[3], kv_len, None if mask is None else mask.data_ptr(),
+            0 if mask is None else mask.stride(0), aux_ptrs, torch.get_num_threads())
         if rc == -3:   # the message index_copy_ gives, so callers see one error whichever path ran
             bad = int(slots[(slots < 0) | (slots >= k.shape[3])][0])
             raise IndexError(f"index_copy_(): index {bad} is out of bounds for dimension 1 with size {k.shape[3]}")

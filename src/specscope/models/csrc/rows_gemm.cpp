@@ -477,8 +477,12 @@ static void attend_group(const float* const* qs, const KT* kh, const KT* vh, int
     // 32), so the weighted sum takes a 64-wide head (4 AVX-512 vectors) in one pass of G * 4 chains
     constexpr int KB = 4, JC = L == 8 && G > 2 ? 3 : 4;
     const int nv = NV ? NV : (int)((D + L - 1) / L);
-    auto ldq = [&](const float* p, int j) { return NV ? simd::load(p + j * L) : simd::load_n(p + j * L, (int)(D - j * L)); };
-    auto ld = [&](const KT* p, int j) { return NV ? simd::load(p + j * L) : simd::load_n(p + j * L, (int)(D - j * L)); };
+    auto ldq = [&](const float* p, int j) {
+        return NV ? simd::load(p + j * L) : simd::load_n(p + j * L, (int)(D - j * L));
+    };
+    auto ld = [&](const KT* p, int j) {
+        return NV ? simd::load(p + j * L) : simd::load_n(p + j * L, (int)(D - j * L));
+    };
     vf qr[G][NV ? NV : MAXV];
     for (int q = 0; q < G; ++q)
         for (int j = 0; j < nv; ++j) qr[q][j] = ldq(qs[q], j);
@@ -592,7 +596,8 @@ static void attend_group_dp(const float* const* qs, const uint32_t* kt, const in
             for (int j = 0; j < 16; ++j) {
                 __m512bh kv = as_bh(_mm512_loadu_si512((const void*)(kb + (c * 16 + j) * 16)));
                 for (int q = 0; q < G; ++q)
-                    acc[q][j & 3] = _mm512_dpbf16_ps(acc[q][j & 3], kv, as_bh(_mm512_set1_epi32((int)qp[q][16 * c + j])));
+                    acc[q][j & 3] = _mm512_dpbf16_ps(acc[q][j & 3], kv,
+                                                     as_bh(_mm512_set1_epi32((int)qp[q][16 * c + j])));
             }
         for (int q = 0; q < G; ++q) {   // the visible lanes, in slot order, to visible indices i .. e - 1
             const vf r = simd::mul(simd::add(simd::add(acc[q][0], acc[q][1]), simd::add(acc[q][2], acc[q][3])),
@@ -641,7 +646,8 @@ static void attend_group_dp(const float* const* qs, const uint32_t* kt, const in
     for (int q = 0; q < G; ++q) {
         const vf s = simd::set1(inv[q]);
         for (int c = 0; c < ND; ++c) {
-            simd::store(outs[q] + 32 * c, simd::mul(_mm512_permutex2var_ps(acc[q][2 * c], first, acc[q][2 * c + 1]), s));
+            simd::store(outs[q] + 32 * c,
+                        simd::mul(_mm512_permutex2var_ps(acc[q][2 * c], first, acc[q][2 * c + 1]), s));
             simd::store(outs[q] + 32 * c + 16,
                         simd::mul(_mm512_permutex2var_ps(acc[q][2 * c], second, acc[q][2 * c + 1]), s));
         }
@@ -829,8 +835,8 @@ struct RowLayer {          // one Llama-family decoder layer (no q/k norm)
 extern "C" {
 
 // h [T, H] is updated in place through layers 0..nl-1. k/v caches (fp32, or bf16 for kv_fmt 1): layer l, kv
-// head g, slot s at element kc + l*layer_stride + g*kv_head + s*D. aux: nl+1 pointers, aux[i] (if not null) receives h entering layer i
-// (aux[nl]: leaving the last). Returns 0, or the first kernel's error code.
+// head g, slot s at element kc + l*layer_stride + g*kv_head + s*D. aux: nl+1 pointers, aux[i] (if not null)
+// receives h entering layer i (aux[nl]: leaving the last). Returns 0, or the first kernel's error code.
 int rows_layers(int64_t nl, const RowLayer* layers, float* h, int64_t T, int64_t H, int64_t Hq, int64_t Hkv,
                 int64_t D, int64_t inter, float eps, const float* cos, const float* sin, const int64_t* slots,
                 void* kc, void* vc, int64_t kv_fmt, int64_t layer_stride, int64_t kv_head, int64_t max_len, int64_t S,

@@ -389,16 +389,13 @@ int rows_rope_attention(const float* qkv, int64_t T, int64_t Hq, int64_t Hkv, in
                 float a2 = x[i + half] * c[i + half], b2 = x[i] * sn[i + half];
                 o[i + half] = a2 + b2;
             }
-            if (h >= Hq && kv_fmt)
-                for (int64_t i = 0; i < D; ++i) ((uint16_t*)kc)[at + i] = to_bf16(kr[i]);
+            if (h >= Hq && kv_fmt) rows_to_bf16(kr, 1, D, D, (uint16_t*)kc + at);
         }
         for (int64_t g = 0; g < Hkv; ++g) {
             const float* x = row + (Hq + Hkv + g) * D;
             const int64_t at = g * kv_head + slots[t] * D;
-            if (kv_fmt)
-                for (int64_t i = 0; i < D; ++i) ((uint16_t*)vc)[at + i] = to_bf16(x[i]);
-            else
-                memcpy((float*)vc + at, x, D * sizeof(float));
+            if (kv_fmt) rows_to_bf16(x, 1, D, D, (uint16_t*)vc + at);
+            else memcpy((float*)vc + at, x, D * sizeof(float));
         }
     }
     return rows_attention(qr.data(), Hq * D, T, Hq, Hkv, D, kc, vc, kv_fmt, kv_head, S, mask, mask_row, out,
@@ -472,20 +469,17 @@ static inline void softmax_rows(float* sc, int64_t m, float* inv) {
 // lane always the FMA chain over the visible keys in slot order.
 template <int G, int NV, typename KT>
 static void attend_group(const float* const* qs, const KT* kh, const KT* vh, int64_t D, const int32_t* idx,
-                         int64_t m, float scale, float* sc, uint32_t*, float* const* outs) {
+                         int64_t m, float scale, float* sc, float* const* outs) {
     // KB = 4 for simd::hsum4; G * JC accumulators + a broadcast + JC loads fit the register file (AVX2: 16, else
     // 32), so the weighted sum takes a 64-wide head (4 AVX-512 vectors) in one pass of G * 4 chains
     constexpr int KB = 4, JC = L == 8 && G > 2 ? 3 : 4;
     const int nv = NV ? NV : (int)((D + L - 1) / L);
-    auto ldq = [&](const float* p, int j) {
-        return NV ? simd::load(p + j * L) : simd::load_n(p + j * L, (int)(D - j * L));
-    };
-    auto ld = [&](const KT* p, int j) {
+    auto ld = [&](auto p, int j) {   // a query (fp32) or a cached key (KT) vector
         return NV ? simd::load(p + j * L) : simd::load_n(p + j * L, (int)(D - j * L));
     };
     vf qr[G][NV ? NV : MAXV];
     for (int q = 0; q < G; ++q)
-        for (int j = 0; j < nv; ++j) qr[q][j] = ldq(qs[q], j);
+        for (int j = 0; j < nv; ++j) qr[q][j] = ld(qs[q], j);
     int64_t i = 0;
     for (; i + KB <= m; i += KB) {   // scores, KB keys at a time
         const KT* ks[KB];
@@ -661,9 +655,9 @@ typedef void (*group_fn)(const float* const*, const void*, const uint32_t*, cons
 
 template <int G, int NV, typename KT>
 static void group_any(const float* const* qs, const void* k, const uint32_t*, const int32_t*, const void* v,
-                      int64_t D, const int32_t* idx, int64_t m, float scale, float* sc, uint32_t* pp,
+                      int64_t D, const int32_t* idx, int64_t m, float scale, float* sc, uint32_t*,
                       float* const* outs) {
-    attend_group<G, NV, KT>(qs, (const KT*)k, (const KT*)v, D, idx, m, scale, sc, pp, outs);
+    attend_group<G, NV, KT>(qs, (const KT*)k, (const KT*)v, D, idx, m, scale, sc, outs);
 }
 
 #if defined(SPECSCOPE_DPBF16)
@@ -674,6 +668,17 @@ static void group_dp(const float* const* qs, const void*, const uint32_t* kt, co
     attend_group_dp<G, ND>(qs, kt, pos, (const uint16_t*)v, D, idx, m, scale, sc, pp, outs);
 }
 #endif
+
+// 32-value chunks of a head when its attention runs on vdpbf16ps (a bf16 cache, head_dim 64 or 128, a build with
+// it), else 0
+static int64_t dp_chunks(int64_t D, int64_t kv_fmt) {
+#if defined(SPECSCOPE_DPBF16)
+    return kv_fmt && (D == 64 || D == 128) ? D / 32 : 0;
+#else
+    (void)D, (void)kv_fmt;
+    return 0;
+#endif
+}
 
 // the group kernel for (head_dim, cache format), indexed by heads per pass (1..4)
 static const group_fn* group_fns(int64_t D, int64_t kv_fmt) {
@@ -686,7 +691,7 @@ static const group_fn* group_fns(int64_t D, int64_t kv_fmt) {
 #define GROUPS(ND) {nullptr, group_dp<1, ND>, group_dp<2, ND>, group_dp<3, ND>, group_dp<4, ND>}
     static const group_fn dp2[5] = GROUPS(2), dp4[5] = GROUPS(4);
 #undef GROUPS
-    if (kv_fmt) return D == 64 ? dp2 : D == 128 ? dp4 : any_d16;
+    if (dp_chunks(D, kv_fmt)) return D == 64 ? dp2 : dp4;
 #endif
     if (kv_fmt) return D == 64 ? d64_16 : D == 128 ? d128_16 : any_d16;
     return D == 64 ? d64 : D == 128 ? d128 : any_d;
@@ -740,11 +745,7 @@ int rows_attention(const float* q, int64_t q_row, int64_t T, int64_t Hq, int64_t
         }
         ms[t] = m;
     }
-#if defined(SPECSCOPE_DPBF16)
-    const int64_t ND = kv_fmt && (D == 64 || D == 128) ? D / 32 : 0;   // the vdpbf16ps path (group_fns agrees)
-#else
-    const int64_t ND = 0;
-#endif
+    const int64_t ND = dp_chunks(D, kv_fmt);
     // the vdpbf16ps path's key blocks: every block that holds a slot some row sees, numbered as met
     static thread_local std::vector<int32_t> pos_all;
     static thread_local std::vector<uint32_t> kt_all;
@@ -775,7 +776,7 @@ int rows_attention(const float* q, int64_t q_row, int64_t T, int64_t Hq, int64_t
         static thread_local std::vector<float> sc_buf;
         static thread_local std::vector<uint32_t> pp_buf;
         if (sc_buf.size() < (size_t)gb * need) sc_buf.resize((size_t)gb * need);
-        if (kv_fmt && pp_buf.size() < (size_t)gb * (need / 2 + 16)) pp_buf.resize((size_t)gb * (need / 2 + 16));
+        if (ND && pp_buf.size() < (size_t)gb * (need / 2 + 16)) pp_buf.resize((size_t)gb * (need / 2 + 16));
         float* sc = sc_buf.data();
         uint32_t* pp = pp_buf.data();
 #if defined(SPECSCOPE_DPBF16)

@@ -769,3 +769,43 @@ def test_a_client_that_leaves_frees_its_slot(model_dir, monkeypatch):
     assert b_was_running, "the queued request only ran once the other long stream had finished"
     assert scrape.total("specscope:request_failed_total", reason="cancelled") == 2
     assert scrape.total("specscope:request_success_total") == 1
+
+
+
+def _eos_first(engine, prompts):
+    """The first of `prompts` (token-id lists) whose greedy first token is EOS, or None."""
+    from specscope.generate import generate
+    from specscope.runtime.sampling import SamplingParams
+
+    eos = engine.tokenizer.eos_ids
+    return next((ids for ids in prompts if generate(engine.model, ids, 1, SamplingParams(), ()).token_ids[0] in eos),
+                None)
+
+
+def test_a_stream_sends_a_chunk_for_every_token_even_one_of_empty_text(engine):
+    """With ignore_eos, a first token that is EOS decodes to no text; vLLM still sends a chunk for it (a client's
+    TTFT is then the server's), and so must we: one chunk per generated token, for completions and for chat."""
+    from specscope.server.app import create_app
+
+    # the tiny random model answers some two-token prompts (and some chats) with EOS first; find one of each
+    ids = _eos_first(engine, ([a, b] for a in range(3, 101) for b in range(3, 101)))
+    words = engine.tokenizer.decode(list(range(7, 101))).split()
+    # of the 8100 two-word chats, 3 start with EOS: a search that starts from their first words stays short
+    chats = ([{"role": "user", "content": f"{a} {b}"}] for a in ("brown", "w9") for b in words)
+    with_ids = ((m, engine.tokenizer.encode_messages(m)) for m in chats)
+    chat = next((m for m, m_ids in with_ids if _eos_first(engine, [m_ids])), None)
+    assert ids is not None and chat is not None
+    n = 4
+    common = {"max_tokens": n, "temperature": 0, "ignore_eos": True, "stream": True}
+    with TestClient(create_app(engine)) as c:
+        for path, body, text_of in (
+                ("/v1/completions", {"prompt": ids}, lambda ch: ch["text"]),
+                ("/v1/chat/completions", {"messages": chat}, lambda ch: ch["delta"].get("content"))):
+            with c.stream("POST", path, json={**body, **common}) as r:
+                assert r.status_code == 200
+                events = _sse(r.iter_lines())
+            tokens = [e["choices"][0] for e in events[:-1] if e["choices"][0]["finish_reason"] is None]
+            assert len(tokens) == n, (path, events)
+            assert text_of(tokens[0]) == "", (path, tokens[0])      # the EOS: a chunk with empty text
+            if path.endswith("chat/completions"):
+                assert tokens[0]["delta"]["role"] == "assistant"

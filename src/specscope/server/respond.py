@@ -141,7 +141,9 @@ class Answer:
         if echo:
             text = self.prompt_text + (text or "")
         has_lp = p.logprobs is not None and (tids or echo)
-        if finish is None and not (text or (p.return_token_ids and tids) or has_lp):
+        # every generated token gets its chunk, empty text too (an EOS under ignore_eos, a token the decoder or a
+        # stop string holds back), as vLLM sends it: a client times its first token when the server made it
+        if finish is None and not (text or tids or has_lp):
             return None
         lp = self._logprobs(i, tids, recs, echo, s.chars) if has_lp else None
         if text is None and p.kind == "completion":

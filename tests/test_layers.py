@@ -10,7 +10,8 @@ ROOT = Path(__file__).resolve().parent.parent / "src" / "specscope"
 # lowest first; a module may import its own layer and the layers below it. Names are top-level packages or
 # modules of specscope ("specscope" itself: the package's __init__, i.e. __version__).
 LAYERS = [
-    ("base", {"specscope", "errors", "jsonio", "fileio", "prompts", "cachedir", "progress", "serverproc"}),
+    ("base", {"specscope", "errors", "jsonio", "fileio", "prompts", "cachedir", "progress", "serverproc",
+              "watchdog"}),
     ("runtime", {"runtime"}),                                # KV cache, sampling (+ params), tokenizer
     ("models", {"models"}),                                  # configs, the forward, loaders, CPU kernels
     ("decoding", {"generate", "speculative", "engine", "profile"}),   # decoding loops (engine: batched), profiler

@@ -58,7 +58,7 @@ class VLLMServer:
         try:
             self.server.__enter__()         # started, healthy, or stopped again with its whole group
         except ServerFailed as e:
-            raise SpecscopeError(f"vLLM: {e} ({self.log_path}):\n{self.log_tail()}") from None
+            raise SpecscopeError(f"vLLM: {e}") from None       # its root-cause line and the log's path
         return self
 
     def stop(self, timeout: float = 30.0) -> None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import re
 import shlex
 import sys
 import time
@@ -27,7 +26,7 @@ from pathlib import Path
 import httpx
 
 from specscope.errors import SpecscopeError
-from specscope.serverproc import ServerFailed, ServerProcess, free_port
+from specscope.serverproc import ServerFailed, ServerProcess, free_port, log_cause
 from specscope.train.capture_files import ENV_DIR, TENSORS, XARG_KEY, XARG_LAYERS
 
 # flags specscope sets itself on the server it starts: the user's copy would fight them
@@ -43,7 +42,6 @@ class CaptureFailed(SpecscopeError):
     exit_code = 1
 
 
-ERROR_LINE = re.compile(r"\b\w*(Error|Exception)\b[:,]|\berror[:,]", re.IGNORECASE)
 FILE_WAIT_S = 60.0          # after the response: the file is written before it, except across TP ranks' timing
 
 
@@ -124,16 +122,9 @@ class VLLMLaunch:
         return self.server.alive()
 
     def failure(self) -> str:
-        """The line of vLLM's log that says why it stopped: its last error line (an exception, argparse's
-        `error:`, pydantic's `Value error,`), else its last line."""
-        try:
-            lines = [ln.strip() for ln in self.log.read_text(errors="replace").splitlines() if ln.strip()]
-        except OSError:
-            return "(no log)"
-        errs = [ln for ln in lines if ERROR_LINE.search(ln) and " WARNING " not in ln
-                and not ln.startswith("For further information")]
-        line = (errs or lines or ["(empty log)"])[-1].split(" [type=", 1)[0]
-        return line if len(line) <= 300 else line[:297] + "..."
+        """The line of vLLM's log that says why it stopped: its root-cause error line (an exception, argparse's
+        `error:`, pydantic's `Value error,`; not the wrappers that point to it), else its last line."""
+        return log_cause(self.log)
 
     def why(self) -> str:
         """Why the server ended: the signal that killed it (an OOM killer's SIGKILL), else its log's error line."""

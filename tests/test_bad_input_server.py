@@ -208,11 +208,13 @@ def test_breakeven_that_would_overflow_is_refused_and_json_is_strict(run_cli):
     json.loads(out, parse_constant=lambda c: pytest.fail(f"{c} in the JSON output"))
 
 
-def test_json_output_refuses_nan():
+def test_json_output_writes_non_finite_numbers_as_null(capsys):
     from specscope.cli.common import emit_json
 
-    with pytest.raises(ValueError):
-        emit_json({"x": math.nan})
+    emit_json({"x": math.nan, "y": [math.inf, -math.inf, 1.5]})     # strict JSON, never bare NaN (docs/cli.md)
+    out = capsys.readouterr().out
+    assert json.loads(out, parse_constant=lambda c: pytest.fail(f"{c} in the JSON output")) == \
+        {"x": None, "y": [None, None, 1.5]}
 
 
 def test_float_and_thread_flags_are_bounded_before_work(world, run_cli):

@@ -1,4 +1,5 @@
-"""Parsing JSON a user handed us (config files, datasets, prompt files) into one clear error.
+"""JSON in and out: parsing what a user handed us (config files, datasets, prompt files) into one clear error, and
+the one writer of the JSON we print (`--json`, `runs export`), which is strict JSON.
 
 `json.loads` raises three different things on hostile input: JSONDecodeError, UnicodeDecodeError on bytes, and
 RecursionError for deeply nested arrays (`[[[[...` 100,000 deep), which no `except ValueError` catches.
@@ -7,6 +8,7 @@ RecursionError for deeply nested arrays (`[[[[...` 100,000 deep), which no `exce
 from __future__ import annotations
 
 import json
+import math
 
 from specscope.errors import SpecscopeError
 
@@ -21,6 +23,26 @@ def loads(text: str | bytes, where: str):
         raise SpecscopeError(f"{where} is not UTF-8 text (byte at offset {e.start})") from None
     except RecursionError:
         raise SpecscopeError(f"{where} holds JSON nested too deeply to be a record") from None
+
+
+def dumps(obj, indent: int | None = 2) -> str:
+    """Strict JSON (RFC 8259) text of `obj`: NaN and ±Infinity, which only Python's parser reads, are written as
+    null (a value that was not measured, or not measurable); what json cannot encode is written as its str()."""
+    try:
+        return json.dumps(obj, indent=indent, default=str, allow_nan=False)
+    except ValueError:      # a non-finite float somewhere: only then pay for the walk
+        return json.dumps(_finite(obj), indent=indent, default=str, allow_nan=False)
+
+
+def _finite(obj):
+    """`obj` with every non-finite float (also as a key) replaced by None."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {_finite(k) if isinstance(k, float) else k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
 
 
 # HF / vLLM / SGLang / torch dtype spellings -> ours (fp32, bf16, fp16)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 
@@ -11,11 +10,12 @@ import click
 from specscope.errors import SpecscopeError
 from specscope.fileio import check_writable, decode_utf8, write_atomic  # noqa: F401  (the commands' file helpers)
 from specscope.jsonio import DTYPE_ALIASES   # HF / vLLM / SGLang dtype spellings -> ours
+from specscope.jsonio import dumps as json_dumps
 
 
 def emit_json(obj) -> None:
-    # NaN / Infinity are not JSON: a computation that yields one must give null or refuse its input instead
-    click.echo(json.dumps(obj, indent=2, default=str, allow_nan=False))
+    # strict JSON: a NaN or infinity (a stored record may hold one) is printed as null, never as bare NaN
+    click.echo(json_dumps(obj))
 
 
 def setup_runtime(threads: int | None, device: str | None):

@@ -51,13 +51,17 @@ def _fmt(v, nd=2):
 @db_option
 def list_cmd(kind, tag, name, model, limit, as_json, db):
     """Newest runs first."""
-    from specscope.registry.db import registry_path
+    from specscope.registry.db import damage_fix, registry_path
 
     if registry_path(db).exists():
         with _open(db) as reg:
             rows = reg.list_runs(kind=kind, tag=tag, name=name, model=model, limit=limit)
     else:
         rows = []           # nothing stored yet: an empty list, and no empty registry file left behind
+    for r in rows:          # listed and marked, so the good runs stay reachable and the bad one gets fixed
+        if r.get("damaged"):
+            click.echo(f"warning: run {r['id']} is damaged ({r['damaged']}); "
+                       f"{damage_fix(r['id'], registry_path(db))}", err=True)
     if as_json:
         emit_json(rows)
         return
@@ -70,8 +74,9 @@ def list_cmd(kind, tag, name, model, limit, as_json, db):
     for col in ("id", "created (UTC)", "kind", "name", "model", "tok/s", "τ", "tags"):
         t.add_column(col, justify="right" if col in ("tok/s", "τ") else "left")
     for r in rows:
-        model_name = (r["model"] or "-").rstrip("/").rsplit("/", 1)[-1]
-        t.add_row(r["id"], r["created_at"][:19].replace("T", " "), r["kind"], r["name"] or "-", model_name,
+        model_name = str(r["model"] or "-").rstrip("/").rsplit("/", 1)[-1]
+        name_cell = ("(damaged) " if r.get("damaged") else "") + str(r["name"] or "-")
+        t.add_row(r["id"], str(r["created_at"])[:19].replace("T", " "), str(r["kind"]), name_cell, model_name,
                   _fmt(r["tok_per_s"]), _fmt(r["accept_length"]), ",".join(r["tags"]))
     _console().print(t)
 
@@ -168,7 +173,9 @@ def export(run_ids, fmt, legacy_fmt, output, db):
         w.writerows(rows)
         text = buf.getvalue()
     else:
-        text = json.dumps(recs, indent=2, default=str) + "\n"
+        from specscope.jsonio import dumps
+
+        text = dumps(recs) + "\n"      # strict JSON: a NaN in a record is written as null
     if output:
         write_atomic(output, text)
         click.echo(f"wrote {len(recs)} run(s) to {output}", err=True)

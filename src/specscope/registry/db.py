@@ -6,12 +6,18 @@ can drop the last commits, never corrupt), and a busy timeout so several process
 
 Schema versions live in `PRAGMA user_version`; `MIGRATIONS[i]` takes a database from version i to i+1, each in its
 own transaction. A database newer than this code is refused rather than guessed at.
+
+Reading never trusts the file: an SQLite file without our tables is refused before anything is written to it (no
+journal switch, no migration, no table created), and every stored run is read back through one validating reader
+(`_record`): a row whose JSON columns or samples do not decode is a `DamagedRun` naming the run and the fix, and
+`list_runs` marks such rows instead of failing on them.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shlex
 import sqlite3
 import stat
 import time
@@ -21,6 +27,7 @@ from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 
+from specscope import jsonio
 from specscope.errors import SpecscopeError
 from specscope.fileio import check_writable
 
@@ -67,6 +74,22 @@ MIGRATIONS = [
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 
+# the columns each schema version's readers and writers use: a file lacking them is not (or no longer) a registry
+_V1_RUNS = {"id", "created_at", "kind", "name", "config", "env", "results", "extra"}
+SCHEMA_TABLES = {
+    1: {"runs": _V1_RUNS | {"samples"}, "tags": {"run_id", "tag"}},
+    2: {"runs": _V1_RUNS | {"model", "tok_per_s", "accept_length"}, "tags": {"run_id", "tag"},
+        "samples": {"run_id", "data"}},
+}
+JSON_COLUMNS = ("config", "env", "results", "extra")
+_RUN_ROW = "SELECT id, created_at, kind, name, config, env, results, extra FROM runs WHERE id = ?"
+# 1 where SQLite itself finds a row whole (text columns, JSON objects): list_runs parses only the others, in Python
+# (which also reads the NaN that json_valid refuses). CASE keeps json_valid from seeing a blob, which it rejects.
+_LOOKS_WHOLE = "(" + " AND ".join(
+    [f"typeof({c}) = 'text'" for c in ("created_at", "kind", "name")]
+    + [f"CASE WHEN typeof({c}) <> 'text' THEN 0 WHEN json_valid({c}) THEN json_type({c}) = 'object' ELSE 0 END"
+       for c in JSON_COLUMNS]) + ")"
+
 SQLITE_INT_MAX = 2**63 - 1
 
 
@@ -86,10 +109,75 @@ def _pack(samples: dict) -> bytes:
     return zlib.compress(_dumps(samples).encode(), 6)
 
 
+class DamagedRun(SpecscopeError):
+    """A stored run whose row does not read back (a column that is not JSON, samples that do not decompress)."""
+
+    def __init__(self, run_id: str, path: Path, reason: str):
+        self.run_id, self.reason = run_id, reason
+        super().__init__(f"run {run_id} in the registry {path} is damaged: {reason}; {damage_fix(run_id, path)}")
+
+
+def damage_fix(run_id: str, path: Path) -> str:
+    return (f"delete it with `specscope runs delete {run_id} --db {shlex.quote(str(path))}` or restore the registry "
+            f"from a backup")
+
+
+class _Damage(Exception):
+    """What is wrong with one row; the Registry turns it into a DamagedRun naming the run and the file."""
+
+
+def _json_column(value, what: str) -> dict:
+    if not isinstance(value, (str, bytes)):
+        raise _Damage(f"its {what} is stored as {type(value).__name__}, not JSON text")
+    try:
+        obj = jsonio.loads(value, f"its {what}")
+    except SpecscopeError as e:
+        raise _Damage(str(e)) from None
+    if not isinstance(obj, dict):
+        raise _Damage(f"its {what} is a JSON {type(obj).__name__}, not an object")
+    return obj
+
+
 def _unpack(blob) -> dict:
     if isinstance(blob, str):           # a v1 row carried over by the migration: plain JSON text
-        return json.loads(blob)
-    return json.loads(zlib.decompress(blob))
+        return _json_column(blob, "samples")
+    if not isinstance(blob, bytes):
+        raise _Damage(f"its samples are stored as {type(blob).__name__}, not compressed data")
+    try:
+        text = zlib.decompress(blob)
+    except zlib.error as e:
+        raise _Damage(f"its samples are not zlib-compressed data ({e})") from None
+    return _json_column(text, "samples")
+
+
+def _samples_start_damage(head) -> str | None:
+    """What is wrong with the first bytes of a samples value (`list_runs` does not decompress every run's
+    samples): they must start what `_pack` or a v1 row wrote, a JSON object, zlib-compressed or not."""
+    if head is None:        # no samples row: read as {}
+        return None
+    if isinstance(head, str):
+        return None if head.lstrip().startswith("{") else "its samples are not a JSON object"
+    try:
+        start = zlib.decompressobj().decompress(head, 16) if isinstance(head, bytes) else b""
+    except zlib.error:
+        return "its samples are not zlib-compressed data"
+    return None if start.lstrip().startswith(b"{") else "its samples do not decompress to a JSON object"
+
+
+def _record(row, tags: list[str], samples_blob=None, samples: bool = False) -> dict:
+    """A run record from its `runs` row (id, created_at, kind, name, config, env, results, extra): the one reader
+    of stored rows. Raises _Damage."""
+    for what, v in zip(("created_at", "kind", "name"), row[1:4]):
+        if not isinstance(v, str):
+            raise _Damage(f"its {what} is stored as {type(v).__name__}, not text")
+    cols = {c: _json_column(v, f"{c} column") for c, v in zip(JSON_COLUMNS, row[4:8])}
+    rec = {"id": row[0], "created_at": row[1], "kind": row[2], "name": row[3], "tags": tags,
+           "config": cols["config"], "env": cols["env"], "results": cols["results"]}
+    if samples:
+        rec["samples"] = {} if samples_blob is None else _unpack(samples_blob)
+    for k, v in cols["extra"].items():
+        rec.setdefault(k, v)
+    return rec
 
 
 def normalize_record(record: dict) -> dict:
@@ -146,10 +234,7 @@ class Registry:
                                  f"set --db or SPECSCOPE_DB to a writable path") from None
         try:
             self._conn.execute(f"PRAGMA busy_timeout = {int(timeout * 1000)}")
-            if not create and self.schema_version() == 0:   # another program's SQLite file: a reader changes nothing
-                self._conn.close()
-                raise SpecscopeError(f"{self.path} is an SQLite file but not a specscope registry (no runs); point "
-                                     f"--db / SPECSCOPE_DB at a registry")
+            self._check_schema(create)      # before the first write: another program's file stays as it was
             # switching a new file to WAL can answer SQLITE_BUSY at once, without waiting on the busy handler,
             # while another process is creating or switching the same file: retry until the timeout instead
             _retry_locked(lambda: self._conn.execute("PRAGMA journal_mode = WAL"), timeout)
@@ -160,6 +245,36 @@ class Registry:
             self._conn.close()
             raise SpecscopeError(f"{self.path} is not a usable specscope registry ({e}); "
                                  f"point --db / SPECSCOPE_DB elsewhere") from None
+        except SpecscopeError:
+            self._conn.close()
+            raise
+
+    def _check_schema(self, create: bool) -> None:
+        """Refuse, before anything is written, a file that is not a registry at a version we know: another
+        program's database (or an empty one, to a reader), a registry that lost a table, one newer than us."""
+        self._conn.execute("BEGIN")      # one snapshot: another process may be creating this registry right now
+        try:
+            v = self.schema_version()
+            tables = {name: {c[1] for c in self._conn.execute(f"PRAGMA table_info({json.dumps(name)})")}
+                      for (name,) in self._conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        finally:
+            if self._conn.in_transaction:
+                self._conn.execute("ROLLBACK")
+        if v == 0 and not tables and create:
+            return          # a new database: the migrations make it a registry
+        if v > SCHEMA_VERSION:
+            raise SpecscopeError(f"the registry {self.path} has schema version {v}, newer than this specscope "
+                                 f"understands ({SCHEMA_VERSION}); upgrade specscope, or point --db / SPECSCOPE_DB "
+                                 f"at a specscope registry if this is another program's database")
+        if v == 0:
+            missing = ["a specscope schema version" if "runs" in tables else "a runs table"]
+        else:
+            missing = [f"a {t} table" if t not in tables else f"the {t} columns {', '.join(sorted(cols - tables[t]))}"
+                       for t, cols in SCHEMA_TABLES[v].items() if t not in tables or cols - tables[t]]
+        if missing:
+            raise SpecscopeError(f"{self.path} is an SQLite file but not a specscope run registry (it lacks "
+                                 f"{'; '.join(missing)}); point --db / SPECSCOPE_DB at a registry, or restore this "
+                                 f"one from a backup")
 
     # ---- plumbing -------------------------------------------------------------------------------------------
     def close(self):
@@ -197,9 +312,6 @@ class Registry:
         while True:
             with self._write() as c:
                 v = c.execute("PRAGMA user_version").fetchone()[0]
-                if v > SCHEMA_VERSION:
-                    raise SpecscopeError(f"the registry {self.path} has schema version {v}, newer than this "
-                                         f"specscope understands ({SCHEMA_VERSION}); upgrade specscope")
                 if v >= target:
                     return
                 for stmt in MIGRATIONS[v].split(";"):
@@ -254,7 +366,10 @@ class Registry:
     # ---- reads ----------------------------------------------------------------------------------------------
     def resolve(self, ref: str) -> str:
         """A run id from an id, a unique id prefix (4+ characters), `last` or `last~N` (N runs before the last)."""
-        ref = str(ref).strip()
+        with self._reading():
+            return self._resolve(str(ref).strip())
+
+    def _resolve(self, ref: str) -> str:
         if ref == "last" or ref.startswith("last~"):
             n = ref[5:] or "0"
             if not n.isdigit():
@@ -276,24 +391,27 @@ class Registry:
 
     def get_run(self, run_id: str, samples: bool = True) -> dict:
         rid = self.resolve(run_id)
-        row = self._conn.execute("SELECT id, created_at, kind, name, config, env, results, extra FROM runs "
-                                 "WHERE id = ?", (rid,)).fetchone()
-        rec = {"id": row[0], "created_at": row[1], "kind": row[2], "name": row[3],
-               "tags": self._tags(rid), "config": json.loads(row[4]), "env": json.loads(row[5]),
-               "results": json.loads(row[6])}
-        if samples:
-            s = self._conn.execute("SELECT data FROM samples WHERE run_id = ?", (rid,)).fetchone()
-            rec["samples"] = _unpack(s[0]) if s else {}
-        for k, v in json.loads(row[7]).items():
-            rec.setdefault(k, v)
-        return rec
+        with self._reading():
+            row = self._conn.execute(_RUN_ROW, (rid,)).fetchone()
+            if row is None:     # deleted by another process since resolve()
+                raise SpecscopeError(f"no run {run_id!r} in {self.path}; see `specscope runs list`")
+            tags = self._tags(rid)
+            blob = None
+            if samples:
+                s = self._conn.execute("SELECT data FROM samples WHERE run_id = ?", (rid,)).fetchone()
+                blob = s[0] if s else None
+        try:
+            return _record(row, tags, blob, samples)
+        except _Damage as e:
+            raise DamagedRun(rid, self.path, str(e)) from None
 
     def _tags(self, rid: str) -> list[str]:
         return [r[0] for r in self._conn.execute("SELECT tag FROM tags WHERE run_id = ? ORDER BY tag", (rid,))]
 
     def list_runs(self, kind: str | None = None, tag: str | None = None, name: str | None = None,
                   model: str | None = None, limit: int | None = None) -> list[dict]:
-        """Newest first: {id, created_at, kind, name, tags, model, tok_per_s, accept_length}."""
+        """Newest first: {id, created_at, kind, name, tags, model, tok_per_s, accept_length}, and `damaged` (what
+        is wrong) on a run `get_run` would refuse: its columns are checked, its samples only by their first bytes."""
         where, args = [], []
         if kind:
             where.append("kind = ?")
@@ -308,22 +426,45 @@ class Registry:
             where.append("id IN (SELECT run_id FROM tags WHERE tag = ?)")
             args.append(tag)
         sql = ("SELECT id, created_at, kind, name, model, tok_per_s, accept_length, "
-               "(SELECT group_concat(tag, char(10)) FROM (SELECT tag FROM tags WHERE run_id = runs.id ORDER BY tag)) "
-               "FROM runs")
+               "(SELECT group_concat(tag, char(10)) FROM (SELECT tag FROM tags WHERE run_id = runs.id ORDER BY tag)), "
+               f"{_LOOKS_WHOLE}, (SELECT substr(data, 1, 64) FROM samples WHERE run_id = runs.id) FROM runs")
         if where:
             sql += " WHERE " + " AND ".join(where)
         sql += " ORDER BY created_at DESC, rowid DESC"
         if limit:
             sql += f" LIMIT {min(int(limit), SQLITE_INT_MAX)}"  # SQLite integers are signed 64-bit
         out = []
-        for r in self._conn.execute(sql, args).fetchall():
-            out.append({"id": r[0], "created_at": r[1], "kind": r[2], "name": r[3],
+        with self._reading():
+            for r in self._conn.execute(sql, args).fetchall():
+                item = {"id": r[0], "created_at": r[1], "kind": r[2], "name": r[3],
                         "tags": r[7].split("\n") if r[7] else [],
-                        "model": r[4], "tok_per_s": r[5], "accept_length": r[6]})
+                        "model": r[4], "tok_per_s": r[5], "accept_length": r[6]}
+                damage = None if r[8] else self._damage(r[0])   # SQL vouched for the common row; Python decides
+                damage = damage or _samples_start_damage(r[9])
+                if damage:
+                    item["damaged"] = damage
+                out.append(item)
         return out
 
+    def _damage(self, rid: str) -> str | None:
+        try:
+            _record(self._conn.execute(_RUN_ROW, (rid,)).fetchone(), [])
+        except _Damage as e:
+            return str(e)
+        return None
+
+    @contextmanager
+    def _reading(self):
+        """SQLite's read errors (a page that does not decode, a table gone) as one line naming the file."""
+        try:
+            yield
+        except sqlite3.DatabaseError as e:
+            raise SpecscopeError(f"cannot read the run registry {self.path} ({e}); restore it from a backup, or "
+                                 f"point --db / SPECSCOPE_DB at another registry") from None
+
     def count(self) -> int:
-        return self._conn.execute("SELECT COUNT(*) FROM runs").fetchone()[0]
+        with self._reading():
+            return self._conn.execute("SELECT COUNT(*) FROM runs").fetchone()[0]
 
     def journal_mode(self) -> str:
         return self._conn.execute("PRAGMA journal_mode").fetchone()[0]

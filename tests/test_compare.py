@@ -262,7 +262,7 @@ def test_attribution_reads_as_numbers_and_says_what_over_100_percent_means():
     b = synth(41, scale={"verify": 1.5, "draft": 0.2})
     att = compare_runs([a, b])["attribution"][0]
     assert att["explains"] == "verify"
-    m = re.search(r"verify accounts for (\S+) of the (\S+) ms/token change \((\d+)%; over 100% because other "
+    m = re.search(r"verify accounts for (\S+) ms/token of the (\S+) ms/token change \((\d+)%; over 100% because other "
                   r"changes went the other way\)", att["summary"])
     assert m, att["summary"]
     assert int(m.group(3)) > 100
@@ -338,3 +338,91 @@ def test_rows_one_run_has_say_which_and_are_grouped(tmp_path, capsys):
     assert only[0].startswith(f"only in {ids[1]}") and "acceptance @1" in only[0] and "Draft ms/cyc" in only[0]
     assert only[1].startswith(f"only in {ids[0]}") and "Target decode ms/cyc" in only[1]
     assert out.count("only in ") == 2                    # the table itself carries no such rows
+
+
+# ------------------------------------------------------------------ labels derived from the numbers they label
+
+def _served_pair_stored():
+    from served_runs import priced_and_always
+
+    priced, always = priced_and_always()
+    with open_registry() as reg:
+        return priced, always, [reg.add_run(priced), reg.add_run(always)]
+
+
+def _line(out: str, label: str) -> str:
+    return next(line for line in out.splitlines() if line.strip().startswith(label))
+
+
+def test_a_change_from_a_base_below_the_noise_floor_reads_from_zero(capsys):
+    """A served run whose policy drafted in 4 of 501 steps has a draft phase of 0.009 ms per step: against 14.02 ms
+    that is no percentage (+155678 %) but a change from ~0, in the rows, the table and the sentences."""
+    from cli_util import cli
+
+    priced, always, ids = _served_pair_stored()
+    cmp = compare_runs([priced, always])
+    draft = rows_by(cmp)["phase.draft"]
+    assert draft["changes"][1]["change"] is None and draft["changes"][1]["from_zero"]
+    assert draft["verdicts"][1] == "from ~0" and draft["changes"][1]["delta"] == pytest.approx(14.011)
+    assert rows_by(cmp)["phase.verify"]["changes"][1]["change"] == pytest.approx(58.0 / 71.5 - 1, abs=1e-4)
+    code, out, err = cli(capsys, "compare", *ids)
+    assert code == 0, err
+    line = _line(out, "Draft ms/cyc")
+    assert "from ~0" in line and "%" not in line, line
+    # the judged-or-not sentence names it as a move from ~0 with its unit, never as a percentage of ~0
+    summary = cmp["attribution"][0]["summary"]
+    assert "Draft ms/cyc from ~0 to 14.0 ms" in summary and "Accept" not in summary, summary
+
+
+def test_served_runs_ms_per_token_and_cycle_are_measured(capsys):
+    """A served run's engine steps give its ms/cycle and ms/token (the step's phases over the tokens a step
+    yields): compare shows them, as the report's chart does, instead of "in neither run"."""
+    from cli_util import cli
+
+    priced, always, ids = _served_pair_stored()
+    rows = rows_by(compare_runs([priced, always]))
+    assert rows["cycle_ms"]["values"] == [pytest.approx(73.159), pytest.approx(73.67)]
+    tokens = 1 + (priced["results"]["accept_length"] - 1) * priced["results"]["drafted_step_share"]
+    assert rows["ms_per_token"]["values"][0] == pytest.approx(73.159 / tokens, rel=1e-4)
+    from specscope.registry.rows import decode_ms_per_token     # the report's runs table and chart read it too
+
+    assert rows["ms_per_token"]["values"][0] == pytest.approx(decode_ms_per_token(priced), rel=1e-4)
+    code, out, err = cli(capsys, "compare", *ids)
+    assert code == 0, err
+    assert "neither" not in out and "not measured" not in out
+    assert "73.16" in _line(out, "ms/cycle") and "-41.0%" in _line(out, "ms/token")
+
+
+def test_no_interval_is_promised_where_there_is_none(capsys):
+    """Runs without per-cycle samples have no interval: the caption says changes are shown as measured, and
+    promises no level; with samples it gives the level."""
+    from cli_util import cli
+
+    _, _, ids = _served_pair_stored()
+    code, out, err = cli(capsys, "compare", *ids)
+    assert code == 0, err
+    assert "intervals at" not in out.lower() and "No intervals" in out
+    with open_registry() as reg:
+        ids = [reg.add_run(synth(70)), reg.add_run(synth(71))]
+    code, out, err = cli(capsys, "compare", *ids)
+    assert code == 0, err
+    assert re.search(r"Intervals at 9\d\.\d\d%", out), out
+
+
+def _without_phase_samples(rec):
+    return dict(rec, samples={k: v for k, v in rec["samples"].items() if k != "cycle_ms"})
+
+
+def test_cancelling_out_needs_moves_both_ways_and_every_amount_has_its_unit():
+    """ms/token unchanged: τ rose while the cycle grew by as much. With the phases judged too, τ and the phases
+    moved both ways and cancel out; with only τ judged, one move cancels nothing and is not said to."""
+    a = synth(80, tau_p=0.4)
+    grow = (1 + 4 * 0.6) / (1 + 4 * 0.4)
+    b = synth(81, tau_p=0.6, scale={p: grow for p in PHASES})
+    both = compare_runs([a, b])["attribution"][0]["summary"]
+    assert "ms/token: no significant change" in both, both
+    m = re.search(r"what moved, cancelling out: (.*)", both)
+    assert m and "acceptance (τ) -" in m.group(1) and re.search(r"verify \+[\d.]+ ms/token", m.group(1)), both
+    one = compare_runs([_without_phase_samples(a), _without_phase_samples(b)])["attribution"][0]["summary"]
+    assert "cancelling" not in one, one
+    assert re.search(r"what moved: acceptance \(τ\) -[\d.]+ ms/token", one), one

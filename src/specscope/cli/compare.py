@@ -73,10 +73,11 @@ def _print(res: dict) -> None:
 
     con = _console()
     ids = [r["id"] or f"#{i}" for i, r in enumerate(res["runs"])]
+    from specscope.registry.labels import change_label, has_intervals, intervals_note
+
     t = Table(box=None, header_style="bold",
-              caption=f"intervals at {res['confidence'] * 100:.2f}% (Bonferroni over rows), block bootstrap over "
-                      f"cycles; changes under {res['min_effect'] * 100:.0f}% are not called. They cover noise within "
-                      f"a run; drift between runs (load, heat) shows only across repeats (--by, matrix mode)",
+              caption=intervals_note(res) + (" The intervals cover noise within a run; drift between runs (load, heat) "
+                                             "shows only across repeats (--by, matrix mode)" if has_intervals(res) else ""),
               caption_justify="left")
     t.add_column("metric")
     t.add_column(f"{ids[0]} (ref)", justify="right")
@@ -90,11 +91,7 @@ def _print(res: dict) -> None:
     for row in rows:
         cells = [row["label"], _v(row["values"][0])]
         for i in range(1, len(ids)):
-            ch = row["changes"][i] or {}
-            d = ch.get("change")
-            delta = "-" if d is None else f"{d * 100:+.1f}%"
-            if ch.get("lo") is not None:
-                delta += f" [{ch['lo'] * 100:+.0f},{ch['hi'] * 100:+.0f}]"
+            delta = change_label(row["changes"][i], sep=",")
             verdict = row["verdicts"][i] or ""
             style = VERDICT_STYLE.get(verdict, "yellow")
             cells += [_v(row["values"][i]), delta, f"[{style}]{verdict}[/{style}]"]

@@ -22,6 +22,8 @@ import statistics
 from specscope.errors import SpecscopeError
 from specscope.registry import causes, stats
 from specscope.registry.fingerprint import VOLATILE, flatten, load_warning
+from specscope.registry.labels import BOTH_ZERO, FROM_ZERO, moved_words
+from specscope.registry.labels import ms_per_token as _ms_tok
 from specscope.registry.rows import metric_defs, same_prompts
 
 OOP_MIN_SHARE = 0.03       # phases below 3 % of a cycle are too small to call "out of proportion"
@@ -65,11 +67,19 @@ def compare_runs(runs: list[dict], alpha: float = 0.05, min_effect: float = 0.02
         ref_s = d["samples"](runs[0])
         values = [_value(d, r) for r in runs]
         row = {"metric": d["key"], "label": d["label"], "better": "higher" if d["higher"] else "lower",
-               "values": [_round(v) for v in values], "present": [_is_num(v) for v in values],
-               "changes": [None], "verdicts": [None]}
+               "unit": d["unit"], "values": [_round(v) for v in values], "present": [_is_num(v) for v in values],
+               "samples": [_n_samples(d, r) for r in runs], "changes": [None], "verdicts": [None]}
+        ref_zero = _is_num(values[0]) and abs(values[0]) < d["floor"](runs[0])
         for i, r in enumerate(runs[1:], 1):
             va, vb = values[0], values[i]
             s = d["samples"](r)
+            if ref_zero and _is_num(vb):
+                # a percentage of a base within noise of 0 is no finding (0.009 -> 14.02 ms is not +157377 %)
+                both = abs(vb) < d["floor"](r)
+                row["changes"].append({"change": None, "lo": None, "hi": None, "from_zero": True, "both_zero": both,
+                                       "delta": _round(vb - va, 5), "reason": "reference below the noise floor"})
+                row["verdicts"].append(BOTH_ZERO if both else FROM_ZERO)
+                continue
             if ref_s and s and d.get("paired") and same_prompts(runs[0], r):
                 ch = stats.paired_ratio_change(ref_s[0], s[0], level=level)
             elif ref_s and s:
@@ -106,6 +116,12 @@ def run_name(rec: dict, i: int) -> str:
     return rec.get("id") or f"#{i}"
 
 
+def _n_samples(d: dict, rec: dict) -> int | None:
+    """How many samples (cycles, prompts) a row's value rests on in this run; None for a point value."""
+    s = d["samples"](rec)
+    return len(s[0]) if s else None
+
+
 def _is_num(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
@@ -117,10 +133,11 @@ def _missing(in_ref: bool, in_run: bool, ref: str, run: str) -> str:
         return "n/a (zero reference)"
     if in_ref or in_run:
         return f"only in {ref if in_ref else run}"
-    return "n/a (in neither run)"
+    return NOT_MEASURED
 
 
 ONLY_IN = "only in "
+NOT_MEASURED = "not measured in either run"
 
 
 def one_sided(rows: list[dict]) -> tuple[list[dict], dict[str, list[str]]]:
@@ -206,7 +223,8 @@ def _attribute(a: dict, b: dict, rows: list[dict], i: int) -> dict:
     oop = _out_of_proportion(rows, i, a, b)
     out["out_of_proportion"] = oop
     judged = [r["label"] for r in rows if r["verdicts"][i] in JUDGED]
-    unjudged = [r for r in rows if r["verdicts"][i] not in JUDGED and (r["changes"][i] or {}).get("change") is not None]
+    unjudged = [r for r in rows if r["verdicts"][i] not in JUDGED and ((r["changes"][i] or {}).get("change") is not None
+                                                                      or r["verdicts"][i] == FROM_ZERO)]
     out["judged"] = judged
     out["not_judged"] = [r["label"] for r in unjudged]
     out["judgeable"] = True
@@ -254,12 +272,12 @@ def _no_change_summary(out: dict, judged: list[str], unjudged: list[dict], i: in
     out["explains"] = None
     if judged:
         out["summary"] = "no significant change in any metric" if not unjudged else (
-            f"no significant change in {', '.join(judged)}; not judged (no per-cycle samples): "
-            + ", ".join(r["label"] for r in unjudged))
+            f"no significant change in {', '.join(judged)}; {_not_judged(unjudged, i)}")
         return
     # point values without samples: a difference cannot be told from noise, and "no change" would be a claim
     out["judgeable"] = False
-    moved = ", ".join(f"{r['label']} {r['changes'][i]['change'] * 100:+.1f}%" for r in unjudged[:4])
+    zero = [r for r in unjudged if r["verdicts"][i] == FROM_ZERO]      # few, and the largest moves: all named
+    moved = ", ".join(moved_words(r, i) for r in [r for r in unjudged if r not in zero][:4] + zero)
     out["summary"] = ("cannot be judged from these data: no metric has per-cycle samples, so the noise of "
                       + (f"the differences ({moved}) " if moved else "these values ") + "is unknown")
     out["how_to_judge"] = HOW_TO_JUDGE
@@ -287,10 +305,12 @@ def _change_summary(out: dict, contributions: list[dict], by: dict, i: int, unju
             c["share"] = None
         out["explains"] = None
         moved = [c for c in contributions if _changed(_row_verdict(by, c["phase"], i))]
-        msg = f"ms/token: no significant change ({_ms(total)} ms/token, within noise), so it is not split"
+        msg = f"ms/token: no significant change ({_ms_tok(total)}, within noise), so it is not split"
         if moved:
-            msg += "; what moved, cancelling out: " + ", ".join(f"{c['phase']} {_ms(c['delta_ms_per_token'])}"
-                                                                for c in moved)
+            # "cancelling out" needs moves both ways; one move alone is said as what it is
+            both_ways = len({c["delta_ms_per_token"] > 0 for c in moved if c["delta_ms_per_token"]}) == 2
+            msg += ("; what moved, cancelling out: " if both_ways else "; what moved: ") + ", ".join(
+                f"{c['phase']} {_ms_tok(c['delta_ms_per_token'])}" for c in moved)
         parts.append(msg)
     else:
         # the phase that moved most in the direction of the total change; opposite moves are named as offsets
@@ -298,7 +318,7 @@ def _change_summary(out: dict, contributions: list[dict], by: dict, i: int, unju
         lead = same[0] if same else None
         out["explains"] = lead["phase"] if lead else None
         if lead and lead["share"] is not None:
-            msg = (f"{lead['phase']} accounts for {_ms(lead['delta_ms_per_token'])} of the {_ms(total)} ms/token "
+            msg = (f"{lead['phase']} accounts for {_ms_tok(lead['delta_ms_per_token'])} of the {_ms_tok(total)} "
                    f"change ({lead['share'] * 100:.0f}%")
             offsets = [c for c in contributions if c["delta_ms_per_token"] * total < 0
                        and abs(c["delta_ms_per_token"]) > 0.25 * abs(total)]
@@ -307,13 +327,23 @@ def _change_summary(out: dict, contributions: list[dict], by: dict, i: int, unju
                 msg += "; over 100% because other changes went the other way"
             msg += ")"
             if offsets:
-                msg += ", offset by " + ", ".join(f"{c['phase']} {_ms(c['delta_ms_per_token'])}" for c in offsets)
+                msg += ", offset by " + ", ".join(f"{c['phase']} {_ms_tok(c['delta_ms_per_token'])}" for c in offsets)
             parts.append(msg)
     if oop:
         parts.append(oop["message"])
     if unjudged:
-        parts.append("not judged (no per-cycle samples): " + ", ".join(r["label"] for r in unjudged))
+        parts.append(_not_judged(unjudged, i))
     return "; ".join(parts)
+
+
+def _not_judged(unjudged: list[dict], i: int) -> str:
+    """The rows shown as measured and not called, and why: no per-cycle samples, or a reference of ~0."""
+    zero = [r for r in unjudged if (r["changes"][i] or {}).get("from_zero")]
+    plain = [r for r in unjudged if r not in zero]
+    out = ["not judged (no per-cycle samples): " + ", ".join(r["label"] for r in plain)] if plain else []
+    if zero:
+        out.append("not judged (reference ~0): " + ", ".join(moved_words(r, i) for r in zero))
+    return "; ".join(out)
 
 
 def _row_verdict(by: dict, phase: str, i: int) -> str | None:
@@ -418,8 +448,3 @@ def matrix(runs: list[dict], keys: list[str], metric: str = "tok_per_s") -> dict
         grid.append(line)
     return {"by": keys, "metric": metric, "rows": rows, "cols": cols, "cells": grid}
 
-
-def _ms(x: float) -> str:
-    """A ms/token change with three significant digits or so: +894 / +12.3 / +0.412."""
-    a = abs(x)
-    return f"{x:+.0f}" if a >= 100 else f"{x:+.1f}" if a >= 10 else f"{x:+.2f}" if a >= 1 else f"{x:+.3f}"

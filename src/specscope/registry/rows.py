@@ -4,7 +4,15 @@ of them, from which compare draws its intervals."""
 
 from __future__ import annotations
 
+import math
+
 from specscope.profile.cycle import PHASE_LABELS, TOP_PHASES
+
+# Below its noise floor a base is ~0: a change from it is said "from ~0", never a percentage of it (0.009 ->
+# 14.02 ms is not +157377 %). A phase's floor is a share of the run's cycle (0.2 %: the cycle's own noise hides it);
+# other metrics' floors are absolute, per unit.
+PHASE_FLOOR_SHARE = 0.002
+FLOORS = {"ms": 1e-3, "tok/s": 1e-3, "tokens": 0.0, "share": 0.01}
 
 
 # ---- per-run numbers ----------------------------------------------------------------------------------------
@@ -45,6 +53,72 @@ def _res(rec, *path):
     return v
 
 
+def _num(v) -> float | None:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else None
+
+
+# ---- the measured numbers every table, chart and sentence reads (one source each) --------------------------
+def phase_total_ms(rec: dict) -> float | None:
+    """The top-level phases' mean ms per cycle (a served run's: per engine step), added up; None without phases."""
+    vals = [_num((v or {}).get("mean_ms")) for k, v in (_res(rec, "phases") or {}).items()
+            if "." not in k and isinstance(v, dict)]
+    vals = [v for v in vals if v is not None]
+    return sum(vals) if vals else None
+
+
+def tokens_per_cycle(rec: dict) -> float:
+    """Tokens a sequence gains per cycle: τ, and on a server whose policy drafted only in a share of its steps,
+    1 + (τ − 1) × that share (a plain step yields one token)."""
+    tau = _num(_res(rec, "accept_length"))
+    tau = tau if tau is not None and tau >= 1 else 1.0
+    share = _num(_res(rec, "drafted_step_share"))
+    return 1 + (tau - 1) * share if share is not None and 0 <= share <= 1 else tau
+
+
+def decode_ms_per_token(rec: dict) -> float | None:
+    """ms per generated token while decoding (prefill left out): the run's own figure, else its phases' total
+    over the tokens a cycle yields (a served run's engine steps). The runs table's ms/token and decode tok/s,
+    compare's ms/token row and the report's per-token bars all read this."""
+    v = _num(_res(rec, "decode_ms_per_token"))
+    if v is not None and v > 0:
+        return v
+    total = phase_total_ms(rec)
+    return total / tokens_per_cycle(rec) if total else None
+
+
+def cycle_mean_ms(rec: dict) -> float | None:
+    """Mean ms per cycle: the profiler's, else the phases' total (a served run: per engine step)."""
+    v = _num(_res(rec, "cycle_ms", "mean_ms"))
+    return v if v is not None else phase_total_ms(rec)
+
+
+def end_to_end_tok_per_s(rec: dict) -> float | None:
+    """Tokens per second with prefill and everything around decoding: e2e_tok_per_s where a producer stored it;
+    else the stored tok/s unless it is the decode-only figure (a profile's, equal to decode_tok_per_s). A served
+    or ingested run's is the server's output throughput over all requests."""
+    v = _num(_res(rec, "e2e_tok_per_s"))
+    if v is not None:
+        return v
+    t, d = _num(_res(rec, "tok_per_s")), _num(_res(rec, "decode_tok_per_s"))
+    if t is None or (d is not None and abs(t - d) <= 1e-9 * max(abs(t), 1.0)):
+        return None
+    return t
+
+
+def cycles_measured(rec: dict) -> int | None:
+    """How many cycles (verify forwards per sequence) τ and the phase means rest on: the per-cycle samples, the
+    profile's count, else a served run's verify count from the server's counters."""
+    acc = (rec.get("samples") or {}).get("accept_lengths")
+    if acc:
+        return len(acc)
+    n = _num(_res(rec, "cycles"))
+    if n is None:
+        levels = _res(rec, "levels") or [{}]
+        sm = (levels[0] if isinstance(levels[0], dict) else {}).get("server_metrics") or {}
+        n = _num(sm.get("num_drafts"))
+    return int(n) if n is not None else None
+
+
 # ---- rows ---------------------------------------------------------------------------------------------------
 # samples(rec) -> (num, den) | None: a row's value is sum(num) / sum(den), its interval a ratio of the two
 def _tok_s_samples(rec):
@@ -73,18 +147,34 @@ def _cycle_samples(rec):
 
 
 def metric_defs(runs: list[dict]) -> list[dict]:
-    """Rows to show: (key, label, higher_is_better, value(rec), samples(rec) -> (num, den) | None)."""
-    defs = _speed_defs(runs)
+    """Rows to show: (key, label, higher_is_better, value(rec), samples(rec) -> (num, den) | None, unit,
+    floor(rec): the value below which the run's figure is ~0)."""
+    defs = _failure_defs(runs) + _speed_defs(runs)
     defs += [
-        dict(key="ms_per_token", label="ms/token", higher=False, value=lambda r: _res(r, "decode_ms_per_token"),
-             samples=_ms_tok_samples),
+        dict(key="ms_per_token", label="ms/token", higher=False, value=decode_ms_per_token,
+             samples=_ms_tok_samples, unit="ms"),
     ]
     defs += _acceptance_defs(runs)
-    defs.append(dict(key="cycle_ms", label="ms/cycle", higher=False, value=lambda r: _res(r, "cycle_ms", "mean_ms"),
-                     samples=_cycle_samples))
+    defs.append(dict(key="cycle_ms", label="ms/cycle", higher=False, value=cycle_mean_ms, samples=_cycle_samples,
+                     unit="ms"))
     defs += _phase_defs(runs)
     defs += _baseline_defs(runs)
+    for d in defs:
+        d.setdefault("floor", lambda rec, u=d["unit"]: FLOORS[u])
     return defs
+
+
+def _failed(rec):
+    v = _res(rec, "failed")         # bench-serve's and the sweep's runs: requests that got no answer
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+def _failure_defs(runs: list[dict]) -> list[dict]:
+    """Failed requests, where a run had any: its other numbers rest only on the requests that succeeded."""
+    if not any(_failed(r) for r in runs):
+        return []
+    return [dict(key="failed_requests", label="failed requests", higher=False, value=_failed,
+                 samples=lambda r: None, unit="requests", floor=lambda r: 0.0)]
 
 
 def _speed_defs(runs: list[dict]) -> list[dict]:
@@ -92,13 +182,13 @@ def _speed_defs(runs: list[dict]) -> list[dict]:
         # benchmarks: tok/s as Spec-Bench defines it (mean over prompts, prefill included), paired by prompt
         # when both runs used the same prompt set; the cycles' decode-only tok/s gets its own row
         defs = [dict(key="tok_per_s", label="tok/s (per prompt)", higher=True, value=lambda r: _res(r, "tok_per_s"),
-                     samples=_prompt_tok_s_samples, paired=True)]
+                     samples=_prompt_tok_s_samples, paired=True, unit="tok/s")]
         if any(_tok_s_samples(r) for r in runs):
             defs.append(dict(key="decode_tok_per_s", label="decode tok/s", higher=True,
-                             value=lambda r: _res(r, "decode_tok_per_s"), samples=_tok_s_samples))
+                             value=lambda r: _res(r, "decode_tok_per_s"), samples=_tok_s_samples, unit="tok/s"))
         return defs
     return [dict(key="tok_per_s", label="tok/s", higher=True, value=lambda r: _res(r, "tok_per_s"),
-                 samples=_tok_s_samples)]
+                 samples=_tok_s_samples, unit="tok/s")]
 
 
 def _acceptance_defs(runs: list[dict]) -> list[dict]:
@@ -107,7 +197,7 @@ def _acceptance_defs(runs: list[dict]) -> list[dict]:
     taus = [_res(r, "accept_length") for r in runs]
     if any(t not in (None, 1, 1.0) for t in taus):
         defs.append(dict(key="accept_length", label="τ (accept length)", higher=True,
-                         value=lambda r: _res(r, "accept_length"), samples=_tau_samples))
+                         value=lambda r: _res(r, "accept_length"), samples=_tau_samples, unit="tokens"))
     # unconditional acceptance per draft position (vLLM's definition): position i accepted ⇔ τ - 1 > i
     depth = max((len(_res(r, "per_position_acceptance") or []) for r in runs), default=0)
     for i in range(min(depth, 8)):
@@ -124,7 +214,7 @@ def _acceptance_defs(runs: list[dict]) -> list[dict]:
             return v[i] if i < len(v) else None
 
         defs.append(dict(key=f"acceptance.{i}", label=f"acceptance @{i + 1}", higher=True, value=pos_val,
-                         samples=pos_samp))
+                         samples=pos_samp, unit="share"))
     return defs
 
 
@@ -146,7 +236,8 @@ def _phase_defs(runs: list[dict]) -> list[dict]:
             return (col, _ones(col)) if col else None
 
         defs.append(dict(key=f"phase.{p}", label=label, higher=False,
-                         value=lambda r, p=p: _res(r, "phases", p, "mean_ms"), samples=samp))
+                         value=lambda r, p=p: _res(r, "phases", p, "mean_ms"), samples=samp, unit="ms",
+                         floor=lambda r: max(FLOORS["ms"], PHASE_FLOOR_SHARE * (cycle_mean_ms(r) or 0.0))))
     return defs
 
 
@@ -164,4 +255,4 @@ def _baseline_defs(runs: list[dict]) -> list[dict]:
         return (col, _ones(col)) if col else None
 
     return [dict(key="baseline.decode", label="Baseline decode ms/token", higher=False, value=base_value,
-                 samples=base_samp)]
+                 samples=base_samp, unit="ms")]

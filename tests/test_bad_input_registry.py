@@ -115,6 +115,17 @@ def test_runs_list_json_marks_the_damaged_run_and_keeps_the_good_one(stored, tmp
     assert code == 0 and [r["id"] for r in json.loads(out)] == [stored["good"]] and not err.strip(), err
 
 
+def test_a_damaged_run_can_still_be_tagged(stored, tmp_path, capsys):
+    db = tmp_path / "runs.db"
+    shutil.copy(stored["db"], db)
+    _sql(db, f"UPDATE runs SET extra = 'oops' WHERE id = '{stored['bad']}'")
+    code, out, err = cli(capsys, "runs", "tag", stored["bad"], "broken", "--json", "--db", db)
+    assert code == 0, err
+    assert json.loads(out) == {"id": stored["bad"], "tags": ["broken", "t"]}
+    code, out, err = cli(capsys, "runs", "list", "--tag", "broken", "--db", db)
+    assert code == 0 and stored["bad"] in out and "(damaged)" in out and err.count("warning:") == 1, err
+
+
 def _foreign_files(tmp_path) -> dict:
     """Other programs' SQLite files: one unversioned, one whose user_version happens to be ours (1), one holding
     a `runs` table of its own; and a file that is not SQLite at all."""

@@ -193,7 +193,7 @@ def tag(run_id, tag, remove, as_json, db):
     """Add (or --remove) a tag on a run."""
     with _open(db) as reg:
         rid = reg.tag(run_id, tag, remove=remove)
-        tags = reg.get_run(rid, samples=False)["tags"]
+        tags = reg.tags_of(rid)     # not get_run: a damaged run can still be tagged (e.g. "broken")
     if as_json:
         emit_json({"id": rid, "tags": tags})
     else:

@@ -405,6 +405,12 @@ class Registry:
         except _Damage as e:
             raise DamagedRun(rid, self.path, str(e)) from None
 
+    def tags_of(self, run_id: str) -> list[str]:
+        """A run's tags, sorted: readable even where the rest of its row is damaged."""
+        rid = self.resolve(run_id)
+        with self._reading():
+            return self._tags(rid)
+
     def _tags(self, rid: str) -> list[str]:
         return [r[0] for r in self._conn.execute("SELECT tag FROM tags WHERE run_id = ? ORDER BY tag", (rid,))]
 

@@ -175,6 +175,23 @@ def test_export_round_trip(prepared, tmp_path):
     assert torch.equal(load_drafter(tmp_path / "again").fc.weight, st["model"]["fc.weight"])
 
 
+def test_the_held_out_tau_says_what_it_rests_on(prepared, tmp_path, capsys):
+    # 5 % of 24 conversations: one held out; its τ is printed with that count and called too few to trust
+    tgt, _, work = prepared
+    w = _copy_prepared(work, tmp_path / "w")
+    main(["train", "--workdir", str(w), "--target", str(tgt), "--device", "cpu", *TRAIN_ARGS, "--steps", "2"])
+    err = capsys.readouterr().err
+    assert re.search(r"^step 2: held-out acc_0 [\d.]+ sim τ [\d.]+ chain τ [\d.]+ over 1 conversation, [1-9]\d* "
+                     r"positions \(too few to trust\)$", err, re.M), err
+    assert "warning: the held-out τ rests on 1 of 24 conversations (fewer than 20): too few to trust" in err
+    assert "train on more conversations (at least 40 for --eval-fraction 0.5)" in err
+    from specscope.train.ttt import heldout_warning
+
+    # the run that misled: 2 of 48 conversations held out (5 %); 20 need --eval-fraction 0.42
+    assert heldout_warning(2, 48).endswith("hold out more with --eval-fraction 0.42")
+    assert heldout_warning(20, 400) is None
+
+
 def test_init_incompatible_drafter(prepared, tmp_path, capsys):
     from specscope.speculative.formats import save_drafter
 

@@ -22,7 +22,7 @@ from specscope.errors import SpecscopeError
 from specscope.fileio import atomic_output, write_atomic
 from specscope.speculative.eagle3 import DrafterConfig, Eagle3Drafter
 from specscope.train.tracking import Rate, Tracker
-from specscope.train.ttt import TTTLoss, count_positions, summarise
+from specscope.train.ttt import TTTLoss, count_positions, heldout_warning, heldout_words, summarise
 
 
 @dataclass
@@ -337,6 +337,9 @@ def train(drafter, embed: torch.Tensor, lm_head_w: torch.Tensor, data, out_dir: 
     out_dir = Path(out_dir)
     torch.manual_seed(cfg.seed)
     train_idx, eval_idx = split_for_training(cfg, len(data), world)
+    few = heldout_warning(len(eval_idx), len(data)) if rank == 0 else None
+    if few:
+        log(f"warning: {few}")
     drafter.to(device).train()
     drafter.requires_grad_(True)
     loss_mod = TTTLoss(drafter, embed.to(device), lm_head_w.to(device), cfg.ttt_steps, cfg.decay)
@@ -491,7 +494,8 @@ def evaluate_and_keep(run: TrainRun, step: int, tokens_seen: int, best: float, m
     cfg, drafter = run.cfg, run.drafter
     ev = evaluate(run.loss_mod, run.data, run.eval_idx, cfg, run.device)
     metrics.write({"step": step, "split": "eval", "tokens": tokens_seen, "acc": ev["acc"], "loss_k": ev["loss"],
-                   "sim_tau": ev["sim_tau"], "chain_tau": ev["chain_tau"], "positions": ev["positions"]})
+                   "sim_tau": ev["sim_tau"], "chain_tau": ev["chain_tau"], "positions": ev["positions"],
+                   "conversations": len(run.eval_idx)})
     meta = {**run.meta, "tokens": tokens_seen, "eval": ev}
     # every evaluated step's weights, for checkpoint selection by real decoding (the `select` stage)
     with atomic_output(run.out_dir / "snapshots" / f"step-{step:07d}.pt", "snapshot", make_parents=True) as tmp:
@@ -502,8 +506,7 @@ def evaluate_and_keep(run: TrainRun, step: int, tokens_seen: int, best: float, m
         best = ev["chain_tau"]
         with atomic_output(run.ckpt_dir / "best.pt", "checkpoint", make_parents=True) as tmp:
             torch.save({**_weights(drafter, step), "meta": meta}, tmp)
-    shown.note(f"step {step}: held-out acc_0 {ev['acc'][0]:.3f} sim τ {ev['sim_tau']:.2f} "
-               f"chain τ {ev['chain_tau']:.2f}")
+    shown.note(f"step {step}: {heldout_words(ev, len(run.eval_idx))}")
     return best
 
 

@@ -75,15 +75,16 @@ def _leave_nothing(tmp_path):
                 pass
 
 
-def _start_and_kill_parent(tmp_path: Path, log: Path, start_s: str = "5") -> tuple[dict, str]:
-    """specscope (a real process) starts the engine, which takes `start_s` to serve; kill -9 of specscope once the
-    engine's tree exists. The tree's pids and the engine's URL."""
+def _start_and_kill_parent(tmp_path: Path, log: Path, start_s: str = "15") -> tuple[dict, str]:
+    """specscope (a real process) starts the engine, which takes `start_s` to serve; kill -9 of specscope once it
+    has started the engine and the engine's tree exists. The tree's pids and the engine's URL."""
     argv, url, pids_file = _engine(tmp_path, "a", "--start-s", start_s)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     parent = subprocess.Popen([sys.executable, "-c", PARENT, json.dumps({"argv": argv, "env": env, "log": str(log),
                                                                           "url": url})],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
+        assert parent.stdout.readline().strip().isdigit(), parent.communicate()[1]     # start() returned
         pids = _pids(pids_file)
     finally:
         parent.kill()

@@ -32,7 +32,8 @@ ERROR_LINE = re.compile(r"\b\w*(Error|Exception)\b[:,]|\berror[:,]", re.IGNORECA
 # above", a worker's "failed to start", pydantic's "1 validation error for X" above its "Value error, ..." line)
 WRAPPER = re.compile(r"root cause|see (the )?(stack trace|above|log)|initiali[sz]ation failed|failed to start"
                      r"|\d+ validation errors? for|^Traceback|^For further information", re.IGNORECASE)
-NOT_ERROR = re.compile(r"\b(INFO|WARNING|WARN|DEBUG)\b")
+# a logger's level field, at the start (after vLLM's process tag) or between spaces: not an error line
+NOT_ERROR = re.compile(r"^(\(\w+ pid=\d+\)\s*)?(INFO|WARNING|WARN|DEBUG)\b| (INFO|WARNING|DEBUG) ")
 # vLLM's "(EngineCore_DP0 pid=7) ERROR 12-01 10:00:00 [core.py:708] " before the words that matter
 LOG_PREFIX = re.compile(r"^(\(\w+ pid=\d+\)\s*)?((ERROR|CRITICAL)\s+[\d-]+ [\d:.]+\s+\[[^\]]*\]\s*)?")
 

@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parent.parent / "src" / "specscope"
 # modules of specscope ("specscope" itself: the package's __init__, i.e. __version__).
 LAYERS = [
     ("base", {"specscope", "errors", "jsonio", "fileio", "prompts", "cachedir", "progress", "serverproc",
-              "watchdog"}),
+              "watchdog", "cpuload"}),
     ("runtime", {"runtime"}),                                # KV cache, sampling (+ params), tokenizer
     ("models", {"models"}),                                  # configs, the forward, loaders, CPU kernels
     ("decoding", {"generate", "speculative", "engine", "profile"}),   # decoding loops (engine: batched), profiler

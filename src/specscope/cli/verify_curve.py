@@ -47,7 +47,7 @@ def verify_curve(model_name, contexts, tokens, warmup, repeats, batches, batch_c
                  threads, output, no_plot, no_record, name, db, as_json):
     """Measure the target's forward time for n query tokens at each context length, fit where it stops being
     flat (the knee), store the curve as a run and plot it; with --batch, also T(B, n) over B sequences at once."""
-    from specscope.economics.curve_session import curve_record, curve_words, measure_with_progress
+    from specscope.economics.curve_session import curve_record, curve_words, loaded_words, measure_with_progress
     from specscope.models.loader import load_model, parse_dtype
     from specscope.registry import machine_config
     from specscope.registry.fingerprint import timing_warning
@@ -72,7 +72,10 @@ def verify_curve(model_name, contexts, tokens, warmup, repeats, batches, batch_c
     png, bpng = (None, None) if no_plot else _plots(res, surface, output, run_id, model_name, config["dtype"], dev,
                                                      plan.batch_context)
     words, cheap = curve_words(res, plan.tokens)
-    warning = timing_warning(rec["env"] if rec else None)
+    loaded = loaded_words({"results": results})
+    warning = (f"warning: measured while {loaded}: stored marked as loaded, and tune and breakeven refuse it as a "
+               f"basis for pricing; measure again on a quieter machine") if loaded else \
+        timing_warning(rec["env"] if rec else None)
     if as_json:
         emit_json({"run_id": run_id, "config": config, **results, "knee": words, "within_10pct": cheap,
                    "plot": png, **({"batch_plot": bpng} if surface is not None else {}), "load_warning": warning})

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from specscope.cpuload import Contention, ContentionMeter
+
 from specscope.economics.verify_curve import (cheap_words, check_plan, check_surface_plan, knee_words,
                                               surface_results)
 
@@ -45,7 +47,8 @@ def measure_with_progress(model, plan: CurvePlan, as_json: bool):
 
     total = (plan.warmup + plan.repeats) * plan.points
     done = [0]
-    with Progress("verify-curve", total, "forward", json_mode=as_json) as bar:
+    meter = ContentionMeter()
+    with Progress("verify-curve", total, "forward", json_mode=as_json) as bar, meter:
         def point(row):
             done[0] += 1
             if not as_json:
@@ -59,6 +62,8 @@ def measure_with_progress(model, plan: CurvePlan, as_json: bool):
         if plan.batches is not None:
             surface = measure_surface(model, plan.batches, plan.batch_context, plan.tokens, plan.warmup,
                                       plan.repeats, plan.max_seq_len, point, tick=bar.advance)
+    if meter.result is not None:     # what else ran meanwhile: a loaded curve is stored marked, never priced from
+        res["contention"] = meter.result.to_dict()
     return res, surface
 
 
@@ -70,6 +75,8 @@ def curve_record(plan: CurvePlan, res: dict, surface: dict | None, machine: dict
     results = {"points": res["points"], "fits": res["fits"],
                "decode_ms": {str(L): next(p["median_ms"] for p in res["points"] if p["context"] == L
                                           and p["tokens"] == min(plan.tokens)) for L in plan.contexts}}
+    if res.get("contention"):
+        results["contention"] = res["contention"]
     samples = {"verify_ms": res["samples"]}
     if surface is not None:
         config.update({"batches": plan.batches, "batch_context": plan.batch_context,
@@ -86,3 +93,9 @@ def curve_words(res: dict, tokens: list[int]) -> tuple[dict, dict]:
     words = {L: knee_words(f, max(tokens), by_ctx[L]) for L, f in res["fits"].items()}
     cheap = {L: cheap_words(by_ctx[L], f) for L, f in res["fits"].items()}
     return words, cheap
+
+
+def loaded_words(run: dict) -> str | None:
+    """Why a stored verify curve is no basis for pricing (measured while other processes took the CPUs), or None."""
+    c = Contention.from_dict(((run.get("results") or {}).get("contention")))
+    return c.words() if c is not None and c.loaded else None

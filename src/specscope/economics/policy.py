@@ -255,6 +255,13 @@ class _Mean:
         self.value += max(self.ema, 1.0 / self.n) * (x - self.value)
 
 
+# why a priced step drafted or not (serve's /metrics: spec_policy_decisions{decision, reason})
+REASON_NO_COSTS = "no_costs_yet"          # draft: nothing measured yet to say otherwise
+REASON_FASTER = "predicted_faster"        # draft: more tokens per ms predicted than plain at this batch size
+REASON_PROBE = "probe"                    # draft although slower: keeps τ and the draft cost current
+REASON_SLOWER = "predicted_slower"        # plain: drafting predicted to commit fewer tokens per ms
+
+
 class PricedPolicy:
     """`--spec-policy priced` (serve's default): each step drafts or not by which is predicted to commit more
     tokens per ms at this batch size B, from the server's own steps:
@@ -274,7 +281,9 @@ class PricedPolicy:
 
     def __init__(self, cfg, prices=None, probe: int = 64, ema: float = 0.1):
         self.cfg, self.probe = cfg, probe
-        self.costs = RowCosts(prices, ema)
+        # prices measured under load would make every verify look dear and the policy never draft: the curve is
+        # then learned from the server's own steps alone
+        self.costs = RowCosts(prices if prices is not None and not prices.loaded else None, ema)
         one = prices.decode_ms if prices is not None else 10.0
         # priors worth two steps: a drafter that makes two tokens a step at a third of a decode step's drafting
         self.tau = _Mean(2.0, ema=ema)
@@ -284,6 +293,7 @@ class PricedPolicy:
         self.since_draft = 0
         self.pending: bool | None = None
         self.steps = {True: 0, False: 0}
+        self.last: tuple[str, str] | None = None     # (draft | plain, why): the latest call's decision
 
     def predict(self, batch: int) -> tuple[float, float] | None:
         """(plain, speculative) tokens per ms at this batch size, or None before any cost is known."""
@@ -305,11 +315,23 @@ class PricedPolicy:
     def __call__(self, batch: int):
         rates = self.predict(batch)
         draft = True if rates is None else rates[1] > rates[0]
+        why = REASON_NO_COSTS if rates is None else REASON_FASTER
         if not draft:
             close = rates[1] > 0.8 * rates[0]
             draft = self.since_draft >= self.probe * (1 if close else 8)
+            why = REASON_PROBE if draft else REASON_SLOWER
         self.pending = draft
+        self.last = ("draft" if draft else "plain", why)
         return self.cfg if draft else None
+
+    def why_plain(self, batch: int) -> str:
+        """The prediction behind a plain step at this batch size, in words (serve's log line)."""
+        rates = self.predict(batch)
+        if rates is None:
+            return "no cost measured yet"
+        return (f"drafting predicted at {rates[1] * 1e3:.1f} tok/s against {rates[0] * 1e3:.1f} plain at batch "
+                f"{batch} (τ {self.tau.value:.2f}, draft {self.draft_ms.value:.2f} ms/seq, verify of "
+                f"{batch * (1 + self.nodes.value):.0f} rows {self.costs(batch * (1 + self.nodes.value)):.1f} ms)")
 
     def observe(self, rec) -> None:
         """One engine step (engine/batch.py StepRecord) after the call that chose its shape."""

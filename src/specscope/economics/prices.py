@@ -4,11 +4,13 @@ with the verify-curve machinery at one context and cached per host, model, dtype
 from __future__ import annotations
 
 import hashlib
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from specscope import cachedir
+from specscope.cpuload import ContentionMeter, wait_quiet
 from specscope.economics.verify_curve import measure_curve
 from specscope.models import tuning
 from specscope.models.loader import compute_dtype
@@ -45,13 +47,15 @@ def _rel(key: str) -> str:
 
 
 def prices_path(target) -> Path:
-    """Where this host's prices for `target` live in the cache dir (cachedir.locations also gives the fallback)."""
+    """Where this host's prices for `target` live in the cache root (read and written through cachedir's checks)."""
     return cachedir.cache_dir() / _rel(_key(target))
 
 
 def host_prices(target, note=None) -> Prices:
     """This host's prices for `target`: measured once (a few seconds), then read from the cache dir. A file that
-    is damaged, of the wrong shape or measured for another model or host is measured again (one warning)."""
+    is damaged, of the wrong shape or measured for another model or host is measured again (one warning). Prices
+    measured while other processes took the CPUs are measured again once the load drops, and when it does not,
+    used for this run only (marked `loaded`, never cached), with one warning."""
     key = _key(target)
 
     def check(d) -> Prices:
@@ -64,6 +68,24 @@ def host_prices(target, note=None) -> Prices:
         return cached
     if note:
         note("measuring this host's verify cost by rows (once; cached)")
-    p = measure_prices(target)
+    p, load = _measure_quiet(target)
+    if load is not None and load.loaded:
+        cachedir.warn(f"this host's verify prices were measured while {load.words()}: used for this run only, "
+                      f"not cached (they would price every later run); they are measured again next run")
+        return replace(p, loaded=load.words())
     cachedir.store_json(_rel(key), {**p.to_dict(), "key": key}, "verify prices")
     return p
+
+
+QUIET_WAIT_S = 10.0     # how long a measurement made under load waits for the load to drop before measuring again
+
+
+def _measure_quiet(target, tries: int = 2):
+    """measure_prices under a ContentionMeter, measured again (after waiting up to QUIET_WAIT_S for the load to
+    drop) while other processes took the CPUs -> (prices, the last measurement's contention or None)."""
+    for i in range(tries):
+        with ContentionMeter() as m:
+            p = measure_prices(target)
+        if m.result is None or not m.result.loaded or i == tries - 1 or not wait_quiet(QUIET_WAIT_S):
+            break
+    return p, m.result

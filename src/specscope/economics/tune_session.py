@@ -99,6 +99,7 @@ class TuneContext:
     loader: Callable | None = None
     prompts: list | None = None
     _loaded: Workload | None = field(default=None, init=False, repr=False)
+    curve_loaded: str | None = field(default=None, init=False)    # the quick curve's load, when it had one
 
     def adopt_run(self, run):
         cfg = run.get("config") or {}
@@ -157,8 +158,8 @@ class TuneContext:
     def quick_curve(self, run, max_tokens, levels, db, say):
         """A verify curve at the run's mean context, over the widths the candidates need, and the surface over
         the concurrency levels above 1 -> (VerifyCurve, VerifySurface or None)."""
-        from specscope.economics.curve_session import CurvePlan, measure_with_progress
-        from specscope.economics.verify_curve import VerifyCurve, VerifySurface, surface_results
+        from specscope.economics.curve_session import CurvePlan, curve_record, loaded_words, measure_with_progress
+        from specscope.economics.verify_curve import VerifyCurve, VerifySurface
         from specscope.jsonio import dtype_name
         from specscope.models.loader import compute_dtype
         from specscope.registry import make_record, store_record
@@ -173,18 +174,18 @@ class TuneContext:
         # verify-curve's own bar and per-point lines (one rule for both commands)
         plan = CurvePlan([L], toks, 1, 5, levels if batched else None, L, None)
         res, surf = measure_with_progress(target, plan, self.as_json)
-        config = {"model": str(self.load().path), "dtype": dtype_name(compute_dtype(target)),
-                  "device": str(target.device),
-                  "contexts": [L], "tokens": toks, "warmup": 1, "repeats": 5}
-        results, samples = {"points": res["points"], "fits": res["fits"]}, {"verify_ms": res["samples"]}
-        if batched:
-            config.update({"batches": list(levels), "batch_context": L})
-            results["surface"] = surface_results(surf)
-            samples["batch_verify_ms"] = surf["samples"]
+        machine = {"model": str(self.load().path), "dtype": dtype_name(compute_dtype(target)),
+                   "device": str(target.device)}
+        config, results, samples = curve_record(plan, res, surf, machine)
         rec = make_record("verify_curve", f"tune verify curve L{L}", config=config, results=results,
                           samples=samples)
         rec["id"] = store_record(rec, db)
-        return VerifyCurve.from_run(rec), (VerifySurface.from_run(rec) if batched else None)
+        self.curve_loaded = loaded_words(rec)
+        if self.curve_loaded:
+            say(f"warning: the verify curve was measured while {self.curve_loaded}: these predictions are this "
+                f"machine's under that load, and no policy table is saved from them")
+        return (VerifyCurve.from_run(rec, loaded_ok=True),
+                VerifySurface.from_run(rec, loaded_ok=True) if batched else None)
 
     def validate(self, picks):
         """The picks measured for real, with a bar over their prompts (each: plain and speculative)."""
@@ -332,7 +333,11 @@ def run_tune(req: TuneRequest, ctx: TuneContext, say) -> TuneResult:
     conc, skipped = by_concurrency(acc, cost, configs, req.levels, hyb)
     cross = crossover([r["batch"] for r in conc], [r["speedup"] for r in conc])
     out.update({"concurrency": conc, "crossover": cross, "concurrency_not_predicted": skipped})
-    if policy_file:
+    if policy_file and ctx.curve_loaded:
+        out["policy_not_saved"] = (f"--save-policy: not saved, the verify curve was measured while "
+                                   f"{ctx.curve_loaded}; run the tune again on a quieter machine")
+        say(f"warning: {out['policy_not_saved']}")
+    elif policy_file:
         out["policy"] = _save_policy(ctx, runs.run, prices.surface, out, policy_file)
     if req.n_validate:
         out["validation"] = _validated(ctx, rows[:req.n_validate])

@@ -16,6 +16,7 @@ import statistics
 import time
 from dataclasses import dataclass
 
+from specscope.cpuload import Contention
 from specscope.errors import SpecscopeError
 from specscope.profile.cycle import quantile
 
@@ -138,6 +139,14 @@ def fit_piecewise(ns: list[float], ts: list[float]) -> PiecewiseFit:
     return PiecewiseFit(a, b, float(k), math.sqrt(err / len(ns)))
 
 
+def refuse_loaded(run: dict) -> None:
+    """A stored curve measured while other processes took the CPUs prices that load, not the machine: refused."""
+    load = Contention.from_dict(((run.get("results") or {}).get("contention")))
+    if load is not None and load.loaded:
+        raise SpecscopeError(f"verify curve {run.get('id', '?')} was measured while {load.words()}: it prices that "
+                             f"load, not this machine; measure it again on a quieter machine (`specscope verify-curve`)")
+
+
 class VerifyCurve:
     """T_verify(n, L) from a stored verify_curve run. At a measured context, n between measured widths reads the
     measured medians (linear in between: CPU kernels have quirks, e.g. one width slower than its neighbours, that
@@ -152,10 +161,14 @@ class VerifyCurve:
         self.run_id = run_id
 
     @classmethod
-    def from_run(cls, run: dict) -> "VerifyCurve":
+    def from_run(cls, run: dict, loaded_ok: bool = False) -> "VerifyCurve":
+        """The stored curve; refused when it was measured while other processes took the CPUs (`loaded_ok`: a
+        caller that just measured it and says so itself)."""
         if run.get("kind") != "verify_curve":
             raise SpecscopeError(f"run {run.get('id', '?')} is a {run.get('kind')!r} run, not a verify curve; "
                                  f"make one with `specscope verify-curve`")
+        if not loaded_ok:
+            refuse_loaded(run)
         res = run.get("results") or {}
         points: dict[int, dict[int, float]] = {}
         for p in res.get("points") or []:
@@ -423,14 +436,17 @@ class VerifySurface:
         return cls(curves, run_id, surface.get("context"), surface.get("region"))
 
     @classmethod
-    def from_run(cls, run: dict) -> "VerifySurface":
+    def from_run(cls, run: dict, loaded_ok: bool = False) -> "VerifySurface":
+        """The stored surface (refused, as VerifyCurve.from_run, when measured under load unless `loaded_ok`)."""
         res = run.get("results") or {}
         surface = res.get("surface")
         if surface and run.get("kind") == "ingest":
             return cls.from_results(surface, run.get("id"))     # an engine's own steps (economics/engine_steps.py)
         if not surface or run.get("kind") != "verify_curve":
-            return cls({1: VerifyCurve.from_run(run)}, run.get("id"))    # the old format: batch 1 alone
-        batch1 = VerifyCurve.from_run(run) if res.get("fits") else None
+            return cls({1: VerifyCurve.from_run(run, loaded_ok)}, run.get("id"))    # the old format: batch 1 alone
+        if not loaded_ok:
+            refuse_loaded(run)
+        batch1 = VerifyCurve.from_run(run, loaded_ok=True) if res.get("fits") else None
         return cls.from_results(surface, run.get("id"), batch1)
 
     @property

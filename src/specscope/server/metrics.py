@@ -5,7 +5,8 @@ vllm` gives vLLM's exact names; `bench-serve` reads either): num_drafts (verify 
 num_accepted_tokens and accepted tokens per draft position. specscope adds the wall time of each engine step and
 its split (cycle_phase_seconds{phase="step"}: one batched forward and everything around it; phase draft, verify,
 accept, commit, other: the parts, which add up to it) and, with a drafter, how many steps drafted and how many ran
-plain (spec_decode_steps{mode=...}: the --spec-policy's choices).
+plain (spec_decode_steps{mode=...}: the --spec-policy's choices) and, under the priced policy, why
+(spec_policy_decisions{decision, reason}).
 Each server owns its registry, so several apps can live in one process (tests).
 """
 
@@ -36,6 +37,9 @@ class ServerMetrics:
                                        buckets=PHASE_BUCKETS, registry=r)
         self.spec_steps = Counter(P + "spec_decode_steps", "Engine steps with decoding sequences, by whether they "
                                   "drafted (mode=draft) or ran plain (mode=plain).", ["mode"], registry=r)
+        self.policy_decisions = Counter(P + "spec_policy_decisions", "The priced --spec-policy's choice per engine "
+                                        "step (decision=draft|plain) and why (reason=predicted_faster, probe, "
+                                        "no_costs_yet, predicted_slower).", ["decision", "reason"], registry=r)
         self.prompt_tokens = Counter(P + "prompt_tokens", "Prompt tokens processed.", registry=r)
         # vLLM's prefix-cache counters, in tokens: hits / queries is the share of prompt tokens not computed
         self.prefix_cache_queries = Counter(P + "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
@@ -75,10 +79,13 @@ class ServerMetrics:
             for v in values:
                 h.observe(float(v) / 1e3)
 
-    def observe_step(self, rec) -> None:
-        """Count one engine step (engine/batch.py StepRecord) of a server with a drafter by what it did."""
+    def observe_step(self, rec, decision: tuple[str, str] | None = None) -> None:
+        """Count one engine step (engine/batch.py StepRecord) of a server with a drafter by what it did, and the
+        priced policy's `decision` for it ((draft | plain, reason); None for the other policies)."""
         if rec.batch:
             self.spec_steps.labels(mode="draft" if rec.drafted else "plain").inc()
+            if decision is not None:
+                self.policy_decisions.labels(decision=decision[0], reason=decision[1]).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -299,6 +299,7 @@ class Worker:
         self.engine_waiting = 0               # jobs the engine holds but has not admitted yet (token budget)
         self.stopping = False
         self.service_s = 1.0  # running mean of one request's time in the engine, for Retry-After
+        self.policy_said: dict[int, float] = {}   # batch size -> when the log last said why it ran plain
         self.thread = threading.Thread(target=self._loop, name="specscope-worker", daemon=True)
 
     def start(self) -> None:
@@ -397,9 +398,22 @@ class Worker:
                 phases.update({k: [v] for k, v in rec.phases_ms.items()})
             self.metrics.observe_phases(phases)
             if rec is not None and self.served.drafter is not None:
-                self.metrics.observe_step(rec)
+                self._observe_policy(rec)
         for f in done:
             self._finish(f)
+
+    def _observe_policy(self, rec) -> None:
+        """/metrics' step counters, and one log line (per batch size, at most every 5 minutes) when the priced
+        policy runs plain steps because drafting does not pay: a user who expects speculation sees why not."""
+        decision = getattr(self.served.policy, "last", None)
+        self.metrics.observe_step(rec, decision)
+        if decision != ("plain", "predicted_slower"):
+            return
+        now, said = time.monotonic(), self.policy_said.get(rec.batch)
+        if said is None or now - said > 300:
+            self.policy_said[rec.batch] = now
+            log.warning("spec policy: plain steps at batch %d: %s", rec.batch,
+                        self.served.policy.why_plain(rec.batch))
 
     def _finish(self, f: Finished) -> None:
         job = self.jobs.pop(f.id)

@@ -28,6 +28,9 @@ class Prices:
 
     verify_ratio: dict[int, float]
     decode_ms: float
+    # why these prices are this run's only (measured while other processes took the CPUs): never cached, and a
+    # live policy learns from its own steps instead of starting from them
+    loaded: str | None = None
 
     def verify(self, rows: float) -> float:
         """T(rows)/T(1): linear between measured row counts, the last segment's slope past them (one measured

@@ -105,6 +105,12 @@ def test_chat_stream_concatenates_to_non_stream_text(engine):
     ("/v1/completions", {"prompt": "hi", "stream": "yes"}, "stream"),
     ("/v1/completions", {"prompt": [1, 2, 9999]}, "prompt"),
     ("/v1/completions", {"prompt": "hi", "logprobs": 21}, "logprobs"),
+    ("/v1/completions", {"prompt": ["the lazy dog", 3]}, "prompt"),
+    ("/v1/completions", {"prompt": ["the lazy dog", ""]}, "prompt"),
+    ("/v1/completions", {"prompt": [[5, 6], []]}, "prompt"),
+    ("/v1/completions", {"prompt": [[5, 6], [7, 9999]]}, "prompt"),
+    ("/v1/completions", {"prompt": ["the lazy dog", "the " * 200], "max_tokens": 100}, "max_tokens"),
+    ("/v1/completions", {"prompt": ["the lazy dog"] * 9, "n": 8}, "prompt"),    # 72 choices, the queue holds 64
     ("/v1/chat/completions", {"messages": []}, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": 3}]}, "messages"),
@@ -809,3 +815,47 @@ def test_a_stream_sends_a_chunk_for_every_token_even_one_of_empty_text(engine):
             assert text_of(tokens[0]) == "", (path, tokens[0])      # the EOS: a chunk with empty text
             if path.endswith("chat/completions"):
                 assert tokens[0]["delta"]["role"] == "assistant"
+
+
+BATCH = ["the quick brown fox", "what is the capital of france", "a small model proposes"]
+
+
+def test_a_batch_of_prompts_gets_a_choice_per_prompt_and_n_decoded_together(engine):
+    """`prompt` as a list (OpenAI's and vLLM's batch, lm-eval's --batch_size): prompt k's choice j at index k * n + j,
+    each the offline greedy answer of its prompt, usage over all prompts; all 6 sequences ran in one engine batch;
+    token-id prompts and a stream of the batch give the same."""
+    from specscope.server.app import create_app
+
+    app = create_app(engine)
+    sizes = _gate_first_step(app.state.worker, len(BATCH) * 2)
+    ids = [engine.tokenizer.encode(t) for t in BATCH]
+    want = [_offline(engine, x, 6) for x in ids]
+    body = {"max_tokens": 6, "temperature": 0, "n": 2, "return_token_ids": True}
+    with TestClient(app) as c:
+        r = c.post("/v1/completions", json={**body, "prompt": BATCH})
+        assert r.status_code == 200, r.text
+        whole = r.json()
+        assert max(sizes) == len(BATCH) * 2, sizes     # submitted together, decoded as one batch
+        by_ids = c.post("/v1/completions", json={**body, "prompt": ids}).json()
+        with c.stream("POST", "/v1/completions", json={**body, "prompt": BATCH, "stream": True,
+                                                       "stream_options": {"include_usage": True}}) as r:
+            events = _sse(r.iter_lines())
+        echo = c.post("/v1/completions", json={"prompt": BATCH[:2], "echo": True, "logprobs": 1, "max_tokens": 0})
+        alone = [c.post("/v1/completions", json={"prompt": t, "echo": True, "logprobs": 1, "max_tokens": 0}).json()
+                 for t in BATCH[:2]]
+    assert [ch["index"] for ch in whole["choices"]] == list(range(6))
+    assert [ch["token_ids"] for ch in whole["choices"]] == [w for w in want for _ in range(2)]
+    assert [ch["text"] for ch in whole["choices"]] == [engine.tokenizer.decode(w) for w in want for _ in range(2)]
+    completion = sum(len(w) for w in want) * 2
+    assert whole["usage"]["prompt_tokens"] == sum(map(len, ids))    # each prompt once, however many choices
+    assert whole["usage"]["completion_tokens"] == completion
+    assert [ch["token_ids"] for ch in by_ids["choices"]] == [ch["token_ids"] for ch in whole["choices"]]
+    streamed: dict[int, list] = {}
+    for e in events[:-1]:
+        for ch in e["choices"]:
+            streamed.setdefault(ch["index"], []).extend(ch.get("token_ids") or [])
+    assert streamed == {ch["index"]: ch["token_ids"] for ch in whole["choices"]}
+    assert events[-2]["usage"]["completion_tokens"] == completion
+    # lm-eval's batched loglikelihood: each choice echoes its own prompt with that prompt's logprobs
+    assert [ch["text"] for ch in echo.json()["choices"]] == BATCH[:2]
+    assert [ch["logprobs"] for ch in echo.json()["choices"]] == [a["choices"][0]["logprobs"] for a in alone]

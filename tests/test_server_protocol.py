@@ -207,6 +207,28 @@ def test_n_choices_are_independent_and_reproducible_with_a_seed(plain):
     assert all(first[i].role == "assistant" and first[i].content for i in (0, 1))
 
 
+def test_a_batch_of_prompts_as_the_sdk_sends_it(plain):
+    """completions.create(prompt=[three strings] or [three id lists], n=2): six choices, prompt k's choice j at
+    index k * n + j, each the answer its prompt gets alone (a seed too: choice j draws from seed + j, as alone);
+    streamed, the same texts by index."""
+    c = sdk(plain)
+    name = _name(plain)
+    prompts = ["the quick brown fox", "what is the capital of france", "a small model proposes"]
+    kw = dict(model=name, max_tokens=6, temperature=1.0, seed=7, n=2, extra_body={"ignore_eos": True})
+    alone = [ch.text for t in prompts for ch in c.completions.create(prompt=t, **kw).choices]
+    r = c.completions.create(prompt=prompts, **kw)
+    assert [ch.index for ch in r.choices] == list(range(6))
+    assert [ch.text for ch in r.choices] == alone
+    assert r.usage.completion_tokens == 36
+    by_ids = c.completions.create(prompt=[_tokenize(plain, t) for t in prompts], **kw)
+    assert [ch.text for ch in by_ids.choices] == [ch.text for ch in r.choices]
+    got = {}
+    for ev in c.completions.create(prompt=prompts, stream=True, **kw):
+        for x in ev.choices:
+            got[x.index] = got.get(x.index, "") + x.text
+    assert [got[i] for i in range(6)] == alone
+
+
 # ---- logprobs, echo ------------------------------------------------------------------------------------------------
 
 def test_completions_echo_logprobs_and_max_tokens_zero(plain):

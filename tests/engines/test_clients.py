@@ -1,7 +1,8 @@
 """The clients users already run, against `specscope serve` (issue 40): vLLM's own `vllm bench serve` times it as it
 times vLLM (its TTFT agrees with the server's own time_to_first_token metric over the same requests), and lm-eval's
 `local-completions` runs a loglikelihood (multiple-choice) task and a generation task from local files, with the same
-scores and the same answers through a lossless drafter as without. Both clients live in .venv-vllm (engines.lock).
+scores and the same answers through a lossless drafter as without, and in batches of 4 prompts as one by one. Both
+clients live in .venv-vllm (engines.lock).
 
 One server at a time, each started and stopped by its test.
 """
@@ -102,14 +103,15 @@ def _task_dir(root: Path) -> Path:
     return d
 
 
-def _lm_eval(vllm_python, url, model_dir, tasks: Path, out: Path) -> dict:
+def _lm_eval(vllm_python, url, model_dir, tasks: Path, out: Path, batch_size: int = 1) -> dict:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
            "HF_DATASETS_CACHE": str(out / "hf-datasets"), "TOKENIZERS_PARALLELISM": "false"}
     args = (f"model={NAME},base_url={url}/v1/completions,tokenizer={model_dir},tokenizer_backend=huggingface,"
             f"num_concurrent=1,max_retries=1")
     r = subprocess.run([vllm_python, "-m", "lm_eval", "--model", "local-completions", "--model_args", args,
                         "--tasks", ",".join(TASKS), "--include_path", str(tasks), "--output_path", str(out),
-                        "--log_samples", "--seed", "0"], capture_output=True, text=True, timeout=1200, env=env)
+                        "--log_samples", "--seed", "0", "--batch_size", str(batch_size)], capture_output=True,
+                       text=True, timeout=1200, env=env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     results = json.loads(next(out.rglob("results_*.json")).read_text())["results"]
     samples = {t: [json.loads(ln) for ln in next(out.rglob(f"samples_{t}_*.jsonl")).read_text().splitlines()]
@@ -130,11 +132,27 @@ def test_lm_eval_scores_are_the_same_through_a_drafter(serve, vllm_python, model
     mc = plain["results"]["specscope_mc"]
     assert mc["acc,none"] >= 0.5, mc       # the loglikelihood task really ran on the model (chance is 0.25)
     assert plain["results"]["specscope_gen"]["exact_match,none"] >= 0.25, plain["results"]   # answers, not blanks
+    _assert_same_scores(plain, draft)
+
+
+def test_lm_eval_batches_score_as_single_requests(serve, vllm_python, model_dir, tmp_path):
+    """lm-eval's --batch_size 4 sends a list of prompts per request (issue 52: refused with a 400 before); the
+    server answers each with the choices in order, so the scores and answers are those of --batch_size 1."""
+    tasks = _task_dir(tmp_path)
+    srv = serve()
+    one, four = (_lm_eval(vllm_python, srv.url, model_dir, tasks, tmp_path / f"batch{b}", batch_size=b)
+                 for b in (1, 4))
+    assert one["results"]["specscope_mc"]["acc,none"] >= 0.5, one["results"]
+    _assert_same_scores(one, four)
+
+
+def _assert_same_scores(a: dict, b: dict) -> None:
+    """Two lm-eval runs' metrics, greedy generations and per-choice loglikelihoods agree."""
     for task in TASKS:
-        for key, v in plain["results"][task].items():
+        for key, v in a["results"][task].items():
             if isinstance(v, float) and not key.endswith("_stderr,none"):
-                assert draft["results"][task][key] == pytest.approx(v, abs=1e-9), (task, key)
-    assert draft["resps"]["specscope_gen"] == plain["resps"]["specscope_gen"]      # the same text, token for token
-    for doc_a, doc_b in zip(plain["resps"]["specscope_mc"], draft["resps"]["specscope_mc"]):
+                assert b["results"][task][key] == pytest.approx(v, abs=1e-9), (task, key)
+    assert b["resps"]["specscope_gen"] == a["resps"]["specscope_gen"]      # the same text, token for token
+    for doc_a, doc_b in zip(a["resps"]["specscope_mc"], b["resps"]["specscope_mc"]):
         for [(lp_a, greedy_a)], [(lp_b, greedy_b)] in zip(doc_a, doc_b):     # per choice: (loglikelihood, greedy)
             assert float(lp_b) == pytest.approx(float(lp_a), abs=1e-4) and greedy_a == greedy_b

@@ -126,6 +126,16 @@ def check_model(served: ServedModel, name) -> None:
         raise ApiError(404, f"the model {name!r} does not exist; this server serves {served.name!r}", "model")
 
 
+def encode(served: ServedModel, p: P.GenParams, k: int | None) -> list[int]:
+    """One prompt's token ids; a refusal names prompt k of a batch."""
+    try:
+        return served.encode(p)
+    except ApiError as e:
+        if k is not None:
+            e.message = f"prompt[{k}]: {e.message}"
+        raise
+
+
 def create_app(served: ServedModel, metrics: ServerMetrics | None = None) -> FastAPI:
     cfg = served.cfg
     metrics = metrics or ServerMetrics(cfg.metrics_prefix)
@@ -220,12 +230,16 @@ def _add_generate_routes(app: FastAPI, served: ServedModel, worker: Worker) -> N
         parse = P.parse_chat if kind == "chat" else P.parse_completion
         p = parse(body, cfg.max_tokens_cap)
         check_model(served, p.model)
-        if p.n > worker.q.maxsize:
-            raise ApiError(400, f"'n' must be at most {worker.q.maxsize} (this server's --max-queue), got {p.n}",
-                           "n")
-        ids = served.encode(p)
-        answer = Answer(served, p, P.new_id(kind, request.state.request_id), ids, asyncio.get_running_loop())
-        worker.submit(*answer.jobs)
+        parts = P.per_prompt(p)
+        jobs, room = len(parts) * p.n, worker.q.maxsize   # a request's jobs are all queued at once, or none
+        if jobs > room and len(parts) == 1:
+            raise ApiError(400, f"'n' must be at most {room} (this server's --max-queue), got {p.n}", "n")
+        if jobs > room:
+            raise ApiError(400, f"{len(parts)} prompts x 'n' {p.n} are {jobs} choices, over the {room} this server "
+                                f"queues at once (--max-queue); send the batch in parts", "prompt")
+        prompts = [(q, encode(served, q, k if len(parts) > 1 else None)) for k, q in enumerate(parts)]
+        answer = Answer(served, p, P.new_id(kind, request.state.request_id), prompts, asyncio.get_running_loop())
+        worker.submit(*answer.jobs)   # a batch's prompts go to the engine together: it decodes them as one batch
         if p.stream:
             return CancellingStream(answer.stream(), answer, media_type="text/event-stream",
                                     headers={"Cache-Control": "no-cache"})

@@ -10,7 +10,7 @@ import json
 import math
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from specscope.runtime.params import ParamError, check_sampling
 
@@ -38,6 +38,7 @@ class GenParams:
     kind: str                      # "completion" | "chat"
     prompt: str | None = None      # completions
     prompt_ids: list[int] | None = None
+    batch: list | None = None      # completions: two or more prompts (each a str or token ids); per_prompt splits
     messages: list[dict] | None = None
     max_tokens: int | None = 16
     temperature: float = 1.0
@@ -196,19 +197,39 @@ def parse_completion(body: dict, max_tokens_cap: int) -> GenParams:
     if p.max_tokens == 0 and not p.echo:
         raise ApiError(400, "'max_tokens' must be at least 1 (0 is accepted only with 'echo': true)", "max_tokens")
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, str):
-        if not prompt:
-            raise ApiError(400, "'prompt' is empty", "prompt")
-        p.prompt = prompt
-    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        p.prompt_ids = list(prompt)
-    elif prompt is None:
+    if prompt is None:
         raise ApiError(400, "'prompt' is required", "prompt")
+    if isinstance(prompt, list) and prompt and all(isinstance(x, (str, list)) for x in prompt):
+        # a batch, as OpenAI and vLLM take it: one choice per prompt and n, prompt k's at k * n + j
+        batch = [_one_prompt(x, f"prompt[{k}]") for k, x in enumerate(prompt)]
     else:
-        raise ApiError(400, "'prompt' must be a string, a list of token ids, or a list with one of those", "prompt")
+        batch = [_one_prompt(prompt, "prompt")]
+    if len(batch) > 1:
+        p.batch = batch
+    elif isinstance(batch[0], str):
+        p.prompt = batch[0]
+    else:
+        p.prompt_ids = batch[0]
     return p
+
+
+def _one_prompt(x, name: str) -> str | list[int]:
+    if isinstance(x, str) and x:
+        return x
+    if isinstance(x, list) and x and all(isinstance(t, int) and not isinstance(t, bool) for t in x):
+        return list(x)
+    if x == "" or x == []:
+        raise ApiError(400, f"'{name}' is empty", "prompt")
+    raise ApiError(400, "'prompt' must be a string, a list of token ids, or a list of either (a batch of prompts)",
+                   "prompt")
+
+
+def per_prompt(p: GenParams) -> list[GenParams]:
+    """A completion request's parameters per prompt of its batch (itself when it has one prompt)."""
+    if not p.batch:
+        return [p]
+    return [replace(p, batch=None, prompt=x if isinstance(x, str) else None,
+                    prompt_ids=None if isinstance(x, str) else x) for x in p.batch]
 
 
 def parse_chat(body: dict, max_tokens_cap: int) -> GenParams:

@@ -53,24 +53,29 @@ class _Sent:
 
 
 class Answer:
-    """The jobs of one request (built here, submitted by the caller) and what their events become."""
+    """The jobs of one request (built here, submitted by the caller) and what their events become: one job per
+    prompt and choice, prompt k's choice j at index k * n + j (OpenAI's and vLLM's order)."""
 
-    def __init__(self, served, p: GenParams, rid: str, prompt_ids: list[int], loop):
+    def __init__(self, served, p: GenParams, rid: str, prompts: list[tuple[GenParams, list[int]]], loop):
         self.served, self.p, self.rid = served, p, rid
         self.q: asyncio.Queue = asyncio.Queue()
         self.jobs = []
-        for i in range(p.n):   # engine ids unique even when clients reuse an x-request-id
-            job = Job(choice_params(p, i), prompt_ids, loop, f"{rid}-{i}-{uuid.uuid4().hex[:6]}")
-            job.events = _Tagged(self.q, i)
-            self.jobs.append(job)
+        self.prompt_text = []   # per prompt: what an echo starts with (what the client sent, or its ids decoded)
+        for pk, ids in prompts:
+            for j in range(p.n):   # engine ids unique even when clients reuse an x-request-id
+                i = len(self.jobs)
+                job = Job(choice_params(pk, j), ids, loop, f"{rid}-{i}-{uuid.uuid4().hex[:6]}")
+                job.events = _Tagged(self.q, i)
+                self.jobs.append(job)
+            text = ""
+            if p.echo:
+                if pk.prompt is not None:
+                    text = pk.prompt
+                else:
+                    with served.tok_lock:
+                        text = served.tokenizer.decode(ids)
+            self.prompt_text.append(text)
         self.text_of = TokenText(served.tokenizer, served.tok_lock)
-        self.prompt_text = ""
-        if p.echo:   # what the client sent, or its ids decoded as the answer's text is
-            if p.prompt is not None:
-                self.prompt_text = p.prompt
-            else:
-                with served.tok_lock:
-                    self.prompt_text = served.tokenizer.decode(prompt_ids)
 
     def cancel(self) -> None:
         for job in self.jobs:
@@ -93,13 +98,18 @@ class Answer:
         for i, job in enumerate(self.jobs):
             d = done[i]
             ids = d.token_ids
-            text = (self.prompt_text if p.echo else "") + d.text
+            text = self.prompt_text[i // p.n] + d.text
             lp = self._logprobs(i, ids, job.lps[:len(ids)], p.echo, 0)
             choices.append(P.choice(p, i, text, d.finish, lp, ids))
-        d0 = done[0]
-        return P.full_response(p, self.rid, self.served.name, choices, d0.prompt_tokens,
-                               sum(len(d.token_ids) for d in done.values()),
-                               merge_spec([done[i].spec for i in range(p.n)]), d0.cached_tokens)
+        prompt_tokens, completion_tokens, cached = self._usage(done)
+        return P.full_response(p, self.rid, self.served.name, choices, prompt_tokens, completion_tokens,
+                               merge_spec([done[i].spec for i in range(len(self.jobs))]), cached)
+
+    def _usage(self, done: dict[int, Done]) -> tuple[int, int, int]:
+        """Prompt tokens (each prompt once, however many choices it has), completion tokens, cached tokens."""
+        firsts = [done[i] for i in range(0, len(self.jobs), self.p.n)]
+        return (sum(d.prompt_tokens for d in firsts), sum(len(d.token_ids) for d in done.values()),
+                sum(d.cached_tokens for d in firsts))
 
     # -- the stream -----------------------------------------------------------------------------------------------
     async def stream(self):
@@ -120,11 +130,9 @@ class Answer:
             else:  # Dropped: the client is gone, nothing to say
                 return
         if self.p.include_usage:
-            d0 = done[0]
             last = {"id": self.rid, "object": "chat.completion.chunk" if self.p.kind == "chat" else "text_completion",
                     "created": created, "model": self.served.name, "choices": [],
-                    "usage": P.usage(d0.prompt_tokens, sum(len(d.token_ids) for d in done.values()),
-                                     d0.cached_tokens)}
+                    "usage": P.usage(*self._usage(done))}
             spec = merge_spec([done[i].spec for i in range(len(self.jobs))])
             if spec is not None:
                 last["spec"] = spec
@@ -139,7 +147,7 @@ class Answer:
         s.ids += len(tids)
         echo = p.echo and not s.started
         if echo:
-            text = self.prompt_text + (text or "")
+            text = self.prompt_text[i // p.n] + (text or "")
         has_lp = p.logprobs is not None and (tids or echo)
         # every generated token gets its chunk, empty text too (an EOS under ignore_eos, a token the decoder or a
         # stop string holds back), as vLLM sends it: a client times its first token when the server made it

@@ -1,23 +1,50 @@
 """A stand-in serving engine for the sweep tests of the plugin path: an OpenAI-style chat server on loopback whose
-"engine steps" are timed by specscope's real step recorder (plugins/steps.py, what the vLLM plugin drives), written
+"engine steps" go through specscope's real step recorder (plugins/steps.py, what the vLLM plugin drives), written
 to SPECSCOPE_PHASES as vLLM's plugin writes them. A step verifies --steps drafts (plain decoding without it) and
-sleeps a verify time that grows with the tokens verified, a draft time that grows with the steps, so the sweep's
-phases, compare verdicts and break-even have something known to find. Only the engines suite runs vLLM itself.
+costs a declared verify time that grows with the tokens verified and a declared draft time that grows with the
+steps. The recorder reads those costs from the stand-in's own clock (`DeclaredClock`), not the machine's: the
+phases the sweep finds are exactly the declared ones however loaded the machine is (the stand-in still sleeps them,
+so a client's wall times follow). Only the engines suite runs vLLM itself.
 
-    python tests/sweep_engine.py --port P [--steps K] [--verify-ms 2] [--fail]
-"""
+    python tests/sweep_engine.py --port P [--steps K] [--verify-ms 2] [--fail] [--die-after N] [--fail-every K]
+
+--die-after N: the process exits on its (N+1)-th request (an engine that crashes mid-workload); --fail-every K:
+every K-th request is answered 500 (an engine failing some requests)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import specscope.profile.cycle as cycle
 from specscope.plugins.steps import StepRecorder
 
 ACCEPT = (2, 0, 1, 2, 1)        # accepted drafts per step, cycled (clipped to --steps)
+DRAFT_MS_PER_STEP = 0.5
+
+
+def verify_ms(verify: float, steps: int) -> float:
+    """The declared cost of one target forward over 1 + steps tokens."""
+    return verify * (1 + 0.25 * steps)
+
+
+class DeclaredClock:
+    """The time the step recorder's profiler reads: advanced by exactly the cost the stand-in declares for each
+    phase (and slept for real), so the recorded phases are the declared costs, not the machine's load."""
+
+    def __init__(self):
+        self.ns = 0
+
+    def perf_counter_ns(self) -> int:
+        return self.ns
+
+    def spend(self, ms: float) -> None:
+        self.ns += round(ms * 1e6)
+        time.sleep(ms / 1e3)
 
 
 def _args():
@@ -27,6 +54,8 @@ def _args():
     p.add_argument("--steps", type=int, default=0)
     p.add_argument("--verify-ms", type=float, default=2.0, help="below 0: exit at once, as --fail")
     p.add_argument("--fail", action="store_true", help="exit at once, as an engine with a bad flag does")
+    p.add_argument("--die-after", type=int, default=None, help="exit on the request after this many")
+    p.add_argument("--fail-every", type=int, default=None, help="answer every K-th request with 500")
     return p.parse_args()
 
 
@@ -34,7 +63,10 @@ class Engine:
     """The stand-in's steps, timed by the step recorder when SPECSCOPE_PHASES is set."""
 
     def __init__(self, a):
-        self.a, self.n = a, 0
+        self.a, self.n, self.requests = a, 0, 0
+        self.lock = threading.Lock()            # one step at a time, as an engine's loop
+        self.clock = DeclaredClock()
+        cycle.time = self.clock                 # the profiler's timer is the declared clock
         path = os.environ.get("SPECSCOPE_PHASES")
         cfg = {"engine": "stand-in", "model": "stand-in", "steps": a.steps or None,
                "num_speculative_tokens": a.steps or None, "method": "eagle3" if a.steps else None}
@@ -52,10 +84,10 @@ class Engine:
         if self.rec:
             self.rec.begin_step("verify" if a.steps else "decode")
         with self._scope("forward"):
-            time.sleep(a.verify_ms * (1 + 0.25 * a.steps) / 1e3)
+            self.clock.spend(verify_ms(a.verify_ms, a.steps))
         if a.steps:
             with self._scope("draft"):
-                time.sleep(0.5 * a.steps / 1e3)
+                self.clock.spend(DRAFT_MS_PER_STEP * a.steps)
         if self.rec:
             self.rec.end_step([a.steps], [acc] if a.steps else [0])
         return acc + 1
@@ -84,12 +116,23 @@ def handler(engine: Engine):
         def do_POST(self):
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             want = int(body.get("max_tokens") or 16)
+            a = engine.a
+            with engine.lock:
+                engine.requests += 1
+                n = engine.requests
+            if a.die_after is not None and n > a.die_after:
+                print(f"RuntimeError: the engine died on request {n} (stand-in failure)", flush=True)
+                os._exit(4)
+            if a.fail_every and n % a.fail_every == 0:
+                self._send(500, json.dumps({"error": {"message": f"request {n} failed (stand-in)"}}).encode())
+                return
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
             self.end_headers()
             done = 0
             while done < want:
-                k = min(engine.step(), want - done)
+                with engine.lock:
+                    k = min(engine.step(), want - done)
                 done += k
                 chunk = {"choices": [{"delta": {"content": " w" * k}, "finish_reason": None}]}
                 self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())

@@ -6,14 +6,14 @@ the break-even τ per cell.
 
     spec = SweepSpec(command, [parse_flag_axis("speculative-config.num_speculative_tokens=1,3"),
                                parse_env_axis("NCCL_PROTO=LL,Simple")], repeats=2, workload=workload_spec())
-    state = SweepState.open(workdir, spec, name=None)
-    run_sweep(state)
-    doc = sweep_document(state)
+    with SweepState.open(workdir, spec, name=None) as state:      # holds the workdir's lock
+        run_sweep(state)
+        doc = sweep_document(state)
 
-Modules: spec (axes, cells, ABBA order, the command per cell), engine (one launch, its process group), workload
-(bench-serve's requests and client), cell (one cell and its run), state (the resumable sweep file), run (the
-loop), pool (a cell's repeats as one record), matrix and axes (the document), render (its words), page (its
-HTML page, with the report module's parts).
+Modules: spec (axes, cells, ABBA order, the command per cell), workload (bench-serve's requests and client), cell
+(one cell and its run), state (the resumable sweep file and the workdir's lock), statecheck (every field of a
+sweep file checked), run (the loop), pool (a cell's repeats as one record), matrix and axes (the document), render
+(its words), page (its HTML page, with the report module's parts).
 """
 
 from specscope.sweep.matrix import sweep_document

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import itertools
 
+from specscope.sweep.pool import sample_counts
 from specscope.sweep.spec import Axis, Cell, SweepSpec, shown
 
 CHANGED = ("better", "worse")
+NOT_CALLED = "not called"      # compare calls it within one run, but no repeats measured the noise between launches
 HEADLINE = ("tok_per_s", "decode_tok_per_s", "ms_per_token", "accept_length", "cycle_ms")
 
 
@@ -35,7 +37,8 @@ def _small(metric: str, a: dict, b: dict) -> bool:
 
 def _judge(row: dict, pairs: list, small: bool, noise: float | None) -> dict:
     """One headline row: compare's verdict on the pooled cells, kept only if no repeat pair points the other way
-    and the change leaves the metric's launch-to-launch noise (`noise`, None: no repeats to measure it)."""
+    and the change leaves the metric's launch-to-launch noise (`noise`; None: no repeats measured it, and a change
+    is then shown as measured and not called)."""
     v, ch = row["verdicts"][1], row["changes"][1] or {}
     reps = [(rep, _row_of(c, row["metric"])) for rep, c in pairs]
     changes = [((r["changes"][1] or {}).get("change") if r else None) for _, r in reps]
@@ -46,7 +49,10 @@ def _judge(row: dict, pairs: list, small: bool, noise: float | None) -> dict:
         out["verdict"] = "no significant change"
         out["note"] = "the repeats point different ways: " + ", ".join(
             f"#{rep + 1} {'?' if c is None else f'{c * 100:+.1f}%'}" for (rep, _), c in zip(reps, changes))
-    elif v in CHANGED and noise is not None and abs(ch["change"]) <= noise:
+    elif v in CHANGED and noise is None:
+        out["verdict"] = NOT_CALLED
+        out["note"] = "no launch-to-launch noise to judge it against (one repeat): measured, not called"
+    elif v in CHANGED and abs(ch["change"]) <= noise:
         out["verdict"] = "no significant change"
         out["note"] = (f"within launch-to-launch noise: two launches of one cell differ by up to "
                        f"{noise * 100:.0f}% here")
@@ -81,6 +87,8 @@ def called(row: dict) -> bool:
 def _slice_verdict(rows: list[dict]) -> str:
     if any(called(r) for r in rows):
         return "changed"
+    if any(r["verdict"] == NOT_CALLED and not r.get("small") for r in rows):
+        return NOT_CALLED
     judged = any(r["verdict"] == "no significant change" for r in rows)
     return "no significant change" if judged else "not judged"
 
@@ -96,9 +104,12 @@ def axis_report(spec: SweepSpec, axis: Axis, by_cell: dict, noise: dict[str, flo
         ref = by_cell.get(key(axis.values[0])) or []
         for v in axis.values[1:]:
             other = by_cell.get(key(v)) or []
-            s = {"at": at, "from": axis.values[0], "to": v}
+            s = {"at": at, "from": axis.values[0], "to": v, "runs": [len(ref), len(other)]}
+            failed = sample_counts(ref)["failed_requests"] + sample_counts(other)["failed_requests"]
             if not ref or not other:
                 s.update(verdict="not judged", why="a cell has no run yet", rows=[])
+            elif failed:
+                s.update(verdict="not judged", why=f"{failed} request(s) failed in these cells", rows=[])
             else:
                 s.update(compare_cells(ref, other, key(axis.values[0]), key(v), noise))
                 s["verdict"] = _slice_verdict(s["rows"])
@@ -121,8 +132,9 @@ def _axis_settings(axis: Axis, differing: list[str]) -> list[str]:
 
 def _axis_verdict(slices: list[dict]) -> str:
     vs = [s["verdict"] for s in slices]
-    if "changed" in vs:
-        return "changed"
+    for v in ("changed", NOT_CALLED):
+        if v in vs:
+            return v
     return "no significant change" if "no significant change" in vs else "not judged"
 
 

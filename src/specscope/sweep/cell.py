@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specscope.errors import SpecscopeError
+from specscope.fileio import why, write_atomic
 from specscope.serverproc import ServerFailed, ServerProcess, free_port
 from specscope.sweep.spec import Cell, SweepSpec
 from specscope.sweep.workload import (Workload, WorkloadFailed, config_of, per_prompt, send, serve_results)
@@ -51,9 +52,12 @@ def run_cell(ctx: Context, cell: Cell, repeat: int) -> dict:
     """{"status": "ok", "run_id", ...} or {"status": "failed", "reason", "log_tail", ...}. KeyboardInterrupt
     passes through, the engine stopped first."""
     d = ctx.cell_dir(cell, repeat)
-    d.mkdir(parents=True, exist_ok=True)
-    for stale in (STEPS_FILE, "steps.measured.jsonl"):      # a rerun of an interrupted cell starts clean
-        (d / stale).unlink(missing_ok=True)
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        for stale in (STEPS_FILE, "steps.measured.jsonl"):      # a rerun of an interrupted cell starts clean
+            (d / stale).unlink(missing_ok=True)
+    except OSError as e:
+        raise SpecscopeError(f"cannot write the cell's files in {d} ({why(e)})") from None
     port = free_port()
     argv = ctx.spec.argv(cell, port)
     eng = ServerProcess(argv, engine_env(ctx, cell, d), d / LOG_FILE, f"http://127.0.0.1:{port}", ctx.startup_s,
@@ -75,9 +79,13 @@ def run_cell(ctx: Context, cell: Cell, repeat: int) -> dict:
         return {"status": "failed", "reason": str(e), "log_tail": getattr(e, "log_tail", "") or eng.log_tail(),
                 "pgid": eng.pgid, "seconds": round(time.monotonic() - t0, 1), "command": shlex.join(argv)}
     finally:
+        died = eng.proc is not None and not eng.alive() and eng.exit_words()
         eng.stop()      # always, and before the steps are read: the plugin writes its last ones at shutdown
-    (d / "bench.json").write_text(json.dumps({k: out[k] for k in ("model", "levels")}, default=str, indent=1))
+    write_atomic(d / "bench.json", json.dumps({k: out[k] for k in ("model", "levels")}, default=str, indent=1),
+                 "the cell's bench.json")
     phases, warnings = read_phases(ctx, d, mark)
+    if died:            # the workload's failed requests say what it cost; this says why
+        warnings.append(f"the engine {died} during the workload; its last lines are in {d / LOG_FILE}")
     rec = build_record(ctx, cell, repeat, out, phases, argv, warnings)
     from specscope.registry import store_record
 
@@ -140,15 +148,12 @@ def _measured_file(ctx: Context, d: Path, mark) -> Path | None:
                 except (ValueError, KeyError, TypeError):
                     pass            # a torn line: ingest counts it as malformed
             keep.append(ln)
-        dst = d / "steps.measured.jsonl"
-        dst.write_text("\n".join(keep) + "\n")
-        return dst
+        return write_atomic(d / "steps.measured.jsonl", "\n".join(keep) + "\n", "the cell's measured steps")
     if source == "log":
         raw = (d / LOG_FILE).read_bytes()
         head = [ln for ln in raw[:mark or 0].decode(errors="replace").splitlines() if "server_args=" in ln]
-        dst = d / "engine.measured.log"
-        dst.write_text("\n".join(head) + "\n" + raw[mark or 0:].decode(errors="replace"))
-        return dst
+        return write_atomic(d / "engine.measured.log", "\n".join(head) + "\n" + raw[mark or 0:].decode(
+            errors="replace"), "the cell's measured log")
     return None
 
 

@@ -25,7 +25,7 @@ import statistics
 
 from specscope.errors import SpecscopeError
 from specscope.sweep.spec import Cell, SweepSpec
-from specscope.sweep.pool import pooled, value_of
+from specscope.sweep.pool import pooled, sample_counts, value_of
 from specscope.sweep.state import SweepState, slot
 
 CELL_FIELDS = {"verify_ms": ("phases", "verify", "mean_ms"), "verify_share": ("phases", "verify", "share"),
@@ -95,9 +95,14 @@ def cell_entry(state: SweepState, cell: Cell, runs: dict, base: tuple[str, list]
     fields = BASE_FIELDS if cell.baseline else CELL_FIELDS
     for name, path in fields.items():
         out[name] = _stat([value_of(r, path) for r in recs])
+    out["samples"] = sample_counts(recs)
     if not cell.baseline:
-        out["breakeven"] = _breakeven(recs, base[1] if base else None, cell.key, base[0] if base else "")
+        out["breakeven"] = (_breakeven(recs, base[1] if base else None, cell.key, base[0] if base else "")
+                            if not out["samples"]["failed_requests"] else {"error": FAILED_WHY})
     return out
+
+
+FAILED_WHY = "requests failed in the cell: its numbers are shown, not judged"
 
 
 def launch_spread(recs: list[dict]) -> list[dict]:
@@ -173,7 +178,9 @@ def sweep_document(state: SweepState, db=None) -> dict:
     runs = load_runs(state, db)
     by_cell = {c.key: [runs[(c.key, r)] for r in range(spec.repeats) if (c.key, r) in runs] for c in spec.cells()}
     stored = _stored_baseline(spec, db)
-    spread = [p for recs in by_cell.values() for p in launch_spread(recs)]      # compare_runs once per pair
+    # compare_runs once per pair; a cell whose requests failed says nothing about how launches vary
+    spread = [p for recs in by_cell.values() if not sample_counts(recs)["failed_requests"]
+              for p in launch_spread(recs)]
     noise = launch_noise(spread)
     cols = _columns(spec)
     grid = []

@@ -42,12 +42,13 @@ def _matrix(doc: dict) -> str:
 
 
 def _axes(doc: dict) -> list[str]:
+    rule = ("Each axis's first value against the others, the other axes held fixed; the repeats of a cell pooled; "
+            "a change is called when compare calls it on the pooled cells, no repeat pair points the other way, "
+            "and it is larger than the metric's launch-to-launch noise (compare's intervals cover the noise within "
+            "a run; two launches of one setting differ by more on a shared machine, which only repeats show). "
+            "Phases under 3% of the cycle are listed, not called.")
     out = ["<h2>What compare says about each axis</h2>",
-           "<p class=note>Each axis's first value against the others, the other axes held fixed; the repeats "
-           "of a cell pooled; a change is called when compare calls it on the pooled cells, no repeat pair "
-           "points the other way, and it is larger than the metric's launch-to-launch noise (compare's intervals "
-           "cover the noise within a run; two launches of one setting differ by more on a shared machine, which "
-           "only repeats show). Phases under 3% of the cycle are listed, not called.</p>"]
+           f"<p class=note>{esc(rule if doc.get('launch_noise') else render.axes_header(doc) + '.')}</p>"]
     if doc.get("launch_noise"):
         out.append(f"<p class=note>{esc(render.launch_words(doc))}.</p>")
     for a in doc["axes"]:

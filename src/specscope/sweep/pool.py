@@ -13,6 +13,15 @@ def value_of(rec: dict, path: tuple):
     return v if isinstance(v, (int, float)) and not isinstance(v, bool) else None
 
 
+def sample_counts(recs: list[dict]) -> dict:
+    """What a cell's numbers rest on: its runs, their timed cycles, the requests sent and how many of them failed
+    (bench-serve's counts, kept in each run's record)."""
+    failed = sum(int(value_of(r, ("failed",)) or 0) for r in recs)
+    return {"runs": len(recs), "cycles": sum(int(value_of(r, ("cycles",)) or 0) for r in recs),
+            "requests": sum(int(value_of(r, ("serve", "completed")) or 0) for r in recs) + failed,
+            "failed_requests": failed}
+
+
 def pooled(recs: list[dict], label: str) -> dict:
     """One record of a cell's repeats: their cycles and per-prompt samples end to end (what `compare` tests), the
     phases summarised over all cycles, tok/s and τ the mean of the repeats'."""

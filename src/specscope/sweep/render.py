@@ -33,6 +33,7 @@ def cell_lines(cell: dict) -> list[str]:
     if cell.get("tau"):
         lines.append(f"τ {_pm(cell['tau'], '.2f')}")
     lines.append(f"{_pm(cell.get('tok_per_s'), '.1f')} tok/s")
+    lines += samples_lines(cell.get("samples"))
     be = cell.get("breakeven")
     if be:
         lines.append(breakeven_words(be))
@@ -40,6 +41,16 @@ def cell_lines(cell: dict) -> list[str]:
         lines.append(f"{cell['n']} of {cell['n'] + cell['failed'] + cell['missing']} repeats"
                      + (f", {cell['failed']} failed" if cell["failed"] else ""))
     return lines
+
+
+def samples_lines(n: dict | None) -> list[str]:
+    """What a cell's numbers rest on; failed requests on their own line, the cell's numbers then not judged."""
+    if not n:
+        return []
+    out = [f"n: {n['runs']} run(s), {n['cycles']} cycles, {n['requests']} requests"]
+    if n["failed_requests"]:
+        out.append(f"FAILED: {n['failed_requests']} of {n['requests']} requests (not judged)")
+    return out
 
 
 def breakeven_words(be: dict) -> str:
@@ -80,11 +91,17 @@ def _pct(x) -> str:
 
 def slice_words(axis: str, s: dict) -> str:
     at = ", ".join(f"{n}={shown(v)}" for n, v in s["at"].items())
-    head = f"{axis} {shown(s['from'])} → {shown(s['to'])}" + (f" at {at}" if at else "")
+    runs = s.get("runs") or [0, 0]
+    head = (f"{axis} {shown(s['from'])} → {shown(s['to'])}" + (f" at {at}" if at else "")
+            + f" ({runs[0]} vs {runs[1]} run(s))")
     if s["verdict"] == "not judged" and not s.get("rows"):
         return f"{head}: not judged ({s.get('why', 'no samples')})"
-    from specscope.sweep.axes import called
+    from specscope.sweep.axes import NOT_CALLED, called
 
+    if s["verdict"] == NOT_CALLED:
+        measured = [r for r in s["rows"] if r["verdict"] == NOT_CALLED]
+        return (f"{head}: measured, not called (no launch-to-launch noise to judge it against): "
+                + ", ".join(f"{r['label']} {_pct(r['change'])}" for r in measured))
     moved = [r for r in s["rows"] if called(r)]
     small = [r for r in s["rows"] if r["verdict"] in ("better", "worse") and not called(r)]
     tail = ("; also moved, too small a part of the cycle to name: "
@@ -101,6 +118,8 @@ def slice_words(axis: str, s: dict) -> str:
 
 
 def axis_headline(a: dict) -> str:
+    if a["verdict"] == "not called":
+        return f"{a['axis']}: not called (changes measured, without repeats to judge them against)"
     if a["verdict"] != "changed":
         return f"{a['axis']}: {a['verdict']}"
     parts = [f"{m['label']} {'/'.join(sorted(set(m['verdicts'])))} in {m['slices']}/{m['of']} "
@@ -122,10 +141,20 @@ def baseline_words(b: dict) -> str:
     return f"{b['key']}: decode {_pm(b.get('decode_ms'), '.1f')} ms/token, {_pm(b.get('tok_per_s'), '.1f')} tok/s"
 
 
+def axes_header(doc: dict) -> str:
+    """The rule the verdicts below follow, stated only with the noise it needs: without a launch-to-launch
+    figure (one repeat a cell) nothing is called, and the header says so."""
+    if doc.get("launch_noise"):
+        return ("what compare says about each axis (called when compare calls it on the pooled repeats and no "
+                "repeat pair points the other way, beyond the launch-to-launch noise below)")
+    return ("what compare measured along each axis: no cell was launched twice, so there is no launch-to-launch "
+            "noise to judge a change against; changes are shown as measured and not called (--repeats 2 or more "
+            "calls them)")
+
+
 def text_lines(doc: dict) -> list[str]:
     """What follows the table: each axis's verdict and slices, the baselines, failures, what is left."""
-    out = [LEGEND, "", "what compare says about each axis (called when compare calls it on the pooled repeats and no "
-           "repeat pair points the other way, beyond the launch-to-launch noise):"]
+    out = [LEGEND, "", axes_header(doc) + ":"]
     for a in doc["axes"]:
         out.append("  " + axis_headline(a))
         out += ["    " + slice_words(a["axis"], s) for s in a["slices"]]

@@ -36,8 +36,9 @@ def _interruptible():
 
 def run_sweep(state: SweepState, *, db=None, startup_s: float = 600.0, workload_s: float = 1800.0,
               stop_s: float = 30.0, max_cells: int | None = None, retry_failed: bool = False,
-              progress: bool = True, json_mode: bool = False) -> dict:
-    """Run what the sweep is missing (at most max_cells of it); returns {"ran", "failed", "left", "adopted"}."""
+              progress: bool = True, json_mode: bool = False, workload=None) -> dict:
+    """Run what the sweep is missing (at most max_cells of it); returns {"ran", "failed", "left", "adopted"}.
+    `workload`: the sweep's workload already built (the command builds it before it writes anything)."""
     from specscope.progress import Progress
 
     adopted = state.adopt(db)
@@ -48,8 +49,8 @@ def run_sweep(state: SweepState, *, db=None, startup_s: float = 600.0, workload_
     total = len(spec.schedule())
     if not todo:
         return {"ran": 0, "failed": 0, "left": len(state.missing(retry_failed)), "adopted": adopted}
-    ctx = Context(spec, build_workload(spec.workload), state.path.parent, state.id, state.name, db, startup_s,
-                  workload_s, stop_s, on_start=state.engine_up)
+    ctx = Context(spec, workload or build_workload(spec.workload), state.path.parent, state.id, state.name, db,
+                  startup_s, workload_s, stop_s, on_start=state.engine_up)
     cells = {c.key: c for c in spec.cells()}
     done_before = total - len(state.missing(retry_failed))
     bar = Progress(f"sweep {state.name}", done_before + len(todo), "cell", start=done_before, json_mode=json_mode,
@@ -61,8 +62,8 @@ def run_sweep(state: SweepState, *, db=None, startup_s: float = 600.0, workload_
                 state.started(key, r)
                 try:
                     outcome = run_cell(ctx, cells[key], r)
-                except KeyboardInterrupt:
-                    state.interrupted()
+                except BaseException:       # Ctrl-C, or the cell's files could not be written (a full disk)
+                    _note_interrupted(state)
                     raise
                 state.finished(key, r, outcome)
                 ran += 1
@@ -74,6 +75,17 @@ def run_sweep(state: SweepState, *, db=None, startup_s: float = 600.0, workload_
     finally:
         bar.close()
     return {"ran": ran, "failed": failed, "left": len(state.missing(retry_failed)), "adopted": adopted}
+
+
+def _note_interrupted(state: SweepState) -> None:
+    """The running cell back to missing, if the sweep file can still be written: on a full disk it cannot, and
+    the file keeps its last whole version (the cell reads as missing all the same, `running` aside)."""
+    from specscope.errors import SpecscopeError
+
+    try:
+        state.interrupted()
+    except SpecscopeError:
+        pass
 
 
 def _cell_line(key: str, repeat: int, outcome: dict) -> str:

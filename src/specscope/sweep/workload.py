@@ -34,21 +34,48 @@ class Workload:
 
 
 def workload_spec(**given) -> dict:
-    """The stored form of the workload options (what makes two sweeps the same)."""
+    """The stored form of the workload options (what makes two sweeps the same), every option checked."""
     unknown = set(given) - set(DEFAULTS)
     if unknown:
         raise TypeError(f"unknown workload options {sorted(unknown)}")
     w = {**DEFAULTS, **{k: v for k, v in given.items() if v is not None}}
     from specscope.benchserve.datasets import check_dataset
 
+    check_workload(w)
     check_dataset(w["dataset_name"], w["dataset_path"])      # before the sweep file is written, not after
+    return w
+
+
+# the range of each whole-number option, as the command line's option has it
+_INT_RANGES = {"num_prompts": (1, 100_000), "output_len": (1, 1 << 20), "max_concurrency": (1, 1024),
+               "warmup": (0, 100)}
+
+
+def check_workload(w: dict) -> None:
+    """The workload options' types and ranges, in the options' words: the command line's, or a stored sweep
+    file's (whose workload the reader checks the same way). Runs nothing and reads no dataset."""
+    from specscope.runtime.params import check_field
+
+    def flag(k):
+        return "--" + k.replace("_", "-")
+    for k, (lo, hi) in _INT_RANGES.items():
+        if type(w[k]) is not int or not lo <= w[k] <= hi:
+            raise SpecscopeError(f"{flag(k)} must be a whole number in {lo}..{hi}, got {w[k]!r}")
+    for k in ("dataset_name", "dataset_path", "tokenizer"):
+        if not (isinstance(w[k], str) or (w[k] is None and k != "dataset_name")):
+            raise SpecscopeError(f"{flag(k)} must be text, got {w[k]!r}")
+    if type(w["ignore_eos"]) is not bool:
+        raise SpecscopeError(f"--ignore-eos must be true or false, got {w['ignore_eos']!r}")
     if w["endpoint"] not in PATHS:
         raise SpecscopeError(f"--endpoint must be chat or completions, got {w['endpoint']!r}")
     rate = w["request_rate"]
     if rate != "inf" and not (isinstance(rate, (int, float)) and not isinstance(rate, bool) and rate > 0
                               and math.isfinite(rate)):
         raise SpecscopeError(f"--request-rate must be a positive number or inf, got {rate!r}")
-    return w
+    check_field("temperature", w["temperature"], style="cli")
+    check_field("seed", w["seed"], style="cli")
+    if w["seed"] is None:
+        raise SpecscopeError("--seed must be an integer from 0, got None")
 
 
 def build_workload(spec: dict) -> Workload:

@@ -428,3 +428,102 @@ def test_verify_cost_chart_draws_no_knee_its_legend_disowns():
     ax = fig.axes[0]
     assert "(dotted: knee)" in ax.get_title() and any(ln.get_linestyle() == ":" for ln in ax.get_lines())
     plt.close(fig)
+
+
+# ------------------------------------------------------------------ labels derived from the numbers they label
+
+def _served_report(tmp_path, capsys) -> tuple[str, list[dict]]:
+    from served_runs import priced_and_always
+
+    runs = list(priced_and_always())
+    with open_registry() as reg:
+        ids = [reg.add_run(r) for r in runs]
+    for r, rid in zip(runs, ids):
+        r["id"] = rid
+    out = tmp_path / "served.html"
+    code, _, err = cli(capsys, "report", *ids, "-o", out)
+    assert code == 0, err
+    return out.read_text(), runs
+
+
+def _runs_table(page: str) -> list[list[str]]:
+    body = page.split("<h2>Runs</h2>")[1].split("</table>")[0]
+    return [re.findall(r"<td[^>]*>(.*?)</td>", tr) for tr in re.findall(r"<tr>(.*?)</tr>", body) if "<td" in tr]
+
+
+def test_served_run_report_labels_match_their_numbers(tmp_path, capsys):
+    """Two served runs (a priced server that drafted in 4 of 501 steps, the same server drafting at every step):
+    the drafter is not 'none' beside τ 2.196, the ms/token shown is the chart's and decode tok/s is 1000 / it,
+    the draft phase's change is 'from ~0', and no interval level is promised over a table without intervals."""
+    from specscope.report import charts
+
+    page, (priced, _) = _served_report(tmp_path, capsys)
+    first = _runs_table(page)[0]
+    drafter, decode_tok_s, ms_tok, tau, e2e = first[4], first[5], first[6], first[7], first[8]
+    assert "none" not in drafter and "drafter not named by the server" in drafter
+    assert tau.startswith("2.196") and "46 cycles" in tau                    # and how many cycles τ rests on
+    from specscope.registry.rows import decode_ms_per_token
+
+    phases = charts.top_phases(priced)
+    per_token = sum(v * charts._per_token_scale(priced, phases) for v in phases.values())
+    assert float(ms_tok) == pytest.approx(per_token, abs=0.01) == pytest.approx(decode_ms_per_token(priced))
+    assert float(decode_tok_s) == pytest.approx(1e3 / per_token, abs=0.01) and e2e == "37.35"
+    cmp = page.split("<h2>Compare</h2>")[1].split("<h2>")[0]
+    draft_row = next(tr for tr in re.findall(r"<tr>(.*?)</tr>", cmp) if "Draft ms/cyc" in tr)
+    assert "from ~0" in draft_row and "%" not in draft_row, draft_row
+    assert "Intervals at" not in cmp and "No intervals" in cmp
+    assert "neither" not in cmp and "not measured" not in cmp
+    assert "drafter not named" in charts.label(priced)        # the legends beside τ and acceptance name it too
+
+
+def test_runs_table_tok_s_columns_each_have_one_definition(records, tmp_path, capsys):
+    """A generate run stores tok/s end to end (prefill in) beside decode-only ms/token: the table's decode tok/s
+    is 1000 / its ms/token, and the end-to-end figure has its own column under its own note."""
+    s = copy.deepcopy(records[2])
+    res = s["results"]
+    res["tok_per_s"] = round(res["decode_tok_per_s"] * 0.6, 3)     # as session.py stores it: prefill included
+    with open_registry() as reg:
+        rid = reg.add_run(s)
+    out = tmp_path / "r.html"
+    code, _, err = cli(capsys, "report", rid, "-o", out)
+    assert code == 0, err
+    page = out.read_text()
+    row = _runs_table(page)[0]
+    assert float(row[5]) == pytest.approx(1e3 / res["decode_ms_per_token"], rel=1e-3)
+    assert float(row[6]) == pytest.approx(res["decode_ms_per_token"], abs=0.01)
+    assert float(row[8]) == pytest.approx(res["tok_per_s"], abs=0.01)
+    head = page.split("<h2>Runs</h2>")[1].split("</thead>")[0]
+    assert "decode tok/s" in head and "tok/s end to end" in head
+    note = page.split("<h2>Runs</h2>")[1].split("<p class=note>")[1].split("</p>")[0]
+    assert "decode tok/s = 1000 / ms/token" in note and "tok/s end to end: with prefill" in note
+
+
+def test_breakeven_max_is_bounded_by_the_positions_measured():
+    """13 configured steps, acceptance measured at 7 positions: the line says the measured bound and names 14 as
+    the extrapolation it is."""
+    from specscope.economics.breakeven import BreakevenInputs, breakeven, describe, inputs_from_runs
+
+    run = {"id": "deep", "kind": "speculative",
+           "config": {"steps": 13},
+           "results": {"accept_length": 2.2, "drafted_tokens": 300,
+                       "per_position_acceptance": [0.6, 0.3, 0.15, 0.08, 0.04, 0.02, 0.01],
+                       "phases": {"draft": {"mean_ms": 3.0}, "verify": {"mean_ms": 30.0}, "other": {"mean_ms": 1.0}}}}
+    base = {"id": "plain", "results": {"decode_ms_per_token": 25.0}}
+    inp = inputs_from_runs(run, base, BreakevenInputs())
+    line = next(x for x in describe(breakeven(inp), inp) if x.startswith("break-even needs"))
+    assert "max 8 as measured" in line and "7 draft position(s)" in line and "extrapolation" in line, line
+    assert "max 14 with 13 step(s))" not in line
+
+
+def test_environment_values_wrap_inside_their_column(records, tmp_path, capsys):
+    """A CPU flag list has no spaces: it may wrap after its commas, and the table is laid out to its box."""
+    b = copy.deepcopy(records[0])
+    b["env"] = dict(b["env"] or {}, cpu=dict((b["env"] or {}).get("cpu") or {},
+                                             simd="avx512f,avx512_bf16,avx512_vnni,amx_bf16,avx2,fma"))
+    with open_registry() as reg:
+        rid = reg.add_run(b)
+    out = tmp_path / "r.html"
+    code, _, err = cli(capsys, "report", rid, "-o", out)
+    assert code == 0, err
+    env = out.read_text().split("<h2>Environment</h2>")[1]
+    assert "<table class=fit>" in env and "avx512f,<wbr>avx512_bf16,<wbr>" in env

@@ -88,3 +88,49 @@ def test_the_probe_catches_what_it_checks(tmp_path):
     assert got["layout"]["broken"] == ["not a png"]
     assert any(o["tag"] == "pre" and not o["scrolls"] for o in got["layout"]["over"])
     assert any("boom" in c for c in got["console"]) and any("no_such_function" in c for c in got["console"])
+
+
+FLAG_LISTS = ["avx512f,avx512_bf16,avx512_vnni,avx512bw,avx512cd,avx512dq,avx512vl,amx_bf16,amx_int8,avx2,fma",
+              "avx512f,avx512_bf16,avx512_vnni,avx512bw,avx512vl,avx2,fma", "avx2,fma,f16c,bmi2,sha_ni,vaes",
+              "asimd,asimdhp,asimddp,sve,sve2,bf16,i8mm,sha3,sm4"]
+
+
+def _distinct_env(rec: dict, i: int) -> dict:
+    """Four machines: long values without spaces (CPU flag lists, a path list), as real fingerprints have."""
+    env = dict(rec.get("env") or {})
+    env["cpu"] = dict(env.get("cpu") or {}, simd=FLAG_LISTS[i], model=f"Example CPU model {i} @ 2.{i}0GHz")
+    env["vars"] = dict(env.get("vars") or {}, LD_LIBRARY_PATH=":".join(f"/opt/lib{i}/toolkit-{j}/lib64"
+                                                                       for j in range(6)))
+    env["host"] = f"bench-host-{i}"
+    return env
+
+
+def _write(tmp_path, capsys, runs: list[dict], name: str):
+    with open_registry() as reg:
+        ids = [reg.add_run(r) for r in runs]
+    out = tmp_path / name
+    code, _, err = cli(capsys, "report", *ids, "-o", out)
+    assert code == 0, err
+    return out
+
+
+@pytest.mark.parametrize("kind", ["served", "four runs"])
+def test_no_element_is_wider_than_its_box(records, tmp_path, capsys, kind):
+    """A served-run report and a four-run report with four environments, at a laptop width (the page's 1000 px
+    box): no element's content is wider than its box, not even a table inside its scrolling wrapper (the
+    Environment table was 1143 px in a 1000 px box, its third column cut)."""
+    from served_runs import priced_and_always
+
+    if kind == "served":
+        runs = [dict(r, env=_distinct_env(r, i)) for i, r in enumerate(priced_and_always())]
+    else:
+        b, _, s, s2, _ = [dict(r) for r in records]
+        s3 = dict(s, name="ngram s3, again")
+        runs = [dict(r, env=_distinct_env(r, i)) for i, r in enumerate((b, s, s2, s3))]
+    page = _write(tmp_path, capsys, runs, "r.html")
+    got = render(page, 1280)
+    lay = got["layout"]
+    assert got["console"] == [] and lay["broken"] == [], got
+    assert lay["scrollWidth"] <= lay["clientWidth"], lay
+    assert _overflowing(lay, allow_scrolling=False) == [], lay["over"]
+    assert "avx512f,<wbr>avx512_bf16" in page.read_text()          # the flag list wraps after its commas

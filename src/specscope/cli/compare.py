@@ -76,8 +76,9 @@ def _print(res: dict) -> None:
     from specscope.registry.labels import change_label, has_intervals, intervals_note
 
     t = Table(box=None, header_style="bold",
-              caption=intervals_note(res) + (" The intervals cover noise within a run; drift between runs (load, heat) "
-                                             "shows only across repeats (--by, matrix mode)" if has_intervals(res) else ""),
+              caption=intervals_note(res) + (" The intervals cover noise within a run; drift between runs (load, "
+                                             "heat) shows only across repeats (--by, matrix mode)"
+                                             if has_intervals(res) else ""),
               caption_justify="left")
     t.add_column("metric")
     t.add_column(f"{ids[0]} (ref)", justify="right")

@@ -27,6 +27,7 @@ class BreakevenInputs:
     batch: int = 1                                   # sequences per target forward (decode_ms, verify_ms: all of them)
     verify_tokens: float | None = None               # tokens one sequence verifies per cycle (to read a surface)
     context: float | None = None                     # per-sequence context (to read a surface)
+    measured_positions: int | None = None            # draft positions the run measured acceptance at
 
     def fill(self, attr: str, value, origin: str) -> None:
         """Set `attr` to a run's `value`, said to come from `origin`, unless the command line gave it (it wins)."""
@@ -112,7 +113,7 @@ def describe(res: dict, inp: BreakevenInputs) -> list[str]:
         lines.append(f"break-even needs τ = {need:.2f}: the cycle costs no more than one decode step, "
                      f"so any acceptance pays (max τ {mx:.0f}).")
     else:
-        lines.append(f"break-even needs τ = {need:.2f} tokens per cycle (max {mx:.0f} with {inp.steps} step(s)), "
+        lines.append(f"break-even needs τ = {need:.2f} tokens per cycle ({_max_words(mx, inp)}), "
                      f"i.e. a per-token acceptance α = {a:.3f} if acceptance were i.i.d.")
     if "speedup" in res:
         sp = res["speedup"]
@@ -131,6 +132,16 @@ def describe(res: dict, inp: BreakevenInputs) -> list[str]:
     for n in inp.notes:
         lines.append(f"note: {n}")
     return lines
+
+
+def _max_words(mx: float, inp: BreakevenInputs) -> str:
+    """The most a cycle can yield, bounded by what the run measured: with acceptance measured at fewer positions
+    than the configured steps, the steps' bound is named as the extrapolation it is."""
+    p = inp.measured_positions
+    if p is not None and 0 < p < inp.steps:
+        return (f"max {p + 1} as measured: acceptance at {p} draft position(s); {mx:.0f} with all {inp.steps} "
+                f"step(s) is an extrapolation past them")
+    return f"max {mx:.0f} with {inp.steps} step(s)"
 
 
 def _note_suffix(inp: BreakevenInputs) -> str:
@@ -285,6 +296,8 @@ def _fill_from_run(inp: BreakevenInputs, run: dict, rid: str, priced: bool) -> N
     inp.fill("steps", int(steps) if steps is not None else None,
              f"run {rid}" + (" (deepest copy chain of the hybrid)" if ngram else ""))
     inp.fill("measured_accept_length", _num(res.get("accept_length")), f"run {rid}")
+    pos = res.get("per_position_acceptance")
+    inp.fill("measured_positions", len(pos) if isinstance(pos, list) and pos else None, f"run {rid}")
     if priced:
         inp.fill("verify_tokens", _num(res.get("verify_tokens_mean")), f"run {rid}")
         inp.fill("context", _num(res.get("mean_context")), f"run {rid}")

@@ -25,6 +25,8 @@ from specscope.errors import SpecscopeError
 from specscope.fileio import write_atomic
 from specscope.profile.cycle import PHASE_LABELS
 from specscope.registry.compare import compare_runs, one_sided, speed_change, speed_words
+from specscope.registry import labels
+from specscope.registry import rows as rows_of
 from specscope.registry.fingerprint import VOLATILE, flatten, load_warning
 from specscope.report import charts
 
@@ -98,17 +100,30 @@ def _summary(runs, perf, by_id, cmp):
         # ingested logs may name only some of the knobs
         shape = ", ".join(f"{k} {cfg[key]}" for k, key in (("steps", "steps"), ("topk", "topk"),
                                                             ("draft tokens", "draft_tokens")) if cfg.get(key))
+        ms_tok = rows_of.decode_ms_per_token(r)
         rows.append([_code(r.get("id") or "-"), f"<span class=k>{esc(r.get('kind') or '-')}</span>", esc(r.get("name") or ""),
                      _path(_short(cfg.get("model") or cfg.get("model_name"))),
                      _drafter_cell(r) + (f"<br><small>{esc(shape)}</small>" if shape else ""),
-                     _f(res.get("tok_per_s")), _f(res.get("decode_ms_per_token")), _f(res.get("accept_length")),
-                     _f(res.get("speedup"), "×"), esc((r.get("created_at") or "")[:19].replace("T", " "))])
+                     _f(1e3 / ms_tok if ms_tok else None), _f(ms_tok), _tau_cell(r),
+                     _f(rows_of.end_to_end_tok_per_s(r)), _f(res.get("speedup"), "×"),
+                     esc((r.get("created_at") or "")[:19].replace("T", " "))])
     heads = [h for r in runs if (h := _headline(r, perf, by_id, cmp))]
     return heads + ["<h2>Runs</h2>",
-            html_table(["run", "kind", "name", "model", "drafter", "tok/s", "ms/token", "τ", "speedup", "created"],
-                   rows, num_cols={5, 6, 7, 8}, raw=True),
-            "<p class=note>tok/s and ms/token are decode-only (the cycles; prefill excluded) where the run was "
-            "profiled. τ = tokens per cycle (accepted drafts + the bonus token); plain decoding has τ = 1.</p>"]
+            html_table(["run", "kind", "name", "model", "drafter", "decode tok/s", "ms/token", "τ",
+                        "tok/s end to end", "speedup", "created"], rows, num_cols={5, 6, 7, 8, 9}, raw=True),
+            "<p class=note>decode tok/s = 1000 / ms/token: decoding only, per sequence (prefill left out; from the "
+            "profiled cycles, or a server's engine steps over the tokens a step yields). tok/s end to end: with "
+            "prefill and everything around decoding; for a served or ingested run, the server's output throughput "
+            "over all requests. τ = tokens per cycle (accepted drafts + the bonus token), over the cycles counted "
+            "under it; plain decoding has τ = 1.</p>"]
+
+
+def _tau_cell(r: dict) -> str:
+    """τ and the number of cycles it rests on."""
+    tau, n = (r.get("results") or {}).get("accept_length"), rows_of.cycles_measured(r)
+    if not isinstance(tau, (int, float)):
+        return "-"
+    return _f(tau) + (f"<br><small>{n} cycles</small>" if n else "")
 
 
 def _headline(r: dict, perf: list[dict], by_id: dict, cmp: dict | None) -> str | None:
@@ -119,7 +134,9 @@ def _headline(r: dict, perf: list[dict], by_id: dict, cmp: dict | None) -> str |
     if r.get("kind") == "verify_curve" or _is_plain(r) or not isinstance(tau, (int, float)):
         return None
     sc = _speed_against_plain(r, perf, by_id, cmp)
-    tail = f", τ = {tau:.2f} tokens per cycle, {_f(res.get('tok_per_s'))} tok/s"
+    n, ms_tok = rows_of.cycles_measured(r), rows_of.decode_ms_per_token(r)
+    tail = (f", τ = {tau:.2f} tokens per cycle" + (f" over {n} cycles" if n else "")
+            + (f", {_f(1e3 / ms_tok)} decode tok/s" if ms_tok else ""))
     if sc is not None:
         cls = {"better": "good", "worse": "bad"}.get(sc["verdict"], "dim")
         return (f"<p class=headline><b>{esc(charts.label(r))}</b>: <span class={cls}>{sc['ratio']:.2f}×</span> "
@@ -155,17 +172,13 @@ def _speed_against_plain(run, perf, by_id, cmp) -> dict | None:
 
 
 def _drafter_cell(r) -> str:
-    """What drafted: the drafter's path, else the method an engine log named, else say the log did not say."""
-    cfg, res = r.get("config") or {}, r.get("results") or {}
-    if cfg.get("draft"):
-        return _path(_short(cfg["draft"]))
-    method = cfg.get("speculative_method") or cfg.get("method") or cfg.get("drafter_kind")
-    if method:
-        return esc(method)
-    speculative = res.get("drafted_tokens") or (res.get("accept_length") or 1.0) > 1.0 \
-        or res.get("per_position_acceptance")
-    if r.get("kind") == "ingest" and speculative:
-        return "<span class=dim>speculative (not named in the log)</span>"
+    """What drafted: the drafter (or the method an engine named), else, where the run drafted, that its record
+    does not name it; "none" only for a run that did not draft."""
+    name = labels.drafter_name(r)
+    if name:
+        return _path(_short(name))
+    if labels.drafted(r):
+        return f"<span class=dim>{esc(labels.unnamed_drafter(r))}</span>"
     return "none" if r.get("kind") != "ingest" else "<span class=dim>not in the log</span>"
 
 
@@ -312,20 +325,15 @@ def _compare_section(res):
     for row in kept:
         cells = [esc(row["label"]), _f(row["values"][0])]
         for i in range(1, len(ids)):
-            ch = row["changes"][i] or {}
-            d = ch.get("change")
-            delta = "" if d is None else f"{d * 100:+.1f}%"
-            if ch.get("lo") is not None:
-                delta += f" [{ch['lo'] * 100:+.0f}, {ch['hi'] * 100:+.0f}]"
+            delta = labels.change_label(row["changes"][i])
+            delta = "" if delta == "-" else delta
             verdict = row["verdicts"][i] or ""
             cls = {"better": "good", "worse": "bad"}.get(verdict, "dim")
             cells.append(f"{_f(row['values'][i])}<br><small>{esc(delta)} <span class={cls}>{esc(verdict)}</span>"
                          f"</small>")
         rows.append(cells)
     out = ["<h2>Compare</h2>",  # (runs timed under load are flagged at the top of the page)
-           f"<p class=note>The first run is the reference. Intervals at {res['confidence'] * 100:.2f}% "
-           f"(Bonferroni over rows), block bootstrap over cycles; changes under {res['min_effect'] * 100:.0f}% "
-           f"are not called.</p>",
+           f"<p class=note>The first run is the reference. {esc(labels.intervals_note(res))}</p>",
            html_table(head, rows, num_cols=set(range(1, len(head))), raw=True)]
     if only:        # metrics one run has and the other cannot have (acceptance of a plain run): said once
         out.append("<ul class=notes>" + "".join(f"<li>only in <code>{esc(rid[:8])}</code>, nothing to compare "
@@ -387,11 +395,11 @@ def _env_section(runs):
     for k in keys:
         vals = [_v(g.get(k)) for _, g in groups]
         differs = len(set(vals)) > 1
-        rows.append([esc(k)] + [(f"<b>{esc(v)}</b>" if differs else esc(v)) for v in vals])
+        rows.append([esc(k)] + [(f"<b>{_wrap(v)}</b>" if differs else _wrap(v)) for v in vals])
     note = ("all runs share one environment" if len(groups) == 1
             else f"{len(groups)} environments; differing values in bold")
     return ["<h2>Environment</h2>", f"<p class=note>Fingerprint stored with each run ({note}; volatile fields "
-            f"such as timestamps left out).</p>", html_table(head, rows, raw=True)]
+            f"such as timestamps left out).</p>", html_table(head, rows, raw=True, cls="fit")]
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -405,15 +413,17 @@ def _img(data: bytes, alt: str) -> str:
             f"</figure>")
 
 
-def html_table(head, rows, num_cols=frozenset(), raw=False) -> str:
-    """raw: cells are already HTML."""
+def html_table(head, rows, num_cols=frozenset(), raw=False, cls: str | None = None) -> str:
+    """raw: cells are already HTML. cls="fit": the table is laid out to its box's width (columns share it, long
+    values wrap) instead of growing with its longest unbreakable value."""
     th = "".join(f"<th{' class=n' if i in num_cols else ''}>{esc(h)}</th>" for i, h in enumerate(head))
     body = []
     for row in rows:
         tds = "".join(f"<td{' class=n' if i in num_cols else ''}>{c if raw else esc(c)}</td>"
                       for i, c in enumerate(row))
         body.append(f"<tr>{tds}</tr>")
-    return f"<div class=tw><table><thead><tr>{th}</tr></thead><tbody>{''.join(body)}</tbody></table></div>"
+    table = f"<table class={cls}>" if cls else "<table>"
+    return f"<div class=tw>{table}<thead><tr>{th}</tr></thead><tbody>{''.join(body)}</tbody></table></div>"
 
 
 def esc(s) -> str:
@@ -427,6 +437,12 @@ def _code(s) -> str:
 def _path(s) -> str:
     """A path or model name that may wrap only after a '/' or '-', never inside a word."""
     return esc(s).replace("/", "/<wbr>")
+
+
+def _wrap(v) -> str:
+    """A long value (a CPU flag list, a path, a command line) that may wrap after a ',', '/' or '=' as well as at
+    spaces: an environment table stays in its box."""
+    return re.sub(r"([,/=;:])", r"\1<wbr>", esc(v))
 
 
 def _f(v, unit="") -> str:
@@ -467,6 +483,8 @@ table{border-collapse:collapse;width:100%;table-layout:auto;font-size:12.5px;mar
 th,td{border-bottom:1px solid #eee;padding:3px 6px;text-align:left;vertical-align:top;overflow-wrap:normal;
 word-break:normal;hyphens:none}
 th{background:#f3f3f3;font-weight:600;white-space:nowrap}td.n,th.n{text-align:right;white-space:nowrap}
+table.fit{table-layout:fixed}table.fit th{white-space:normal}table.fit th:first-child{width:26%}
+table.fit td{overflow-wrap:break-word}
 .warn{border:1px solid #e0a800;background:#fff8e1;padding:6px 10px;margin:10px 0;border-radius:4px}
 code{font-size:12px;white-space:nowrap}.k{white-space:nowrap}small{color:#555}.good{color:#1a7f37;font-weight:600}.bad{color:#c62828;font-weight:600}
 .dim{color:#888}details{margin:6px 0}summary{cursor:pointer;color:#333}ul{margin:4px 0 8px 18px;padding:0}

@@ -12,6 +12,8 @@ import math
 
 from specscope.economics.verify_curve import PiecewiseFit, noise_words
 from specscope.profile.cycle import PHASE_LABELS, TOP_PHASES
+from specscope.registry.labels import drafted, drafter_name
+from specscope.registry.rows import decode_ms_per_token, tokens_per_cycle
 
 DPI = 100
 WIDTH_IN = 9.6                      # 960 px: the page's content width
@@ -101,7 +103,9 @@ def label(rec: dict) -> str:
     """Short run label for legends and axes: kind, drafter and id prefix."""
     cfg = rec.get("config") or {}
     kind = rec.get("kind") or "run"
-    draft = cfg.get("draft")
+    draft = drafter_name(rec)
+    if not draft and drafted(rec):       # τ is shown beside this label: never a drafting run without its drafter
+        kind = f"{kind}, drafter not named"
     if draft:
         draft = str(draft).rstrip("/").split("/")[-1]
         shape = f" s{cfg['steps']}k{cfg['topk']}n{cfg['draft_tokens']}" if cfg.get("steps") and cfg.get("topk") \
@@ -173,14 +177,13 @@ def cycle_breakdown(runs: list[dict]) -> bytes | None:
 
 
 def _per_token_scale(rec: dict, phases: dict) -> float:
-    """ms per token / ms per cycle for the stacked bars: the run's measured decode ms/token (the number the run
-    table shows) over its phase total, so chart and table agree; cycle ÷ τ when the run has no such figure."""
-    res = rec.get("results") or {}
+    """ms per token / ms per cycle for the stacked bars: the run's decode ms/token (registry.rows, the number the
+    run table and compare show) over its phase total, so chart and tables agree."""
     total = sum(phases.values())
-    ms_tok = _num(res.get("decode_ms_per_token"))
+    ms_tok = decode_ms_per_token(rec)
     if ms_tok and total > 0:
         return ms_tok / total
-    return 1.0 / (_num(res.get("accept_length")) or 1.0)
+    return 1.0 / tokens_per_cycle(rec)
 
 
 def _spec_runs(runs):

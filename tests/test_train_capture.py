@@ -20,7 +20,7 @@ from train_util import make_chat_target, write_dataset
 from specscope.cli import main
 from specscope.errors import SpecscopeError
 from specscope.plugins.capture import Capturer
-from specscope.train.capture_files import XARG_KEY, XARG_LAYERS, write_capture
+from specscope.train.capture_files import XARG_KEY, XARG_LAYERS, capture_key, write_capture
 from specscope.train.capture import VLLMFeatures, check_flags, parse_engine_args
 
 H, L, V = 16, 4, 40
@@ -171,6 +171,8 @@ def fake_vllm(model, out: Path, fail_after: int | None = None, drop: int | None 
     seen = []
 
     def handle(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "m", "root": "/models/m"}]})
         body = json.loads(request.content)
         seen.append(body)
         if fail_after is not None and len(seen) > fail_after:
@@ -180,7 +182,7 @@ def fake_vllm(model, out: Path, fail_after: int | None = None, drop: int | None 
         xa = body["vllm_xargs"]
         assert body["max_tokens"] == 1 and body["model"] == "m"
         aux, hid, am = capture_batch(model, [body["prompt"]], xa[XARG_LAYERS])[0]
-        write_capture(out, xa[XARG_KEY], aux, hid, am, body["prompt"],
+        write_capture(out, capture_key(xa), aux, hid, am, body["prompt"],
                       {"engine_version": "fake", "tensor_parallel_size": "1"})
         return httpx.Response(200, json={"choices": [{"text": "x"}]})
 
@@ -212,7 +214,9 @@ def test_data_stage_through_the_server_writes_the_local_shards(chat, tmp_path):
     for i in range(10):
         x, y = a.read(i), b.read(i)
         assert all(torch.equal(x[k], y[k]) for k in x), i
-    assert not list((tmp_path / "in").iterdir())          # every capture file read and removed
+    assert not list(feats.run_dir.iterdir())              # every capture file read and removed
+    feats.close()
+    assert not list((tmp_path / "in").iterdir())          # and the run's own directory with them
 
 
 def test_a_server_dying_mid_capture_leaves_complete_shards_and_resumes(chat, tmp_path):

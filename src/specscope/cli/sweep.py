@@ -10,7 +10,7 @@ from pathlib import Path
 import click
 
 from specscope.cli.checks import FiniteRange
-from specscope.cli.common import db_option, emit_json, json_option, output_option
+from specscope.cli.common import SEED, db_option, emit_json, json_option, output_option
 from specscope.errors import SpecscopeError
 
 SPEC_OPTIONS = ("flags", "envs", "repeats", "phases_from", "baseline_without", "baseline_run", "dataset_name",
@@ -50,7 +50,7 @@ SPEC_OPTIONS = ("flags", "envs", "repeats", "phases_from", "baseline_without", "
 @click.option("--endpoint", type=click.Choice(["chat", "completions"]), default=None,
               help="Request shape (default chat).")
 @click.option("--temperature", type=FiniteRange(0, 2), default=None, help="Sampling temperature (default 0).")
-@click.option("--seed", type=int, default=None, help="Dataset shuffling and sampling seed (default 0).")
+@click.option("--seed", type=SEED, default=None, help="Dataset shuffling and sampling seed (default 0).")
 @click.option("--ignore-eos", is_flag=True, default=None, help="Decode exactly --output-len tokens per request.")
 @click.option("--tokenizer", default=None, help="Count tokens as vLLM does (see bench-serve --tokenizer).")
 @click.option("--warmup", type=click.IntRange(0, 100), default=None,
@@ -82,25 +82,26 @@ def sweep(workdir, serve_cmd, command, startup_timeout, workload_timeout, stop_t
       specscope sweep -w /tmp/sweep --serve-cmd "$SERVE" \\
           --flag speculative-config.num_speculative_tokens=1,3 --env NCCL_PROTO=LL,Simple
     """
-    from specscope.fileio import check_writable, refuse_overlap
+    from specscope.fileio import check_writable
     from specscope.registry import check_registry
-    from specscope.registry.db import registry_path
-    from specscope.sweep.state import STATE_FILE
     from specscope.sweep import SweepState, run_sweep, sweep_document
+    from specscope.sweep.workload import build_workload
 
+    # everything checked before the workdir is touched: a refused command leaves no sweep file behind
     spec = _spec(serve_cmd, command, opts, db)
     check_registry(db)
-    refuse_overlap(output, {"--db": registry_path(db), "sweep state": Path(workdir).expanduser() / STATE_FILE})
-    state = SweepState.open(workdir, spec, name)
-    html = output or str(state.path.parent / "sweep.html")
+    html = output or str(Path(workdir).expanduser() / "sweep.html")
     check_writable(html, "--output")
-    try:
-        ran = run_sweep(state, db=db, startup_s=startup_timeout, workload_s=workload_timeout, stop_s=stop_timeout,
-                        max_cells=max_cells, retry_failed=retry_failed, progress=not no_progress, json_mode=as_json)
-    except KeyboardInterrupt:
-        _write_page(sweep_document(state, db), html)        # the cells done so far
-        raise
-    doc = sweep_document(state, db)
+    workload = build_workload(spec.workload) if spec is not None else None      # its dataset and tokenizer read
+    with SweepState.open(workdir, spec, name) as state:
+        try:
+            ran = run_sweep(state, db=db, startup_s=startup_timeout, workload_s=workload_timeout,
+                            stop_s=stop_timeout, max_cells=max_cells, retry_failed=retry_failed,
+                            progress=not no_progress, json_mode=as_json, workload=workload)
+        except KeyboardInterrupt:
+            _write_page(sweep_document(state, db), html)        # the cells done so far
+            raise
+        doc = sweep_document(state, db)
     _write_page(doc, html)
     if as_json:
         emit_json(doc)

@@ -31,7 +31,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from specscope.train.capture_files import ENV_DIR, KEY_RE, XARG_KEY, XARG_LAYERS, write_capture, write_error
+from specscope.train.capture_files import ENV_DIR, XARG_LAYERS, capture_key, write_capture, write_error
 
 LOGITS_CHUNK = 256          # rows per compute_logits call: a 163,840-token vocabulary is 168 MB of fp32 per chunk
 
@@ -90,8 +90,8 @@ def _refuse_v2(out: Path) -> None:
     def execute_model_refused(self, scheduler_output, *args, **kwargs):
         for req in getattr(scheduler_output, "scheduled_new_reqs", None) or ():
             extra = getattr(getattr(req, "sampling_params", None), "extra_args", None) or {}
-            key = str(extra.get(XARG_KEY, ""))
-            if KEY_RE.fullmatch(key):
+            key = capture_key(extra)
+            if key is not None:
                 write_error(out, key, "specscope's capture hooks run in vLLM's V1 model runner; start vLLM "
                                        "without VLLM_USE_V2_MODEL_RUNNER=1")
         return execute_model(self, scheduler_output, *args, **kwargs)
@@ -204,11 +204,11 @@ class Capturer:
         for r in self.so.num_scheduled_tokens:
             st = self.runner.requests.get(r)
             extra = getattr(getattr(st, "sampling_params", None), "extra_args", None) or {}
-            key = extra.get(XARG_KEY)
+            key = capture_key(extra)
             # never a path we did not make (traversal): no file, and the client says it saw none
-            if key is not None and KEY_RE.fullmatch(str(key)):
+            if key is not None:
                 layers = extra.get(XARG_LAYERS)
-                out[r] = (str(key), layers if isinstance(layers, list) else [layers])
+                out[r] = (key, layers if isinstance(layers, list) else [layers])
         return out
 
     def _embed_pre(self, module, args, kwargs):

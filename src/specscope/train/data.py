@@ -25,6 +25,7 @@ from specscope.errors import SpecscopeError, require_file
 from specscope.fileio import atomic_output, iter_lines, write_atomic
 from specscope.models.loader import SafetensorsReader
 from specscope.runtime.sampling import SamplingParams, next_token
+from specscope.train.shards import open_shard, read_manifest, shard_whole
 from specscope.train.sources import normalise, user_turn_problem
 
 MANIFEST = "manifest.json"
@@ -399,7 +400,7 @@ def capture_batch(model, seqs: list[list[int]], aux_layers: list[int]):
 
 def _open_manifest(mpath: Path, model, aux_layers: list[int], target_info: dict | None, shard_size: int) -> dict:
     """The manifest of an earlier capture into this directory (it must have used these aux layers), or a new one."""
-    manifest = json.loads(mpath.read_text()) if mpath.exists() else None
+    manifest = read_manifest(mpath)
     if manifest and manifest.get("aux_layers") != list(aux_layers):
         raise SpecscopeError(f"{mpath} was captured with aux layers {manifest.get('aux_layers')} but "
                              f"{list(aux_layers)} were asked for; use a new --workdir")
@@ -484,7 +485,8 @@ def capture(model, tok, convs: list[list[dict]], out_dir: Path, aux_layers: list
     want = {si: len(c) for si, c in enumerate(shards)}
     digest = {si: conv_hash(c) for si, c in enumerate(shards)}
     done = {s["index"] for s in manifest["shards"] if s.get("conversations", s["sequences"]) == want.get(s["index"])
-            and s.get("conv_hash", digest.get(s["index"])) == digest.get(s["index"])}
+            and s.get("conv_hash", digest.get(s["index"])) == digest.get(s["index"])
+            and shard_whole(out_dir, s, manifest)}      # a listed shard deleted or damaged since: captured again
     manifest["shards"] = [s for s in manifest["shards"] if s["index"] in done]
     finished = sum(want[si] for si in done)
     if progress:
@@ -525,10 +527,9 @@ class CapturedData:
 
     def __init__(self, data_dir: str | Path, device="cpu", stream: bool | None = None):
         data_dir = Path(data_dir)
-        mpath = data_dir / MANIFEST
-        if not mpath.exists():
+        self.manifest = read_manifest(data_dir / MANIFEST)
+        if self.manifest is None:
             raise SpecscopeError(f"{data_dir} has no {MANIFEST}; run the data stage first")
-        self.manifest = json.loads(mpath.read_text())
         self.aux_layers = self.manifest["aux_layers"]
         self.stream = stream if stream is not None else torch.device(device).type != "cuda"
         self.device = device
@@ -537,8 +538,8 @@ class CapturedData:
         for s in self.manifest["shards"]:
             if not s["file"]:
                 continue
+            r = open_shard(data_dir, s, self.manifest)
             if self.stream:
-                r = SafetensorsReader([data_dir / s["file"]])
                 off = r.read("offsets").tolist()
                 self.index += [(r, a, b) for a, b in zip(off[:-1], off[1:])]
             else:

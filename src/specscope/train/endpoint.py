@@ -41,11 +41,15 @@ class ItemFailed(Exception):
     """One request the server refused for reasons of its own (a 4xx such as a too-long context)."""
 
 
-def base_url(url: str) -> str:
-    """'host:port' (SpecForge's --server-address), 'http://host:port' or '.../v1' -> 'http://host:port'."""
+ANSWERS_URL = "the server's URL, e.g. http://127.0.0.1:8000"
+
+
+def base_url(url: str, flag: str = "--answers-from", takes: str = ANSWERS_URL) -> str:
+    """'host:port' (SpecForge's --server-address), 'http://host:port' or '.../v1' -> 'http://host:port'. A bad
+    value is one line naming `flag` and what it `takes`."""
     u = (url or "").strip()
     if not u:
-        raise SpecscopeError("--answers-from needs the server's URL, e.g. http://127.0.0.1:8000")
+        raise SpecscopeError(f"{flag} needs {takes}")
     if "://" not in u:
         u = "http://" + u
     u = u.rstrip("/")
@@ -54,9 +58,9 @@ def base_url(url: str) -> str:
     try:
         parsed = httpx.URL(u)
     except (httpx.InvalidURL, ValueError) as e:
-        raise SpecscopeError(f"--answers-from {url!r} is not a URL ({e}); e.g. http://127.0.0.1:8000") from None
+        raise SpecscopeError(f"{flag} {url!r} is not a URL ({e}); {flag} takes {takes}") from None
     if parsed.scheme not in ("http", "https") or not parsed.host:
-        raise SpecscopeError(f"--answers-from {url!r} is not an http(s) URL with a host; e.g. http://127.0.0.1:8000")
+        raise SpecscopeError(f"{flag} {url!r} is not an http(s) URL with a host; {flag} takes {takes}")
     return u
 
 
@@ -98,6 +102,7 @@ class Endpoint:
     retry_wait_s: float = 0.5       # doubled each retry; a Retry-After header wins (up to 30 s)
     key_as: str | None = None       # names the server in cache keys and records instead of `url`: a server specscope
                                     # starts itself (train --capture vllm) gets a new port each run
+    listed: list[dict] = field(default_factory=list, repr=False)   # /v1/models' entries, as `connect` read them
 
     def __post_init__(self):
         self.url = base_url(self.url)
@@ -151,16 +156,16 @@ class Endpoint:
                                   f"--served-model-name a model it serves")
         return None
 
-    def connect(self, log=print) -> Endpoint:
-        """GET /v1/models: fills in `model` (the first id listed) when not given; a clear error when the server is
-        down, wants a key, or is not an OpenAI-compatible server. Returns self."""
-        where = self.url + "/v1/models"
+    def connect(self, log=print, client: httpx.Client | None = None) -> Endpoint:
+        """GET /v1/models (through `client` when given): fills in `model` (the first id listed) when not given; a
+        clear error when the server is down, wants a key, or is not an OpenAI-compatible server. Returns self."""
+        where, get = self.url + "/v1/models", (client or httpx).get
         last, hint = "", ""
         for attempt in range(self.retries + 1):
             if attempt:
                 time.sleep(self._retry_wait(attempt - 1))
             try:
-                r = httpx.get(where, headers=self.headers(), timeout=min(self.timeout_s, 30.0))
+                r = get(where, headers=self.headers(), timeout=min(self.timeout_s, 30.0))
             except httpx.TimeoutException:
                 last, hint = "no answer within the timeout", "is the server up and not overloaded?"
                 continue
@@ -176,10 +181,11 @@ class Endpoint:
             if bad:
                 raise bad
             try:
-                ids = [m["id"] for m in r.json()["data"]]
+                cards = [m for m in r.json()["data"] if isinstance(m, dict)]
             except (ValueError, KeyError, TypeError, RecursionError):
-                ids = []
-            ids = [i for i in ids if isinstance(i, str) and i.strip()]
+                cards = []
+            self.listed = [m for m in cards if isinstance(m.get("id"), str) and m["id"].strip()]
+            ids = [m["id"] for m in self.listed]
             if r.status_code != 200 or not ids:
                 if self.model:      # a server without a usable model list can still answer by name
                     log(f"{where} lists no model (HTTP {r.status_code}); asking for {self.model!r} anyway")

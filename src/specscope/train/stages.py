@@ -10,9 +10,8 @@ from typing import Callable
 import torch
 
 from specscope.errors import SpecscopeError
-from specscope.fileio import check_writable, refuse_overlap
+from specscope.fileio import check_writable
 from specscope.speculative.eagle3 import DrafterConfig
-from specscope.speculative.eagle3_export import WRITES
 from specscope.train import pipeline
 from specscope.train.trainer import TrainConfig, dist_info, train
 
@@ -125,8 +124,6 @@ def plan_stages(job: TrainJob, echo: Callable[[str], None]) -> Plan:
     # the target's forward runs here only for a local data stage and for select
     runs_forward = ("data" in todo and cap_mode is None) or "select" in todo
     tpath, tcfg = _preflight(job.target_name, runs_forward)
-    if "train" in todo or "select" in todo:
-        check_output(job, tpath)
     init = pipeline.init_drafter(job.init_from, resolve_target(str(tpath), job.target_name)) \
         if job.init_from else None
     aux = aux_layers(tcfg, init)
@@ -148,7 +145,7 @@ def run_stages(job: TrainJob, plan: Plan, dev: torch.device) -> dict | None:
     todo, work, say = job.stages, job.work, plan.log
     data = None
     if "data" not in todo and ("vocab" in todo or "train" in todo or "select" in todo):
-        data = captured(work, plan.aux, dev)        # checked before the target loads
+        data = captured(work, plan.aux, dev, plan.tcfg.hidden_size)  # checked before the target loads
     if "train" in todo and "vocab" not in todo and plan.init is None and not (work / "vocab.pt").exists():
         raise SpecscopeError(f"{work / 'vocab.pt'} does not exist; run the vocab stage first (--stages vocab,train)")
     if "select" in todo and "train" not in todo and not any((work / "train" / "snapshots").glob("step-*.pt")):
@@ -158,7 +155,7 @@ def run_stages(job: TrainJob, plan: Plan, dev: torch.device) -> dict | None:
     if "data" in todo:
         summary["data"] = data_stage(job, plan, target)
     if data is None and ("vocab" in todo or "train" in todo or "select" in todo):
-        data = captured(work, plan.aux, dev)        # the shards this run's data stage just wrote
+        data = captured(work, plan.aux, dev, plan.tcfg.hidden_size)  # the shards this run's data stage just wrote
     if "vocab" in todo:
         if plan.init is not None:
             say("--init: keeping the initial drafter's own draft vocabulary")
@@ -188,6 +185,10 @@ def aux_layers(tcfg, init) -> list[int]:
     if not all(0 <= i <= L for i in aux):
         raise SpecscopeError(f"the target has {L} layers, so EAGLE-3's aux layers {aux} (2, L//2, L-3 by default) "
                              f"fall outside 0..{L}; train for a target with at least 4 layers")
+    if init is not None and any(b <= a for a, b in zip(aux, aux[1:])):
+        raise SpecscopeError(f"--init's drafter reads aux layers {aux}, which must be distinct and increasing (three "
+                             f"different target layers in order, as vLLM and SGLang collect them); fix its "
+                             f"config's aux layer ids, or train a fresh drafter without --init")
     return aux
 
 
@@ -205,16 +206,6 @@ def _preflight(target_name: str, runs_forward: bool):
         weight_files(tpath)
     check_tokenizer_files(tpath)
     return tpath, tcfg
-
-
-def check_output(job: TrainJob, tpath: Path) -> None:
-    """The drafter's directory (-o, else WORKDIR/drafter) is none of the files this run reads, nor inside one."""
-    dest = job.output or job.work / "drafter"
-    inputs = {"--model": tpath, "--init": job.init_from, "--dataset": job.data.dataset,
-              "--capture-dir": job.capture.capture_dir}
-    refuse_overlap(dest, inputs, writes=WRITES)
-    for f in job.data.prompt_files:         # repeatable
-        refuse_overlap(dest, {"--prompt-file": f}, writes=WRITES)
 
 
 def connect_answers(job: TrainJob, url: str, model: str | None, say):
@@ -280,7 +271,8 @@ def capture_data(job: TrainJob, plan: Plan, target: LoadedTarget) -> dict:
     d, say, endpoint = job.data, plan.log, plan.endpoint
     with CaptureSession(plan.cap_mode, plan.cap_argv, target.path, job.work, plan.aux,
                         capture_dir=job.capture.capture_dir, max_len=job.train.max_len,
-                        timeout_s=job.answers.timeout_s, model=job.answers.model) as cs:
+                        timeout_s=job.answers.timeout_s, model=job.answers.model,
+                        hidden_size=plan.tcfg.hidden_size, target_names=(job.target_name,)) as cs:
         feats = cs.open(target.tok.encode_messages([{"role": "user", "content": "Hello"}]), say)
         src = plan.sources
         needs_answers = bool(src.items) or (src.convs is not None and d.answering.regenerate != "none")
@@ -331,13 +323,17 @@ def train_meta(tinfo: dict, data) -> dict:
     return meta
 
 
-def captured(work: Path, aux: list[int], dev):
+def captured(work: Path, aux: list[int], dev, hidden_size: int):
     """The captured features the later stages read (in GPU memory on CUDA), checked against the drafter's aux
-    layers."""
+    layers and the target's hidden size."""
     from specscope.train.data import CapturedData
 
     data = CapturedData(work / "data", device=dev if dev.type == "cuda" else "cpu")
     if data.aux_layers != aux:
         raise SpecscopeError(f"the data in {work / 'data'} was captured at aux layers {data.aux_layers} but the "
                              f"drafter reads {aux}; capture again into a new --workdir")
+    if data.manifest["hidden_size"] != hidden_size:
+        raise SpecscopeError(f"the data in {work / 'data'} holds hidden states {data.manifest['hidden_size']} wide "
+                             f"but --model's hidden size is {hidden_size}: it was captured from another model; "
+                             f"capture again into a new --workdir")
     return data

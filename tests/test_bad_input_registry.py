@@ -81,7 +81,7 @@ def test_damaged_registry_is_one_line_naming_the_run_and_file(stored, tmp_path, 
     assert "internal error" not in err, err
     if damage == "no runs table":
         line = one_error_line(code, err)
-        assert str(db) in line and "not a specscope run registry" in line and "--db" in line, line
+        assert str(db) in line and "not a specscope registry" in line and "--db" in line, line
     elif command == "runs list":
         assert code == 0, err
         listed = out.splitlines()

@@ -272,7 +272,7 @@ class Registry:
             missing = [f"a {t} table" if t not in tables else f"the {t} columns {', '.join(sorted(cols - tables[t]))}"
                        for t, cols in SCHEMA_TABLES[v].items() if t not in tables or cols - tables[t]]
         if missing:
-            raise SpecscopeError(f"{self.path} is an SQLite file but not a specscope run registry (it lacks "
+            raise SpecscopeError(f"{self.path} is an SQLite file but not a specscope registry of runs (it lacks "
                                  f"{'; '.join(missing)}); point --db / SPECSCOPE_DB at a registry, or restore this "
                                  f"one from a backup")
 

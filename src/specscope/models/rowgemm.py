@@ -17,9 +17,10 @@ row-invariant like fp32 -- vdpbf16ps on AVX512_BF16 builds, bf16 widened to fp32
 used: no AMX machine was at hand to test them on, and AMX CPUs have AVX512_BF16 too.
 
 Build: at first use, with $CXX or the first of c++ / g++ / clang++ (`-O3 -fopenmp`, no torch headers, ~2 s), into
-the specscope cache dir, keyed by the ISA, the sources and the compiler; a compiler without OpenMP (Apple clang)
-gets a one-thread build. An unusable build (no compiler, an unsupported CPU) leaves `library()` None with one
-warning line, and models/linear.py falls back to the stock oneDNN path.
+the specscope cache root, keyed by the ISA, the sources and the compiler, and loaded only from there once checked
+as the user's own (without a usable root, from a private directory of this run: cachedir.py); a compiler without
+OpenMP (Apple clang) gets a one-thread build. An unusable build (no compiler, an unsupported CPU) leaves
+`library()` None with one warning line, and models/linear.py falls back to the stock oneDNN path.
 
 Tuning (models/tuning.py): the panel width (per weight shape) and the register tile (per row count) only change
 speed, never the result.
@@ -207,13 +208,14 @@ def _seal_problem(path: Path, meta: bytes) -> str | None:
 
 
 def _build(cxx: str, isa: str, rel: str, meta: bytes) -> Path | None:
-    """Build and seal into the cache (atomically; the fallback dir where the cache cannot take it)."""
+    """Build and seal into the cache root (atomically); where the root cannot take it or must not be used, into
+    this process's private directory (cachedir.private_dir), for this run only. Never anywhere another user could
+    write: the library is loaded into this process."""
     def write(tmp: Path):
         _compile(cxx, isa, tmp)
         _seal(tmp, meta)
-        os.chmod(tmp, 0o755)      # mkstemp made it 0600; a shared cache's other users may load it too
 
-    return cachedir.store(rel, write, "row-invariant kernel library", ".so")
+    return cachedir.store(rel, write, "kernel library", ".so", private=True)
 
 
 def _source_hash() -> str:
@@ -255,15 +257,16 @@ def library():
 
 
 def _cached_library(rel: str, meta: bytes) -> Path | None:
-    """The sealed library at `rel` in the cache (or its fallback); a damaged one is removed with one warning."""
-    for path in cachedir.locations(rel):
-        if not os.path.lexists(path):
-            continue
-        why = _seal_problem(path, meta)
-        if why is None:
-            return path
-        cachedir.warn(f"the cached kernel library {path} is unusable ({why}); rebuilding it", key="kernels")
-        cachedir.remove(path)
+    """The sealed library at `rel` in the checked cache root (cachedir.artifact: ours, writable by no one else);
+    a damaged one is removed with one warning."""
+    path = cachedir.artifact(rel, "kernel library")
+    if path is None or not os.path.lexists(path):
+        return None
+    why = _seal_problem(path, meta)
+    if why is None:
+        return path
+    cachedir.warn(f"the cached kernel library {path} is unusable ({why}); rebuilding it", key="kernels")
+    cachedir.remove(path)
     return None
 
 

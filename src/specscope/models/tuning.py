@@ -41,7 +41,7 @@ def _tune_rel() -> str:
 
 
 def tune_file() -> Path:
-    """The tuning cache in the cache dir (cachedir.locations also gives its fallback)."""
+    """The tuning cache in the cache root (read and written through cachedir's checks)."""
     return cachedir.cache_dir() / _tune_rel()
 
 

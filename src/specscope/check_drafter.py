@@ -25,7 +25,7 @@ from specscope.models import loader   # loader.load_model looked up per call: te
 from specscope.models.config import ModelConfig
 from specscope.prompts import load_prompts, warn
 from specscope.runtime.tokenizer import Tokenizer
-from specscope.speculative.decode import SpecConfig, speculative_generate
+from specscope.speculative.decode import SHAPE_FILE, SpecConfig, declared_shape, speculative_generate
 from specscope.speculative.drafters import Eagle3TreeDrafter
 from specscope.speculative.eagle3 import DrafterConfig
 from specscope.speculative.formats import (TargetFacts, aux_conventions, detect_format, load_drafter, map_problems,
@@ -333,6 +333,13 @@ def static_checks(report: Report, path: Path, facts: TargetFacts):
     return drafter, cfg, has_map
 
 
+def shape_check(report: Report, path: Path):
+    """The declared drafting shape, read by generate's own reader: what generate refuses is refused here too."""
+    shape = declared_shape(str(path))
+    report.add("declared shape", OK, f"steps {shape.steps}, topk {shape.topk}, draft tokens {shape.draft_tokens}"
+               if shape else f"none ({SHAPE_FILE} absent): generate and serve use their defaults")
+
+
 def size_checks(report: Report, cfg: DrafterConfig, t: TargetFacts):
     """Hidden size (fc's input and the shared embeddings) and the vocabulary the drafter was built for."""
     sizes = []
@@ -543,8 +550,7 @@ def measure(report: Report, drafter_path: Path, facts: TargetFacts, tok, prompts
 
 
 def _ticking(items, tick):
-    """The items, calling tick() once each one's work is done (when the loop asks for the next, so a `continue`
-    counts too)."""
+    """The items, calling tick() once each one's work is done (when the loop asks for the next: `continue` too)."""
     for x in items:
         yield x
         if tick:
@@ -566,6 +572,7 @@ def check_drafter(drafter_path: str | Path, facts: TargetFacts, engine_args: str
                             "rope_scaling": facts.rope_scaling,
                             "max_position_embeddings": facts.max_position_embeddings})
     eng = parse_engine_args(engine_args) if engine_args else None     # a bad command line fails before the work
+    shape_check(report, path)
     drafter, cfg, has_map = static_checks(report, path, facts)
     tok = tokenizer_checks(report, path, facts)
     if eng is not None:

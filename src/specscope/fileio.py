@@ -82,6 +82,34 @@ def check_writable(path, what: str = "--output", is_dir: bool = False) -> None:
                              f"pick a writable location") from None
 
 
+def _real(path) -> Path:
+    return Path(os.path.abspath(Path(path).expanduser())).resolve()
+
+
+def refuse_overlap(output, inputs: dict, what: str = "--output", fix: str = "-o", writes: tuple = ()) -> None:
+    """Outputs never overwrite an input: refuse, before any work, an output that is or lies inside one of `inputs`
+    ({flag or name: path or None}), or a directory output that contains one under a name it `writes`; symlinks
+    resolved. Inputs that are not local paths (a hub id, a shipped name, nothing there yet) are skipped: nothing of
+    theirs can be overwritten."""
+    if output is None or not str(output).strip():
+        return
+    out = _real(output)
+    for name, inp in inputs.items():
+        if inp is None or not str(inp).strip() or not os.path.lexists(Path(inp).expanduser()):
+            continue
+        src = _real(inp)
+        if out == src or (out.exists() and os.path.samefile(out, src)):
+            relation = "is"
+        elif src in out.parents:
+            relation = "lies inside"
+        elif any(src == w or src in w.parents for w in (out / n for n in writes)):
+            relation = "contains"
+        else:
+            continue
+        raise SpecscopeError(f"{what} {str(output)!r} {relation} the {name} {str(inp)!r}: writing there would "
+                             f"overwrite what this command reads; choose another {fix}")
+
+
 def _new_file_mode(existing: os.stat_result | None) -> int:
     """A replaced file keeps its permissions; a new one gets what open() would give it (0666 less the umask)."""
     if existing is not None:

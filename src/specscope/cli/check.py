@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from specscope.cli.common import alias_option, device_option, emit_json, json_option
+from specscope.cli.common import MAX_STEPS, alias_option, device_option, emit_json, json_option
 
 MARK = {"ok": "ok  ", "warn": "WARN", "fail": "FAIL", "skip": "skip"}
 
@@ -24,7 +24,8 @@ MARK = {"ok": "ok  ", "warn": "WARN", "fail": "FAIL", "skip": "skip"}
               help="Prompts (the packaged Spec-Bench questions) for coverage and acceptance.")
 @click.option("--max-new-tokens", type=click.IntRange(min=4), default=48, show_default=True,
               help="Most tokens per prompt in the acceptance measurement.")
-@click.option("--steps", "--speculative-num-steps", "--num-speculative-tokens", "steps", type=click.IntRange(min=1),
+@click.option("--steps", "--speculative-num-steps", "--num-speculative-tokens", "steps",
+              type=click.IntRange(1, MAX_STEPS),
               default=5, show_default=True,
               help="Draft depth (a chain) for the acceptance measurement. SGLang --speculative-num-steps; vLLM "
                    "num_speculative_tokens.")

@@ -115,7 +115,10 @@ def demo(num_prompts, output, draft, max_new_tokens, threads, model_name, draft_
     """The tour: plain vs speculative (EAGLE-3 + n-gram) decoding of a few MT-bench prompts on the demo model, with
     the profile, τ, the speedup and the break-even, both runs stored and an HTML report written."""
     from specscope.demo import DemoOptions, run_demo
+    from specscope.fileio import refuse_overlap
+    from specscope.registry.db import registry_path
 
+    refuse_overlap(output, {"--model": model_name, "--draft": draft, "--db": registry_path(db)})
     dev = setup_runtime(threads, device)
     opts = DemoOptions(model=model_name, draft=draft, prompts=num_prompts, max_new_tokens=max_new_tokens,
                        draft_budget=draft_budget or "priced", steps=steps, topk=topk, draft_tokens=draft_tokens,

@@ -179,6 +179,7 @@ def tune(run_ref, baseline_ref, curve_ref, decode_ms, do_profile, model_name, dr
                       n_validate=n_validate, levels=parse_int_list(concurrency, "--max-concurrency"),
                       concurrency=concurrency, save_policy=save_policy, output=output, db=db)
     _check_request(req, draft)
+    _refuse_overwrite(output, save_policy, {"--model": model_name, "--draft": draft, "--dataset": prompts_file}, db)
     ctx = TuneContext(model_name, draft, dtype, device, threads, prompts_file, num_prompts, max_new_tokens, as_json,
                       loader=_load_workload)
     say = (lambda m: None) if as_json else stderr_console().print
@@ -197,6 +198,16 @@ def tune(run_ref, baseline_ref, curve_ref, decode_ms, do_profile, model_name, dr
                    + ("auto" if save_policy == "auto" else out["policy"]) + ")")
     if out.get("load_warning"):
         click.echo(out["load_warning"], err=True)
+
+
+def _refuse_overwrite(output, save_policy, inputs: dict, db) -> None:
+    """Neither the plots' directory nor the policy file is, holds or lies inside a file tune reads."""
+    from specscope.fileio import refuse_overlap
+    from specscope.registry.db import registry_path
+
+    inputs = {**inputs, "--db": registry_path(db)}
+    refuse_overlap(output, inputs)
+    refuse_overlap(None if save_policy == "auto" else save_policy, inputs, "--save-policy", "--save-policy")
 
 
 def _check_request(req, draft):

@@ -19,11 +19,13 @@ def report(run_ids, output, title, db, as_json):
 
     Ids may be prefixes, `last` or `last~N`. A speculative run's baseline and verify-curve runs are pulled in
     for the break-even and verify-curve charts."""
-    from specscope.fileio import check_writable
+    from specscope.fileio import check_writable, refuse_overlap
     from specscope.registry import open_registry
+    from specscope.registry.db import registry_path
     from specscope.report import load_runs, write_report
 
     check_writable(output, "--output")
+    refuse_overlap(output, {"--db": registry_path(db)})
     with open_registry(db, create=False) as reg:
         runs, linked = load_runs(reg, run_ids)
     path = write_report(runs, output, linked=linked, title=title)

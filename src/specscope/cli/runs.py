@@ -162,7 +162,11 @@ def export(run_ids, fmt, legacy_fmt, output, db):
     """Export runs as JSON or CSV."""
     fmt = fmt or legacy_fmt or ("csv" if output and str(output).lower().endswith(".csv") else "json")
     if output:
+        from specscope.fileio import refuse_overlap
+        from specscope.registry.db import registry_path
+
         check_writable(output, "--output")       # before reading a large registry, not after
+        refuse_overlap(output, {"--db": registry_path(db)})
     with _open(db) as reg:
         recs = [reg.get_run(i) for i in run_ids]
     if fmt == "csv":

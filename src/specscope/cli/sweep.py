@@ -82,14 +82,17 @@ def sweep(workdir, serve_cmd, command, startup_timeout, workload_timeout, stop_t
       specscope sweep -w /tmp/sweep --serve-cmd "$SERVE" \\
           --flag speculative-config.num_speculative_tokens=1,3 --env NCCL_PROTO=LL,Simple
     """
-    from specscope.fileio import check_writable
+    from specscope.fileio import check_writable, refuse_overlap
     from specscope.registry import check_registry
+    from specscope.registry.db import registry_path
+    from specscope.sweep.state import STATE_FILE
     from specscope.sweep import SweepState, run_sweep, sweep_document
     from specscope.sweep.workload import build_workload
 
     # everything checked before the workdir is touched: a refused command leaves no sweep file behind
     spec = _spec(serve_cmd, command, opts, db)
     check_registry(db)
+    refuse_overlap(output, {"--db": registry_path(db), "sweep state": Path(workdir).expanduser() / STATE_FILE})
     html = output or str(Path(workdir).expanduser() / "sweep.html")
     check_writable(html, "--output")
     workload = build_workload(spec.workload) if spec is not None else None      # its dataset and tokenizer read

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import click
 
-from specscope.cli.common import (SEED, FiniteFloat, alias_option, check_writable, device_option, dtype_option,
-                                  emit_json, json_option, output_option, setup_runtime)
+from specscope.cli.common import (MAX_STEPS as MAX_DRAFT_STEPS, SEED, FiniteFloat, alias_option, check_writable,
+                                  device_option, dtype_option, emit_json, json_option, output_option, setup_runtime)
 from specscope.errors import SpecscopeError
 from specscope.jsonio import dtype_name
 
@@ -199,25 +199,33 @@ def train(workdir, target_name, stages, dataset, dataset_split, dataset_config, 
 @click.option("--verifier-name", default=None,
               help="Record this as verifier.name_or_path (e.g. the Hugging Face id of a local --model copy).")
 @alias_option("--steps", "--num-speculative-tokens", "steps", hidden=("--speculative-tokens",),
-              type=click.IntRange(min=1), default=None,
+              type=click.IntRange(1, MAX_DRAFT_STEPS), default=None,
               help="speculators: draft depth recorded as speculative_tokens (vLLM num_speculative_tokens; default: "
                    "the checkpoint's own, else 3).")
 @json_option("Print what was written (path, format, aux ids, verifier, notes) as one JSON object.")
 def export(source, fmt, output, dtype, target_name, verifier_name, steps, as_json):
     """Write a drafter (training work directory, checkpoint file, drafter directory, shipped drafter name or Hugging
     Face id) in SGLang or speculators form."""
+    from specscope.fileio import refuse_overlap
     from specscope.models.hub import resolve_drafter
     from specscope.models.loader import DTYPES
+    from specscope.speculative.eagle3_export import WRITES
     from specscope.speculative.formats import (TARGET_FILE, aux_conventions, declared_target, load_drafter,
                                                read_config, resolve_target)
     from specscope.train.pipeline import export as do_export
 
     if output is None:
         raise SpecscopeError("export needs -o/--output DIR (the directory to write)")
+    if steps is not None and fmt != "speculators":
+        raise SpecscopeError("--steps is recorded only by --format speculators (vLLM's num_speculative_tokens); "
+                             "SGLang takes the depth at launch (--speculative-num-steps): drop --steps")
     check_writable(output, "--output", is_dir=True)
     source = resolve_drafter(source)
     # a shipped drafter names the target it was trained for, so it needs no --model (and no download)
     target = resolve_target(target_name, verifier_name) if target_name else declared_target(source, verifier_name)
+    local = target_name and Path(target_name).expanduser().exists()     # as typed; else where a name resolved
+    refuse_overlap(output, {"drafter": source, "--model": target_name if local else target and target.path},
+                   writes=WRITES)
     tinfo = {"name_or_path": verifier_name} if verifier_name and not target else None
     notes = _export_notes(Path(source), fmt, target or tinfo)
     if target is not None and not target_name:

@@ -53,7 +53,7 @@ def verify_curve(model_name, contexts, tokens, warmup, repeats, batches, batch_c
     from specscope.registry.fingerprint import timing_warning
 
     # before the model loads and minutes of measuring, not after: the plot path, the registry, the plan
-    _check_outputs(output, no_plot, no_record, db)
+    _check_outputs(output, no_plot, no_record, db, model_name)
     plan = _plan(contexts, tokens, warmup, repeats, batches, batch_context, max_seq_len)
     path = _checked_model(model_name, plan)
     dev = setup_runtime(threads, device)
@@ -93,12 +93,15 @@ def verify_curve(model_name, contexts, tokens, warmup, repeats, batches, batch_c
         click.echo(warning, err=True)
 
 
-def _check_outputs(output, no_plot, no_record, db):
+def _check_outputs(output, no_plot, no_record, db, model_name):
     """The plot path and the registry, before anything is measured."""
     if output and not no_plot:
         from specscope.economics.plots import plot_format
+        from specscope.fileio import refuse_overlap
+        from specscope.registry.db import registry_path
 
         check_writable(output, "--output")
+        refuse_overlap(output, {"--model": model_name, "--db": registry_path(db)})
         plot_format(output)
     if not no_record:
         from specscope.registry import check_registry

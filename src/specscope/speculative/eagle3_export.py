@@ -6,15 +6,16 @@ features SGLang would silently ignore.
 from __future__ import annotations
 
 import json
+from contextlib import ExitStack
 from importlib.metadata import version
 from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import save
 
 from specscope.errors import SpecscopeError
-from specscope.fileio import atomic_output, write_atomic
+from specscope.fileio import atomic_output, why
 from specscope.jsonio import dtype_name
 from specscope.speculative.eagle3 import DrafterConfig, Eagle3Drafter
 from specscope.speculative.eagle3_config import FORMATS
@@ -128,6 +129,10 @@ def config_dict(drafter: Eagle3Drafter, fmt: str, target_info: dict | None = Non
     raise SpecscopeError(f"unknown drafter format {fmt!r}; use one of {', '.join(FORMATS)}")
 
 
+# what an export writes into its directory (and the sharded index it removes): no input may sit at these names
+WRITES = ("config.json", "model.safetensors", "model.safetensors.index.json")
+
+
 def save_drafter(drafter: Eagle3Drafter, path: str | Path, format: str = "sglang", target_info: dict | None = None,
                  dtype: torch.dtype | None = None, extra_files: dict[str, str] | None = None,
                  speculative_tokens: int | None = None) -> Path:
@@ -141,16 +146,42 @@ def save_drafter(drafter: Eagle3Drafter, path: str | Path, format: str = "sglang
         raise SpecscopeError(f"refusing to write a drafter whose weights are not finite ({listed_names(bad)} hold NaN "
                              f"or inf): it would propose garbage; retrain it (a lower --lr)")
     path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
     tensors = ours_to_file(drafter, format)
     if dtype is not None:
         tensors = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in tensors.items()}
-    # each file atomically (readable by all: a drafter is meant to be shared), weights first, config last
-    with atomic_output(path / "model.safetensors", "drafter weights") as tmp:
-        save_file(tensors, str(tmp), metadata={"format": "pt"})
+    texts = {"config.json": json.dumps(cfg, indent=2) + "\n", **(extra_files or {})}
+    made = [d for d in (path, *path.parents) if not d.exists()]   # the directories this export creates
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        _write_all(path, tensors, texts)
+    except (OSError, SpecscopeError) as e:
+        for d in made:      # nothing of this export stays behind, not even an empty directory
+            _rmdir_quietly(d)
+        if isinstance(e, OSError):
+            raise SpecscopeError(f"cannot write the drafter to {str(path)!r} ({why(e)}); nothing was written "
+                                 f"there") from None
+        raise
     for stale in [path / "model.safetensors.index.json", *path.glob("model-*-of-*.safetensors")]:
         stale.unlink(missing_ok=True)    # an earlier sharded copy would shadow the file just written
-    write_atomic(path / "config.json", json.dumps(cfg, indent=2) + "\n", "drafter config")
-    for name, text in (extra_files or {}).items():
-        write_atomic(path / name, text, "drafter file")
     return path
+
+
+def _write_all(path: Path, tensors: dict, texts: dict[str, str]) -> None:
+    """Every file written to its temp file first, and renamed into place only once all are written (the contexts
+    close in turn): a full disk or an interrupt part-way leaves the directory as it was, never new weights beside
+    an old config."""
+    with ExitStack() as stack:
+        # serialised here and written by Python: safetensors' own writer reports a full disk as SafetensorError,
+        # not the OSError that says which
+        files = {"model.safetensors": save(tensors, metadata={"format": "pt"}),
+                 **{name: text.encode("utf-8") for name, text in texts.items()}}
+        for name, data in files.items():
+            tmp = stack.enter_context(atomic_output(path / name, "drafter file"))
+            tmp.write_bytes(data)
+
+
+def _rmdir_quietly(path: Path) -> None:
+    try:
+        path.rmdir()
+    except OSError:
+        pass

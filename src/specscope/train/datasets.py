@@ -26,17 +26,40 @@ def check_dataset(spec: str) -> None:
         require_file(p, "--dataset")        # missing, a device, unreadable: one line naming which
 
 
+def check_dataset_options(spec: str | None, split: str | None = "train", config: str | None = None) -> None:
+    """--dataset-split and --dataset-config choose part of a dataset directory or a hub dataset; anywhere else they
+    would be silently ignored, so they are refused (before any model loads)."""
+    flag = f"--dataset-split {split!r}" if split not in (None, "train") else \
+        f"--dataset-config {config!r}" if config is not None else None
+    if flag is None:
+        return
+    if not spec:
+        raise SpecscopeError(f"{flag} chooses part of a --dataset, and none is given: drop {flag.split()[0]}")
+    p = Path(spec).expanduser()
+    if p.is_file():
+        raise SpecscopeError(f"{flag} applies to a dataset directory or a Hugging Face dataset id; --dataset "
+                             f"{spec!r} is one file, read whole: drop {flag.split()[0]}")
+    if config is not None and p.is_dir() and _saved(p):
+        raise SpecscopeError(f"--dataset-config {config!r} applies to a Hugging Face dataset id; --dataset {spec!r} is "
+                             f"a save_to_disk directory, which has no configurations: drop --dataset-config")
+
+
+def _saved(p: Path) -> bool:
+    return (p / "state.json").exists() or (p / "dataset_dict.json").exists()
+
+
 def load_conversations(spec: str, split: str = "train", config: str | None = None, streaming: bool = False):
     """-> (conversations [[{"role", "content"}]], ReadReport). Malformed records are counted and skipped, as in a
     JSONL file; a dataset with none usable is an error. Local files and directories are always read as a stream
     (no Arrow copy in the datasets cache); a hub dataset is downloaded into the cache unless `streaming`."""
     check_dataset(spec)
+    check_dataset_options(spec, split, config)
     p = Path(spec).expanduser()
     if p.is_file() and p.suffix not in BUILDERS:
         return read_conversations(p)         # JSONL, whatever the file is called (as before datasets)
     if p.is_file():
         ds = _load(spec, BUILDERS[p.suffix], data_files=str(p), split="train", streaming=True)
-    elif p.is_dir() and ((p / "state.json").exists() or (p / "dataset_dict.json").exists()):
+    elif p.is_dir() and _saved(p):
         ds = _from_disk(p, split)
     elif p.is_dir():
         ds = _load(spec, str(p), name=config, split=split, streaming=True)
@@ -95,6 +118,8 @@ def _from_disk(p: Path, split: str):
             raise SpecscopeError(f"--dataset {str(p)!r} has no split {split!r}; it has {', '.join(ds)} "
                                  f"(--dataset-split)")
         ds = ds[split]
+    elif split != "train":      # one saved Dataset: no splits to choose from
+        raise SpecscopeError(f"--dataset {str(p)!r} is one saved dataset with no splits; drop --dataset-split")
     return ds
 
 

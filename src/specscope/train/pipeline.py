@@ -34,7 +34,7 @@ from specscope.speculative.eagle3 import DrafterConfig, Eagle3Drafter
 from specscope.speculative.formats import load_drafter, map_problems, pair_problems, save_drafter
 from specscope.train.data import (_dedup_key, answer_prompts, capture, conv_hash, read_conversations, read_jsonl,
                                   read_synth_state, regenerate as regen, synthesise)
-from specscope.train.datasets import load_conversations
+from specscope.train.datasets import check_dataset_options, load_conversations
 from specscope.train.endpoint import answer_via_endpoint
 from specscope.train.sources import EvalOverlap, read_user_turns
 from specscope.train.tracking import Rate
@@ -172,6 +172,7 @@ def read_data_sources(dataset: str | None, prompt_files: list[str] | None, synth
     """Every file the data stage reads, read and checked now: `train` calls this before the target loads, so a
     missing source, bad bytes or a file with no usable record costs no model load. A --dataset is read through
     train.datasets.load_conversations (JSONL, JSON, Parquet, directories, hub ids)."""
+    check_dataset_options(dataset, dataset_split, dataset_config)
     if prompt_files or (synth > 0 and not dataset):
         # real prompts answered by the target, then (optionally) Magpie conversations for breadth
         overlap = EvalOverlap()

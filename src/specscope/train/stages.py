@@ -10,8 +10,9 @@ from typing import Callable
 import torch
 
 from specscope.errors import SpecscopeError
-from specscope.fileio import check_writable
+from specscope.fileio import check_writable, refuse_overlap
 from specscope.speculative.eagle3 import DrafterConfig
+from specscope.speculative.eagle3_export import WRITES
 from specscope.train import pipeline
 from specscope.train.trainer import TrainConfig, dist_info, train
 
@@ -124,6 +125,8 @@ def plan_stages(job: TrainJob, echo: Callable[[str], None]) -> Plan:
     # the target's forward runs here only for a local data stage and for select
     runs_forward = ("data" in todo and cap_mode is None) or "select" in todo
     tpath, tcfg = _preflight(job.target_name, runs_forward)
+    if "train" in todo or "select" in todo:
+        check_output(job, tpath)
     init = pipeline.init_drafter(job.init_from, resolve_target(str(tpath), job.target_name)) \
         if job.init_from else None
     aux = aux_layers(tcfg, init)
@@ -206,6 +209,16 @@ def _preflight(target_name: str, runs_forward: bool):
         weight_files(tpath)
     check_tokenizer_files(tpath)
     return tpath, tcfg
+
+
+def check_output(job: TrainJob, tpath: Path) -> None:
+    """The drafter's directory (-o, else WORKDIR/drafter) is none of the files this run reads, nor inside one."""
+    dest = job.output or job.work / "drafter"
+    inputs = {"--model": tpath, "--init": job.init_from, "--dataset": job.data.dataset,
+              "--capture-dir": job.capture.capture_dir}
+    refuse_overlap(dest, inputs, writes=WRITES)
+    for f in job.data.prompt_files:         # repeatable
+        refuse_overlap(dest, {"--prompt-file": f}, writes=WRITES)
 
 
 def connect_answers(job: TrainJob, url: str, model: str | None, say):

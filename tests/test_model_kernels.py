@@ -393,3 +393,69 @@ def test_bf16_exact_weights_stream_as_bf16_with_the_fp32_bits(monkeypatch):
     for n in range(1, 14):
         assert torch.equal(pl(x[:n]), ref(x[:n])), n
     assert not rowgemm.is_bf16_exact(torch.randn(4, 4))       # an ordinary fp32 weight stays fp32
+
+
+# ---- threads (csrc/pool.h) -------------------------------------------------------------------------------------
+@pytest.fixture
+def torch_threads():
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_every_thread_count_gives_the_same_bits(tmp_path, dtype, torch_threads):
+    """Chunks of a layer go to whichever thread claims them, more threads than this host has cores included (so
+    some are always late): prefill, decode, a tree verify and the caches are the bits of one thread."""
+    make_hf_model(tmp_path, "llama", tie=True)
+    m = load_model(tmp_path, dtype=dtype)
+    ids = torch.randint(3, 101, (1, 16), generator=torch.Generator().manual_seed(3))
+    tree = DraftTree(torch.tensor([5, 6, 7, 8]), torch.tensor([-1, -1, 0, 2]), torch.tensor([1, 1, 2, 3]))
+    runs = []
+    for n in (1, 2, 3, 4):
+        torch_threads(n)
+        with torch.inference_mode():
+            c = m.new_cache(40)
+            a = m(ids, torch.arange(16)[None], c).logits
+            c.length = 16
+            steps = [m(torch.tensor([[9 + t]]), torch.tensor([[16 + t]]), c).logits for t in range(4)]
+            c.length = 20
+            v = m(*tree.verify_inputs(4, 20, 20)[:2], c, *tree.verify_inputs(4, 20, 20)[2:]).logits
+        runs.append([a, *steps, v, c.k, c.v])
+    for n, run in zip((2, 3, 4), runs[1:]):
+        for x, y in zip(runs[0], run):
+            assert torch.equal(x, y), f"{n} threads differ from 1"
+
+
+@needs_kernels
+def test_many_small_dispatches_from_two_callers_keep_the_bits(torch_threads):
+    """Thousands of back-to-back dispatches (each a new job for the pool's workers: a late worker must never run a
+    chunk of the next job with the last one's bounds), from two Python threads at once (the second caller runs
+    inline while the pool is busy): every result is the one-thread result."""
+    import threading
+
+    g = torch.Generator().manual_seed(5)
+    shapes = [(517, 96), (40, 64), (1000, 33)]
+    nb, rb = _variants()[0]
+    cases = []
+    torch_threads(1)
+    for out, k in shapes:
+        w, x = torch.randn(out, k, generator=g), torch.randn(3, k, generator=g)
+        p = rowgemm.pack(w, nb)
+        cases.append((x, p, out, rowgemm.gemm(x, p, nb, out, None, rb)))
+    torch_threads(3)
+    bad = []
+
+    def loop():
+        for i in range(600):
+            x, p, out, want = cases[i % len(cases)]
+            if not torch.equal(rowgemm.gemm(x, p, nb, out, None, rb), want):
+                bad.append(i)
+
+    ts = [threading.Thread(target=loop) for _ in range(2)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert not bad, f"dispatches {bad[:5]} gave other bits"

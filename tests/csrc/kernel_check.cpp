@@ -7,6 +7,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 
+#include <atomic>
+
 static uint64_t seed = 88172645463325252ull;
 static float rnd() {   // xorshift64, uniform in [-1, 1)
     seed ^= seed << 13; seed ^= seed >> 7; seed ^= seed << 17;
@@ -278,6 +280,53 @@ static void check_attention_bf16kv() {
     check_rope_chain<uint16_t>(6, 2, 64, 21, 32);
 }
 
+// The thread pool (pool.h): more threads than this host has cores, so some are always late or preempted. Every item
+// of every dispatch runs exactly once (a late worker claiming a chunk of the next job with the last job's bounds
+// would show as an item run twice or never), and linears and attention give the one-thread bits whatever the
+// thread count.
+static void check_pool() {
+    std::vector<std::atomic<int>> hits(257);
+    for (int it = 0; it < 7 * 1000; ++it) {
+        const int nt = 2 + (it / 1000) % 7;   // a pool kept over 1000 dispatches, then resized
+        const int64_t items = 1 + (int64_t)((rnd() + 1.0f) * 128), chunk = 1 + it % 3;
+        for (int64_t i = 0; i < items; ++i) hits[i].store(0, std::memory_order_relaxed);
+        pool::run(nt, items, chunk, [&](int64_t b, int64_t e) {
+            for (int64_t i = b; i < e; ++i) hits[i].fetch_add(1, std::memory_order_relaxed);
+        });
+        for (int64_t i = 0; i < items; ++i)
+            CHECK(hits[i].load() == 1, "pool: dispatch %d (%d threads) ran item %ld %d times", it, nt, (long)i, hits[i].load());
+    }
+    int64_t nbs[32], rbs[32];
+    rows_gemm_variants(nbs, rbs, 32);
+    const int64_t out = 517, in = 96, N = 3;
+    auto w = randv(out * in), b = randv(out), x = randv(N * in);
+    std::vector<float> p(((out + nbs[0] - 1) / nbs[0]) * nbs[0] * in), y1(N * out), yt(N * out);
+    rows_gemm_pack(w.data(), out, in, nbs[0], p.data());
+    rows_gemm_f32(x.data(), N, p.data(), nbs[0], out, in, b.data(), y1.data(), 1, (int)rbs[0]);
+    for (int rep = 0; rep < 300; ++rep) {
+        const int nt = 2 + rep % 7;
+        rows_gemm_f32(x.data(), N, p.data(), nbs[0], out, in, b.data(), yt.data(), nt, (int)rbs[0]);
+        CHECK(memcmp(y1.data(), yt.data(), yt.size() * 4) == 0, "pool: gemm on %d threads differs from 1 thread", nt);
+    }
+    const int64_t T = 7, Hq = 8, Hkv = 2, D = 64, S = 300;
+    auto q = randv(T * Hq * D), k = randv(Hkv * S * D), v = randv(Hkv * S * D);
+    std::vector<float> a1(T * Hq * D), at(T * Hq * D);
+    rows_attention(q.data(), Hq * D, T, Hq, Hkv, D, k.data(), v.data(), 0, S * D, S, nullptr, 0, a1.data(), 1);
+    std::vector<uint16_t> k16(k.size()), v16(v.size());   // a bf16 cache: its key-transposing dispatch too
+    for (size_t i = 0; i < k.size(); ++i) k16[i] = to_bf16(k[i]), v16[i] = to_bf16(v[i]);
+    for (int64_t fmt : {0, 1}) {
+        const void* kc = fmt ? (const void*)k16.data() : (const void*)k.data();
+        const void* vc = fmt ? (const void*)v16.data() : (const void*)v.data();
+        rows_attention(q.data(), Hq * D, T, Hq, Hkv, D, kc, vc, fmt, S * D, S, nullptr, 0, a1.data(), 1);
+        for (int rep = 0; rep < 100; ++rep) {
+            const int nt = 2 + rep % 7;
+            rows_attention(q.data(), Hq * D, T, Hq, Hkv, D, kc, vc, fmt, S * D, S, nullptr, 0, at.data(), nt);
+            CHECK(memcmp(a1.data(), at.data(), at.size() * 4) == 0, "pool: attention (kv_fmt %ld) on %d threads differs",
+                  (long)fmt, nt);
+        }
+    }
+}
+
 int main() {
     check_gemm();
     check_gemm_bf16();
@@ -286,6 +335,7 @@ int main() {
     check_attention();
     check_rope_attention();
     check_attention_bf16kv();
+    check_pool();
     printf("ok %s %d\n", rows_gemm_isa(), checks);
     return 0;
 }

@@ -16,14 +16,18 @@ bf16 (`--dtype bf16` on CPU, FORMATS "bf16a"): weights and each linear's input r
 row-invariant like fp32 -- vdpbf16ps on AVX512_BF16 builds, bf16 widened to fp32 FMAs elsewhere. AMX tiles are not
 used: no AMX machine was at hand to test them on, and AMX CPUs have AVX512_BF16 too.
 
-Build: at first use, with $CXX or the first of c++ / g++ / clang++ (`-O3 -fopenmp`, no torch headers, ~2 s), into
+Build: at first use, with $CXX or the first of c++ / g++ / clang++ (`-O3 -pthread`, no torch headers, ~2 s), into
 the specscope cache root, keyed by the ISA, the sources and the compiler, and loaded only from there once checked
-as the user's own (without a usable root, from a private directory of this run: cachedir.py); a compiler without
-OpenMP (Apple clang) gets a one-thread build. An unusable build (no compiler, an unsupported CPU) leaves
-`library()` None with one warning line, and models/linear.py falls back to the stock oneDNN path.
+as the user's own (without a usable root, from a private directory of this run: cachedir.py). An unusable build
+(no compiler, an unsupported CPU) leaves `library()` None with one warning line, and models/linear.py falls back to
+the stock oneDNN path.
 
 Tuning (models/tuning.py): the panel width (per weight shape) and the register tile (per row count) only change
 speed, never the result.
+
+Threads: `torch.get_num_threads()` of them, in csrc/pool.h's pool (not OpenMP): chunks of a layer's work are
+claimed by whichever thread is running, so beside other busy processes a preempted thread costs its chunk, not a
+barrier per kernel; bits never depend on which thread computed a row.
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ from specscope.errors import SpecscopeError
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCE = CSRC / "rows_gemm.cpp"
-SOURCES = (SOURCE, CSRC / "simd.h")
+SOURCES = (SOURCE, CSRC / "simd.h", CSRC / "pool.h")
 ABI = 11
 # -ffp-contract=off: the compiler may fuse a*b-c into an FMA in one copy of a loop (vectorised) and not in another
 # (scalar), which broke verify == decode for the rotary embedding under -O3 on aarch64; every FMA we want is explicit
@@ -155,20 +159,17 @@ def _compiler_id(cxx: str) -> str:
         return cxx
 
 
-def build_flags(isa: str, openmp: bool = True) -> list[str]:
-    return [*COMMON_FLAGS, *ISAS[isa][1], f"-DSPECSCOPE_ISA_{isa.upper()}", *(["-fopenmp"] if openmp else [])]
+def build_flags(isa: str) -> list[str]:
+    return [*COMMON_FLAGS, *ISAS[isa][1], f"-DSPECSCOPE_ISA_{isa.upper()}", "-pthread"]
 
 
 def _compile(cxx: str, isa: str, out: Path):
-    """Compile for `isa` into `out`; without OpenMP if the compiler has none (one thread)."""
-    for openmp in (True, False):
-        r = subprocess.run([cxx, *build_flags(isa, openmp), "-o", str(out), str(SOURCE)], capture_output=True,
-                           text=True, timeout=300)
-        if r.returncode == 0:
-            return
-        if not openmp or "openmp" not in (r.stderr + r.stdout).lower():
-            said = (r.stderr or r.stdout).strip().splitlines()
-            raise RuntimeError(f"{cxx} exited with {r.returncode}: " + (said[-1][:160] if said else "no output"))
+    """Compile for `isa` into `out`."""
+    r = subprocess.run([cxx, *build_flags(isa), "-o", str(out), str(SOURCE)], capture_output=True, text=True,
+                       timeout=300)
+    if r.returncode != 0:
+        said = (r.stderr or r.stdout).strip().splitlines()
+        raise RuntimeError(f"{cxx} exited with {r.returncode}: " + (said[-1][:160] if said else "no output"))
 
 
 # A built library carries a seal: what it was built as (ABI, ISA, build key) and a checksum over it and the code, in
@@ -302,8 +303,6 @@ def _load(want: str, fallback: str | None = None):
     if path is None:
         _warn("the row-invariant kernels could not be stored anywhere")
         return None
-    import torch  # noqa: F401  (libgomp must be torch's, loaded first)
-
     try:
         lib = ctypes.CDLL(str(path))
         if lib.rows_gemm_abi() != ABI:

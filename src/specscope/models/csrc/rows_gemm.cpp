@@ -2,8 +2,8 @@
 // RMSNorm (with the residual add fused), SiLU-gate, and rotary embedding + KV-cache write + attention. One design,
 // written once over the vector operations of simd.h and built per instruction set (AVX-512 with or without
 // AVX512_BF16, AVX2+FMA, NEON) by models/rowgemm.py
-// (no torch headers; called through ctypes; it links the libgomp torch already loaded, so it shares torch's
-// OpenMP thread pool).
+// (no torch headers; called through ctypes). Threads: pool.h's pool, whose chunks are claimed rather than assigned,
+// so a thread preempted by another process costs its chunk, not the step (OpenMP's barriers waited for it).
 //
 // Linear, memory-bound design: W is packed once into column panels of NB = V*L outputs, [out/NB][in][NB], so each
 // panel is one sequential stream; a panel is read from DRAM once and applied to every activation row (the rows are
@@ -12,6 +12,7 @@
 // Row-invariant: y[r, o] is always bias[o] + x[r,0]W[o,0] + x[r,1]W[o,1] + ... as one FMA chain in k order,
 // whatever n or the row chunking are, so decode (1 row) and verify (n rows) give bit-identical results. Every
 // other kernel here computes a row from that row's data alone, in an order fixed by the shapes, for the same reason.
+#include "pool.h"
 #include "simd.h"
 
 #include <math.h>
@@ -74,16 +75,17 @@ template <int V, int RB, typename WT>
 static void run(const float* x, int64_t n, const WT* p, int64_t out, int64_t in, const float* bias, float* y,
                 int nthreads) {
     const int64_t NB = V * L, npan = (out + NB - 1) / NB;
-    #pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1)
-    for (int64_t b = 0; b < npan; ++b) {
-        int64_t left = out - b * NB;
-        int valid = left < NB ? (int)left : (int)NB;
-        const WT* pb = p + b * NB * in;
-        const float* bb = bias ? bias + b * NB : nullptr;
-        int64_t r = 0;
-        for (; r + RB <= n; r += RB) tile<V, RB>(x + r * in, in, pb, bb, valid, y + r * out + b * NB, out);
-        tail<V, RB - 1, WT>(n - r, x + r * in, in, pb, bb, valid, y + r * out + b * NB, out);
-    }
+    pool::run(nthreads, npan, pool::chunk_for(npan, nthreads), [&](int64_t b0, int64_t b1) {
+        for (int64_t b = b0; b < b1; ++b) {
+            int64_t left = out - b * NB;
+            int valid = left < NB ? (int)left : (int)NB;
+            const WT* pb = p + b * NB * in;
+            const float* bb = bias ? bias + b * NB : nullptr;
+            int64_t r = 0;
+            for (; r + RB <= n; r += RB) tile<V, RB>(x + r * in, in, pb, bb, valid, y + r * out + b * NB, out);
+            tail<V, RB - 1, WT>(n - r, x + r * in, in, pb, bb, valid, y + r * out + b * NB, out);
+        }
+    });
 }
 
 // panel width nb and register tile rb (tuned; results identical) pick the instantiation; -1 if not built
@@ -166,16 +168,17 @@ template <int V, int RB>
 static void run_dp(const uint16_t* x, int64_t n, const uint16_t* p, int64_t out, int64_t kp, const float* bias,
                    float* y, int nthreads) {
     const int64_t NB = V * L, npan = (out + NB - 1) / NB;
-    #pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1)
-    for (int64_t b = 0; b < npan; ++b) {
-        int64_t left = out - b * NB;
-        int valid = left < NB ? (int)left : (int)NB;
-        const uint16_t* pb = p + b * NB * 2 * kp;
-        const float* bb = bias ? bias + b * NB : nullptr;
-        int64_t r = 0;
-        for (; r + RB <= n; r += RB) tile_dp<V, RB>(x + 2 * r * kp, kp, pb, bb, valid, y + r * out + b * NB, out);
-        tail_dp<V, RB - 1>(n - r, x + 2 * r * kp, kp, pb, bb, valid, y + r * out + b * NB, out);
-    }
+    pool::run(nthreads, npan, pool::chunk_for(npan, nthreads), [&](int64_t b0, int64_t b1) {
+        for (int64_t b = b0; b < b1; ++b) {
+            int64_t left = out - b * NB;
+            int valid = left < NB ? (int)left : (int)NB;
+            const uint16_t* pb = p + b * NB * 2 * kp;
+            const float* bb = bias ? bias + b * NB : nullptr;
+            int64_t r = 0;
+            for (; r + RB <= n; r += RB) tile_dp<V, RB>(x + 2 * r * kp, kp, pb, bb, valid, y + r * out + b * NB, out);
+            tail_dp<V, RB - 1>(n - r, x + 2 * r * kp, kp, pb, bb, valid, y + r * out + b * NB, out);
+        }
+    });
 }
 #endif
 
@@ -767,10 +770,24 @@ int rows_attention(const float* q, int64_t q_row, int64_t T, int64_t Hq, int64_t
     }
     const int32_t* pos = pos_all.data();
     uint32_t* kt = kt_all.data();
-    // kv-head-major: a thread's items share one kv head's keys and values (read from memory once per thread, not
-    // once per row), every row of it in turn
-    #pragma omp parallel num_threads(nthreads) if (nthreads > 1 && items > 1)
-    {
+    // kv-head-major: a thread's chunk of items shares one kv head's keys and values (read from memory once per
+    // chunk, not once per row), every row of it in turn
+#if defined(SPECSCOPE_DPBF16)
+    if (ND) {   // every kv head's used key blocks transposed, before any row reads them (its own dispatch)
+        const int64_t nt = Hkv * nblk;
+        pool::run(nthreads, nt, pool::chunk_for(nt, nthreads, 4), [&](int64_t i0, int64_t i1) {
+            for (int64_t it = i0; it < i1; ++it) {
+                const int64_t g = it / nblk, b = it % nblk;
+                if (pos[b] < 0) continue;
+                uint32_t* dst = kt + (g * used + pos[b]) * 256 * ND;
+                const uint16_t* kh = (const uint16_t*)k + g * kv_head;
+                if (ND == 2) transpose_keys<2>(kh, D, b, S, dst);
+                else transpose_keys<4>(kh, D, b, S, dst);
+            }
+        });
+    }
+#endif
+    pool::run(nthreads, items, pool::chunk_for(items, nthreads), [&](int64_t i0, int64_t i1) {
         // per-thread scratch kept across calls: sized by the mask's width (all regions of a batch), so zero-filling
         // fresh vectors cost more than the attention itself at 16 regions of 4096 slots
         static thread_local std::vector<float> sc_buf;
@@ -779,21 +796,7 @@ int rows_attention(const float* q, int64_t q_row, int64_t T, int64_t Hq, int64_t
         if (ND && pp_buf.size() < (size_t)gb * (need / 2 + 16)) pp_buf.resize((size_t)gb * (need / 2 + 16));
         float* sc = sc_buf.data();
         uint32_t* pp = pp_buf.data();
-#if defined(SPECSCOPE_DPBF16)
-        if (ND) {   // every kv head's used key blocks transposed, before any row reads them
-            #pragma omp for schedule(static)
-            for (int64_t it = 0; it < Hkv * nblk; ++it) {
-                const int64_t g = it / nblk, b = it % nblk;
-                if (pos[b] < 0) continue;
-                uint32_t* dst = kt + (g * used + pos[b]) * 256 * ND;
-                const uint16_t* kh = (const uint16_t*)k + g * kv_head;
-                if (ND == 2) transpose_keys<2>(kh, D, b, S, dst);
-                else transpose_keys<4>(kh, D, b, S, dst);
-            }
-        }
-#endif
-        #pragma omp for schedule(static)
-        for (int64_t it = 0; it < items; ++it) {
+        for (int64_t it = i0; it < i1; ++it) {
             const int64_t t = it % T, gp = it / T, g = gp / passes, h0 = g * G + (gp % passes) * gb;
             const int64_t m = ms[t];
             const float* qs[4];
@@ -809,7 +812,7 @@ int rows_attention(const float* q, int64_t q_row, int64_t T, int64_t Hq, int64_t
             fns[gb](qs, (const char*)k + g * kv_head * es, kt + g * used * 256 * ND, pos,
                     (const char*)v + g * kv_head * es, D, idx_rows + t * need, m, scale, sc, pp, outs);
         }
-    }
+    });
     return 0;
 }
 

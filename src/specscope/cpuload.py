@@ -120,3 +120,66 @@ def wait_quiet(timeout_s: float, window_s: float = 1.0) -> bool:
             return True
         if time.monotonic() + window_s > deadline:
             return False
+
+
+# ---- the default thread count ------------------------------------------------------------------------------------
+# A decode thread that shares its core with a busy process runs half the time; the row kernels no longer wait for
+# it (models/csrc/pool.h), but it still adds nothing. So a decode command's default is the cores nobody else is
+# keeping busy right now, sampled briefly at start; --threads still wins.
+FREE_CORES_SAMPLE_S = 0.1
+
+
+@dataclass(frozen=True)
+class ThreadChoice:
+    """The CPU thread count a run uses and why (its fingerprint and `generate --json` say it)."""
+
+    threads: int
+    source: str                      # "--threads", "free cores" or "default" (torch's own: no reading)
+    usable: int | None = None        # cores this process may run on
+    others_cores: float | None = None   # cores other processes kept busy over the sample
+
+    def words(self) -> str:
+        if self.source == "--threads":
+            return f"{self.threads} (--threads)"
+        if self.source == "default":
+            return f"{self.threads} (torch's default: no CPU accounting to read here)"
+        return (f"{self.threads} of {self.usable} usable cores: other processes kept {self.others_cores:.1f} busy "
+                f"over {FREE_CORES_SAMPLE_S * 1e3:.0f} ms at start (--threads overrides)")
+
+    def to_dict(self) -> dict:
+        return {"threads": self.threads, "source": self.source, "usable": self.usable,
+                "others_cores": None if self.others_cores is None else round(self.others_cores, 2),
+                "why": self.words()}
+
+
+_choice: ThreadChoice | None = None
+
+
+def usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def choose_threads(requested: int | None, default: int) -> ThreadChoice:
+    """`requested` (--threads) when given; else `default` (torch's count) less the cores other processes keep busy
+    now (their share of ours when the host has more CPUs than we may use), at least 1. Remembered for
+    thread_choice()."""
+    global _choice
+    usable = usable_cores()
+    if requested is not None:
+        _choice = ThreadChoice(requested, "--threads", usable)
+        return _choice
+    c = sample(FREE_CORES_SAMPLE_S)
+    if c is None:
+        _choice = ThreadChoice(default, "default", usable)
+        return _choice
+    busy = c.others_cores * min(usable, c.cores) / c.cores
+    _choice = ThreadChoice(max(1, min(default, usable - int(busy + 0.5))), "free cores", usable, c.others_cores)
+    return _choice
+
+
+def thread_choice() -> ThreadChoice | None:
+    """The choice this process's command made (None: no decode command chose one)."""
+    return _choice

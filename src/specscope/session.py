@@ -8,6 +8,7 @@ from dataclasses import dataclass, asdict
 from functools import lru_cache
 from pathlib import Path
 
+from specscope import cpuload
 from specscope.errors import SpecscopeError
 from specscope.generate import GenerationResult, generate
 from specscope.models import loader   # loader.load_model looked up per call: tests stub it
@@ -208,6 +209,7 @@ def run_generate(req: GenerateRequest, on_text=None) -> GenerateOutcome:
         "device": req.device,
         "sampling": sp.to_dict(),
     }
+    out.update(_threads_used(model))
     lines = [f"{res.num_tokens} tokens in {res.seconds:.2f} s: {res.tok_per_s:.2f} tok/s "
              f"(prefill {res.prefill_s * 1e3:.0f} ms)"]
     if spec_cfg is not None:
@@ -223,6 +225,17 @@ def run_generate(req: GenerateRequest, on_text=None) -> GenerateOutcome:
     out["summary_lines"] = lines
     out["internal"] = {"step_ms": res.step_ms}
     return GenerateOutcome(res, out, lines)
+
+
+def _threads_used(model) -> dict:
+    """{"threads": how many CPU threads decoded and why} where a decode command chose them and the choice is still
+    in force (a library caller may have set others since); else nothing."""
+    import torch
+
+    choice = cpuload.thread_choice()
+    if choice is None or model.device.type != "cpu" or choice.threads != torch.get_num_threads():
+        return {}
+    return {"threads": choice.to_dict()}
 
 
 def _record_run(req: GenerateRequest, path, model, spec_cfg, res, prof, out: dict, lines: list[str]) -> None:

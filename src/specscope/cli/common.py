@@ -18,7 +18,10 @@ def emit_json(obj) -> None:
     click.echo(json_dumps(obj))
 
 
-def setup_runtime(threads: int | None, device: str | None):
+def setup_runtime(threads: int | None, device: str | None, fit_load: bool = False):
+    """The torch device; `threads` set (bad values refused). fit_load (the decode commands): without --threads, a
+    CPU run takes the cores other processes leave free right now (cpuload.choose_threads, said in the fingerprint
+    and generate's --json)."""
     import torch
 
     from specscope.models.loader import resolve_device
@@ -29,7 +32,12 @@ def setup_runtime(threads: int | None, device: str | None):
         if not 1 <= threads <= MAX_THREADS:
             raise SpecscopeError(f"--threads must be in 1..{MAX_THREADS}, got {threads}")
         torch.set_num_threads(threads)
-    return resolve_device(device)
+    dev = resolve_device(device)
+    if fit_load and dev.type == "cpu":
+        from specscope.cpuload import choose_threads
+
+        torch.set_num_threads(choose_threads(threads, torch.get_num_threads()).threads)
+    return dev
 
 
 def stdout_console(**kw):

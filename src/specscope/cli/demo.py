@@ -119,7 +119,7 @@ def demo(num_prompts, output, draft, max_new_tokens, threads, model_name, draft_
     from specscope.registry.db import registry_path
 
     refuse_overlap(output, {"--model": model_name, "--draft": draft, "--db": registry_path(db)})
-    dev = setup_runtime(threads, device)
+    dev = setup_runtime(threads, device, fit_load=True)
     opts = DemoOptions(model=model_name, draft=draft, prompts=num_prompts, max_new_tokens=max_new_tokens,
                        draft_budget=draft_budget or "priced", steps=steps, topk=topk, draft_tokens=draft_tokens,
                        ngram_tokens=ngram_tokens, dtype=dtype,

@@ -43,7 +43,7 @@ def generate(model_name, prompt, chat, max_new_tokens, temperature, top_p, top_k
                              f"--draft (e.g. ngram or smollm2-135m-eagle3) or drop --draft-budget")
     if prompt == "-":
         prompt = read_stdin_text("--prompt -")
-    dev = setup_runtime(threads, device)
+    dev = setup_runtime(threads, device, fit_load=True)
     req = GenerateRequest(model=model_name, prompt=prompt, chat=chat, max_new_tokens=max_new_tokens,
                           temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, dtype=dtype,
                           device=str(dev), threads=threads, draft=draft, draft_budget=draft_budget or "priced", steps=steps, topk=topk,

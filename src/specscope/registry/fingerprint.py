@@ -17,7 +17,7 @@ from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
 
-from specscope import __version__
+from specscope import __version__, cpuload
 
 ENV_PREFIXES = ("NCCL_", "CUDA_", "OMP_", "MKL_", "TORCH_", "PYTORCH_", "SPECSCOPE_KERNELS")
 PACKAGES = ("torch", "transformers", "specscope", "numpy", "safetensors", "tokenizers", "triton")
@@ -29,6 +29,7 @@ GPU_FIELDS = ("name", "uuid", "memory_total_mib", "sm_clock_mhz", "sm_clock_max_
 # Fields that move between two otherwise identical runs; `compare` leaves them out of the differences
 # ("gpu.devices" repeats every GPU's volatile fields; GPU 0 is compared field by field).
 VOLATILE = ("collected_at", "memory.available_mib", "gpu.power_draw_w", "gpu.temperature_c", "cpu.freq_mhz",
+            "torch.threads_chosen",
             "gpu.devices")
 
 
@@ -155,6 +156,9 @@ def _torch(details: bool) -> dict:
         return out
     out["cuda_runtime"] = torch.version.cuda
     out["threads"] = torch.get_num_threads()
+    choice = cpuload.thread_choice()    # a decode command's default follows the cores free at its start
+    if choice is not None:
+        out["threads_chosen"] = choice.words()
     out["interop_threads"] = torch.get_num_interop_threads()
     out["mkldnn"] = bool(torch.backends.mkldnn.is_available())
     if torch.version.cuda is None:

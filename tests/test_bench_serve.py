@@ -243,6 +243,74 @@ def test_serve_and_bench_serve_end_to_end(model_dir, spec_server, tmp_path):
         keyed.stop()
 
 
+def test_served_run_names_the_drafter_the_server_drafts_with(spec_server, tmp_path):
+    """Issue 52 item 4: `specscope serve` exports what it drafts with (spec_decode_info), bench-serve stores it in
+    the run's config under a generate run's names, and the report and `compare` name the drafter beside τ instead
+    of 'drafter not named by the server'."""
+    from served_runs import priced_and_always
+
+    from specscope.ingest.prometheus import parse_text
+    from specscope.registry import open_registry
+    from specscope.report import charts
+
+    info = [k for k in parse_text(httpx.get(spec_server.url + "/metrics").text).values
+            if k[0] == "specscope:spec_decode_info"]
+    assert len(info) == 1 and dict(info[0][1])["draft"] == "ngram", info
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS[:2]))
+    r = subprocess.run([sys.executable, "-m", "specscope", "bench-serve", "--base-url", spec_server.url,
+                        "--dataset-path", str(data), "--max-concurrency", "1", "--output-len", "8", "--json"],
+                       capture_output=True, text=True, timeout=300, env=_env())
+    assert r.returncode == 0, r.stderr
+    rid = json.loads(r.stdout)["run_id"]
+    run = open_registry().get_run(rid)
+    cfg = run["config"]
+    assert (cfg["draft"], cfg["spec_policy"], cfg["steps"], cfg["topk"]) == ("ngram", "always", 3, 1), cfg
+    assert run["results"]["accept_length"] > 1.0 and "drafter not named" not in charts.label(run)
+    assert charts.label(run).startswith("ngram s3k1")
+    # the report's runs table beside the old record (a server that exported no info metric), and compare
+    old = priced_and_always()[0]
+    with open_registry() as reg:
+        old_id = reg.add_run(old)
+    page = tmp_path / "r.html"
+    rep = subprocess.run([sys.executable, "-m", "specscope", "report", old_id, rid, "-o", str(page)],
+                         capture_output=True, text=True, timeout=300, env=_env())
+    assert rep.returncode == 0, rep.stderr
+    body = page.read_text().split("<h2>Runs</h2>")[1].split("</table>")[0]
+    rows = [re.findall(r"<td[^>]*>(.*?)</td>", tr) for tr in re.findall(r"<tr>(.*?)</tr>", body) if "<td" in tr]
+    assert "drafter not named by the server" in rows[0][4]                 # the old record still says so
+    assert "ngram" in rows[1][4] and "not named" not in rows[1][4], rows[1]
+    cmp = subprocess.run([sys.executable, "-m", "specscope", "compare", old_id, rid], capture_output=True,
+                         text=True, timeout=300, env=dict(_env(), COLUMNS="200"))
+    assert cmp.returncode == 0, cmp.stderr
+    line = next(ln for ln in cmp.stdout.splitlines() if ln.strip().startswith("config.draft "))
+    assert line.split()[-1] == "ngram", cmp.stdout
+
+
+def test_spec_decode_info_under_either_prefix_and_in_ingested_scrapes(tmp_path):
+    """The info metric only with a drafter, under --metrics-prefix's name; read back by spec_delta (bench-serve)
+    and by `ingest` of a scrape file into the run's config, under a generate run's names."""
+    from specscope.ingest.core import ingest_file
+    from specscope.ingest.prometheus import parse_text, spec_delta
+    from specscope.server.metrics import DraftingInfo, ServerMetrics
+
+    assert "spec_decode_info" not in ServerMetrics().render().decode()     # no drafter: no info metric
+    info = DraftingInfo("org/eagle3+ngram", "priced", "fixed", 4, 1, 5, 8)
+    want = {"draft": "org/eagle3+ngram", "spec_policy": "priced", "draft_budget": "fixed", "steps": 4, "topk": 1,
+            "draft_tokens": 5, "ngram_tokens": 8}
+    for prefix in ("specscope", "vllm"):
+        met = ServerMetrics(prefix, info)
+        met.num_drafts.inc(3)
+        text = met.render().decode()
+        assert f"{prefix}:spec_decode_info{{" in text
+        d = spec_delta(parse_text(text), parse_text(text))
+        assert d["engine"] == prefix and d["server_spec"] == want
+    f = tmp_path / "scrapes.txt"
+    f.write_text(text + text)
+    s = ingest_file(f, record=False)
+    assert {k: s["config"].get(k) for k in want} == want and "server_spec" not in s["results"]
+
+
 def test_spec_delta_vllm_counters_and_reset():
     from specscope.ingest.prometheus import parse_text, spec_delta
 

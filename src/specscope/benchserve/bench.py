@@ -216,6 +216,9 @@ def run_config(setup: BenchSetup, work: Workload, out: dict) -> dict:
     if p.name == "random":
         config.update(random_input_len=p.input_len or p.random_input_len, random_output_len=p.random_output_len,
                       random_range_ratio=p.random_range_ratio)
+    # what a specscope server drafts with (its spec_decode_info): the drafter and shape under a generate run's
+    # names, so the run's τ is shown beside its drafter; vLLM and SGLang export none, their runs name no drafter
+    config.update(sm.get("server_spec") or {})
     return config
 
 

@@ -32,6 +32,11 @@ COUNTERS_READ = {f"{b}{sfx}" for b in SPEC_COUNTERS + (PER_POS, "generation_toke
 # specscope serve's engine steps: a histogram per phase (they add up to phase "step") and the steps that drafted
 PHASE_HIST = "cycle_phase_seconds"
 STEP_PHASES = ("draft", "verify", "accept", "commit", "other")
+# specscope serve's info metric, what it drafts with: its labels, named as a `generate` run's config names them
+# (vLLM 0.32 and SGLang export no such metric: their runs name no drafter)
+SPEC_INFO = "spec_decode_info"
+SPEC_INFO_LABELS = ("draft", "spec_policy", "draft_budget", "steps", "topk", "draft_tokens", "ngram_tokens")
+SPEC_INFO_INTS = ("steps", "topk", "draft_tokens", "ngram_tokens")
 
 
 def _unescape(v: str) -> str:
@@ -223,11 +228,22 @@ def spec_delta(before: Scrape | None, after: Scrape, engine: str | None = None) 
     if out.get("num_draft_tokens") and acc is not None:
         out["draft_acceptance_rate"] = acc / out["num_draft_tokens"]
     out.update(step_phases(b, after, engine))
+    if info := server_spec(after, engine):
+        out["server_spec"] = info
     if engine == "sglang":
         out.update(sglang_gauges(after))   # gauges: SGLang's own averages over its last log interval
         if "accept_length" not in out and "spec_accept_length" in out:
             out["accept_length"] = out["spec_accept_length"]
     return out
+
+
+def server_spec(s: Scrape, engine: str) -> dict:
+    """What the server drafts with, from its spec_decode_info labels (only SPEC_INFO_LABELS, the knobs as ints):
+    {"draft": "ngram", "spec_policy": "always", "steps": 3, ...}; {} where it exports none (no drafter)."""
+    for (n, ls), v in s.values.items():
+        if n == f"{engine}:{SPEC_INFO}" and v == 1:
+            return {k: int(x) if k in SPEC_INFO_INTS and x.isdigit() else x for k, x in ls if k in SPEC_INFO_LABELS}
+    return {}
 
 
 def step_phases(before: Scrape, after: Scrape, engine: str) -> dict:
@@ -258,7 +274,7 @@ def _is_counter(name: str) -> bool:
 
 def _read_by_specscope(engine: str, name: str) -> bool:
     base = name.split(":", 1)[1]
-    return base in COUNTERS_READ or (engine == "sglang" and base in SGLANG_GAUGES)
+    return base in COUNTERS_READ or base == SPEC_INFO or (engine == "sglang" and base in SGLANG_GAUGES)
 
 
 class PrometheusParser:
@@ -351,7 +367,7 @@ class PrometheusParser:
                 else:
                     inc.values[key] = series[-1]
             d = spec_delta(Scrape(), inc, engine)
-        res = {k: v for k, v in d.items() if k not in ("engine", "window")}
+        res = {k: v for k, v in d.items() if k not in ("engine", "window", "server_spec")}
         res["window"] = d.get("window")
         res["scrapes"] = len(scrapes)
         samples: dict = {}
@@ -400,10 +416,11 @@ class PrometheusParser:
             counts = ", ".join(f"{e} ({self.samples_by_engine.get(e, 0)} samples)" for e in engines)
             warnings.append(f"these scrapes hold metrics of several engines: {counts}; the headline figures are "
                             f"{engine}'s, the others are in results.other_engines")
-        model = None
+        model, spec = None, {}
         if engine:
             model = _union(self.scrapes).label_value(engine, "model_name", "model", "name")
-        return {"config": {"engine": engine, "model": model}, "results": res, "samples": samples,
+            spec = server_spec(_union(self.scrapes), engine)   # a specscope server's drafter, in the config
+        return {"config": {"engine": engine, "model": model, **spec}, "results": res, "samples": samples,
                 "warnings": warnings, "env": {"engine": engine}}
 
 

@@ -17,7 +17,7 @@ from starlette.requests import ClientDisconnect
 
 from specscope.server import protocol as P
 from specscope.server import tokenize as T
-from specscope.server.metrics import ServerMetrics
+from specscope.server.metrics import DraftingInfo, ServerMetrics
 from specscope.server.protocol import ApiError
 from specscope.server.respond import Answer, wait_whole
 from specscope.server.worker import ServedModel, Worker
@@ -138,7 +138,7 @@ def encode(served: ServedModel, p: P.GenParams, k: int | None) -> list[int]:
 
 def create_app(served: ServedModel, metrics: ServerMetrics | None = None) -> FastAPI:
     cfg = served.cfg
-    metrics = metrics or ServerMetrics(cfg.metrics_prefix)
+    metrics = metrics or ServerMetrics(cfg.metrics_prefix, DraftingInfo.of(cfg, served.spec_cfg))
     worker = Worker(served, metrics, cfg.max_queue)
 
     @asynccontextmanager

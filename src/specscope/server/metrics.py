@@ -6,11 +6,15 @@ num_accepted_tokens and accepted tokens per draft position. specscope adds the w
 its split (cycle_phase_seconds{phase="step"}: one batched forward and everything around it; phase draft, verify,
 accept, commit, other: the parts, which add up to it) and, with a drafter, how many steps drafted and how many ran
 plain (spec_decode_steps{mode=...}: the --spec-policy's choices) and, under the priced policy, why
-(spec_policy_decisions{decision, reason}).
+(spec_policy_decisions{decision, reason}); and, with a drafter, what it drafts with as an info metric
+(spec_decode_info{draft, spec_policy, draft_budget, steps, topk, draft_tokens, ngram_tokens} 1), which `bench-serve`
+stores so that a served run names its drafter.
 Each server owns its registry, so several apps can live in one process (tests).
 """
 
 from __future__ import annotations
+
+from dataclasses import asdict, dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -19,13 +23,39 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 
 PHASE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
+@dataclass(frozen=True)
+class DraftingInfo:
+    """What a server drafts with: the labels of its spec_decode_info metric. draft is --draft as given; the knobs
+    are the shape it drafts in (the flags, else the drafter's declared shape)."""
+    draft: str
+    spec_policy: str
+    draft_budget: str
+    steps: int
+    topk: int
+    draft_tokens: int
+    ngram_tokens: int = 0
+
+    @classmethod
+    def of(cls, cfg, shape) -> "DraftingInfo | None":
+        """From a ServeConfig and the SpecConfig it drafts in; None without a drafter."""
+        if shape is None:
+            return None
+        return cls(cfg.draft, cfg.spec_policy, cfg.draft_budget, shape.steps, shape.topk, shape.draft_tokens,
+                   shape.ngram_tokens)
+
+
 class ServerMetrics:
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, prefix: str = "specscope"):
+    def __init__(self, prefix: str = "specscope", drafting: DraftingInfo | None = None):
         # prefix "vllm" makes the names identical to vLLM's, for dashboards built on those
         P = prefix + ":"
         r = self.registry = CollectorRegistry()
+        if drafting is not None:
+            # an info metric (a gauge fixed at 1, as vLLM's cache_config_info): scrapers read the labels
+            labels = {k: str(v) for k, v in asdict(drafting).items()}
+            Gauge(P + "spec_decode_info", "What the server drafts with: the drafter (--draft), --spec-policy, "
+                  "--draft-budget and the draft shape.", list(labels), registry=r).labels(**labels).set(1)
         self.num_drafts = Counter(P + "spec_decode_num_drafts", "Verify cycles (drafts proposed).", registry=r)
         self.num_draft_tokens = Counter(P + "spec_decode_num_draft_tokens", "Draft tokens proposed.", registry=r)
         self.num_accepted_tokens = Counter(P + "spec_decode_num_accepted_tokens", "Draft tokens accepted.",

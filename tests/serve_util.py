@@ -11,10 +11,10 @@ import threading
 class Background:
     """Starts `python -m specscope ARGV...` and waits until it prints where it listens (self.url)."""
 
-    def __init__(self, argv: list[str], env: dict, cwd=None, start_timeout: float = 300):
+    def __init__(self, argv: list[str], env: dict, cwd=None, start_timeout: float = 300, preexec_fn=None):
         self.err = tempfile.TemporaryFile(mode="w+")  # a file, not a pipe nobody drains (which could block it)
         self.proc = subprocess.Popen([sys.executable, "-m", "specscope", *argv], env=env, cwd=cwd, text=True,
-                                     stdout=subprocess.PIPE, stderr=self.err)
+                                     stdout=subprocess.PIPE, stderr=self.err, preexec_fn=preexec_fn)
         self.url = None
         got = threading.Event()
 

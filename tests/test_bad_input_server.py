@@ -237,23 +237,37 @@ def test_setup_runtime_bounds_threads_for_every_command():
 
 # ---------------------------------------------------------------------------------------------- item 6: the server
 
-@pytest.fixture(scope="module")
-def server(world):
-    """`specscope serve` on loopback with a 1 s body timeout; its stderr is checked for tracebacks."""
+def _serve(world, *extra, preexec_fn=None) -> Background:
     env = dict(os.environ, SPECSCOPE_DB=str(world["root"] / "serve.db"))
     env.pop("SPECSCOPE_API_KEY", None)
-    s = Background(["serve", "--model", str(world["model"]), "--port", "0", "--device", "cpu", "--dtype", "fp32",
-                    "--threads", "1", "--body-timeout", "1", "--log-level", "info"], env, start_timeout=120)
-    deadline = time.monotonic() + 60
-    while True:  # it prints its URL once bound; uvicorn listens a moment later
-        try:
-            if httpx.get(s.url + "/health").status_code == 200:
-                break
-        except httpx.HTTPError:
-            if time.monotonic() > deadline:
-                s.stop()
-                raise
-        time.sleep(0.1)
+    return Background(["serve", "--model", str(world["model"]), "--port", "0", "--device", "cpu", "--dtype", "fp32",
+                       "--threads", "1", "--log-level", "info", *extra], env, start_timeout=120, preexec_fn=preexec_fn)
+
+
+def _address(url: str) -> tuple[str, int]:
+    host, port = url.removeprefix("http://").split(":")
+    return host, int(port)
+
+
+def _get_at_once(url: str) -> bytes:
+    """GET /health on a fresh connection, read to the end; what a client does the moment it reads 'listening'."""
+    try:
+        with socket.create_connection(_address(url), timeout=30) as s:
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            got = b""
+            while chunk := s.recv(4096):
+                got += chunk
+            return got
+    except OSError as e:
+        return repr(e).encode()
+
+
+@pytest.fixture(scope="module")
+def server(world):
+    """`specscope serve` on loopback with 1 s body and header timeouts; its stderr is checked for tracebacks.
+    `first_answer`: what a GET sent the moment 'listening' was printed got."""
+    s = _serve(world, "--body-timeout", "1", "--header-timeout", "1")
+    s.first_answer = _get_at_once(s.url)
     yield s
     s.stop()
 
@@ -266,8 +280,7 @@ def _stderr(server) -> str:
 
 def _partial_request(url: str) -> socket.socket:
     """Headers announcing a 100-byte JSON body, then only the first 11 bytes of it."""
-    host, port = url.removeprefix("http://").split(":")
-    s = socket.create_connection((host, int(port)))
+    s = socket.create_connection(_address(url))
     s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
               b"Content-Length: 100\r\n\r\n{\"prompt\": ")
     return s
@@ -301,6 +314,95 @@ def test_a_slow_body_gets_408_and_the_connection_closed(server):
     body = json.loads(got.split(b"\r\n\r\n", 1)[1])
     assert body["error"]["code"] == 408 and "1 s" in body["error"]["message"]
     assert "Traceback" not in _stderr(server)
+
+
+def _read_to_end(s: socket.socket) -> bytes:
+    got = b""
+    try:
+        while chunk := s.recv(4096):   # b"" = the server closed the connection
+            got += chunk
+    finally:
+        s.close()
+    return got
+
+
+def test_listening_is_printed_once_the_socket_accepts(server):
+    """(issue 53) 'listening on' was printed before the socket listened: a client that connected on it was
+    refused."""
+    assert server.first_answer.startswith(b"HTTP/1.1 200"), server.first_answer[:200]
+
+
+def test_a_half_sent_or_trickled_head_is_dropped_after_the_header_timeout(server):
+    """(issue 53) Half a request head held its connection forever (300 of 300 still open after 35 s). With
+    --header-timeout 1: half a head gets 408 and the connection closed, a head sent a byte at a time too (the
+    deadline runs from its first byte), and a connection that sends nothing is closed."""
+    half = socket.create_connection(_address(server.url))
+    half.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Ty")
+    idle = socket.create_connection(_address(server.url))
+    trickle = socket.create_connection(_address(server.url))
+    trickle.settimeout(0.2)
+    got = b""
+    for byte in b"GET /health HTTP/1.1\r\n" + b"X-Pad: " + b"x" * 200:   # ~40 s of bytes at 5 a second
+        try:
+            trickle.sendall(bytes([byte]))
+            got = trickle.recv(4096)
+            break                        # an answer, or b"": closed
+        except TimeoutError:
+            continue
+        except OSError:                  # closed while we sent
+            break
+    for s in (half, idle, trickle):
+        s.settimeout(15)
+    try:
+        trickled = got + _read_to_end(trickle)
+    except OSError:   # reset after the close it already saw
+        trickled = got
+    answers = {"half": _read_to_end(half), "idle": _read_to_end(idle), "trickled": trickled}
+    for name in ("half", "trickled"):
+        assert answers[name].startswith(b"HTTP/1.1 408"), (name, answers[name][:200])
+        body = json.loads(answers[name].split(b"\r\n\r\n", 1)[1])
+        assert body["error"]["code"] == 408 and "request head" in body["error"]["message"]
+    assert answers["idle"] == b""
+    assert "Traceback" not in _stderr(server)
+
+
+def test_idle_connections_past_the_open_file_limit_do_not_starve_a_request(world):
+    """(issue 53) 300 connections that send half a header, against a server with 256 file descriptors: a request
+    then got no answer ("Too many open files" in the log). Now the connection cap (fitted to the limit) answers it
+    503 with Retry-After, or it is served; once the idle ones are gone it is served."""
+    import resource
+
+    def fd_limit_256():
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
+
+    srv = _serve(world, "--header-timeout", "300", preexec_fn=fd_limit_256)
+    idle = []
+    try:
+        first = _get_at_once(srv.url)
+        for _ in range(300):
+            c = socket.create_connection(_address(srv.url), timeout=10)
+            c.sendall(b"GET /health HTTP/1.1\r\nHo")
+            idle.append(c)
+        r = httpx.get(srv.url + "/health", timeout=60)
+        for c in idle:
+            c.close()
+        after = None
+        for _ in range(60):              # served again once they are gone (retrying as Retry-After says)
+            after = httpx.get(srv.url + "/health", timeout=60)
+            if after.status_code == 200:
+                break
+            time.sleep(int(after.headers.get("retry-after", 1)))
+    finally:
+        for c in idle:
+            c.close()
+        srv.stop()
+    assert first.startswith(b"HTTP/1.1 200"), first[:200]
+    assert r.status_code in (200, 503), r.text
+    if r.status_code == 503:
+        assert int(r.headers["retry-after"]) >= 1 and r.json()["error"]["code"] == 503, (r.headers, r.text)
+    assert after.status_code == 200, after.text
+    log = _stderr(srv)
+    assert "Too many open files" not in log and "Traceback" not in log, log[-3000:]
 
 
 OK = {"prompt": "the quick brown fox", "max_tokens": 2}

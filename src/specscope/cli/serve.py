@@ -117,18 +117,27 @@ def _check_flags(model_name, draft, steps, topk, draft_tokens, ngram_tokens, dty
               help="Seconds to let in-flight requests finish after SIGTERM.")
 @click.option("--body-timeout", type=FiniteRange(0, 3600, min_open=True), default=30.0, show_default=True,
               help="Seconds a client has to send a whole request body; a slower one gets 408 and is disconnected.")
+@click.option("--header-timeout", type=FiniteRange(0, 3600, min_open=True), default=10.0, show_default=True,
+              help="Seconds a client has to send a whole request head (request line and headers) once connected; a "
+                   "slower one gets 408 and is disconnected.")
+@click.option("--max-connections", type=click.IntRange(min=1), default=1024, show_default=True,
+              help="Open connections served at once (lowered to fit the open-file limit, ulimit -n); one more is "
+                   "answered 503 with Retry-After and closed.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="warning",
               show_default=True)
 def serve(model_name, served_model_name, draft, steps, topk, draft_tokens, ngram_tokens, dtype, device, threads, host,
           port, api_key, max_queue, max_num_seqs, max_num_batched_tokens, enable_prefix_caching, max_seq_len,
           spec_policy, draft_budget, max_prompt_tokens, max_tokens_cap, metrics_prefix, no_phase_profile,
-          shutdown_timeout, body_timeout, log_level):
+          shutdown_timeout, body_timeout, header_timeout, max_connections, log_level):
     """Serve the model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /metrics)."""
     import ipaddress
+    import signal
+    import sys
 
     import uvicorn
 
     from specscope.server.app import create_app
+    from specscope.server.connections import ListeningServer, connection_limits, fd_limit, guarded_protocol
     from specscope.server.worker import ServeConfig, ServedModel
 
     dev = _check_flags(model_name, draft, steps, topk, draft_tokens, ngram_tokens, dtype, device, threads, api_key,
@@ -150,20 +159,22 @@ def serve(model_name, served_model_name, draft, steps, topk, draft_tokens, ngram
         click.echo(f"warning: serving on {host} without --api-key; anyone who can reach it can use it", err=True)
     served = ServedModel(cfg)  # load before listening so /health means ready
     app = create_app(served)
+    limits = connection_limits(max_connections, fd_limit())
     real_port = sock.getsockname()[1]
     shown = f"[{host}]" if ":" in host else host
-    click.echo(f"specscope serve: {served.name} ({'draft ' + draft if draft else 'baseline'}; up to {max_num_seqs} "
-               f"sequences of {served.max_seq_len} tokens) on http://{shown}:{real_port}", err=True)
-    click.echo(f"listening on http://{shown}:{real_port}")
-    import sys
 
-    sys.stdout.flush()
+    def listening():   # once the socket accepts: a client that connects on this line is not refused
+        click.echo(f"specscope serve: {served.name} ({'draft ' + draft if draft else 'baseline'}; up to "
+                   f"{max_num_seqs} sequences of {served.max_seq_len} tokens; {limits.cap} connections) on "
+                   f"http://{shown}:{real_port}", err=True)
+        click.echo(f"listening on http://{shown}:{real_port}")
+        sys.stdout.flush()
+
     config = uvicorn.Config(app, log_level=log_level, access_log=log_level in ("debug", "info"),
-                            timeout_graceful_shutdown=shutdown_timeout, lifespan="on")
-    import signal
-
+                            timeout_graceful_shutdown=shutdown_timeout, lifespan="on",
+                            http=guarded_protocol(header_timeout, limits), backlog=limits.backlog)
     # uvicorn re-raises the signal it caught once it has shut down; with a no-op handler underneath, a SIGTERM
     # that led to a clean drain ends the process with status 0 instead of "killed by SIGTERM"
     signal.signal(signal.SIGTERM, lambda *_: None)
-    uvicorn.Server(config).run(sockets=[sock])
+    ListeningServer(config, listening).run(sockets=[sock])
     click.echo("specscope serve: stopped", err=True)

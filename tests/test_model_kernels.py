@@ -459,3 +459,33 @@ def test_many_small_dispatches_from_two_callers_keep_the_bits(torch_threads):
     for t in ts:
         t.join()
     assert not bad, f"dispatches {bad[:5]} gave other bits"
+
+
+@needs_kernels
+def test_a_forked_child_gets_a_pool_of_its_own(torch_threads):
+    """A child forked after the pool ran (a DataLoader worker, multiprocessing) has none of the parent's worker
+    threads: its dispatches must not wait for them, and give the same bits."""
+    import os
+
+    g = torch.Generator().manual_seed(7)
+    nb, rb = _variants()[0]
+    w, x = torch.randn(700, 64, generator=g), torch.randn(2, 64, generator=g)
+    p = rowgemm.pack(w, nb)
+    torch_threads(2)
+    want = rowgemm.gemm(x, p, nb, 700, None, rb)
+    pid = os.fork()
+    if pid == 0:   # the child: exit status 0 only with the parent's bits, 1 otherwise; killed if it hangs
+        ok = all(torch.equal(rowgemm.gemm(x, p, nb, 700, None, rb), want) for _ in range(50))
+        os._exit(0 if ok else 1)
+    import time
+
+    for _ in range(300):
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child hung in a dispatch")
+    assert os.waitstatus_to_exitcode(status) == 0

@@ -31,8 +31,8 @@
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #endif
+#include <pthread.h>
 #include <sched.h>
-#include <unistd.h>
 
 namespace pool {
 
@@ -175,16 +175,22 @@ class Pool {
 };
 
 // The process's pool, sized for `nthreads` (the caller counts as one), made or resized at first need. Never
-// destroyed: at exit its threads simply end with the process. After a fork the child's copy has no threads, so
-// it is abandoned and a new one made.
+// destroyed: at exit its threads simply end with the process. A forked child inherits the pool without its
+// threads, so it abandons it (pthread_atfork) and makes its own at its first dispatch.
 struct Holder {
     std::atomic<bool> busy{false};
     Pool* pool = nullptr;
-    pid_t pid = 0;
 };
 
 static Holder& holder() {
-    static Holder* h = new Holder();
+    static Holder* h = [] {
+        pthread_atfork(nullptr, nullptr, [] {
+            Holder& c = holder();
+            c.pool = nullptr;
+            c.busy.store(false, std::memory_order_relaxed);
+        });
+        return new Holder();
+    }();
     return *h;
 }
 
@@ -201,15 +207,12 @@ static void run(int nthreads, int64_t items, int64_t chunk, const F& f) {
         f((int64_t)0, items);
         return;
     }
-    const pid_t pid = getpid();
-    if (h.pool && h.pid != pid) h.pool = nullptr;   // a forked child: the parent's workers are not here
     if (h.pool == nullptr || h.pool->workers() != nthreads - 1) {
         if (h.pool) {
             h.pool->stop();
             delete h.pool;
         }
         h.pool = new Pool(nthreads - 1);
-        h.pid = pid;
     }
     h.pool->dispatch([](const void* ctx, int64_t b, int64_t e) { (*(const F*)ctx)(b, e); }, &f, items, chunk);
     h.busy.store(false, std::memory_order_release);

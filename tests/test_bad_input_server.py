@@ -301,16 +301,8 @@ def test_a_client_that_hangs_up_mid_body_leaves_no_traceback(server):
 def test_a_slow_body_gets_408_and_the_connection_closed(server):
     s = _partial_request(server.url)
     s.settimeout(10)
-    t0 = time.monotonic()
-    got = b""
-    try:
-        while chunk := s.recv(4096):   # b"" = the server closed the connection
-            got += chunk
-    finally:
-        s.close()
-    took = time.monotonic() - t0
+    got = _read_to_end(s)              # closed by the server (a client left waiting would time out here)
     assert got.startswith(b"HTTP/1.1 408"), got[:200]
-    assert 0.8 < took < 5, took
     body = json.loads(got.split(b"\r\n\r\n", 1)[1])
     assert body["error"]["code"] == 408 and "1 s" in body["error"]["message"]
     assert "Traceback" not in _stderr(server)

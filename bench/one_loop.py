@@ -28,6 +28,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+# as the user set it, before our import of specscope sets its default: each tree's worker gets the user's
+# environment and its own specscope's default (an old tree's OpenMP kernels must not run with the new default)
+USER_ENV = dict(os.environ)
 METHODS = ("plain", "speculative")
 
 WORKER = r"""
@@ -60,7 +63,7 @@ for line in sys.stdin:
 
 class Worker:
     def __init__(self, src: Path, args, prompts: Path):
-        env = {**os.environ, "PYTHONPATH": str(src), "OMP_NUM_THREADS": str(args.threads)}
+        env = {**USER_ENV, "PYTHONPATH": str(src), "OMP_NUM_THREADS": str(args.threads)}
         self.p = subprocess.Popen([sys.executable, "-c", WORKER, args.model, args.draft, str(args.threads),
                                    str(prompts), args.draft_budget],
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)

@@ -14,8 +14,9 @@ each of --dtypes. Then `specscope serve` (fp32, the demo's drafter) at 1 and 4 s
 loads (bench/serve_load.py's server and clients).
 
 The background load: `while True: pass` in one process per usable core, started before and killed after each
-block of runs, at our priority or at nice 19. transformers and llama.cpp run with torch's and ggml's own defaults
-(specscope's OMP_WAIT_POLICY default is not passed to them unless the caller set it).
+block of runs, at our priority or at nice 19. Every worker gets the caller's environment: transformers and
+llama.cpp run with torch's and ggml's own defaults, specscope with its own (OMP_WAIT_POLICY, set on import).
+`PYTHONPATH=<another checkout>/src` runs that checkout's specscope in the workers (e.g. the kernels before a change).
 
 Prints tok/s (tokens / wall time per prompt, prefill included, summed over prompts and rounds) and each as a share
 of its own quiet speed; checks every specscope output under load against its quiet output (and the speculative
@@ -36,7 +37,10 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-USER_OMP_WAIT = os.environ.get("OMP_WAIT_POLICY")   # before specscope's import sets its default
+# the environment as the user set it, before our import of specscope sets its OMP_WAIT_POLICY default: every
+# worker gets it, and a specscope worker sets its own default by importing specscope before torch (PYTHONPATH=
+# another tree's src runs that tree's specscope, with its own defaults)
+USER_ENV = dict(os.environ)
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "bench"))
@@ -51,6 +55,7 @@ spec = json.load(open(sys.argv[1]))
 kind, ids, stop, n = spec["kind"], spec["ids"], set(spec["stop"]), spec["tokens"]
 info = {}
 if kind == "specscope":
+    import specscope   # first: its defaults for torch's OpenMP threads apply only before torch loads
     import torch
     torch.set_num_threads(spec["threads"])
     from specscope import session
@@ -66,7 +71,7 @@ if kind == "specscope":
         else:
             r = speculative_generate(target, drafter, p, k, None, sorted(stop), drafting.shape)
         return r.token_ids
-    info = {"isa": rowgemm.isa(), "threads": torch.get_num_threads()}
+    info = {"isa": rowgemm.isa(), "threads": torch.get_num_threads(), "specscope": specscope.__file__}
 elif kind == "transformers":
     import torch, transformers
     torch.set_num_threads(spec["threads"])
@@ -189,10 +194,6 @@ def start_workers(args, base: dict, notes: list[str]) -> list[Worker]:
         import llama_cpp  # noqa: F401
     except ImportError:
         have_llama = False
-    env_ours = dict(os.environ)
-    env_theirs = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-    if USER_OMP_WAIT is not None:
-        env_theirs["OMP_WAIT_POLICY"] = USER_OMP_WAIT
     workers = []
     for dtype in args.dtypes:
         for m in args.only:
@@ -211,7 +212,7 @@ def start_workers(args, base: dict, notes: list[str]) -> list[Worker]:
             if m == "llama.cpp":
                 spec["gguf"] = gguf_for(dtype)
             print(f"loading {m} {dtype}", file=sys.stderr)
-            workers.append(Worker(m, dtype, spec, env_ours if m.startswith("specscope") else env_theirs))
+            workers.append(Worker(m, dtype, spec, USER_ENV))
     return workers
 
 
@@ -362,7 +363,7 @@ def main(argv=None) -> None:
     out = args.out or ROOT / "bench" / "results" / f"shared_machine_{isa}.json"
     res = {"what": "decode tok/s quiet and beside one busy process per usable core (same priority, nice 19)",
            "config": {**{k: v for k, v in vars(args).items() if k != "out"}, "spec_draft": SPEC_DRAFT,
-                      "user_omp_wait_policy": USER_OMP_WAIT, "row_kernels": isa},
+                      "user_omp_wait_policy": USER_ENV.get("OMP_WAIT_POLICY"), "row_kernels": isa},
            "workers": {f"{w.name}/{w.dtype}": w.info for w in workers}, "notes": notes,
            "summary": summary, "serve": serve, "identical": same, "bars": bars(args, summary),
            "cpu_readings": readings, "env": collect(),

@@ -296,6 +296,18 @@ static void check_pool() {
         for (int64_t i = 0; i < items; ++i)
             CHECK(hits[i].load() == 1, "pool: dispatch %d (%d threads) ran item %ld %d times", it, nt, (long)i, hits[i].load());
     }
+    // a job of few chunks, then one of many, over and over: a late worker that read the small job's exhausted
+    // ticket must never take the large job's count for the small job's and claim a chunk that does not exist
+    std::vector<std::atomic<int>> many(512);
+    for (int it = 0; it < 50 * 1000; ++it) {
+        const int64_t items = it % 2 ? 512 : 2;
+        for (int64_t i = 0; i < items; ++i) many[i].store(0, std::memory_order_relaxed);
+        pool::run(2, items, 1, [&](int64_t b, int64_t e) {
+            for (int64_t i = b; i < e; ++i) many[i].fetch_add(1, std::memory_order_relaxed);
+        });
+        for (int64_t i = 0; i < items; ++i)
+            CHECK(many[i].load() == 1, "pool: alternating dispatch %d ran item %ld %d times", it, (long)i, many[i].load());
+    }
     int64_t nbs[32], rbs[32];
     rows_gemm_variants(nbs, rbs, 32);
     const int64_t out = 517, in = 96, N = 3;

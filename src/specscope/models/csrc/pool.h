@@ -8,15 +8,17 @@
 // chunks that were claimed and are still running. A worker that wakes after the job's chunks are gone does
 // nothing. Which thread computes a chunk never changes its bits: every item is computed by the same code alone.
 //
-// Safety of a late worker (the one subtle point). `ticket_` packs (generation << 32 | next chunk) in one 64-bit
-// atomic; a chunk is claimed by a compare-exchange from (g, k) to (g, k + 1), and only while k < the job's chunk
-// count. The job's fields are written before (g, 0) is published with a release store, and rewritten for g + 1
-// only after all of g's chunks are done. So a successful claim of (g, k) proves job g is unfinished (chunk k was
-// not yet claimed) and its fields are still g's, read before or after the claim; a worker holding a stale
-// generation fails the compare-exchange (the generation moved on) and never touches the next job with the last
-// job's pointers. The fields are relaxed atomics, so reading them while the caller rewrites them for the next job
-// (a worker about to find nothing left) is a harmless race, not undefined behaviour. `done_` is reset before the
-// next publish, and only after it reached the count: no increment of an old job can land on a new one.
+// Safety of a late worker (the one subtle point). `ticket_` packs (generation << 32 | chunk count << 16 | next
+// chunk) in one 64-bit atomic; a chunk is claimed by a compare-exchange from (g, n, k) to (g, n, k + 1), and only
+// while k < n -- the count read from the same value the exchange checks. So a successful claim of (g, n, k) proves
+// job g is unfinished (its chunk k was not yet claimed) and its fields are still g's. (The count once lived in a
+// field of its own: a worker that read the ticket (g, k = n) after the last claim, then the NEXT job's larger
+// count, claimed a phantom chunk k of g before the caller published g + 1, ran it on a mix of two jobs' fields and
+// counted it in the next job's done_; `specscope serve` once hung on it.) A worker holding a stale generation fails
+// the compare-exchange and never touches the next job with the last job's pointers. The fields are relaxed
+// atomics, so reading them while the caller rewrites them for the next job (a worker about to find nothing left)
+// is a harmless race, not undefined behaviour. `done_` is reset before the next publish, and only after it reached
+// the count: no increment of an old job can land on a new one.
 #pragma once
 
 #include <stdint.h>
@@ -52,6 +54,7 @@ using task_fn = void (*)(const void* ctx, int64_t begin, int64_t end);
 constexpr auto SPIN = std::chrono::microseconds(50);
 constexpr auto YIELD = std::chrono::microseconds(2000);
 constexpr auto CALLER_SPIN = std::chrono::microseconds(20);
+constexpr int64_t MAX_CHUNKS = 0xFFFF;    // a job's chunk count lives in 16 bits of the ticket (larger chunks beyond)
 
 class Pool {
    public:
@@ -75,15 +78,15 @@ class Pool {
     // run fn over [0, items) in chunks of `chunk` items on the caller and the workers; returns when every chunk is
     // done. One dispatch at a time (the caller holds the pool: see run()).
     void dispatch(task_fn fn, const void* ctx, int64_t items, int64_t chunk) {
+        if ((items + chunk - 1) / chunk > MAX_CHUNKS) chunk = (items + MAX_CHUNKS - 1) / MAX_CHUNKS;
         const int64_t n = (items + chunk - 1) / chunk;
         fn_.store(fn, std::memory_order_relaxed);
         ctx_.store(ctx, std::memory_order_relaxed);
         items_.store(items, std::memory_order_relaxed);
         chunk_.store(chunk, std::memory_order_relaxed);
-        nchunks_.store(n, std::memory_order_relaxed);
         done_.store(0, std::memory_order_relaxed);
         const uint32_t g = ++gen_;
-        ticket_.store((uint64_t)g << 32, std::memory_order_seq_cst);   // publish (release: the fields above)
+        ticket_.store((uint64_t)g << 32 | (uint64_t)n << 16, std::memory_order_seq_cst);   // publish (release: the fields)
         if (sleepers_.load(std::memory_order_seq_cst) > 0) {
             std::lock_guard<std::mutex> lk(m_);
             cv_.notify_all();
@@ -104,8 +107,8 @@ class Pool {
         uint64_t t = ticket_.load(std::memory_order_acquire);
         for (;;) {
             if ((uint32_t)(t >> 32) != g) return false;
-            const uint32_t next = (uint32_t)t;
-            if ((int64_t)next >= nchunks_.load(std::memory_order_relaxed)) return false;
+            const uint32_t next = (uint32_t)(t & 0xFFFF);
+            if ((t & 0xFFFF) >= ((t >> 16) & 0xFFFF)) return false;      // no chunk left (the count is g's own)
             if (ticket_.compare_exchange_weak(t, t + 1, std::memory_order_acq_rel, std::memory_order_acquire)) {
                 k = next;
                 return true;
@@ -165,7 +168,7 @@ class Pool {
     alignas(64) std::atomic<int64_t> done_{0};
     alignas(64) std::atomic<task_fn> fn_{nullptr};
     std::atomic<const void*> ctx_{nullptr};
-    std::atomic<int64_t> items_{0}, chunk_{1}, nchunks_{0};
+    std::atomic<int64_t> items_{0}, chunk_{1};
     uint32_t gen_ = 0;   // the caller's alone
     std::atomic<int> sleepers_{0};
     std::atomic<bool> stop_{false};

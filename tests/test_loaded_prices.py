@@ -114,3 +114,24 @@ def test_the_policy_says_why_it_runs_plain(monkeypatch):
     m.observe_step(StepRecord(batch=1, drafted=0, rows=1, tokens=1, phases_ms={"verify": 10.0}), policy.last)
     text = m.render().decode()
     assert 'specscope:spec_policy_decisions_total{decision="plain",reason="predicted_slower"} 1.0' in text
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="CPU accounting is read from Linux's /proc")
+def test_kernel_tiles_chosen_under_load_are_not_cached(busy, tmp_path, monkeypatch, capsys):
+    """The row kernels' tile choice is a timing that decides every later run's speed: one made beside a busy
+    process per core (a plan tuned during a loaded test run made verify 30 % slower here) is this run's only."""
+    import json
+
+    from specscope import cachedir
+    from specscope.models import tuning
+
+    monkeypatch.setenv("SPECSCOPE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(cachedir, "_warned", set())
+    monkeypatch.setattr(tuning, "_this_run", {})
+    plan = tuning.tuned_plan(64, 32)
+    assert tuning._valid_plan(plan)
+    path = tuning.tune_file()
+    assert not path.exists() or "64x32" not in json.loads(path.read_text())["plans"]
+    assert tuning.tuned_plan(64, 32) == plan                   # kept for this process: not measured again
+    warned = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("warning:")]
+    assert len(warned) == 1 and "not cached" in warned[0] and "other processes kept" in warned[0]

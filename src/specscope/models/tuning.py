@@ -1,7 +1,7 @@
 """Tuning the row kernels (models/rowgemm.py): the panel width (per weight shape) and the register tile (per row
 count) only change speed, never the result; `tuned_plan` measures them once per shape on this machine (cold
 weights, as in a real forward) and keeps the choice in a JSON file named by a machine fingerprint; a corrupt or
-stale file is re-measured."""
+stale file is re-measured, and a choice made while other processes took the CPUs is this run's only (not cached)."""
 
 from __future__ import annotations
 
@@ -15,11 +15,13 @@ from pathlib import Path
 import torch
 
 from specscope import cachedir
+from specscope.cpuload import ContentionMeter
 from specscope.models import rowgemm
 from specscope.models.rowgemm import TUNE_ROWS
 
 TUNE_RULE = "relative-2"   # in the tuning cache's name: a new choice rule re-measures
 _lock = threading.Lock()
+_this_run: dict[str, dict] = {}     # plans measured under load: kept for this process, never cached
 
 
 def fingerprint() -> str:
@@ -31,7 +33,7 @@ def fingerprint() -> str:
     except OSError:
         pass
     parts = [model, platform.machine(), ",".join(sorted(rowgemm.cpu_flags())), str(os.cpu_count()),
-             str(torch.get_num_threads()), torch.__version__, rowgemm._source_hash(), str(rowgemm.isa()),
+             str(rowgemm.threads()), torch.__version__, rowgemm._source_hash(), str(rowgemm.isa()),
              TUNE_RULE]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
@@ -138,10 +140,19 @@ def tuned_plan(out: int, k: int, tune: bool | None = None, fmt: str = "f32") -> 
         plan = data["plans"].get(key)
         if _valid_plan(plan):
             return plan
-        plan = choose(measure(out, k, fmt=fmt) if fmt == "bf16a" else measure(out, k))
+        if key in _this_run:
+            return _this_run[key]
+        with ContentionMeter() as load:
+            plan = choose(measure(out, k, fmt=fmt) if fmt == "bf16a" else measure(out, k))
+        if load.result is not None and load.result.loaded:
+            # tiles timed beside other work are that work's choice, not this machine's: this run's only
+            cachedir.warn(f"the row kernels' tiles were chosen while {load.result.words()}: used by this run only, "
+                          f"not cached; chosen again next run", key="tuning under load")
+            _this_run[key] = plan
+            return plan
         data = _read_cache(path)            # another process may have added shapes meanwhile
         data["plans"][key] = plan
         data["fingerprint"] = fingerprint()
-        data["threads"] = torch.get_num_threads()
+        data["threads"] = rowgemm.threads()
         cachedir.store_json(path, data, "linear tuning plans")
         return plan

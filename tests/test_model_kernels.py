@@ -489,3 +489,39 @@ def test_a_forked_child_gets_a_pool_of_its_own(torch_threads):
         os.waitpid(pid, 0)
         pytest.fail("the forked child hung in a dispatch")
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+@needs_kernels
+def test_a_decode_step_runs_torch_inline_and_the_kernels_on_torch_threads(tmp_path, torch_threads):
+    """During a BatchEngine step on the CPU, torch's own ops run on the calling thread (its libgomp threads would
+    otherwise spin beside the kernels' pool) while the kernels keep torch's thread count; the count is restored
+    after the step, an exception included, and a nested step changes nothing."""
+    from specscope.engine.batch import BatchEngine
+    from specscope.engine.request import Request
+
+    torch_threads(2)
+    with rowgemm.step_threads():
+        assert torch.get_num_threads() == 1 and rowgemm.threads() == 2
+        with rowgemm.step_threads():
+            assert torch.get_num_threads() == 1 and rowgemm.threads() == 2
+    assert torch.get_num_threads() == 2 and rowgemm.threads() == 2
+    with pytest.raises(RuntimeError):
+        with rowgemm.step_threads():
+            raise RuntimeError("a failed step")
+    assert torch.get_num_threads() == 2 and rowgemm.threads() == 2
+
+    make_hf_model(tmp_path, "llama", tie=True)
+    m = load_model(tmp_path, dtype="fp32")
+    seen = []
+    inner = m.forward
+
+    def forward(*a, **k):          # the target's forward inside the step, as the engine calls it
+        seen.append((torch.get_num_threads(), rowgemm.threads()))
+        return inner(*a, **k)
+
+    m.forward = forward
+    eng = BatchEngine(m, None, None, max_num_seqs=2, max_seq_len=64)
+    eng.add(Request("a", [1, 2, 3, 4], max_new_tokens=4))
+    while eng.busy:
+        eng.step()
+    assert seen and set(seen) == {(1, 2)} and torch.get_num_threads() == 2

@@ -23,6 +23,7 @@ from specscope.engine.request import (Finished, Request, StopCriteria, TokenLogp
                                       token_logprobs)
 from specscope.errors import SpecscopeError
 from specscope.models.context import region_inputs
+from specscope.models import rowgemm
 from specscope.models.llama import ForwardOutput
 from specscope.runtime.sampling import make_generator, next_token
 from specscope.speculative.acceptance import accept
@@ -226,6 +227,12 @@ class BatchEngine:
 
     # -- one step -------------------------------------------------------------------------------------------------
     def step(self) -> list[Finished]:
+        if self.target.device.type != "cpu":
+            return self._step()
+        with rowgemm.step_threads():     # torch's own ops inline, the row kernels on torch's thread count
+            return self._step()
+
+    def _step(self) -> list[Finished]:
         clock, self.last_step = _Clock(self.target.device, sync=self.profiler is not None), None
         done = self._drop_cancelled()
         self._admit()

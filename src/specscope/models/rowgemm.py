@@ -25,9 +25,10 @@ the stock oneDNN path.
 Tuning (models/tuning.py): the panel width (per weight shape) and the register tile (per row count) only change
 speed, never the result.
 
-Threads: `torch.get_num_threads()` of them, in csrc/pool.h's pool (not OpenMP): chunks of a layer's work are
-claimed by whichever thread is running, so beside other busy processes a preempted thread costs its chunk, not a
-barrier per kernel; bits never depend on which thread computed a row.
+Threads: `torch.get_num_threads()` of them (during a decode step, `step_threads`: torch's count, while torch's own
+ops run on the calling thread), in csrc/pool.h's pool (not OpenMP): chunks of a layer's work are claimed by
+whichever thread is running, so beside other busy processes a preempted thread costs its chunk, not a barrier per
+kernel; bits never depend on which thread computed a row.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ import shutil
 import subprocess
 import sys
 import threading
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -227,6 +229,36 @@ def isa() -> str | None:
     """The instruction set of the loaded kernels (None: the stock path)."""
     library()
     return _isa
+
+
+_step_threads: int | None = None     # the kernels' threads while a decode step holds them (step_threads)
+
+
+def threads() -> int:
+    """The kernels' thread count: torch's, or what it was when a decode step began (step_threads)."""
+    return _step_threads or torch.get_num_threads()
+
+
+@contextmanager
+def step_threads():
+    """One decode step on the row kernels: they keep torch's thread count and torch's own ops in the step (the
+    embedding, sampling, a drafter's small tensors) run on the calling thread. Otherwise torch's libgomp threads,
+    idle between their short regions, spin for milliseconds beside the kernels' pool unless OMP_WAIT_POLICY=PASSIVE
+    was set before torch loaded (specscope/__init__.py sets it, but a program may import torch first): speculative
+    decoding ran at 0.77x of the OpenMP kernels' speed that way (bench/one_loop.py, whose workers import torch
+    first), and at 1.0x with this."""
+    global _step_threads
+    n = torch.get_num_threads()
+    if n <= 1 or _step_threads is not None or library() is None:
+        yield
+        return
+    _step_threads = n
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+        _step_threads = None
 
 
 def library():
@@ -418,7 +450,7 @@ def gemm(x2d: torch.Tensor, p: torch.Tensor, nb: int, out: int, bias: torch.Tens
         fn = lib.rows_gemm_bf16 if p.dtype == torch.int16 else lib.rows_gemm_f32
     rc = fn(x2d.data_ptr(), n, p.data_ptr(), nb, out, k,
                             bias.data_ptr() if bias is not None else None, y.data_ptr(),
-                            torch.get_num_threads(), rb)
+                            threads(), rb)
     if rc != 0:
         raise RuntimeError(f"rows_gemm: no kernel for panel {nb} / tile {rb}")
     return y
@@ -470,7 +502,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, S: int, mask: t
     rc = (_lib or library()).rows_attention(q.data_ptr(), q.stride(0), T, Hq, Hkv, D, k.data_ptr(), v.data_ptr(),
                                             kv_format(k), k.stride(0), S, None if mask is None else mask.data_ptr(),
                                             0 if mask is None else mask.stride(0), out.data_ptr(),
-                                            torch.get_num_threads())
+                                            threads())
     if rc != 0:
         raise RuntimeError(f"rows_attention: unsupported shape (heads {Hq}/{Hkv}, head_dim {D})")
     return out
@@ -491,7 +523,7 @@ def rope_attention(qkv: torch.Tensor, n_heads: int, n_kv: int, cos: torch.Tensor
     rc = (_lib or library()).rows_rope_attention(qkv.data_ptr(), T, n_heads, n_kv, D, cos.data_ptr(), sin.data_ptr(),
                                   slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), kv_format(k_cache),
                                   k_cache.stride(0), max_len, S, None if mask is None else mask.data_ptr(),
-                                  0 if mask is None else mask.stride(0), out.data_ptr(), torch.get_num_threads())
+                                  0 if mask is None else mask.stride(0), out.data_ptr(), threads())
     if rc == -3:   # the message index_copy_ gives, so callers see one error whichever path ran
         bad = int(slots[(slots < 0) | (slots >= max_len)][0])
         raise IndexError(f"index_copy_(): index {bad} is out of bounds for dimension 1 with size {max_len}")
@@ -560,7 +592,7 @@ class LayerStack:
             self.n, self._array(T), h.data_ptr(), T, self.H, self.Hq, self.Hkv, self.D, self.inter, self.eps,
             cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), k.data_ptr(), v.data_ptr(), kv_format(k), k.stride(0),
             k.stride(2), k.shape[3], kv_len, None if mask is None else mask.data_ptr(),
-            0 if mask is None else mask.stride(0), aux_ptrs, torch.get_num_threads())
+            0 if mask is None else mask.stride(0), aux_ptrs, threads())
         if rc == -3:   # the message index_copy_ gives, so callers see one error whichever path ran
             bad = int(slots[(slots < 0) | (slots >= k.shape[3])][0])
             raise IndexError(f"index_copy_(): index {bad} is out of bounds for dimension 1 with size {k.shape[3]}")

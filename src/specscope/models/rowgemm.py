@@ -241,12 +241,10 @@ def threads() -> int:
 
 @contextmanager
 def step_threads():
-    """One decode step on the row kernels: they keep torch's thread count and torch's own ops in the step (the
-    embedding, sampling, a drafter's small tensors) run on the calling thread. Otherwise torch's libgomp threads,
-    idle between their short regions, spin for milliseconds beside the kernels' pool unless OMP_WAIT_POLICY=PASSIVE
-    was set before torch loaded (specscope/__init__.py sets it, but a program may import torch first): speculative
-    decoding ran at 0.77x of the OpenMP kernels' speed that way (bench/one_loop.py, whose workers import torch
-    first), and at 1.0x with this."""
+    """One decode step on the row kernels: they keep torch's thread count, torch's own ops in the step (embedding,
+    sampling, a drafter's small tensors) run on the calling thread. Else torch's libgomp threads spin between their
+    short regions beside the kernels' pool unless OMP_WAIT_POLICY=PASSIVE was set before torch loaded: speculative
+    decoding ran at 0.77x of the OpenMP kernels that way (bench/one_loop.py, torch imported first), 0.95x with this."""
     global _step_threads
     n = torch.get_num_threads()
     if n <= 1 or _step_threads is not None or library() is None:

@@ -156,3 +156,17 @@ def test_a_failed_start_is_named_by_its_root_cause_line(tmp_path):
 
     v = VLLMLaunch(tmp_path, [], tmp_path / "in", log, 128)
     assert v.why().startswith("RuntimeError: Not enough allowed NUMA nodes")
+
+
+def test_an_argparse_refusal_is_named_by_its_error_line_not_its_usage(tmp_path):
+    """vLLM refusing a flag prints argparse's usage block, whose option lists hold words such as 'error,'
+    ({critical,debug,error,info,...}), then `prog: error: ...`: the cause is that last line."""
+    from specscope.serverproc import log_cause
+
+    log = tmp_path / "vllm.log"
+    log.write_text("INFO 12-04 22:00:00 [__init__.py:1] starting\n"
+                   "usage: api_server.py [-h] [--host HOST]\n"
+                   "                     [--uvicorn-log-level {critical,debug,error,info,trace,warning}]\n"
+                   "                     [model_tag]\n"
+                   "api_server.py: error: unrecognized arguments: --no-such-flag\n")
+    assert log_cause(log) == "api_server.py: error: unrecognized arguments: --no-such-flag"

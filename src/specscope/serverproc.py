@@ -34,6 +34,8 @@ WRAPPER = re.compile(r"root cause|see (the )?(stack trace|above|log)|initiali[sz
                      r"|\d+ validation errors? for|^Traceback|^For further information", re.IGNORECASE)
 # a logger's level field, at the start (after vLLM's process tag) or between spaces: not an error line
 NOT_ERROR = re.compile(r"^(\(\w+ pid=\d+\)\s*)?(INFO|WARNING|WARN|DEBUG)\b| (INFO|WARNING|DEBUG) ")
+# argparse's usage block above its "prog: error: ..." line: option lists such as {critical,debug,error,info}
+USAGE = re.compile(r"^\s*(usage:|\[)")
 # vLLM's "(EngineCore_DP0 pid=7) ERROR 12-01 10:00:00 [core.py:708] " before the words that matter
 LOG_PREFIX = re.compile(r"^(\(\w+ pid=\d+\)\s*)?((ERROR|CRITICAL)\s+[\d-]+ [\d:.]+\s+\[[^\]]*\]\s*)?")
 
@@ -72,7 +74,8 @@ def root_cause(lines: list[str]) -> str | None:
     prefix; None when no line reads as an error."""
     for ln in lines[-CAUSE_SCAN:]:
         words = LOG_PREFIX.sub("", ln.strip()).split(" [type=", 1)[0].strip()
-        if ERROR_LINE.search(words) and not NOT_ERROR.search(ln) and not WRAPPER.search(words):
+        if ERROR_LINE.search(words) and not NOT_ERROR.search(ln) and not WRAPPER.search(words) \
+                and not USAGE.match(ln):
             return words if len(words) <= 300 else words[:297] + "..."
     return None
 

@@ -170,18 +170,3 @@ def test_an_argparse_refusal_is_named_by_its_error_line_not_its_usage(tmp_path):
                    "                     [model_tag]\n"
                    "api_server.py: error: unrecognized arguments: --no-such-flag\n")
     assert log_cause(log) == "api_server.py: error: unrecognized arguments: --no-such-flag"
-
-
-def test_engines_started_by_specscope_get_the_users_environment(monkeypatch):
-    """specscope asks torch's OpenMP threads to wait passively (its own default, set on import); a vLLM it starts
-    runs its own OpenMP kernels and must not inherit that default, only what the user set."""
-    import specscope
-    from specscope.benchserve.launch import VLLMServer
-
-    monkeypatch.setitem(specscope._OURS, "OMP_WAIT_POLICY", "PASSIVE")
-    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
-    assert "OMP_WAIT_POLICY" not in specscope.user_environ()
-    assert "OMP_WAIT_POLICY" not in VLLMServer("python", "model").env
-    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")          # the user's own choice travels
-    assert specscope.user_environ()["OMP_WAIT_POLICY"] == "ACTIVE"
-    assert VLLMServer("python", "model").env["OMP_WAIT_POLICY"] == "ACTIVE"

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import httpx
 
-from specscope import user_environ
 from specscope.errors import SpecscopeError
 from specscope.serverproc import ServerFailed, ServerProcess, free_port
 
@@ -32,7 +31,7 @@ class VLLMServer:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(log) if log else Path(f"/tmp/vllm-{self.port}.log")
-        self.env = {**user_environ(), "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
+        self.env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
                     "PYTHONUNBUFFERED": "1", **(env or {})}
         self.args = [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
                      "--served-model-name", SERVED_NAME, "--dtype", "float32", "--max-model-len", str(max_model_len),

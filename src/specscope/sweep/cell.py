@@ -5,12 +5,12 @@ the workload's numbers, carrying the cell's settings in config (flags) and env.v
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from specscope import user_environ
 from specscope.errors import SpecscopeError
 from specscope.fileio import why, write_atomic
 from specscope.serverproc import ServerFailed, ServerProcess, free_port
@@ -41,7 +41,7 @@ class Context:
 
 
 def engine_env(ctx: Context, cell: Cell, d: Path) -> dict:
-    env = {**user_environ(), **ctx.spec.env(cell)}
+    env = {**os.environ, **ctx.spec.env(cell)}
     if ctx.spec.resolved_phases() == "plugin":
         env["SPECSCOPE_PHASES"] = str(d / STEPS_FILE)        # specscope's vLLM plugin: every step's phases
     env.setdefault("PYTHONUNBUFFERED", "1")                  # the log's last lines are the engine's last words

@@ -28,7 +28,6 @@ from pathlib import Path
 
 import httpx
 
-from specscope import user_environ
 from specscope.errors import SpecscopeError
 from specscope.serverproc import ServerFailed, ServerProcess, free_port, log_cause
 from specscope.train.capture_files import ENV_DIR, RUN_PREFIX, XARG_KEY, XARG_LAYERS, XARG_RUN, read_capture
@@ -93,7 +92,7 @@ class VLLMLaunch:
             args += ["--max-model-len", str(max_len + 1)]     # the sequence and the one token it samples
         self.argv = [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_path),
                      "--host", "127.0.0.1", "--port", str(self.port), *FORCED, *args]
-        env = dict(user_environ(), PYTHONUNBUFFERED="1", **{ENV_DIR: str(capture_dir)})
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **{ENV_DIR: str(capture_dir)})
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
         if env.get("VLLM_PLUGINS") and "specscope_phases" not in env["VLLM_PLUGINS"].split(","):
             env["VLLM_PLUGINS"] += ",specscope_phases"     # the entry point that holds the capture mode

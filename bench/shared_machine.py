@@ -15,7 +15,7 @@ loads (bench/serve_load.py's server and clients).
 
 The background load: `while True: pass` in one process per usable core, started before and killed after each
 block of runs, at our priority or at nice 19. Every worker gets the caller's environment: transformers and
-llama.cpp run with torch's and ggml's own defaults, specscope with its own (OMP_WAIT_POLICY, set on import).
+llama.cpp run with torch's and ggml's own defaults, specscope with its own (its thread pool, `cpuload`'s thread count).
 `PYTHONPATH=<another checkout>/src` runs that checkout's specscope in the workers (e.g. the kernels before a change).
 
 Prints tok/s (tokens / wall time per prompt, prefill included, summed over prompts and rounds) and each as a share
@@ -37,9 +37,8 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-# the environment as the user set it, before our import of specscope sets its OMP_WAIT_POLICY default: every
-# worker gets it, and a specscope worker sets its own default by importing specscope before torch (PYTHONPATH=
-# another tree's src runs that tree's specscope, with its own defaults)
+# the environment as the user set it, before anything here imports specscope: every worker gets it (PYTHONPATH=
+# another tree's src runs that tree's specscope, with its own defaults; an older tree set OMP_WAIT_POLICY on import)
 USER_ENV = dict(os.environ)
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))

@@ -117,21 +117,28 @@ def test_steps_cause_the_verify_change_and_nccl_changes_nothing(sweep_run):
     steps, nccl = axes[STEPS_AXIS], axes[ENV_AXIS]
     assert steps["verdict"] == "changed"
     verify = [{r["metric"]: r for r in s["rows"]}["phase.verify"] for s in steps["slices"]]
-    assert not any(r["verdict"] == "better" for r in verify), verify
-    # 2 vs 4 tokens verified: +20-35 % here. Two launches of one cell land up to ±40 % apart on these machines
-    # (the sweep measures the launch-to-launch noise, a phase's own and the whole launch's, and calls only changes
-    # beyond it), so the verify change is asserted called wherever it leaves that band, and said otherwise
+    # 2 vs 4 tokens verified. Which way the verify moves is the engine's and the host's, not the sweep's: on an
+    # Intel host vLLM's CPU forward took +20-35 % for 4 tokens; on an AMD Zen 5 host its BLAS runs 2 rows slower than
+    # 4 (torch's fp32 linear of the LM head: 23 ms at 2 rows, 18 at 4) and the verify at 1 draft token read 53 ms/cyc
+    # against 37-40 at 3 (docs/sweep.md). What the sweep owes is the rule: a change is called only beyond the
+    # launch-to-launch noise (a phase's own and the whole launch's, measured by the sweep) with every repeat pair
+    # agreeing on its direction, and then compare's direction is the one said
     band = doc["launch_noise"]["by_metric"].get("phase.verify", 0.0)
-    clear = [r for r in verify if r["change"] > band and r["pooled"] == "worse"
-             and all(c is not None and c > 0 for c in r["repeat_changes"])]
-    if clear:                   # beyond the band, called by compare, every repeat pair agreeing: named
-        assert all(r["verdict"] == "worse" for r in clear), (band, verify)
+    for r in verify:
+        if r["verdict"] in ("better", "worse"):
+            sign = 1 if r["verdict"] == "worse" else -1          # ms per cycle: up is worse
+            assert r["change"] * sign > band, (band, r)
+            assert all(c is not None and c * sign > 0 for c in r["repeat_changes"]), r
+        else:
+            assert r["verdict"] in ("no significant change", "not called"), r
+    clear = [r for r in verify if abs(r["change"]) > band and r["pooled"] in ("better", "worse")
+             and all(c is not None and c * r["change"] > 0 for c in r["repeat_changes"])]
+    for r in clear:             # beyond the band, called by compare, every repeat pair agreeing: named
+        assert r["verdict"] == r["pooled"], (band, verify)
+    if clear:
         assert "phase.verify" in {m["metric"] for m in steps["moved"]}
-    else:
-        changes = ", ".join(f"{r['change'] * 100:+.1f}%" for r in verify)
-        print(f"\nverify's launch-to-launch noise {band * 100:.0f}%: the verify change ({changes}) is within it")
-    for r in verify:            # the rule: a change inside the band is never called
-        assert r["verdict"] != "worse" or r["change"] > band, (band, r)
+    changes = ", ".join(f"{r['change'] * 100:+.1f}% ({r['verdict']})" for r in verify)
+    print(f"\nverify 1 -> 3 draft tokens: {changes}; its launch-to-launch noise {band * 100:.0f}%")
     for s in steps["slices"]:
         rows = {r["metric"]: r for r in s["rows"]}
         assert rows["phase.draft"]["verdict"] == "worse", rows["phase.draft"]

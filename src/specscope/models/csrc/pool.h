@@ -36,6 +36,12 @@
 #include <pthread.h>
 #include <sched.h>
 
+#if defined(__linux__)
+static inline int this_cpu() { return sched_getcpu(); }
+#else
+static inline int this_cpu() { return -1; }   // unknown: never taken for the caller's own
+#endif
+
 namespace pool {
 
 static inline void cpu_relax() {
@@ -50,16 +56,21 @@ using clock = std::chrono::steady_clock;
 using task_fn = void (*)(const void* ctx, int64_t begin, int64_t end);
 
 // how long an idle worker spins (pause), then yields its CPU, before it sleeps; and how long the caller spins on
-// in-flight chunks before it yields (a preempted partner on the same core then gets the CPU back)
+// in-flight chunks before it yields. A chunk still in flight at the end is usually held by a worker another process
+// preempted on ANOTHER core: yielding then hands our own core to our own neighbour for a whole time slice and the
+// step waits twice, so the caller spins through a typical slice (beside one busy process per core, 2-thread bf16
+// decode went from 0.95x to 1.07x of 1-thread over four runs each, bench/shared_machine.py). Only when a worker
+// in flight last ran on the caller's own CPU does the caller yield at once: spinning there keeps it off the CPU.
 constexpr auto SPIN = std::chrono::microseconds(50);
 constexpr auto YIELD = std::chrono::microseconds(2000);
-constexpr auto CALLER_SPIN = std::chrono::microseconds(20);
+constexpr auto CALLER_SPIN = std::chrono::microseconds(3000);
 constexpr int64_t MAX_CHUNKS = 0xFFFF;    // a job's chunk count lives in 16 bits of the ticket (larger chunks beyond)
 
 class Pool {
    public:
-    explicit Pool(int workers) {
-        for (int i = 0; i < workers; ++i) threads_.emplace_back([this] { worker(); });
+    explicit Pool(int workers) : cpus_(workers) {
+        for (auto& c : cpus_) c.store(-1, std::memory_order_relaxed);
+        for (int i = 0; i < workers; ++i) threads_.emplace_back([this, i] { worker(i); });
     }
 
     int workers() const { return (int)threads_.size(); }
@@ -91,10 +102,11 @@ class Pool {
             std::lock_guard<std::mutex> lk(m_);
             cv_.notify_all();
         }
-        work(g);
-        // only chunks someone claimed can be outstanding; spin briefly, then yield so that a preempted holder
-        // sharing our core runs again
-        auto until = clock::now() + CALLER_SPIN;
+        work(g, -1);
+        // only chunks someone claimed can be outstanding: spin through a preemption elsewhere, yield to a holder
+        // on our own CPU (see CALLER_SPIN)
+        if (done_.load(std::memory_order_acquire) == n) return;
+        const auto until = clock::now() + (holder_here() ? std::chrono::microseconds(0) : CALLER_SPIN);
         for (int i = 0; done_.load(std::memory_order_acquire) != n; ++i) {
             if ((i & 63) == 0 && clock::now() > until) sched_yield();
             else cpu_relax();
@@ -116,14 +128,26 @@ class Pool {
         }
     }
 
-    void work(uint32_t g) {
+    // whether a worker in a job right now last ran on the caller's CPU
+    bool holder_here() const {
+        const int me = this_cpu();
+        if (me < 0) return false;
+        for (const auto& c : cpus_)
+            if (c.load(std::memory_order_relaxed) == me) return true;
+        return false;
+    }
+
+    // claim and run chunks of job g; `slot`: the worker's index (its CPU is published while it works), -1 the caller
+    void work(uint32_t g, int slot) {
         int64_t k;
+        if (slot >= 0) cpus_[slot].store(this_cpu(), std::memory_order_relaxed);
         while (claim(g, k)) {
             const int64_t chunk = chunk_.load(std::memory_order_relaxed), items = items_.load(std::memory_order_relaxed);
             const int64_t b = k * chunk, e = b + chunk < items ? b + chunk : items;
             fn_.load(std::memory_order_relaxed)(ctx_.load(std::memory_order_relaxed), b, e);
             done_.fetch_add(1, std::memory_order_release);
         }
+        if (slot >= 0) cpus_[slot].store(-1, std::memory_order_relaxed);
     }
 
     uint32_t current() const { return (uint32_t)(ticket_.load(std::memory_order_acquire) >> 32); }
@@ -155,12 +179,12 @@ class Pool {
         }
     }
 
-    void worker() {
+    void worker(int slot) {
         uint32_t seen = current();
         for (;;) {
             seen = await(seen);
             if (stop_.load(std::memory_order_relaxed)) return;
-            work(seen);
+            work(seen, slot);
         }
     }
 
@@ -171,6 +195,7 @@ class Pool {
     std::atomic<int64_t> items_{0}, chunk_{1};
     uint32_t gen_ = 0;   // the caller's alone
     std::atomic<int> sleepers_{0};
+    std::vector<std::atomic<int>> cpus_;    // per worker: the CPU it runs a job on, -1 between jobs
     std::atomic<bool> stop_{false};
     std::mutex m_;
     std::condition_variable cv_;

@@ -108,3 +108,15 @@ def tiny_target_and_drafter(root):
     drafter = root / "drafter"
     save_drafter(random_eagle3(target, draft_vocab=60), drafter, "sglang", dtype=torch.float32)
     return model, drafter, target
+
+
+def tiny_world(root) -> dict:
+    """What the bad-input suites run commands against: a tiny target with tokenizer (`model`), a drafter for it
+    (`drafter`) and a registry holding one generate run (`db`), all under `root`."""
+    from specscope.registry import make_record, store_record
+
+    model, drafter, _ = tiny_target_and_drafter(root)
+    db = root / "runs.db"
+    store_record(make_record("generate", name="a run", config={"model": str(model)}, results={"tok_per_s": 10.0},
+                             env={"host": "test"}), db)
+    return {"root": root, "model": model, "drafter": drafter, "db": db}

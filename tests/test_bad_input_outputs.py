@@ -28,16 +28,10 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     """A tiny target with tokenizer, a drafter for it, a chat target and dataset for training, a registry."""
-    from spec_helpers import tiny_target_and_drafter
-    from specscope.registry import make_record, store_record
+    from spec_helpers import tiny_world
 
     root = tmp_path_factory.mktemp("bad_outputs")
-    model, drafter, _ = tiny_target_and_drafter(root)
-    db = root / "runs.db"
-    store_record(make_record("generate", name="a run", config={"model": str(model)}, results={"tok_per_s": 10.0},
-                             env={"host": "test"}), db)
-    return {"root": root, "model": model, "drafter": drafter, "db": db, "chat": make_chat_target(root / "chat"),
-            "data": write_dataset(root / "data.jsonl", n=8)}
+    return {**tiny_world(root), "chat": make_chat_target(root / "chat"), "data": write_dataset(root / "data.jsonl", n=8)}
 
 
 def hashes(root: Path) -> dict:

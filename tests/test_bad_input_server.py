@@ -26,15 +26,9 @@ LONG = "a" * 300   # one path component past NAME_MAX (255): every OS call on it
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     """A tiny target with tokenizer, an EAGLE-3 drafter for it, and a registry with one run."""
-    from spec_helpers import tiny_target_and_drafter
-    from specscope.registry import make_record, store_record
+    from spec_helpers import tiny_world
 
-    root = tmp_path_factory.mktemp("bad_input_server")
-    model, drafter, _ = tiny_target_and_drafter(root)
-    db = root / "runs.db"
-    store_record(make_record("generate", name="r", config={"model": str(model)}, results={"tok_per_s": 10.0},
-                             env={"host": "test"}), db)
-    return {"root": root, "model": model, "drafter": drafter, "db": db}
+    return tiny_world(tmp_path_factory.mktemp("bad_input_server"))
 
 
 @pytest.fixture

@@ -212,6 +212,16 @@ def test_runs_recorded_under_load_are_flagged_in_report_and_compare(records, tmp
     assert list(json.loads(stdout)["load_warnings"]) == [busy]
 
 
+def _page_of(rec, tmp_path, capsys) -> str:
+    """`specscope report` of one stored record: the page."""
+    with open_registry() as reg:
+        rid = reg.add_run(rec)
+    out = tmp_path / "r.html"
+    code, _, err = cli(capsys, "report", rid, "-o", out)
+    assert code == 0, err
+    return out.read_text()
+
+
 def test_ingested_runs_show_drafter_acceptance_and_ingest_notes(tmp_path, capsys):
     """A vLLM log with per-position acceptance but no phase timings: acceptance chart, drafter not 'none',
     the malformed-line count and the warnings on the page."""
@@ -222,12 +232,7 @@ def test_ingested_runs_show_drafter_acceptance_and_ingest_notes(tmp_path, capsys
                       results={"tok_per_s": 90.0, "accept_length": 2.1, "drafted_tokens": 300,
                                "per_position_acceptance": [0.6, 0.35, 0.15], "ingest": ingest},
                       env={"ingested": True})
-    with open_registry() as reg:
-        rid = reg.add_run(rec)
-    out = tmp_path / "r.html"
-    code, _, err = cli(capsys, "report", rid, "-o", out)
-    assert code == 0, err
-    page = out.read_text()
+    page = _page_of(rec, tmp_path, capsys)
     assert "per-position acceptance rate" in alts(page)
     assert "Ingested logs" in sections(page) and "truncated metrics line" in page and "malformed line(s)" in page
     runs_table = page.split("<h2>Runs</h2>")[1].split("</table>")[0]
@@ -482,12 +487,7 @@ def test_runs_table_tok_s_columns_each_have_one_definition(records, tmp_path, ca
     s = copy.deepcopy(records[2])
     res = s["results"]
     res["tok_per_s"] = round(res["decode_tok_per_s"] * 0.6, 3)     # as session.py stores it: prefill included
-    with open_registry() as reg:
-        rid = reg.add_run(s)
-    out = tmp_path / "r.html"
-    code, _, err = cli(capsys, "report", rid, "-o", out)
-    assert code == 0, err
-    page = out.read_text()
+    page = _page_of(s, tmp_path, capsys)
     row = _runs_table(page)[0]
     from specscope.report.build import _f      # the table's number format
 
@@ -521,10 +521,5 @@ def test_environment_values_wrap_inside_their_column(records, tmp_path, capsys):
     b = copy.deepcopy(records[0])
     b["env"] = dict(b["env"] or {}, cpu=dict((b["env"] or {}).get("cpu") or {},
                                              simd="avx512f,avx512_bf16,avx512_vnni,amx_bf16,avx2,fma"))
-    with open_registry() as reg:
-        rid = reg.add_run(b)
-    out = tmp_path / "r.html"
-    code, _, err = cli(capsys, "report", rid, "-o", out)
-    assert code == 0, err
-    env = out.read_text().split("<h2>Environment</h2>")[1]
+    env = _page_of(b, tmp_path, capsys).split("<h2>Environment</h2>")[1]
     assert "<table class=fit>" in env and "avx512f,<wbr>avx512_bf16,<wbr>" in env

@@ -17,7 +17,8 @@ from drafter_util import (SMALL, published, random_drafter, raw_tensors, ref_cfg
 from safetensors.torch import load_file, save_file
 
 from specscope.errors import SpecscopeError
-from specscope.check_drafter import check_drafter, parse_engine_args
+from specscope.check_drafter import check_drafter
+from specscope.engines import parse_engine_args
 from specscope.speculative.formats import load_drafter, resolve_target, save_drafter
 
 LAYERS = 8
@@ -528,10 +529,11 @@ def test_check_names_missing_token_map(tmp_path, tdir):
 def test_parse_engine_args_forms():
     a = parse_engine_args("python3 -m sglang.launch_server --model-path m --speculative-algorithm=EAGLE3 "
                           "--speculative-num-steps 5 --speculative-eagle-topk 4 --speculative-num-draft-tokens 8")
-    assert (a["engine"], a["algorithm"], a["steps"], a["topk"], a["draft_tokens"]) == ("sglang", "EAGLE3", 5, 4, 8)
+    assert (a.engine, a.algorithm, a.knobs["steps"], a.knobs["topk"], a.knobs["draft_tokens"]) == \
+        ("sglang", "EAGLE3", 5, 4, 8)
     v = parse_engine_args("INFO 05-01 12:00:00 [utils.py:326] non-default args: {'model': 'm', "
                           "'speculative_config': {'method': 'eagle3', 'model': 'd', 'num_speculative_tokens': 3}}")
-    assert (v["engine"], v["algorithm"], v["num_speculative_tokens"]) == ("vllm", "eagle3", 3)
+    assert (v.engine, v.algorithm, v.knobs["num_speculative_tokens"]) == ("vllm", "eagle3", 3)
     with pytest.raises(SpecscopeError, match="neither SGLang"):
         parse_engine_args("python serve.py --port 1")
 

@@ -12,6 +12,7 @@ ROOT = Path(__file__).resolve().parent.parent / "src" / "specscope"
 LAYERS = [
     ("base", {"specscope", "errors", "jsonio", "fileio", "prompts", "cachedir", "progress", "serverproc",
               "watchdog", "cpuload"}),
+    ("outside engines", {"engines"}),                        # vLLM, SGLang: launch, args, knobs, versions, phases
     ("runtime", {"runtime"}),                                # KV cache, sampling (+ params), tokenizer
     ("models", {"models"}),                                  # configs, the forward, loaders, CPU kernels
     ("decoding", {"generate", "speculative", "engine", "profile"}),   # decoding loops (engine: batched), profiler

@@ -21,7 +21,8 @@ from specscope.cli import main
 from specscope.errors import SpecscopeError
 from specscope.plugins.capture import Capturer
 from specscope.train.capture_files import XARG_KEY, XARG_LAYERS, capture_key, write_capture
-from specscope.train.capture import VLLMFeatures, check_flags, parse_engine_args
+from specscope.engines.vllm import capture_flags
+from specscope.train.capture import VLLMFeatures, check_flags
 
 H, L, V = 16, 4, 40
 
@@ -290,8 +291,8 @@ def test_capture_flags_are_refused_in_one_line(args, match, tmp_path, capsys):
 
 
 def test_engine_args_parse():
-    assert parse_engine_args('--tensor-parallel-size 2 --dtype "bfloat16"') == ["--tensor-parallel-size", "2",
-                                                                               "--dtype", "bfloat16"]
+    assert list(capture_flags('--tensor-parallel-size 2 --dtype "bfloat16"').argv) == ["--tensor-parallel-size", "2",
+                                                                                      "--dtype", "bfloat16"]
     assert check_flags("http://h:1/v1", "d", None, ["data"], 0) == ("http://h:1", [])
     assert check_flags(None, None, None, ["data"], 4) == (None, [])
 

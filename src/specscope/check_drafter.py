@@ -10,16 +10,15 @@ server-args log line is checked against the drafter for the misconfigurations th
 
 from __future__ import annotations
 
-import ast
 import json
-import re
-import shlex
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from specscope.engines import outside_engine, parse_engine_args
+from specscope.engines.base import MAX_USEFUL_STEPS, DrafterFacts, EngineArgs
 from specscope.errors import SpecscopeError
 from specscope.models import loader   # loader.load_model looked up per call: tests stub it
 from specscope.models.config import ModelConfig
@@ -60,127 +59,21 @@ class Report:
                 "checks": self.checks, "engine": self.engine, "acceptance": self.acceptance}
 
 
-# ---------------------------------------------------------------- engine command lines and log lines
+# ---------------------------------------------------------------- an outside engine's launch against the drafter
+# what each engine's flags mean, and its own checks, live in specscope/engines/ (one module per engine)
 
-_SGLANG_KEYS = {"speculative_algorithm": "algorithm", "speculative_draft_model_path": "draft",
-                "speculative_num_steps": "steps", "speculative_eagle_topk": "topk",
-                "speculative_num_draft_tokens": "draft_tokens", "speculative_token_map": "token_map",
-                "model_path": "model", "dtype": "dtype"}
-_PY_ARG = re.compile(r"\b(\w+)=('(?:[^'\\]|\\.)*'|\"[^\"]*\"|[^,()\s]+)")
-
-
-def parse_engine_args(text: str) -> dict:
-    """An SGLang / vLLM launch command line, or an SGLang `server_args=ServerArgs(...)` / vLLM `non-default args:`
-    or `speculative_config=SpeculativeConfig(...)` log line -> the speculative settings it names."""
-    text = text.strip()
-    if not text:
-        raise SpecscopeError("--engine-args is empty; pass the engine's launch command line or its server-args "
-                             "log line")
-    if "ServerArgs(" in text:
-        body = text[text.index("ServerArgs(") + len("ServerArgs("):]
-        kv = {k: v.strip("'\"") for k, v in _PY_ARG.findall(body)}
-        return _sglang({k: kv[k] for k in _SGLANG_KEYS if k in kv}, "sglang server-args log line")
-    if "SpeculativeConfig(" in text or "non-default args" in text:
-        return _vllm(_vllm_spec_from_log(text), "vllm log line")
-    try:
-        argv = shlex.split(text)
-    except ValueError as e:
-        raise SpecscopeError(f"cannot split --engine-args as a command line ({e})") from None
-    opts, pos = _options(argv)
-    joined = " ".join(argv[:3])
-    if "sglang" in joined or any(k.startswith("speculative_algorithm") or k == "model_path" for k in opts):
-        return _sglang({k: opts[k] for k in _SGLANG_KEYS if k in opts}, "sglang command line")
-    if "vllm" in joined or "speculative_config" in opts:
-        spec = opts.get("speculative_config")
-        try:
-            spec = json.loads(spec) if spec else {}
-        except json.JSONDecodeError as e:
-            raise SpecscopeError(f"--speculative-config is not valid JSON ({e.msg})") from None
-        model = opts.get("model") or (pos[pos.index("serve") + 1] if "serve" in pos and
-                                      pos.index("serve") + 1 < len(pos) else None)
-        return _vllm({**spec, "_model": model, "_dtype": opts.get("dtype")}, "vllm command line")
-    raise SpecscopeError("--engine-args names neither SGLang (python -m sglang.launch_server ..., "
-                         "server_args=ServerArgs(...)) nor vLLM (vllm serve ... --speculative-config ...)")
-
-
-def _options(argv: list[str]) -> tuple[dict, list[str]]:
-    opts, pos, i = {}, [], 0
-    while i < len(argv):
-        a = argv[i]
-        if a.startswith("--"):
-            key, eq, val = a[2:].partition("=")
-            key = key.replace("-", "_")
-            if not eq:
-                if i + 1 < len(argv) and not argv[i + 1].startswith("--"):
-                    val, i = argv[i + 1], i + 1
-                else:
-                    val = "true"
-            opts[key] = val
-        else:
-            pos.append(a)
-        i += 1
-    return opts, pos
-
-
-def _int(v):
-    """An integer knob: int, None when absent, else the text as given (engine_checks reports it)."""
-    if v in (None, "None", ""):
-        return None
-    try:
-        return int(v)
-    except (TypeError, ValueError):
-        return str(v)
-
-
-def _sglang(kv: dict, source: str) -> dict:
-    out = {"engine": "sglang", "source": source}
-    for k, name in _SGLANG_KEYS.items():
-        v = kv.get(k)
-        out[name] = _int(v) if name in ("steps", "topk", "draft_tokens") else (None if v in (None, "None") else v)
-    return out
-
-
-def _vllm_spec_from_log(text: str) -> dict:
-    m = re.search(r"SpeculativeConfig\((.*?)\)(?:,|\s|$)", text)
-    if m:
-        return {k: v.strip("'\"") for k, v in _PY_ARG.findall(m.group(1))}
-    m = re.search(r"['\"]speculative_config['\"]\s*:\s*(\{.*?\})", text)
-    if m:
-        try:
-            return dict(ast.literal_eval(m.group(1)))
-        except (ValueError, SyntaxError):
-            pass
-    raise SpecscopeError("the vLLM log line holds no speculative_config")
-
-
-def _vllm(spec: dict, source: str) -> dict:
-    return {"engine": "vllm", "source": source, "algorithm": spec.get("method"), "draft": spec.get("model"),
-            "num_speculative_tokens": _int(spec.get("num_speculative_tokens", spec.get("num_spec_tokens"))),
-            "model": spec.get("_model"), "dtype": spec.get("_dtype")}
-
-
-# EAGLE-3 drafters are trained to draft a few positions ahead (training-time test: 7 steps here and in SpecForge);
-# past twice that, acceptance is nil while every step still costs a drafter forward (and, as a chain, a verified
-# token), so a deeper launch is a misconfiguration, not a tuning choice
-MAX_USEFUL_STEPS = 16
-# engine knob -> (its flag as the launch spells it, least valid value)
-_KNOBS = {"sglang": {"steps": ("--speculative-num-steps", 1), "topk": ("--speculative-eagle-topk", 1),
-                     "draft_tokens": ("--speculative-num-draft-tokens", 2)},
-          "vllm": {"num_speculative_tokens": ("num_speculative_tokens", 1)}}
-
-
-def knob_checks(report: Report, eng: dict) -> bool:
+def knob_checks(report: Report, eng: EngineArgs) -> bool:
     """Each speculative knob of the launch is an integer in its range; True when all of them are."""
     good = True
-    for key, (flag, least) in _KNOBS[eng["engine"]].items():
-        v = eng.get(key)
+    for key, knob in outside_engine(eng.engine).KNOBS.items():
+        v, flag, least = eng.knobs.get(key), knob.flag, knob.least
         if v is None:
             continue
         if not isinstance(v, int):
             report.add(f"engine: {flag}", FAIL, f"{flag} {v!r} is not an integer")
         elif v < least:
             report.add(f"engine: {flag}", FAIL, f"{flag} {v} is invalid: it must be at least {least}")
-        elif key in ("steps", "num_speculative_tokens") and v > MAX_USEFUL_STEPS:
+        elif knob.depth and v > MAX_USEFUL_STEPS:
             report.add(f"engine: {flag}", FAIL,
                        f"{flag} {v} drafts far deeper than an EAGLE-3 drafter is trained to (acceptance past "
                        f"{MAX_USEFUL_STEPS} positions is nil, each step still costs a forward); use 3-8")
@@ -190,11 +83,11 @@ def knob_checks(report: Report, eng: dict) -> bool:
     return good
 
 
-def draft_path_check(report: Report, eng: dict, drafter_path: Path):
+def draft_path_check(report: Report, eng: EngineArgs, drafter_path: Path):
     """The launch loads the drafter being checked: the same directory, or (a hub id, a path on the serving machine)
     the same name."""
-    draft = eng.get("draft")
-    flag = "--speculative-draft-model-path" if eng["engine"] == "sglang" else "speculative_config model"
+    draft = eng.draft
+    flag = outside_engine(eng.engine).DRAFT_FLAG
     if not draft:
         report.add("engine: draft model", WARN, f"the launch names no {flag}; cannot tell which drafter it loads")
         return
@@ -214,87 +107,18 @@ def draft_path_check(report: Report, eng: dict, drafter_path: Path):
                    f"{flag} {draft} is not the drafter checked ({drafter_path}); check that one, or fix the launch")
 
 
-def engine_checks(report: Report, eng: dict, cfg: DrafterConfig | None, has_token_map: bool,
+def engine_checks(report: Report, eng: EngineArgs, cfg: DrafterConfig | None, has_token_map: bool,
                   drafter_path: Path | None = None):
     """Named misconfigurations of a launch against this drafter."""
-    report.engine = eng
+    report.engine = eng.to_dict()
     if drafter_path is not None:
         draft_path_check(report, eng, drafter_path)
     knobs_ok = knob_checks(report, eng)
-    if eng["engine"] == "sglang":
-        sglang_checks(report, eng, cfg, has_token_map, knobs_ok)
-    else:
-        vllm_checks(report, eng, cfg, has_token_map)
-
-
-def sglang_checks(report: Report, eng: dict, cfg: DrafterConfig | None, has_token_map: bool, knobs_ok: bool):
-    """An SGLang launch: the algorithm, the draft-token budget against steps x topk, the token map."""
-    algo = (eng.get("algorithm") or "").upper()
-    if not algo:
-        report.add("engine: algorithm", FAIL, "no --speculative-algorithm: SGLang runs without speculation")
-    elif algo == "EAGLE" and cfg is not None:
-        report.add("engine: algorithm", FAIL,
-                   "--speculative-algorithm EAGLE with an EAGLE-3 drafter: SGLang does not capture the target's "
-                   "aux hidden states, every draft is rejected and τ is exactly 1.00 with no error; "
-                   "use --speculative-algorithm EAGLE3")
-    elif algo not in ("EAGLE3",):
-        report.add("engine: algorithm", WARN, f"--speculative-algorithm {eng['algorithm']} is not EAGLE3")
-    else:
-        report.add("engine: algorithm", OK, "EAGLE3")
-    if knobs_ok:
-        draft_tokens_check(report, eng)
-    if cfg is not None and cfg.draft_vocab_size < cfg.vocab_size and not has_token_map and \
-            not eng.get("token_map"):
-        report.add("engine: token map", FAIL,
-                   f"the drafter predicts over a {cfg.draft_vocab_size}-token draft vocabulary but neither its "
-                   f"checkpoint (d2t) nor --speculative-token-map gives the map to target ids")
-
-
-def draft_tokens_check(report: Report, eng: dict):
-    """SGLang's --speculative-num-draft-tokens within what steps x topk can propose (when all three are given)."""
-    steps, topk, n = eng.get("steps"), eng.get("topk"), eng.get("draft_tokens")
-    if not (steps and topk and n):
-        return
-    most = topk + (steps - 1) * topk * topk + 1
-    if topk == 1:
-        most = steps + 1
-    if n > most:
-        report.add("engine: draft tokens", FAIL,
-                   f"--speculative-num-draft-tokens {n} is more than --speculative-num-steps {steps} x "
-                   f"--speculative-eagle-topk {topk} can propose ({most} with the root); lower it to {most} "
-                   f"or raise steps/topk")
-    else:
-        report.add("engine: draft tokens", OK, f"{n} draft tokens fit steps={steps}, topk={topk} "
-                                                 f"(at most {most})")
-
-
-def vllm_checks(report: Report, eng: dict, cfg: DrafterConfig | None, has_token_map: bool):
-    """A vLLM launch: the method, the token map, and how vLLM reads an SGLang-layout drafter's aux layer ids."""
-    algo = (eng.get("algorithm") or "").upper()
-    if algo in ("EAGLE",) and cfg is not None:
-        report.add("engine: method", FAIL, "speculative_config method 'eagle' with an EAGLE-3 drafter: vLLM "
-                                           "builds an EAGLE-1 head without aux hidden states; use 'eagle3'")
-    elif algo not in ("EAGLE3", ""):
-        report.add("engine: method", WARN, f"speculative_config method {eng['algorithm']!r} is not eagle3")
-    elif not algo:
-        report.add("engine: method", WARN, "speculative_config names no method (vLLM infers it from the "
-                                           "drafter's config)")
-    else:
-        report.add("engine: method", OK, "eagle3")
-    if cfg is not None and cfg.draft_vocab_size < cfg.vocab_size and not has_token_map:
-        report.add("engine: token map", FAIL,
-                   f"the drafter predicts over a {cfg.draft_vocab_size}-token draft vocabulary but its "
-                   f"checkpoint has no d2t map to target ids")
-    if cfg is not None and report.drafter.get("format") == "sglang" and cfg.aux_convention_in_file == "output":
-        # vLLM (0.32, measured in make test-engines) reads eagle_config's ids as hidden-state indices, without
-        # the +1 SGLang adds: the drafter gets the states one layer earlier than it was trained on, no error
-        wrong = [i - 1 for i in cfg.aux_layer_ids]
-        report.add("engine: aux layers", WARN,
-                   f"vLLM reads this SGLang-layout drafter's eagle_config layer ids "
-                   f"{cfg.meta.aux_ids_in_file or wrong} as hidden-state indices without SGLang's +1, so it "
-                   f"feeds the drafter the states entering layers {wrong} instead of {list(cfg.aux_layer_ids)} "
-                   f"(no error; acceptance is no longer what the drafter was trained for); give vLLM "
-                   f"`specscope export DRAFTER --format speculators` instead")
+    facts = None if cfg is None else DrafterFacts(
+        cfg.vocab_size, cfg.draft_vocab_size, has_token_map, report.drafter.get("format"),
+        tuple(cfg.aux_layer_ids), cfg.aux_convention_in_file, tuple(cfg.meta.aux_ids_in_file or ()) or None)
+    for f in outside_engine(eng.engine).launch_checks(eng, facts, knobs_ok):
+        report.add(f.check, f.status, f.detail)
 
 
 # ---------------------------------------------------------------- static checks

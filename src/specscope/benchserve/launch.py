@@ -11,12 +11,12 @@ and is always stopped, children included; when it dies or never becomes healthy 
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 import httpx
 
+from specscope.engines import vllm
 from specscope.errors import SpecscopeError
 from specscope.serverproc import ServerFailed, ServerProcess, free_port
 
@@ -31,13 +31,10 @@ class VLLMServer:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(log) if log else Path(f"/tmp/vllm-{self.port}.log")
-        self.env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
-                    "PYTHONUNBUFFERED": "1", **(env or {})}
-        self.args = [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
-                     "--served-model-name", SERVED_NAME, "--dtype", "float32", "--max-model-len", str(max_model_len),
-                     "--enforce-eager", "--host", "127.0.0.1", "--port", str(self.port), *extra_args]
-        if spec:
-            self.args += ["--speculative-config", json.dumps(spec)]
+        self.env = vllm.server_env(env)
+        self.args = vllm.server_argv(self.python, self.model, self.port,
+                                     ["--served-model-name", SERVED_NAME, "--dtype", "float32", "--max-model-len",
+                                      str(max_model_len), "--enforce-eager", *extra_args], spec=spec)
         self.server = ServerProcess(self.args, self.env, self.log_path, self.url, startup_s)
 
     @property

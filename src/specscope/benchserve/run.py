@@ -12,6 +12,7 @@ import httpx
 import numpy as np
 
 from specscope.benchserve.client import RequestResult, request_body, stream_one
+from specscope.engines import sglang
 from specscope.errors import SpecscopeError
 from specscope.ingest.prometheus import Scrape, parse_text, spec_delta
 
@@ -170,8 +171,8 @@ def level_summary(c: int | None, results: list[RequestResult], wall_s: float, me
     else:
         why = ("the server has no /metrics" if metrics is None else
                "its /metrics has no speculative-decoding counters (none for this run)")
-        s["spec_decode_unavailable"] = (f"τ unavailable: {why}, and no /get_server_info with "
-                                        f"internal_states[0].avg_spec_accept_length")
+        s["spec_decode_unavailable"] = (f"τ unavailable: {why}, and no {sglang.SERVER_INFO_PATHS[0]} with "
+                                        f"{sglang.SERVER_INFO_FIELD}")
     first_errors = sorted({r.error for r in results if r.error})[:3]
     if first_errors:
         s["error_examples"] = first_errors
@@ -189,19 +190,17 @@ async def _scrape(client: httpx.AsyncClient, base: str, headers: dict) -> Scrape
 
 
 async def _server_info(client: httpx.AsyncClient, base: str, headers: dict) -> dict | None:
-    """SGLang's τ without /metrics: internal_states[0].avg_spec_accept_length of /get_server_info (/server_info in
-    newer SGLang). None when neither answers with a number."""
-    for path in ("/get_server_info", "/server_info"):
+    """SGLang's τ without /metrics, its own running average (engines/sglang.py). None when no path answers with a
+    number."""
+    for path in sglang.SERVER_INFO_PATHS:
         try:
             r = await client.get(base + path, headers=headers)
             info = r.json() if r.status_code == 200 else None
         except (httpx.HTTPError, ValueError, RecursionError):
             info = None
-        states = info.get("internal_states") if isinstance(info, dict) else None
-        first = states[0] if isinstance(states, list) and states and isinstance(states[0], dict) else None
-        v = first.get("avg_spec_accept_length") if first else None
-        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0:
-            return {"engine": "sglang", "window": "server", "accept_length": float(v), "source": path}
+        v = sglang.server_info_accept_length(info)
+        if v is not None:
+            return {"engine": sglang.NAME, "window": "server", "accept_length": v, "source": path}
     return None
 
 

@@ -112,9 +112,9 @@ def _stages(value: str) -> list[str]:
 @click.option("--max-minutes", type=FiniteFloat(0.1, 10**7), default=None,
               help="Stop training after this many minutes (checkpoint saved; --resume continues).")
 @alias_option("--select-num-prompts", "select_prompts", hidden=("--select-prompts",), type=click.IntRange(1, 10_000),
-              default=12, show_default=True, help="select stage: held-out training prompts decoded per snapshot.")
+              default=12, show_default=True, help="select stage: held-out training prompts each snapshot's τ is predicted on.")
 @click.option("--select-steps", type=click.IntRange(1, 64), default=3, show_default=True,
-              help="select stage: chain length used to rank snapshots by real decoding τ.")
+              help="select stage: chain length used to rank snapshots by predicted decoding τ.")
 @click.option("--seed", type=SEED, default=0, show_default=True)
 @click.option("--resume", is_flag=True, help="Continue from the work directory's latest checkpoint.")
 @click.option("--init", "init_from", default=None, help="Fine-tune an existing drafter (either format).")

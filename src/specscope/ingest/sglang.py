@@ -21,16 +21,12 @@ import re
 from array import array
 from statistics import median
 
+from specscope.engines import sglang
 from specscope.ingest.base import OK, FormatParser, Malformed
 from specscope.ingest.lines import Clock, Series, boolean, key_values, number, sglang_time, stats
 
 ANCHOR = re.compile(r"\b(Decode|Prefill) batch[.,]")
-SERVER_ARGS = re.compile(r"server_args=ServerArgs\(")
-_ARG = re.compile(r"\b(\w+)=('(?:[^'\\]|\\.)*'|\"[^\"]*\"|[^,()\s]+)")
 _DP = re.compile(r"\bDP(\d+)\b")
-WANTED_ARGS = {"model_path", "speculative_algorithm", "speculative_draft_model_path", "speculative_num_steps",
-               "speculative_eagle_topk", "speculative_num_draft_tokens", "tp_size", "dp_size", "dtype",
-               "disable_cuda_graph", "decode_log_interval", "kv_cache_dtype", "attention_backend"}
 
 DECODE_REQUIRED = ("#running-req", "gen throughput (token/s)", "#queue-req")
 PREFILL_REQUIRED = ("#new-seq", "#new-token", "#queue-req")
@@ -63,8 +59,8 @@ class SGLangParser(FormatParser):
     def feed(self, piece: str, lineno: int) -> str | None:
         m = ANCHOR.search(piece) if "batch" in piece else None  # substring test first: this runs on every line
         if m is None:
-            if "server_args" in piece and SERVER_ARGS.search(piece):
-                self.args.update({k: v.strip("'\"") for k, v in _ARG.findall(piece) if k in WANTED_ARGS})
+            if "server_args" in piece and sglang.SERVER_ARGS_LINE.search(piece):
+                self.args.update({k: v for k, v in sglang.server_args(piece).items() if k in sglang.RUN_CONFIG_ARGS})
                 self.info_lines += 1
                 self.saw(ARGS)
                 return OK
@@ -221,7 +217,7 @@ class SGLangParser(FormatParser):
             res["prefill"]["cache_hit_rate"] = p["cached_tokens"] / seen if seen else None
 
     def result(self) -> dict:
-        config = _config(self.args)
+        config = sglang.run_config(self.args)
         warnings = []
         res: dict = {"decode_lines": self.n_decode, "prefill_lines": self.prefill["lines"]}
         if self.spec_al:
@@ -245,19 +241,3 @@ class SGLangParser(FormatParser):
         samples = {"series": self.series.to_dict()}
         return {"config": config, "results": res, "samples": samples, "warnings": warnings,
                 "env": {"engine": "sglang", "cuda_graph": res.get("cuda_graph")}}
-
-
-def _config(a: dict) -> dict:
-    """The run's config from the server_args line."""
-    return {"engine": "sglang", "model": a.get("model_path"), "draft": a.get("speculative_draft_model_path"),
-            "speculative_algorithm": a.get("speculative_algorithm"), "steps": _int(a.get("speculative_num_steps")),
-            "topk": _int(a.get("speculative_eagle_topk")),
-            "draft_tokens": _int(a.get("speculative_num_draft_tokens")), "dtype": a.get("dtype"),
-            "tp_size": _int(a.get("tp_size")), "dp_size": _int(a.get("dp_size")),
-            "decode_log_interval": _int(a.get("decode_log_interval"))}
-
-def _int(v):
-    try:
-        return int(v) if v not in (None, "None") else None
-    except ValueError:
-        return None

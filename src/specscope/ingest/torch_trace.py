@@ -44,15 +44,15 @@ import sys
 import zlib
 from pathlib import Path
 
+from specscope.engines.vllm import SCOPE_PREFIX as SCOPE
 from specscope.errors import SpecscopeError
 from specscope.ingest.base import MAX_EXAMPLES, FormatParser
 from specscope.ingest.trace_cycles import KERNELS, SCOPES, STEPS, TraceEvents, trace_run
-# re-exported: the vLLM plugin reads the scope table from here, the CLI the report lines
-from specscope.ingest.trace_cycles import FORWARD, SCOPE_PHASE, SINGLE, phase_lines, summarise  # noqa: F401
+# re-exported: the report lines the CLI reads
+from specscope.ingest.trace_cycles import phase_lines, summarise  # noqa: F401
 
 FORMAT = "torch-trace"
 FIX = "VLLM_CUSTOM_SCOPES_FOR_PROFILING=1"
-SCOPE = "gpu_model_runner: "
 _COUNTS = r"\((?:sq)?(\d+)(?:sk\d+sqsq\d+sqsk\d+)?\)"
 STEP = re.compile(r"execute_(?:\d+_)?context_(\d+)" + _COUNTS + r"_generation_(\d+)" + _COUNTS)
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")

@@ -8,18 +8,12 @@ import bisect
 import math
 from dataclasses import dataclass, field
 
+from specscope.engines.vllm import FORWARD, SCOPE_PHASE, SINGLE   # one table for the trace and the plugin
 from specscope.errors import SpecscopeError
 from specscope.ingest.lines import histogram, stats
 from specscope.profile.cycle import PHASE_LABELS, TOP_PHASES, quantile
 
-FORWARD = "<forward>"     # verify or decode, decided per step
-# in the order vLLM runs them (sub-phases are listed in this order)
-SCOPE_PHASE = {"preprocess": "commit", "forward": FORWARD, "postprocess": FORWARD, "sample": "accept", "draft": "draft",
-               "bookkeep": "commit", "eplb": "commit", "ModelRunnerOutput": "commit",
-               "AsyncGPUModelRunnerOutput": "commit", "set_async_sampled_token_ids": "commit"}
-_RUN_ORDER = list(SCOPE_PHASE)
-# phases made of one scope get no sub-phase (it would repeat the phase)
-SINGLE = {"draft", "accept"}
+_RUN_ORDER = list(SCOPE_PHASE)          # sub-phases are listed in the order vLLM runs the scopes
 
 TIMES = {"torch_profiler_cpu_scopes": "CPU-side: the worker thread's wall clock inside vLLM's gpu_model_runner scopes "
                                      "(the torch profiler's user_annotation events)",

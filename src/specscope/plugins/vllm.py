@@ -27,12 +27,11 @@ import logging
 import os
 from time import perf_counter_ns
 
+from specscope.engines.vllm import FORWARD, SCOPE_PHASE, SCOPE_PREFIX, SINGLE, TESTED  # stdlib only
 from specscope.jsonio import dtype_name
 
-TESTED = ("0.32.0",)
 ENV_PATH, ENV_EVERY, ENV_TIMER, ENV_ANY = ("SPECSCOPE_PHASES", "SPECSCOPE_PHASES_EVERY", "SPECSCOPE_PHASES_TIMER",
                                            "SPECSCOPE_PHASES_ANY_VERSION")
-SCOPE_PREFIX = "gpu_model_runner: "     # the CPU runner reuses the GPU runner's scopes
 
 log = logging.getLogger("specscope.plugins.vllm")
 _state: dict = {"installed": False, "recorder": None}
@@ -84,8 +83,6 @@ def _install(path: str, version: str) -> None:
 def _phase_scope(inner):
     """vLLM's scope hook: each `gpu_model_runner: ...` scope this table knows times its phase (and sub-phase) in the
     recorder as well as entering `inner`, vLLM's own annotation."""
-    from specscope.ingest.torch_trace import FORWARD, SCOPE_PHASE, SINGLE   # one table for the trace and the plugin
-
     def scope(name: str):
         rec = _state["recorder"]
         if rec is None or rec.kind is None or not name.startswith(SCOPE_PREFIX):

@@ -34,6 +34,9 @@ class FileMeta:
     proposal_methods: list | None = None       # speculators' proposal methods and the default one
     default_proposal_method: str | None = None
     speculators_version: str | None = None
+    # the τ a drafter was predicted to reach ({"tau": {shape: τ}, "prompts", "max_new_tokens", "source"}; issue 49):
+    # config.json's specscope.predicted_tau, kept through conversions, compared by check-drafter
+    predicted_tau: dict | None = None
 
 
 @dataclass

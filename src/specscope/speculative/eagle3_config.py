@@ -151,6 +151,9 @@ def _layout(raw: dict, fmt: str, target_layers: int | None, problems: list[str])
         meta = FileMeta()
     meta.aux_ids_in_file = file_ids
     meta.verifier_logits_layer = fourth     # entering-layer convention, like aux_layer_ids
+    ours = raw.get("specscope")
+    tau = ours.get("predicted_tau") if isinstance(ours, dict) else None
+    meta.predicted_tau = tau if isinstance(tau, dict) and isinstance(tau.get("tau"), dict) else None
     return layer, ids, conv, nbr_default, meta
 
 

@@ -89,6 +89,7 @@ def config_dict(drafter: Eagle3Drafter, fmt: str, target_info: dict | None = Non
         layer.update(use_sliding_window=True, sliding_window=cfg.sliding_window, layer_types=["sliding_attention"])
     flags = {"norm_before_residual": cfg.norm_before_residual, "norm_output": cfg.norm_output,
              "fc_norm": cfg.fc_norm, "norm_before_fc": cfg.norm_before_fc}
+    ours = {"specscope": {"predicted_tau": cfg.meta.predicted_tau}} if cfg.meta.predicted_tau else {}
     if fmt == "sglang":
         ignored = engine_ignores(cfg, fmt)
         if ignored:
@@ -102,7 +103,7 @@ def config_dict(drafter: Eagle3Drafter, fmt: str, target_info: dict | None = Non
                 "target_hidden_size": cfg.target_hidden_size, "torch_dtype": dtype,
                 "eagle_config": {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in cfg.aux_layer_ids],
                                  "use_aux_hidden_state": True},
-                **flags}
+                **flags, **ours}
     if fmt == "speculators":
         verifier = dict(cfg.meta.verifier or {})
         verifier.update({k: v for k, v in (target_info or {}).items()
@@ -125,7 +126,8 @@ def config_dict(drafter: Eagle3Drafter, fmt: str, target_info: dict | None = Non
                 "speculators_config": {"algorithm": "eagle3", "default_proposal_method": default,
                                        "proposal_methods": methods,
                                        "verifier": {"name_or_path": verifier["name_or_path"],
-                                                    "architectures": list(verifier["architectures"])}}}
+                                                    "architectures": list(verifier["architectures"])}},
+                **ours}
     raise SpecscopeError(f"unknown drafter format {fmt!r}; use one of {', '.join(FORMATS)}")
 
 

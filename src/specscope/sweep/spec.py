@@ -21,6 +21,7 @@ import re
 import shlex
 from dataclasses import dataclass, field
 
+from specscope.engines import named_in
 from specscope.errors import SpecscopeError
 
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -236,11 +237,12 @@ class SweepSpec:
                    d.get("baseline_run"))
 
     def resolved_phases(self) -> str:
-        """Where per-phase timings come from: vLLM's plugin, SGLang's log, or nowhere (throughput and τ only)."""
+        """Where per-phase timings come from: vLLM's plugin, SGLang's log (the engine the command names), or nowhere
+        (throughput and τ only)."""
         if self.phases_from != "auto":
             return self.phases_from
-        text = " ".join(self.command).lower()
-        return "plugin" if "vllm" in text else "log" if "sglang" in text else "none"
+        engine = named_in(" ".join(self.command))
+        return engine.PHASES_FROM if engine else "none"
 
     def check(self) -> None:
         if not self.command:

@@ -28,17 +28,13 @@ from pathlib import Path
 
 import httpx
 
+from specscope.engines import vllm
+from specscope.engines.base import flag_value
 from specscope.errors import SpecscopeError
 from specscope.serverproc import ServerFailed, ServerProcess, free_port, log_cause
 from specscope.train.capture_files import ENV_DIR, RUN_PREFIX, XARG_KEY, XARG_LAYERS, XARG_RUN, read_capture
 
-# flags specscope sets itself on the server it starts: the user's copy would fight them
-RESERVED = {"--model": "the target is --model of specscope train", "--host": "specscope serves on 127.0.0.1",
-            "--port": "specscope picks a free port"}
-# flags the capture needs; the user's --engine-args may not turn them off
-FORCED = ("--enforce-eager", "--no-enable-prefix-caching")
-CONFLICTS = {"--enable-prefix-caching": "prefix caching skips the forward of shared prompt positions",
-             "--no-enforce-eager": "compiled graphs bypass the capture's forward hooks"}
+
 class CaptureFailed(SpecscopeError):
     """The capture ran and the engine failed under it (exit 1; a launch that never starts is bad input, exit 2)."""
 
@@ -48,33 +44,6 @@ class CaptureFailed(SpecscopeError):
 CAPTURE_TAKES = "vllm (start one here) or the URL of a vLLM running specscope's capture plugin, e.g. " \
                 "http://127.0.0.1:8000"
 FILE_WAIT_S = 60.0          # after the response: the file is written before it, except across TP ranks' timing
-
-
-def parse_engine_args(text: str | None) -> list[str]:
-    """--engine-args "..." -> argv for vLLM's server, refusing what the capture server cannot take (one line)."""
-    try:
-        argv = shlex.split(text or "")
-    except ValueError as e:
-        raise SpecscopeError(f"--engine-args {text!r} cannot be split into arguments ({e})") from None
-    if argv and not argv[0].startswith("-"):
-        raise SpecscopeError(f"--engine-args takes vLLM's flags only (e.g. \"--tensor-parallel-size 8\"), not a "
-                             f"command or model ({argv[0]!r}); specscope starts vLLM with --model itself")
-    for a in argv:
-        name = a.split("=", 1)[0]
-        if name in RESERVED:
-            raise SpecscopeError(f"--engine-args cannot set {name}: {RESERVED[name]}")
-        if name in CONFLICTS:
-            raise SpecscopeError(f"--engine-args cannot set {name}: {CONFLICTS[name]}")
-    return argv
-
-
-def _flag_value(argv: list[str], name: str) -> str | None:
-    for i, a in enumerate(argv):
-        if a == name and i + 1 < len(argv):
-            return argv[i + 1]
-        if a.startswith(name + "="):
-            return a.split("=", 1)[1]
-    return None
 
 
 class VLLMLaunch:
@@ -88,14 +57,12 @@ class VLLMLaunch:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = Path(log)
         args = list(engine_args)
-        if _flag_value(args, "--max-model-len") is None:
+        if flag_value(args, "--max-model-len") is None:
             args += ["--max-model-len", str(max_len + 1)]     # the sequence and the one token it samples
-        self.argv = [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_path),
-                     "--host", "127.0.0.1", "--port", str(self.port), *FORCED, *args]
-        env = dict(os.environ, PYTHONUNBUFFERED="1", **{ENV_DIR: str(capture_dir)})
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-        if env.get("VLLM_PLUGINS") and "specscope_phases" not in env["VLLM_PLUGINS"].split(","):
-            env["VLLM_PLUGINS"] += ",specscope_phases"     # the entry point that holds the capture mode
+        self.argv = vllm.server_argv(self.python, model_path, self.port, [*vllm.CAPTURE_FLAGS, *args])
+        env = vllm.server_env({ENV_DIR: str(capture_dir)})
+        if env.get("VLLM_PLUGINS") and vllm.PLUGIN_ENTRY not in env["VLLM_PLUGINS"].split(","):
+            env["VLLM_PLUGINS"] += "," + vllm.PLUGIN_ENTRY     # the entry point that holds the capture mode
         # no startup limit: a sharded 1T target can take many minutes to load; its progress is logged
         self.env, self.server = env, ServerProcess(self.argv, env, self.log, self.url, startup_s=float("inf"))
 
@@ -316,7 +283,7 @@ def check_flags(capture: str | None, capture_dir: str | None, engine_args: str |
         raise SpecscopeError("--synth writes conversations with specscope's own forward of the target, which "
                              "--capture never runs; use --prompt-file or --dataset (answered by the server)")
     if capture == "vllm":
-        argv = parse_engine_args(engine_args)
+        argv = list(vllm.capture_flags(engine_args).argv)
         check_vllm_here()
         return "vllm", argv
     if engine_args:

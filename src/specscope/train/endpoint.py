@@ -28,6 +28,7 @@ from pathlib import Path
 
 import httpx
 
+from specscope.engines import OUTSIDE_ENGINES
 from specscope.errors import SpecscopeError
 from specscope.train.data import conv_hash, open_for_append, read_jsonl
 
@@ -35,6 +36,9 @@ MULTI_TURN = "every user turn in order, with the server's own earlier answers as
 FIRST_TURN = "the first user turn only"
 KEY_ENV = "SPECSCOPE_API_KEY or OPENAI_API_KEY"
 EARLY_FAILURES = 16         # this many requests failing with no success at all: the setup is wrong, stop
+
+# how each outside engine's server is started, for the hint when none answers
+_STARTS = " / ".join(e.START for e in OUTSIDE_ENGINES.values())
 
 
 class ItemFailed(Exception):
@@ -171,8 +175,7 @@ class Endpoint:
                 continue
             except httpx.TransportError as e:
                 last = f"cannot connect ({type(e).__name__}: {_one_line(e, 120)})"
-                hint = "is the server running? start it (vllm serve / sglang.launch_server / specscope serve) or " \
-                       "fix --answers-from"
+                hint = f"is the server running? start it ({_STARTS} / specscope serve) or fix --answers-from"
                 continue
             if r.status_code == 429 or r.status_code >= 500:
                 last, hint = f"HTTP {r.status_code} ({_server_message(r)})", "is the server healthy?"

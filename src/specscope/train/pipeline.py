@@ -32,6 +32,8 @@ from specscope.speculative.decode import SpecConfig, speculative_generate
 from specscope.speculative.drafters import Eagle3TreeDrafter
 from specscope.speculative.eagle3 import DrafterConfig, Eagle3Drafter
 from specscope.speculative.formats import load_drafter, map_problems, pair_problems, save_drafter
+from specscope.speculative.predict import (continuation_tokens, default_tree, predict, predict_shapes, shapes_for,
+                                           truths_from_target)
 from specscope.train.data import (_dedup_key, answer_prompts, capture, conv_hash, read_conversations, read_jsonl,
                                   read_synth_state, regenerate as regen, synthesise)
 from specscope.train.datasets import check_dataset_options, load_conversations
@@ -426,6 +428,7 @@ def init_drafter(path: str, target):
     except SpecscopeError as e:
         raise SpecscopeError(f"--init {path}: {e}") from None
     fresh = Eagle3Drafter(d.config)
+    fresh.config.meta.predicted_tau = None      # trained further: the τ predicted for --init's weights no longer holds
     fresh.load_state_dict(d.state_dict())
     return fresh
 
@@ -500,8 +503,11 @@ def decoding_tau(target, drafter, prompts: list[list[int]], shape, max_new_token
 
 def select_stage(workdir: Path, target, tok, data, eval_fraction: float, seed: int, *, n_prompts: int = 12,
                  max_new_tokens: int = 64, steps: int = 3, log=print) -> dict:
-    """Pick the training snapshot with the best *real decoding* τ (a chain of `steps`) on held-out training
-    prompts; write it as WORKDIR/train/selected.pt (the export source) and the table as select.json."""
+    """Pick the training snapshot with the best τ greedy decoding gets with a chain of `steps` on held-out
+    training prompts — predicted (speculative/predict.py: the engine's loop replayed on the target's greedy output,
+    one target forward per prompt for all snapshots) — and the selected one's τ per shape (chains 1..max(steps, 5),
+    the default tree), recorded in it for export; write it as WORKDIR/train/selected.pt (the export source) and
+    the table as select.json."""
     snaps = sorted((workdir / "train" / "snapshots").glob("step-*.pt"))
     if not snaps:
         raise SpecscopeError(f"no snapshots in {workdir / 'train' / 'snapshots'}; run the train stage first")
@@ -513,22 +519,31 @@ def select_stage(workdir: Path, target, tok, data, eval_fraction: float, seed: i
         raise SpecscopeError(f"the training run held out no conversation (eval fraction {eval_fraction}); the select "
                              f"stage decodes held-out training prompts: train with --eval-fraction > 0")
     shape = SpecConfig.from_knobs(steps=steps, topk=1)
+    shapes = shapes_for(max(steps, 5), default_tree(None))
+    aux = drafter_from_checkpoint(load_checkpoint(snaps[-1])).aux_layers
+    truths = truths_from_target(target, prompts, continuation_tokens(max_new_tokens, shapes), aux)
+    ctx, stop = target.config.max_position_embeddings, tok.eos_ids
     rows, best = [], None
     for f in snaps:
         st = load_checkpoint(f)
-        d = drafter_from_checkpoint(st).to(target.device).eval()
-        with torch.no_grad():
-            r = decoding_tau(target, d, prompts, shape, max_new_tokens, tok.eos_ids)
-        r.update(step=st["step"], tokens=st["meta"].get("tokens"), ttt_eval=st["meta"].get("eval"), file=f.name)
+        d = Eagle3TreeDrafter(drafter_from_checkpoint(st).to(target.device).eval(), target)
+        p = predict(d, truths, shape, max_new_tokens, stop, ctx)
+        r = {"tau": p.accept_length, "acc0": p.per_position[0] if p.per_position else 0.0, "prompts": len(prompts),
+             "step": st["step"], "tokens": st["meta"].get("tokens"), "ttt_eval": st["meta"].get("eval"),
+             "file": f.name}
         rows.append(r)
-        log(f"snapshot step {st['step']}: real chain-{steps} τ {r['tau']:.3f} (acc0 {r['acc0']:.3f}) on "
+        log(f"snapshot step {st['step']}: predicted chain-{steps} τ {r['tau']:.3f} (acc0 {r['acc0']:.3f}) on "
             f"{len(prompts)} held-out training prompts; TTT chain τ {r['ttt_eval']['chain_tau']:.3f}")
         if best is None or r["tau"] > best[0]["tau"]:
-            best = (r, st)
+            best = (r, st, d)
+    pt = predict_shapes(best[2], truths, shapes, max_new_tokens, "own forward", stop, ctx)
+    best[1]["drafter_config"].setdefault("meta", {})["predicted_tau"] = pt.metadata()   # travels with the export
     with atomic_output(workdir / "train" / "selected.pt", "selected checkpoint") as tmp:
         torch.save(best[1], tmp)
     out = {"selected_step": best[0]["step"], "shape": [shape.steps, shape.topk, shape.draft_tokens],
-           "max_new_tokens": max_new_tokens, "snapshots": rows}
+           "max_new_tokens": max_new_tokens, "snapshots": rows, "predicted_tau": pt.to_dict()}
     write_atomic(workdir / "select.json", json.dumps(out, indent=1), "selection table")
-    log(f"selected step {best[0]['step']} (real τ {best[0]['tau']:.3f})")
+    log(f"selected step {best[0]['step']}: predicted τ " + ", ".join(f"{p.label} {p.accept_length:.2f}"
+                                                                     for p in pt.predictions)
+        + f" on {len(prompts)} held-out prompts, {max_new_tokens} new tokens")
     return out

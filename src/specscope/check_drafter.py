@@ -29,6 +29,7 @@ from specscope.speculative.drafters import Eagle3TreeDrafter
 from specscope.speculative.eagle3 import DrafterConfig
 from specscope.speculative.formats import (TargetFacts, aux_conventions, detect_format, load_drafter, map_problems,
                                            nonfinite_tensors, parse_config, read_config, weight_reader)
+from specscope.train.predicted import prediction_check, recorded_text
 from specscope.train.ttt import ttt_unroll
 
 OK, WARN, FAIL, SKIP = "ok", "warn", "fail", "skip"
@@ -46,6 +47,7 @@ class Report:
     checks: list[dict] = field(default_factory=list)
     engine: dict | None = None
     acceptance: dict | None = None
+    prediction: dict | None = None      # check-drafter --predict: train/predicted.py's PredictedTau.to_dict()
 
     def add(self, name: str, status: str, detail: str, **data):
         self.checks.append({"check": name, "status": status, "detail": detail, **data})
@@ -56,7 +58,8 @@ class Report:
 
     def to_dict(self) -> dict:
         return {"ok": not self.faults, "faults": self.faults, "drafter": self.drafter, "target": self.target,
-                "checks": self.checks, "engine": self.engine, "acceptance": self.acceptance}
+                "checks": self.checks, "engine": self.engine, "acceptance": self.acceptance,
+                "prediction": self.prediction}
 
 
 # ---------------------------------------------------------------- an outside engine's launch against the drafter
@@ -315,8 +318,9 @@ def size_problem(facts: TargetFacts) -> str | None:
 
 def measure(report: Report, drafter_path: Path, facts: TargetFacts, tok, prompts: list[str], max_new_tokens: int,
             steps: int, device: str = "cpu", tick=None):
-    """Coverage of the target's greedy output, teacher-forced per-position acceptance (predicted τ) and the τ of a
-    real chain speculative run with `steps` draft tokens, on the same prompts. tick(): after each prompt."""
+    """Coverage of the target's greedy output, teacher-forced per-position acceptance (its τ over every position,
+    not only where decoding starts a cycle: --predict replays decoding exactly) and the τ of a real chain speculative
+    run with `steps` draft tokens, on the same prompts. tick(): after each prompt."""
     target = loader.load_model(facts.path, "fp32", device)
     drafter = load_drafter(drafter_path, target)
     K = steps
@@ -357,7 +361,7 @@ def measure(report: Report, drafter_path: Path, facts: TargetFacts, tok, prompts
     per_pos = [s / rows for s in ok_sum] if rows else []
     acc = {"prompts": len(prompts), "steps": K, "max_new_tokens": max_new_tokens,
            "coverage": covered / total if total else None, "output_tokens": total,
-           "per_position_acceptance": per_pos, "predicted_tau": (1 + sum(per_pos)) if per_pos else None,
+           "per_position_acceptance": per_pos, "teacher_forced_tau": (1 + sum(per_pos)) if per_pos else None,
            "measured_tau": tokens / cycles if cycles else None, "teacher_forced_rows": rows}
     report.acceptance = acc
     if total:
@@ -368,8 +372,8 @@ def measure(report: Report, drafter_path: Path, facts: TargetFacts, tok, prompts
     if per_pos:
         low = acc["measured_tau"] is not None and acc["measured_tau"] < 1.05
         report.add("acceptance", WARN if low else OK,
-                   f"teacher-forced per-position acceptance {', '.join(f'{a:.2f}' for a in per_pos)} -> predicted "
-                   f"τ {acc['predicted_tau']:.2f}; measured τ {acc['measured_tau']:.2f} (chain of {K})"
+                   f"teacher-forced per-position acceptance {', '.join(f'{a:.2f}' for a in per_pos)} -> teacher-"
+                   f"forced τ {acc['teacher_forced_tau']:.2f}; measured τ {acc['measured_tau']:.2f} (chain of {K})"
                    + ("; the drafter proposes almost nothing the target accepts" if low else ""))
 
 
@@ -385,7 +389,8 @@ def _ticking(items, tick):
 
 def check_drafter(drafter_path: str | Path, facts: TargetFacts, engine_args: str | None = None,
                   run: bool = True, prompts: list[str] | None = None, max_new_tokens: int = 48,
-                  steps: int = 5, device: str = "cpu", progress=None) -> Report:
+                  steps: int = 5, device: str = "cpu", progress=None, predict: bool = False,
+                  features: str | None = None) -> Report:
     """progress(total): a specscope.progress.Progress over the measured prompts (made only when they are)."""
     path = Path(drafter_path)
     if not path.is_dir():
@@ -412,6 +417,14 @@ def check_drafter(drafter_path: str | Path, facts: TargetFacts, engine_args: str
         with (progress(len(prompts)) if progress else nullcontext()) as bar:
             measure(report, path, facts, tok, prompts, max_new_tokens, steps, device,
                     tick=bar.advance if bar else None)
+    recorded = cfg.meta.predicted_tau if cfg is not None else None
+    if predict or features:
+        why = "fix the faults above first" if report.faults else None if features else "--no-run" if not run \
+            else can_run(facts) or (None if tok else "the target has no tokenizer here")
+        prediction_check(report, why, path, facts, tok, recorded, prompts or default_prompts(), max_new_tokens,
+                         steps, device, features)
+    elif recorded:
+        report.add("predicted τ", OK, f"recorded with the drafter: {recorded_text(recorded)}; --predict to compare")
     return report
 
 

@@ -30,9 +30,16 @@ MARK = {"ok": "ok  ", "warn": "WARN", "fail": "FAIL", "skip": "skip"}
               help="Draft depth (a chain) for the acceptance measurement. SGLang --speculative-num-steps; vLLM "
                    "num_speculative_tokens.")
 @click.option("--no-run", is_flag=True, help="Static checks only; do not run the target.")
+@click.option("--predict", is_flag=True,
+              help="Predict the τ greedy decoding gets with chains of 1..--steps and the drafter's default tree: "
+                   "decoding replayed on the target's greedy output, one target forward per prompt.")
+@click.option("--features", type=click.Path(file_okay=False), default=None,
+              help="Predict from the target's states captured in a training run's data directory (WORKDIR/data, "
+                   "greedy answers) instead of running the target; implies --predict.")
 @device_option(default="cpu")
 @json_option("Print the checks, faults and acceptance as one JSON object.")
-def check_drafter(drafter, target_name, engine_args, num_prompts, max_new_tokens, steps, no_run, device, as_json):
+def check_drafter(drafter, target_name, engine_args, num_prompts, max_new_tokens, steps, no_run, predict, features,
+                  device, as_json):
     """One report of everything that decides whether DRAFTER (a directory, shipped name or Hugging Face id) works
     with the target.
     Exit status 1 when it names a fault."""
@@ -55,9 +62,10 @@ def check_drafter(drafter, target_name, engine_args, num_prompts, max_new_tokens
 
     # the acceptance measurement decodes every prompt (seconds to minutes): the progress every command shows
     report = run_check(path, facts, engine_args, run=not no_run,
-                       prompts=None if no_run else default_prompts(num_prompts),
+                       prompts=None if no_run and not predict else default_prompts(num_prompts),
                        max_new_tokens=max_new_tokens, steps=steps, device=str(dev),
-                       progress=lambda n: Progress("check-drafter acceptance", n, "prompt", json_mode=as_json))
+                       progress=lambda n: Progress("check-drafter acceptance", n, "prompt", json_mode=as_json),
+                       predict=predict, features=features)
     d = report.to_dict()
     if as_json:
         emit_json(d)
@@ -67,8 +75,8 @@ def check_drafter(drafter, target_name, engine_args, num_prompts, max_new_tokens
         for c in d["checks"]:
             click.echo(f"  [{MARK[c['status']]}] {c['check']}: {c['detail']}")
         acc = d["acceptance"]
-        if acc and acc.get("predicted_tau") is not None:
-            click.echo(f"  predicted τ {acc['predicted_tau']:.2f} (teacher-forced)   measured τ "
+        if acc and acc.get("teacher_forced_tau") is not None:
+            click.echo(f"  teacher-forced τ {acc['teacher_forced_tau']:.2f}   measured τ "
                        f"{acc['measured_tau']:.2f} (chain of {acc['steps']}, {acc['prompts']} prompts)")
         click.echo(f"{len(d['faults'])} fault(s)" if d["faults"] else "no faults")
     if d["faults"]:

@@ -30,3 +30,4 @@ def test_shares_and_identity_under_load():
     assert b["fp32: 2-thread >= 0.40x quiet beside same-priority load"]
     assert b["fp32: 2-thread not slower than 1-thread beside same-priority load"]
     assert b["fp32: 2-thread ahead of transformers/fp32 (busy)"]
+    assert sm.two_vs_one(args, summary) == {"fp32": "2.50x (rounds 2.50)"}     # 20 against 8 tok/s, one round

@@ -24,8 +24,7 @@ from specscope.models import loader   # loader.load_model looked up per call: te
 from specscope.models.config import ModelConfig
 from specscope.prompts import load_prompts, warn
 from specscope.runtime.tokenizer import Tokenizer
-from specscope.speculative.decode import SHAPE_FILE, SpecConfig, declared_shape, speculative_generate
-from specscope.speculative.drafters import Eagle3TreeDrafter
+from specscope.speculative.decode import SHAPE_FILE, SpecConfig, declared_shape, drafter_for, speculative_generate
 from specscope.speculative.eagle3 import DrafterConfig
 from specscope.speculative.formats import (TargetFacts, aux_conventions, detect_format, load_drafter, map_problems,
                                            nonfinite_tensors, parse_config, read_config, weight_reader)
@@ -332,7 +331,7 @@ def measure(report: Report, drafter_path: Path, facts: TargetFacts, tok, prompts
     tokens = cycles = 0
     for p in _ticking(prompts, tick):
         ids = tok.encode(p, chat=chat)
-        res = speculative_generate(target, Eagle3TreeDrafter(drafter, target), ids, max_new_tokens,
+        res = speculative_generate(target, drafter_for(drafter, target), ids, max_new_tokens,
                                    stop_ids=tok.eos_ids, cfg=cfgk)
         out_ids = res.token_ids
         tokens += sum(res.stats.accept_lengths)            # accepted + bonus per cycle (not the prefill's token)

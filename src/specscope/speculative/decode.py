@@ -16,6 +16,7 @@ from specscope.models.hub import KNOWN_MODELS, parse_hub_id, resolve_drafter
 from specscope.models.linear import pack_linears
 from specscope.runtime.sampling import SamplingParams
 from specscope.speculative.drafters import DraftModelDrafter, Drafter, Eagle3TreeDrafter
+from specscope.speculative.eagle3 import Eagle3Drafter
 from specscope.speculative.hybrid import CopyFirstHybrid, HybridDrafter, NgramDrafter, PricedDrafter
 from specscope.speculative.formats import is_eagle3_config, load_drafter, read_config
 
@@ -57,7 +58,7 @@ CHAIN_ONLY = "n-gram drafting proposes a chain; use --topk 1"
 def check_chain(drafter: DraftSpec | Drafter, topk: int, say_topk: bool = False, hint: str = "") -> None:
     """Refuse a tree for n-gram drafting alone (a parsed --draft, or a built drafter): it copies one continuation
     per cycle, so only topk 1 fits. say_topk: also name the refused topk; hint: what else the caller advises."""
-    ngram_only = drafter.ngram_only if isinstance(drafter, DraftSpec) else isinstance(drafter, NgramDrafter)
+    ngram_only = drafter.ngram_only if isinstance(drafter, DraftSpec) else drafter.chain_only
     if ngram_only and topk != 1:
         raise SpecscopeError(CHAIN_ONLY + hint + (f" (got --topk {topk})" if say_topk else ""))
 
@@ -148,7 +149,7 @@ def build_drafter(draft: str, target, prices=None) -> Drafter:
     directory/name, or one of those + 'ngram' (the hybrid); placed on the target's device and dtype. `prices`
     (speculative/budget.py): every drafter chooses each cycle's verified nodes by this host's verify cost, within
     its declared shape (a model drafter alone: drafting only where it has paid, `PricedDrafter`); without them, a
-    hybrid follows the fixed copy-first rule (`CopyFirstHybrid`)."""
+    hybrid follows the fixed copy-first rule (`CopyFirstHybrid`). The one factory of drafters, with `drafter_for`."""
     spec = DraftSpec.parse(draft)
     if spec.ngram_only:
         return NgramDrafter(target.device, spec.ngram, prices)
@@ -165,11 +166,18 @@ def build_drafter(draft: str, target, prices=None) -> Drafter:
             if getattr(target, "precision", None) == "bf16":   # and its precision
                 loader.round_to_bf16(d)
             pack_linears(d, keep_dense=(), precision=getattr(target, "precision", None) or "fp32")
-        drafter = Eagle3TreeDrafter(d, target)
     else:
-        drafter = DraftModelDrafter(loader.load_model(path, dtype=loader.compute_dtype(target),
-                                                            device=target.device), target)
-    return PricedDrafter(drafter, ctx, prices) if prices is not None else drafter
+        d = loader.load_model(path, dtype=loader.compute_dtype(target), device=target.device)
+    return drafter_for(d, target, prices)
+
+
+def drafter_for(network, target, prices=None) -> Drafter:
+    """The drafter around a loaded network: an EAGLE-3 head (Eagle3Drafter) or a small model with the target's
+    tokenizer, under the priced rule with `prices` (PricedDrafter). build_drafter's last step, and the way in for
+    a network already in hand (a training snapshot, check-drafter's), so every drafter is built one way."""
+    drafter = Eagle3TreeDrafter(network, target) if isinstance(network, Eagle3Drafter) else \
+        DraftModelDrafter(network, target)
+    return PricedDrafter(drafter, target.config.max_position_embeddings, prices) if prices is not None else drafter
 
 
 def shipped_drafter(name: str) -> Path | None:

@@ -1,19 +1,20 @@
-"""Drafters behind one interface: EAGLE-3 and a separate small draft model here; n-gram copying and the hybrid of a
-model drafter and n-gram copying in one tree in `hybrid.py`.
+"""Drafters behind one interface (`Drafter`, abstract): EAGLE-3 and a separate small draft model here; n-gram
+copying and the hybrid of a model drafter and n-gram copying in one tree in `hybrid.py`; all built by
+`decode.py`'s factory (`build_drafter`, or `drafter_for` around a network already loaded).
 
-Each keeps its own state in step with the target: `start` after the target's prefill, `propose` a DraftTree
+Each keeps its own state in step with the target: `start` after the target's prefill, `drafting` a DraftTree
 for the current root token, `commit` the accepted rows once the target has verified them. A model drafter may
 sit out cycles (the hybrid skips it when a long copy is in hand): what `commit` hands it then waits, and the next
-`propose` catches up on all of it in one forward.
+drafting catches up on all of it in one forward.
 
 Drafting is written as a generator (`drafting`) that yields each forward it needs (a `DraftForward`) and receives
-the result: `propose` runs those forwards one by one on the drafter's own cache; the batched engine (engine/batch.py)
-runs the same requests of many sequences' EAGLE-3 drafters as one forward (`run_together`), each in its region of
-one shared cache, and the trees come out the same.
-"""
+the result: `propose` (`run_alone`) runs those forwards one by one on the drafter's own cache; the batched engine
+(engine/batch.py) runs a round's forwards of drafters that share a `batch_key` as one forward (`run_together`:
+many sequences' EAGLE-3 drafters, each in its region of one shared cache), and the trees come out the same."""
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
@@ -25,22 +26,35 @@ from specscope.runtime.sampling import SamplingParams, probs_from_logits
 from specscope.speculative.tree import DraftTree, select_nodes
 
 
-class Drafter:
+class Drafter(ABC):
+    """The interface the engine drives. `drafting` is the primitive (a drafter that needs no forward of its own
+    returns its tree at once); `propose` runs it alone. `start`, `commit` and `spawn` keep the per-sequence state."""
+
     kind = "none"
     aux_layers: tuple[int, ...] = ()   # target hidden states the drafter needs from verify
     model_kind: str | None = None      # a hybrid's model drafter (its accepted tokens are counted by source)
+    chain_only = False                 # it proposes one continuation per cycle (n-gram copying): topk 1 only
 
+    @abstractmethod
     def start(self, prompt_ids: list[int], root: int, target_out, max_len: int):
-        raise NotImplementedError
+        """Take the target's prefill of the prompt (its root token drawn)."""
 
-    def propose(self, cfg, sampling: SamplingParams, gen, profiler=None) -> DraftTree:
-        return run_alone(self.drafting(cfg, sampling, gen, profiler))
-
+    @abstractmethod
     def drafting(self, cfg, sampling: SamplingParams, gen, profiler=None):
         """A generator that yields the DraftForwards drafting needs, is sent their (logits, states), and returns
-        the DraftTree. This default needs none: it returns `propose`'s tree."""
-        return self.propose(cfg, sampling, gen, profiler)
-        yield  # noqa: makes this a generator
+        the DraftTree for the current root."""
+
+    @abstractmethod
+    def commit(self, rows: list[int], verify_out, new_tokens: list[int]):
+        """Take the rows the target accepted (verify_out: its verify forward) and the tokens they commit."""
+
+    @abstractmethod
+    def spawn(self) -> "Drafter":
+        """A drafter of the same kind and weights with no sequence state (a batch keeps one per sequence)."""
+
+    def propose(self, cfg, sampling: SamplingParams, gen, profiler=None) -> DraftTree:
+        """The DraftTree, each forward run on this drafter's own cache."""
+        return run_alone(self.drafting(cfg, sampling, gen, profiler))
 
     def region_cache(self, slots: int):
         """A cache of `slots` entries that this drafter's spawns can share (use_region), or None if they cannot."""
@@ -50,13 +64,6 @@ class Drafter:
         """Draft in `cache` from slot `base` on (a batch's shared cache) instead of a cache of one's own; False
         where this drafter cannot (it then keeps its own and drafts alone)."""
         return False
-
-    def commit(self, rows: list[int], verify_out, new_tokens: list[int]):
-        raise NotImplementedError
-
-    def spawn(self) -> "Drafter":
-        """A drafter of the same kind and weights with no sequence state (a batch keeps one per sequence)."""
-        raise NotImplementedError
 
 
 class _NullPhase:
@@ -135,13 +142,23 @@ class TreeDrafter(Drafter):
             self.cache.truncate(self.committed)
 
     # hooks -------------------------------------------------------------------------------------------------
+    @abstractmethod
     def _catch_up(self):
         """Run the pending committed inputs; return (logits [Vd] at the last one, its state [H] or None)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _expand(self, tokens, states, positions, slots, mask):
         """Expand frontier nodes (target ids [K], states [K, H] or None) -> (logits [K, Vd], states or None)."""
-        raise NotImplementedError
+
+    def batch_key(self):
+        """What drafters whose forwards can run as one forward share (run_together then hands a round's forwards
+        of one key to `forwards_together`); None: this drafter's forwards run alone."""
+        return None
+
+    def forwards_together(self, reqs: list["DraftForward"]) -> list:
+        """The forwards of drafters sharing this one's batch_key -> each one's (logits, states), as it would get
+        them alone. This default runs them one by one."""
+        return [q.run() for q in reqs]
 
     def _to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids
@@ -242,6 +259,13 @@ class Eagle3TreeDrafter(TreeDrafter):
             return False
         self.cache, self.base = cache, base
         return True
+
+    def batch_key(self):
+        # spawns drafting in regions of one shared cache with one network run as one forward
+        return None if self.base is None else (id(self.model), id(self.cache))
+
+    def forwards_together(self, reqs):
+        return _eagle3_together(reqs)
 
     def start(self, prompt_ids, root, target_out, max_len):
         if self.base is None:
@@ -357,10 +381,10 @@ class DraftModelDrafter(TreeDrafter):
 
 
 def run_together(steps: list) -> list[DraftTree]:
-    """Drive many drafting generators in lockstep -> their trees, in order. Each round, the forwards of EAGLE-3
-    drafters that share one network and one cache (use_region) run as one forward over all their rows; any other
-    forward runs alone. Rows only see their own region and the kernels are row-invariant, so every tree is the one
-    its drafter would draft alone."""
+    """Drive many drafting generators in lockstep -> their trees, in order. Each round, the forwards of drafters
+    with one batch_key (EAGLE-3 spawns sharing one network and one cache) run as one forward over all their rows
+    (the first one's forwards_together); any other forward runs alone. Rows only see their own region and the
+    kernels are row-invariant, so every tree is the one its drafter would draft alone."""
     trees: list = [None] * len(steps)
     reqs: dict[int, DraftForward] = {}
 
@@ -376,23 +400,22 @@ def run_together(steps: list) -> list[DraftTree]:
     while reqs:
         groups: dict = {}
         for i, r in reqs.items():
-            d = r.drafter
-            shared = isinstance(d, Eagle3TreeDrafter) and d.base is not None
-            groups.setdefault((id(d.model), id(d.cache)) if shared else ("alone", i), []).append(i)
+            key = r.drafter.batch_key()
+            groups.setdefault(("alone", i) if key is None else ("key", key), []).append(i)
         results = {}
         for key, idx in groups.items():
             if key[0] == "alone":
                 results[idx[0]] = reqs[idx[0]].run()
             else:
-                results.update(zip(idx, _eagle3_together([reqs[i] for i in idx])))
+                results.update(zip(idx, reqs[idx[0]].drafter.forwards_together([reqs[i] for i in idx])))
         for i, res in results.items():
             advance(i, res)
     return trees
 
 
 def _eagle3_together(reqs: list[DraftForward]) -> list:
-    """The forwards of EAGLE-3 drafters sharing one network and cache as one -> each one's (logits, states), as
-    its own _catch_up / _expand returns them."""
+    """The forwards of EAGLE-3 drafters sharing one network and cache (one batch_key) as one -> each one's
+    (logits, states), as its own _catch_up / _expand returns them."""
     d0 = reqs[0].drafter
     parts, embs, hids, need, spans = [], [], [], [], []
     r = 0

@@ -1,6 +1,6 @@
 """The copy-based drafters: n-gram copying alone (`NgramDrafter`), and a model drafter and n-gram copying in one
 tree: priced (`HybridDrafter`, the default) or under the fixed copy-first rule (`CopyFirstHybrid`, --draft-budget
-fixed); `PricedDrafter`: a model drafter alone under the hybrid's priced rule.
+fixed); `PricedDrafter`: a model drafter alone under the hybrid's priced rule (a HybridDrafter with no copy).
 
 The copies come from `ngram.py`'s sources; the model drafters and the interface they share from `drafters.py`.
 """
@@ -20,31 +20,39 @@ class NgramDrafter(Drafter):
     Chain only; drafts are deterministic."""
 
     kind = "ngram"
+    chain_only = True
 
-    def __init__(self, device, source: str = "suffix", prices: Prices | None = None, live: bool = True):
+    def __init__(self, device, source: str = "suffix", prices: Prices | None = None, live: bool = True, *,
+                 pricing: LivePrices | FixedPrices | None = None, copy_stats: CopyStats | None = None):
         self.device = device
         self.source_name = source
         self.source = SOURCES[source]()
         # priced (budget.py): each cycle verifies the copy's cost-optimal prefix, up to draft_tokens - 1 tokens;
         # the acceptance counts outlive a request (start() keeps them), as a server's would
         self.prices = prices
-        # live: the prices follow the run's own verify times (LivePrices); False keeps them as given
-        self.pricing = (LivePrices(prices) if live else FixedPrices(prices)) if prices is not None else None
-        self.copy_stats = CopyStats() if prices is not None else None
+        # live: the prices follow the run's own verify times (LivePrices); False keeps them as given. A spawn
+        # passes its parent's pricing and counts instead
+        if prices is not None:
+            pricing = pricing if pricing is not None else (LivePrices(prices) if live else FixedPrices(prices))
+            copy_stats = copy_stats if copy_stats is not None else CopyStats()
+        self.pricing, self.copy_stats = pricing, copy_stats
         self._cycle: tuple[int, int] | None = None
         self._t0 = 0.0
 
     def spawn(self):
-        d = NgramDrafter(self.device, self.source_name, self.prices, isinstance(self.pricing, LivePrices))
         # what the priced rule learned is the server's, not one request's (a 48-token request ends before the
         # counts mean anything): every spawn shares its parent's prices and acceptance counts
-        d.pricing, d.copy_stats = self.pricing, self.copy_stats
-        return d
+        return NgramDrafter(self.device, self.source_name, self.prices, pricing=self.pricing,
+                            copy_stats=self.copy_stats)
 
     def start(self, prompt_ids, root, target_out, max_len):
         self.source.reset(list(prompt_ids) + [root])
 
-    def propose(self, cfg, sampling, gen, profiler=None) -> DraftTree:
+    def drafting(self, cfg, sampling, gen, profiler=None):
+        return self._chain(cfg)
+        yield  # noqa: a generator all the same, which needs no forward
+
+    def _chain(self, cfg) -> DraftTree:
         chain, match = self.source.propose(cfg.draft_tokens - 1)
         chain = chain[:cfg.draft_tokens - 1]
         if self.prices is not None:
@@ -74,8 +82,9 @@ class _Hybrid(Drafter):
         self.context = context                   # the target's: a node at depth d sits at position root + d
         self.source_name = source
         self.source = SOURCES[source]() if source is not None else None
-        self.kind = f"{drafter.kind}+ngram"
-        self.model_kind = drafter.kind           # its accepted tokens are counted by source
+        # without a copy it is its model drafter under the hybrid's rule, and reports as it (no per-source counts)
+        self.kind = f"{drafter.kind}+ngram" if source is not None else drafter.kind
+        self.model_kind = drafter.kind if source is not None else None   # its accepted tokens counted by source
         self.aux_layers = drafter.aux_layers
 
     @property
@@ -141,23 +150,20 @@ class HybridDrafter(_Hybrid):
     server's would. `live`: the prices follow the run's own verify times (LivePrices); False keeps them as given."""
 
     def __init__(self, drafter: Drafter, context: int, source: str | None = "suffix", prices: Prices | None = None,
-                 live: bool = True):
+                 live: bool = True, *, pricing: LivePrices | FixedPrices | None = None, rule: BudgetRule | None = None):
         if prices is None:
             raise ValueError("HybridDrafter is priced: pass prices (CopyFirstHybrid is the fixed rule)")
         super().__init__(drafter, context, source)
         self.prices = prices
-        self.pricing = LivePrices(prices) if live else FixedPrices(prices)
-        self.rule = BudgetRule()
+        self.pricing = pricing if pricing is not None else (LivePrices(prices) if live else FixedPrices(prices))
+        self.rule = rule if rule is not None else BudgetRule()
         self._cycle: tuple | None = None         # (class, copied tokens verified, drafting cost or None, tree)
         self._t0 = self._drafted_at = 0.0        # when this cycle's drafting began, and ended
 
     def spawn(self):
-        h = type(self).__new__(type(self))
-        h.__dict__.update(self.__dict__)         # the priced rule's counts and prices are shared (NgramDrafter.spawn)
-        h.drafter = self.drafter.spawn()
-        h.source = SOURCES[self.source_name]() if self.source_name is not None else None
-        h._cycle = None
-        return h
+        # the priced rule's counts and prices are shared (as NgramDrafter.spawn's)
+        return HybridDrafter(self.drafter.spawn(), self.context, self.source_name, self.prices,
+                             pricing=self.pricing, rule=self.rule)
 
     def start(self, prompt_ids, root, target_out, max_len):
         super().start(prompt_ids, root, target_out, max_len)
@@ -200,14 +206,11 @@ class HybridDrafter(_Hybrid):
         super().commit(rows, verify_out, new_tokens)
 
 
-class PricedDrafter(HybridDrafter):
+def PricedDrafter(drafter: Drafter, context: int, prices: Prices, live: bool = True) -> HybridDrafter:
     """A model drafter alone under the hybrid's priced rule, with no copy to weigh: each cycle it drafts only where
     its cycles have been yielding more tokens per ms than plain steps, and verifies the drafted nodes worth their
     rows at this host's prices. It reports as its model drafter (kind, no per-source counts). Replaying 130
     Spec-Bench prompts' greedy outputs at costs measured per prompt on a 2-core AVX-512 VM
     (bench/hybrid_ceiling.py) it predicts 1.20x for the shipped drafter's 2x4x8 tree, against 0.96x verifying the
     whole tree every cycle."""
-
-    def __init__(self, drafter: Drafter, context: int, prices: Prices, live: bool = True):
-        super().__init__(drafter, context, None, prices, live)
-        self.kind, self.model_kind = drafter.kind, None
+    return HybridDrafter(drafter, context, None, prices, live)

@@ -28,8 +28,7 @@ from specscope.models.hub import resolve_drafter, resolve_model
 from specscope.models.loader import SafetensorsReader, load_config, read_json_object, weight_files
 from specscope.runtime.sampling import SamplingParams
 from specscope.runtime.tokenizer import Tokenizer
-from specscope.speculative.decode import SpecConfig, speculative_generate
-from specscope.speculative.drafters import Eagle3TreeDrafter
+from specscope.speculative.decode import SpecConfig, drafter_for, speculative_generate
 from specscope.speculative.eagle3 import DrafterConfig, Eagle3Drafter
 from specscope.speculative.formats import load_drafter, map_problems, pair_problems, save_drafter
 from specscope.speculative.predict import (continuation_tokens, default_tree, predict, predict_shapes, shapes_for,
@@ -493,7 +492,7 @@ def decoding_tau(target, drafter, prompts: list[list[int]], shape, max_new_token
     greedy decoding."""
     taus, acc0 = [], []
     for ids in prompts:
-        r = speculative_generate(target, Eagle3TreeDrafter(drafter, target), ids, max_new_tokens, stop_ids=stop_ids,
+        r = speculative_generate(target, drafter_for(drafter, target), ids, max_new_tokens, stop_ids=stop_ids,
                                  cfg=shape)
         taus.append(r.stats.accept_length)
         d = r.stats.drafts_per_pos[0]
@@ -526,7 +525,7 @@ def select_stage(workdir: Path, target, tok, data, eval_fraction: float, seed: i
     rows, best = [], None
     for f in snaps:
         st = load_checkpoint(f)
-        d = Eagle3TreeDrafter(drafter_from_checkpoint(st).to(target.device).eval(), target)
+        d = drafter_for(drafter_from_checkpoint(st).to(target.device).eval(), target)
         p = predict(d, truths, shape, max_new_tokens, stop, ctx)
         r = {"tau": p.accept_length, "acc0": p.per_position[0] if p.per_position else 0.0, "prompts": len(prompts),
              "step": st["step"], "tokens": st["meta"].get("tokens"), "ttt_eval": st["meta"].get("eval"),

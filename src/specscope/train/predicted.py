@@ -11,8 +11,7 @@ import torch
 
 from specscope.errors import SpecscopeError
 from specscope.models import loader
-from specscope.speculative.decode import declared_shape
-from specscope.speculative.drafters import Eagle3TreeDrafter
+from specscope.speculative.decode import declared_shape, drafter_for
 from specscope.speculative.formats import load_drafter
 from specscope.speculative.predict import (PredictedTau, Truth, continuation_tokens, default_tree, predict_shapes,
                                            shapes_for, truths_from_target)
@@ -88,7 +87,7 @@ def predict_drafter(path: Path, facts, max_new_tokens: int, steps: int, *, promp
         truths = truths_from_capture(features, drafter.aux_layers, n)
     else:
         truths = truths_from_target(target, prompts, continuation_tokens(max_new_tokens, shapes), drafter.aux_layers)
-    return predict_shapes(Eagle3TreeDrafter(drafter, target), truths, shapes, max_new_tokens,
+    return predict_shapes(drafter_for(drafter, target), truths, shapes, max_new_tokens,
                           CAPTURED if features is not None else OWN, stop_ids, facts.max_position_embeddings)
 
 

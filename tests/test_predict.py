@@ -173,3 +173,16 @@ def test_check_drafter_shows_the_recorded_tau_and_predicts_from_a_forward_or_a_c
         p = json.loads(capsys.readouterr().out)["prediction"]
         assert p["source"] == source and [s["shape"] for s in p["shapes"]] == ["chain 1", "chain 2", "tree 4x4x32"]
         assert p["prompts"] == 2 and all(s["cycles"] > 0 and s["tau"] >= 1 for s in p["shapes"])
+
+
+def test_features_without_captured_data_are_refused_before_any_decoding(tmp_path, capsys, monkeypatch):
+    """A --features directory with no capture is one line and exit 2, before the target loads or decodes."""
+    import specscope.check_drafter as cd
+    from cli_util import cli
+
+    def no_run(*a, **k):
+        raise AssertionError("the check ran before --features was checked")
+    monkeypatch.setattr(cd, "check_drafter", no_run)
+    code, _, err = cli(capsys, "check-drafter", "smollm2-135m-eagle3", "--model", "smollm2-135m", "--features",
+                       tmp_path / "nothing")
+    assert code == 2 and err.strip().startswith("error: --features") and "manifest.json" in err, err

@@ -51,6 +51,10 @@ def check_drafter(drafter, target_name, engine_args, num_prompts, max_new_tokens
 
     if not drafter.strip():
         raise SpecscopeError("DRAFTER is empty; pass a drafter directory, a shipped drafter name or a Hugging Face id")
+    if features is not None and not (Path(features).expanduser() / "manifest.json").is_file():
+        # before the acceptance run: a wrong directory is refused in a second, not after minutes of decoding
+        raise SpecscopeError(f"--features {features}: no captured data there (no manifest.json); pass a training "
+                             f"run's data directory, WORKDIR/data, written by `specscope train` or its --capture")
     path = resolve_drafter(drafter)
     dev = setup_runtime(None, device)
     facts = resolve_target(target_name)

@@ -48,3 +48,24 @@ def vllm_counters(metrics_text: str) -> dict:
             "num_draft_tokens": int(s.total("vllm:spec_decode_num_draft_tokens_total") or 0),
             "num_accepted_tokens": int(s.total("vllm:spec_decode_num_accepted_tokens_total") or 0),
             "per_pos": [int(pos[k]) for k in sorted(pos, key=int)]}
+
+
+def make_moe(path: Path, tokenizer_dir: Path, layers: int = 8, experts: int = 8, top_k: int = 2,
+             expert_dim: int = 256) -> Path:
+    """A random Qwen3MoeForCausalLM (hidden 256, `experts` experts, top-`top_k`) with SmolLM2's tokenizer, saved in
+    ~20 MB shards (a sharded checkpoint with an index, as real MoE checkpoints are)."""
+    import shutil
+
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen3MoeConfig(vocab_size=49152, hidden_size=256, intermediate_size=512, moe_intermediate_size=expert_dim,
+                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                         num_experts=experts, num_experts_per_tok=top_k, max_position_embeddings=2048,
+                         rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    Qwen3MoeForCausalLM(cfg).save_pretrained(str(path), max_shard_size="20MB")
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (tokenizer_dir / f).exists():
+            shutil.copy(tokenizer_dir / f, path / f)
+    return path

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_util import specscope_cli
+from engine_util import make_moe, specscope_cli
 
 RESULTS: dict = {}
 MAX_LEN, ANSWER_TOKENS, N_CONV = 384, 48, 40
@@ -242,28 +242,9 @@ MOE_LAYERS = 8      # EAGLE-3's default aux ids (2, L//2, L-3) must be 3 distinc
 MOE_PROMPTS = 8
 
 
-def make_moe(path: Path, tokenizer_dir: Path) -> Path:
-    """Random Qwen3MoeForCausalLM (hidden 256, 8 experts, top-2) with SmolLM2's tokenizer, saved in ~20 MB shards
-    (a sharded checkpoint with an index, as real MoE checkpoints are)."""
-    import shutil
-
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    torch.manual_seed(0)
-    cfg = Qwen3MoeConfig(vocab_size=49152, hidden_size=256, intermediate_size=512, moe_intermediate_size=256,
-                         num_hidden_layers=MOE_LAYERS, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                         num_experts=8, num_experts_per_tok=2, max_position_embeddings=2048, rms_norm_eps=1e-6,
-                         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=2)
-    Qwen3MoeForCausalLM(cfg).save_pretrained(str(path), max_shard_size="20MB")
-    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if (tokenizer_dir / f).exists():
-            shutil.copy(tokenizer_dir / f, path / f)
-    return path
-
-
 @pytest.fixture(scope="module")
 def moe(work, model_dir) -> Path:
-    return make_moe(work / "qwen3-moe", model_dir)
+    return make_moe(work / "qwen3-moe", model_dir, layers=MOE_LAYERS)
 
 
 def _ingest(path: Path, db: Path) -> str:

@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 from engine_util import MAX_TOKENS, VLLM_BENCH_SERVE, specscope_cli, vllm_counters
+from components_util import adds_up
 
 from specscope.benchserve.launch import VLLMServer
 from specscope.ingest.core import ingest_file
@@ -36,6 +37,8 @@ def _server(request, vllm_python, model_dir, work, name, spec=None, plugin=False
     if plugin:
         env["SPECSCOPE_PHASES"] = str(work / f"{name}.jsonl")
         env["SPECSCOPE_PHASES_EVERY"] = "5"
+        env.setdefault("SPECSCOPE_WINDOW_EVERY", "2")     # profiler windows often enough for a short test run
+        env.setdefault("SPECSCOPE_WINDOW_FIRST", "5")
     srv = VLLMServer(vllm_python, model_dir, spec=spec, env=env, log=work / f"{name}.log", extra_args=list(args))
     srv.__enter__()
     request.addfinalizer(srv.stop)
@@ -200,6 +203,19 @@ class TestEagle3Chain3:
                 ingest_file(api, db=work / "runs.db")
         with gzip.open(traces[0], "rt") as f:
             assert json.load(f)["vllm_version"]
+        _components_are_the_phases(s["results"], "verify")
+
+
+def _components_are_the_phases(res: dict, kind: str) -> None:
+    """Every profiled bucket's components sum to the phase as timed in the same steps (within 5 %), the forward's
+    GEMMs, attention and LM head are named, and almost nothing is left unclassified."""
+    comps = res["components"]
+    assert any(k.startswith(kind + "@") for k in comps), comps.keys()
+    adds_up(res)
+    for key, b in comps.items():
+        fwd = b["components"][key.partition("@")[0]]
+        assert {"gemm", "attention", "lm_head", "elementwise", "host_gap"} <= set(fwd), (key, fwd)
+        assert fwd.get("unclassified", 0.0) <= 0.01 * sum(fwd.values()), (key, fwd)
 
     def test_plugin_counts_what_vllm_counts(self, srv, work):
         srv.stop()
@@ -211,7 +227,9 @@ class TestEagle3Chain3:
         assert sd["num_drafts"] >= m["num_drafts"] and sd["num_accepted_tokens"] >= m["num_accepted_tokens"]
         assert {"verify", "draft", "accept", "commit"} <= set(s["results"]["phases"])
         assert s["config"]["num_speculative_tokens"] == 3
-        assert "Target verify: " in (work / "eagle3-k3.log").read_text()
+        log = (work / "eagle3-k3.log").read_text()
+        assert "Target verify: " in log and "verify components, 4 tokens" in log
+        _components_are_the_phases(s["results"], "verify")
 
     def test_check_drafter_calls_this_launch_good(self, srv, exports, model_dir):
         r = specscope_cli("check-drafter", exports["speculators"], "--model", model_dir, "--no-run", "--json",
@@ -245,6 +263,11 @@ class TestEagle3Chain1:
         assert rows["phase.verify"]["verdicts"][1] in judged and rows["phase.draft"]["verdicts"][1] == "worse"
         assert "config.num_speculative_tokens" in cmp["config_diff"]
         assert cmp["attribution"][0]
+        moved = cmp["attribution"][0].get("components")
+        if moved:        # a phase changed beyond noise: its components say which moved, and the verify's tokens
+            assert moved["words"] in cmp["attribution"][0]["summary"]
+            if moved["phase"] == "verify":
+                assert moved["tokens"] == [2, 4]
         be = json.loads(specscope_cli("breakeven", "--run", k3, "--baseline-run", RESULTS["plain_run"], "--json",
                                       "--db", work / "runs.db").stdout)
         # the k=3 cycle over the plain run's decode step, each from its own server: on these 2 cores one server

@@ -86,6 +86,12 @@ def _echo_run(s: dict) -> None:
         _print_report(i.get("kinds") or {})
         for ex in i["malformed_examples"][:3]:
             click.echo(f"  malformed line {ex['line']}: {ex['reason']}", err=True)
+    if r.get("components"):          # what the profiled steps' phases spent their time on
+        from specscope.profile.components import lines
+
+        unknown = {k: v * 1e3 for k, v in (r.get("components_unclassified") or {}).items()}
+        for line in lines(r["components"], unknown=unknown):
+            click.echo(line)
     for w in i["warnings"]:
         click.echo(f"  note: {w}", err=True)
 

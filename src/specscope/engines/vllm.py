@@ -37,6 +37,43 @@ SCOPE_PHASE = {"preprocess": "commit", "forward": FORWARD, "postprocess": FORWAR
 # phases made of one scope get no sub-phase (it would repeat the phase)
 SINGLE = {"draft", "accept"}
 
+# ---- what each of vLLM's own ops is (profile/components.py adds torch's and CUDA's names): the profiler windows'
+# and `ingest`'s component split. (regex, component, scope parts it applies in or None); first match wins. Read off
+# vLLM 0.32.0's CPU traces (dense Llama and Qwen3-MoE, eager) and its custom-op / kernel names for CUDA.
+OPS_0_32 = (
+    (r"^vllm::(unified_attention|unified_kv_cache_update|unified_mla_attention)", "attention", None),
+    (r"^_C::(cpu_attention|cpu_attn|get_scheduler_metadata|paged_attention|reshape_and_cache|mla_decode)",
+     "attention", None),
+    (r"(?i)(flash_fwd|flash::|fmha|flashinfer|batchdecode|batchprefill|kernel_unified_attention|paged_attention"
+     r"|reshape_and_cache)", "attention", None),
+    (r"^(_C::cpu_fused_moe|_moe_C::|vllm::\w*moe)", "experts", None),
+    (r"(?i)(fused_moe|moe_align|topkgating|moe_sum|grouped_topk|moe_permute|moe_unpermute)", "experts", None),
+    (r"^aten::(topk|logsumexp)$", "experts", ("forward",)),   # the router's top-k: only a MoE routes in the forward
+    (r"^(vllm::(outplace_|inplace_)?(all_reduce|all_gather|reduce_scatter|all_to_all)|_C_custom_ar::"
+     r"|_C::(shm_\w+|\w*all_reduce|\w*allreduce|\w*all_gather))", "collectives", None),
+    (r"(?i)(cross_device_reduce|allreduce|all_reduce|all_gather|reduce_scatter|alltoall|all2all)", "collectives",
+     None),
+    (r"^_C::onednn_(scaled_)?mm", "gemm", None),
+    (r"^_C::(rms_norm|fused_add_rms_norm|rotary_embedding|silu_and_mul|gelu\w*|\w+_and_mul|fatrelu\w*)",
+     "elementwise", None),
+    (r"(?i)rejection", "sampling", None),
+    # the step's own metadata kernels (slot mappings, EAGLE's input preparation): index arithmetic
+    (r"^_C::(eagle_\w+|compute_slot_mapping\w*|\w+_metadata\w*)", "elementwise", None),
+    (r"(?i)(rms_norm|rotary|act_and_mul|silu_kernel)", "elementwise", None),
+)
+OP_TABLES = {"0.32.0": OPS_0_32}
+
+
+def op_table(version: str) -> tuple[tuple | None, str | None]:
+    """(vLLM's op rules for this version, None) or (None, the one-line note) where no table was read off it: its
+    own ops then count as unclassified, never as a guess (torch's names are still classified)."""
+    rules = OP_TABLES.get(version)
+    if rules is not None:
+        return rules, None
+    return None, (f"vLLM {version}: no op table (read off {', '.join(OP_TABLES)}); its own ops count as "
+                  f"unclassified")
+
+
 # ---- the capture's server (`train --capture vllm`)
 # flags specscope sets itself on the server it starts: the user's copy would fight them
 LAUNCH_SETS = {"--model": "the target is --model of specscope train", "--host": "specscope serves on 127.0.0.1",

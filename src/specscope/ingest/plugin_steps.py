@@ -27,11 +27,13 @@ class StepsParser(FormatParser):
         self.rows: list[list[dict]] = []      # steps per header
         self.env: dict | None = None
         self.end: dict | None = None
+        self.windows: list[list[dict]] = []   # profiled steps (components) per header
+        self.unknown: dict[str, float] = {}   # ms of ops the op table did not classify (the latest window's totals)
 
     def feed(self, piece: str, lineno: int) -> str | None:
         s = piece.strip()
         if not s.startswith("{") or not ('"specscope_steps"' in s or '"kind":' in s or '"env":' in s
-                                         or '"end":' in s):
+                                         or '"end":' in s or '"window":' in s):
             return None
         try:
             obj = json.loads(s)
@@ -45,6 +47,7 @@ class StepsParser(FormatParser):
         if "specscope_steps" in obj:
             self.headers.append(obj)
             self.rows.append([])
+            self.windows.append([])
             self.info_lines += 1
             self.saw("header")
             return OK
@@ -54,6 +57,17 @@ class StepsParser(FormatParser):
             self.env = obj["env"] if isinstance(obj["env"], dict) else None
             self.info_lines += 1
             self.saw("header")
+            return OK
+        if "window" in obj:
+            try:
+                self.windows[-1] += window_steps(obj)
+                if isinstance(obj.get("unknown"), dict):
+                    self.unknown = {str(k): float(v) / 1e3 for k, v in obj["unknown"].items() if _time(v)}
+            except (KeyError, TypeError, ValueError) as e:
+                self.malformed(KIND)
+                raise Malformed(f"profiler window: {e}") from None
+            self.info_lines += 1
+            self.saw(KIND)
             return OK
         if isinstance(obj.get("end"), bool):
             self.end = obj         # the totals: after each interval (false) and at exit (true); the latest wins
@@ -78,9 +92,10 @@ class StepsParser(FormatParser):
         from specscope.registry.records import results_from_summary
 
         warnings = []
-        segs = [(h, r) for h, r in zip(self.headers, self.rows) if r]
-        head, rows = segs[-1]
-        same = [r for h, r in segs if h.get("config") == head.get("config")]
+        segs = [(h, r, w) for h, r, w in zip(self.headers, self.rows, self.windows) if r]
+        head, rows, _ = segs[-1]
+        same = [r for h, r, _ in segs if h.get("config") == head.get("config")]
+        profiled = [x for h, _, w in segs if h.get("config") == head.get("config") for x in w]
         if len(same) < len(segs):
             warnings.append(f"{len(segs) - len(same)} earlier engine run(s) in this file had another configuration; "
                             f"this run holds the steps of the last configuration only")
@@ -101,6 +116,10 @@ class StepsParser(FormatParser):
         res.pop("profiler", None)
         res["profiler"] = {"timer": head.get("timer"), "where": f"inside {head.get('engine')} (specscope plugin)"}
         res.update(_vllm_counters(rows, warnings))
+        if profiled:
+            res["components"] = components_of(profiled)
+            if self.unknown:
+                res["components_unclassified"] = self.unknown
         end = self.end or {}
         untimed, oh = end.get("untimed_steps"), end.get("overhead")
         res["steps_untimed"] = untimed if isinstance(untimed, dict) else None
@@ -127,6 +146,43 @@ class StepsParser(FormatParser):
         env = dict(self.env or {})
         env["engine"] = head.get("engine")
         return {"config": config, "results": res, "samples": samples, "warnings": warnings, "env": env}
+
+
+def window_steps(obj: dict) -> list[dict]:
+    """A profiler window line's steps, checked: kind, tokens, phase -> component -> ms (finite, >= 0)."""
+    steps = obj["window"]
+    if not isinstance(steps, list):
+        raise ValueError("window must be a list of steps")
+    out = []
+    for st in steps:
+        phases = st["phases"]
+        if not isinstance(phases, dict) or not all(isinstance(p, dict) and all(_time(v) for v in p.values())
+                                                   for p in phases.values()):
+            raise ValueError("phases must map phase -> component -> non-negative ms")
+        measured = st.get("measured") or {}
+        if not isinstance(measured, dict) or not all(_time(v) for v in measured.values()):
+            raise ValueError("measured must map phases to non-negative ms")
+        ex = st.get("experts")
+        if ex is not None and not (isinstance(ex, dict) and _time(ex.get("distinct")) and _time(ex.get("bytes"))):
+            raise ValueError("experts must hold distinct and bytes")
+        scopes = st.get("scopes") or {}
+        if not isinstance(scopes, dict) or not all(isinstance(v, int) and v >= 0 for v in scopes.values()):
+            raise ValueError("scopes must map phases to counts")
+        out.append({"kind": str(st["kind"]), "tokens": _count(st["tokens"]), "phases": phases, "measured": measured,
+                    "experts": ex, "scopes": scopes})
+    return out
+
+
+def components_of(steps: list[dict]) -> dict:
+    """The run's components: per step bucket (kind@tokens), each phase's mean ms per component over the profiled
+    steps, the phase as the plugin timed those steps, and the experts touched (profile/components.py)."""
+    from specscope.profile.components import Bucket, bucket_key
+
+    buckets: dict[str, Bucket] = {}
+    for st in steps:
+        buckets.setdefault(bucket_key(st["kind"], st["tokens"]), Bucket()).add(st["phases"], st["measured"],
+                                                                              st["experts"], st["scopes"])
+    return {k: b.mean() for k, b in buckets.items()}
 
 
 def _time(v) -> bool:

@@ -189,6 +189,10 @@ class TorchTraceParser(FormatParser):
             else:
                 if cat == "cpu_op" and _num(e.get("ts")) is not None:
                     ev.cpu_ops.append(e["ts"])
+                    dur = _num(e.get("dur"))
+                    if dur and dur > 0 and isinstance(e.get("name"), str):
+                        ev.ops.setdefault((_id(e.get("pid")), _id(e.get("tid"))), []).append(
+                            (e["ts"], e["ts"] + dur, e["name"]))
                 self.other += 1
         self._check(doc, ev, path)
         self.out = trace_run(doc, ev, self, path)

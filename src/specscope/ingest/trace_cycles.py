@@ -36,6 +36,7 @@ class TraceEvents:
     kernels: list = field(default_factory=list)               # (correlation, dur ms)
     overhead: list = field(default_factory=list)  # (ts, dur) of the profiler's own "overhead" events (CUPTI buffers)
     cpu_ops: list[float] = field(default_factory=list)  # start stamps of recorded ops: how much the profiler recorded
+    ops: dict[tuple, list] = field(default_factory=dict)     # (pid, tid) -> [(ts, end, name)] of the CPU ops
     other_annotations: int = 0                               # user annotations neither steps nor scopes
 
 
@@ -50,6 +51,7 @@ class Cycles:
     drafts: list[float] = field(default_factory=list)   # draft tokens per decode request, per verify step
     unknown: dict[str, int] = field(default_factory=dict)       # scope names this reader does not know -> count
     outer: dict[tuple, list] = field(default_factory=dict)      # (pid, tid) -> the outermost scopes, sorted
+    scoped: list[tuple] = field(default_factory=list)  # (key, tokens, forward phase, scopes) per cycle: components
 
 
 @dataclass
@@ -198,6 +200,7 @@ def _add_cycle(cyc: Cycles, key: tuple, step: tuple, mine: list) -> float:
     _put(cyc.cpu, "other", max(total - inside, 0.0), i)
     cyc.totals.append(total)
     cyc.windows.append((key, ts, w_end, fwd))
+    cyc.scoped.append((key, u, fwd, mine))
     cyc.batch.append(g)
     if u > g:
         cyc.drafts.append(u / g - 1)
@@ -426,6 +429,13 @@ def trace_run(doc: dict, ev: TraceEvents, acct, path) -> dict:
     warnings: list[str] = []
     timing = phase_timing(cyc, ev, acct, warnings)
     res = _results(doc, ev, cyc, timing)
+    if ev.ops:
+        from specscope.ingest.trace_components import trace_components
+
+        res["components"], unknown, note = trace_components(cyc, ev, doc.get("vllm_version"))
+        if unknown:
+            res["components_unclassified"] = unknown
+        warnings += [note] if note else []
     steps_k = _draft_steps(cyc.drafts)
     if cyc.drafts:
         warnings += _speculative_notes(cyc, res, steps_k)

@@ -15,7 +15,11 @@ Enabled, in the worker it
 - wraps the model runner's `execute_model` / `sample_tokens` to know each step's kind and, from the scheduled draft
   tokens and the sampled tokens, the per-request acceptance (vLLM's own counting: accepted = sampled - 1);
 - writes `plugins/steps.py`'s JSONL (`specscope ingest FILE`) and prints the `Target verify: X ms/cyc ( Y%)`
-  report every SPECSCOPE_PHASES_EVERY seconds (default 10) and at exit.
+  report every SPECSCOPE_PHASES_EVERY seconds (default 10) and at exit;
+- opens a short torch-profiler window every SPECSCOPE_WINDOW_EVERY seconds (`plugins/windows.py`: 4 steps every
+  30 s by default) and splits those steps' phases into components by `engines/vllm.py`'s op table for this version
+  (attention, MoE experts, GEMMs, LM head, collectives, sampling, elementwise, host gap), and for a MoE target counts
+  the distinct experts each step routed to (the router's capture hook).
 Settings: SPECSCOPE_PHASES_TIMER = auto | cuda_events | sync | perf_counter (auto: CUDA events read after the step
 on GPUs, never a host sync; perf_counter on CPU). Tested on the vLLM versions in TESTED; on others it stays off and
 says so in one line (SPECSCOPE_PHASES_ANY_VERSION=1 tries anyway).
@@ -75,6 +79,7 @@ def _install(path: str, version: str) -> None:
 
     execute_model, sample_tokens = GPUModelRunner.execute_model, GPUModelRunner.sample_tokens
     Worker.shutdown = _reported_at_shutdown(Worker.shutdown)
+    Worker.profile = _windows_paused_while_profiling(Worker.profile)
     GPUModelRunner.execute_model = _execute_model_timed(execute_model, path, version)
     GPUModelRunner.sample_tokens = _sample_tokens_timed(sample_tokens)
     _state["installed"] = True
@@ -92,7 +97,7 @@ def _phase_scope(inner):
         if top is None:
             return inner(name)          # a scope this table does not know: its time stays in "other"
         top = rec.kind if top == FORWARD else top
-        return _Both(inner(name), rec.scope(top), None if top in SINGLE else rec.scope(f"{top}.{part}"))
+        return _Both(inner(name), rec.engine_scope(top, part, sub=top not in SINGLE))
 
     return scope
 
@@ -105,7 +110,7 @@ def _execute_model_timed(execute_model, path: str, version: str):
         t0 = perf_counter_ns()
         rec = _state["recorder"] or _start(self, path, version)
         kind, drafts = step_kind(scheduler_output)
-        rec.begin_step(kind)
+        rec.begin_step(kind, sum(1 + d for d in drafts.values()))
         _state["drafts"] = drafts
         rec.overhead_ns += perf_counter_ns() - t0
         out = execute_model(self, scheduler_output, *args, **kwargs)
@@ -146,6 +151,23 @@ def _reported_at_shutdown(shutdown):
     return shutdown_reported
 
 
+def _windows_paused_while_profiling(profile):
+    """The worker's profile (vLLM's /start_profile, /stop_profile): specscope's profiler windows close before it
+    starts and stay shut until it stops (torch runs one profiler at a time)."""
+    def profile_paused(self, is_start: bool = True, *args, **kwargs):
+        rec = _state["recorder"]
+        if rec is not None and is_start:
+            rec.pause_windows(True)
+        try:
+            return profile(self, is_start, *args, **kwargs)
+        finally:
+            if rec is not None and not is_start:
+                rec.pause_windows(False)
+
+    profile_paused.__wrapped__ = profile
+    return profile_paused
+
+
 def _inner_scope():
     import contextlib
 
@@ -163,23 +185,19 @@ def _inner_scope():
 
 
 class _Both:
-    """Enter vLLM's own annotation and specscope's phase (and sub-phase) together."""
+    """Enter vLLM's own annotation, then specscope's (the recorder's engine scope)."""
 
-    __slots__ = ("a", "b", "c")
+    __slots__ = ("a", "b")
 
-    def __init__(self, a, b, c):
-        self.a, self.b, self.c = a, b, c
+    def __init__(self, a, b):
+        self.a, self.b = a, b
 
     def __enter__(self):
         self.a.__enter__()
         self.b.__enter__()
-        if self.c is not None:
-            self.c.__enter__()
         return self
 
     def __exit__(self, *exc):
-        if self.c is not None:
-            self.c.__exit__(*exc)
         self.b.__exit__(*exc)
         return self.a.__exit__(*exc)
 
@@ -192,10 +210,32 @@ def _start(runner, path: str, version: str):
     if rank:
         root, ext = os.path.splitext(path)
         path = f"{root}.rank{rank}{ext}"
-    rec = StepRecorder(path, "vllm", version, run_config(runner), device=str(getattr(runner, "device", "cpu")),
-                       timer=os.environ.get(ENV_TIMER, "auto"), every_s=float(os.environ.get(ENV_EVERY, "10")))
+    device = str(getattr(runner, "device", "cpu"))
+    rec = StepRecorder(path, "vllm", version, run_config(runner), device=device,
+                       timer=os.environ.get(ENV_TIMER, "auto"), every_s=float(os.environ.get(ENV_EVERY, "10")),
+                       windows=_windows(runner, version, device))
     _state["recorder"] = rec
     return rec
+
+
+def _windows(runner, version: str, device: str):
+    """The profiler windows of this worker: the op table of this vLLM version, the experts counter of a MoE."""
+    from specscope.engines.vllm import op_table
+    from specscope.plugins.windows import ExpertCounter, Windows, moe_routers
+    from specscope.profile.components import Classifier
+
+    rules, note = op_table(version)
+    windows = Windows(Classifier(rules, note), cuda=device.startswith("cuda"))
+    if not windows.enabled:
+        return None
+    try:
+        moe = moe_routers(runner.get_model())
+    except Exception as e:  # noqa: BLE001 - a model whose MoE layers we cannot read is profiled without experts
+        log.warning("specscope phases: MoE experts not counted (%s: %s)", type(e).__name__, e)
+        moe = None
+    if moe is not None:
+        windows.experts = ExpertCounter(*moe)
+    return windows
 
 
 def run_config(runner) -> dict:

@@ -230,6 +230,10 @@ def _attribute(a: dict, b: dict, rows: list[dict], i: int) -> dict:
     out["judgeable"] = True
     if any_change:
         out["summary"] = _change_summary(out, contributions, by, i, unjudged, oop)
+        moved = _components_moved(a, b, [out.get("explains"), *sorted(changed_phases)])
+        if moved:
+            out["components"] = moved
+            out["summary"] += "; " + moved["words"]
     else:
         _no_change_summary(out, judged, unjudged, i)
     shape = {"out_of_proportion": oop["phase"] if oop else None, "tau_changed": tau_changed,
@@ -241,6 +245,20 @@ def _attribute(a: dict, b: dict, rows: list[dict], i: int) -> dict:
     elif not judged and not any_change:
         out["note"] = "to judge: " + HOW_TO_JUDGE
     return out
+
+
+def _components_moved(a: dict, b: dict, phases: list) -> dict | None:
+    """The component split of the first changed phase both runs profiled (plugin windows, vLLM traces)."""
+    from specscope.profile.components import change
+
+    ca, cb = ((r.get("results") or {}).get("components") for r in (a, b))
+    if not ca or not cb:
+        return None
+    for ph in dict.fromkeys(p for p in phases if p and p != "acceptance (τ)"):
+        moved = change(ca, cb, ph)
+        if moved is not None:
+            return moved
+    return None
 
 
 def _split_ms_per_token(a: dict, b: dict) -> tuple[list[dict], float | None]:

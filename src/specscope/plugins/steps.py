@@ -177,7 +177,8 @@ class StepRecorder:
             self.buckets.setdefault(key, Bucket()).add(st["phases"], st["measured"], st.get("experts"),
                                                         st.get("scopes"))
         unknown = {k: round(v, 1) for k, v in sorted(self.windows.unknown.items(), key=lambda kv: -kv[1])[:20]}
-        line = {"window": steps, "unknown": unknown, "note": self.windows.classifier.note}
+        line = {"window": steps, "unknown": unknown, "note": self.windows.classifier.note,
+                "cost_ms": round(self.windows.cost_ns / 1e6, 3)}      # all windows so far: opening, closing, split
         self._open().write(json.dumps(line, separators=(",", ":")) + "\n")
 
     # ---- file and reports ----------------------------------------------------------------------------------

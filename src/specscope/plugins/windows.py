@@ -49,6 +49,7 @@ class Windows:
         self._stamps: list[tuple] = []         # (step, phase, part, start µs, end µs) of the open window's scopes
         self.unknown: dict[str, float] = {}    # op name -> µs no rule classified (all windows)
         self.paused = False                    # the engine's own profiler is on: one profiler at a time
+        self.cost_ns = 0                       # host time spent opening, closing and splitting windows (all)
         self._warm = False                     # the profiler has been started once (its first start is slow)
 
     @property
@@ -91,6 +92,7 @@ class Windows:
         """Stop the profiler and split its steps; None when no window is open."""
         if self._prof is None:
             return None
+        t0 = time.perf_counter_ns()
         prof, self._prof = self._prof, None
         prof.__exit__(None, None, None)
         self._next_at = time.monotonic() + self.every_s
@@ -99,6 +101,7 @@ class Windows:
         split = self.split(prof.profiler.kineto_results.events(), stamps)
         for s in steps:
             s["phases"], s["scopes"] = split.get(s["i"], ({}, {}))
+        self.cost_ns += time.perf_counter_ns() - t0
         return [s for s in steps if s["phases"]]
 
     def _open(self) -> bool:
@@ -110,6 +113,7 @@ class Windows:
         self._next_at = time.monotonic() + self.every_s
         if torch.autograd.profiler._is_profiler_enabled:
             return False
+        t0 = time.perf_counter_ns()
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
         try:
             if not self._warm:
@@ -120,6 +124,7 @@ class Windows:
         except RuntimeError:
             return False
         self._prof = prof
+        self.cost_ns += time.perf_counter_ns() - t0
         return True
 
     def split(self, events, stamps: list[tuple]) -> dict[int, dict]:

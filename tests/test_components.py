@@ -234,3 +234,18 @@ def test_a_vllm_trace_of_a_moe_is_split_by_the_same_table(tmp_path):
             assert sum(parts.values()) == pytest.approx(comps[key]["measured"][ph], abs=2e-3)
         v = comps[key]["components"]["verify"]
         assert {"attention", "gemm", "lm_head", "elementwise", "host_gap"} <= set(v) and "unclassified" not in v
+
+
+def test_a_sweep_cell_shows_its_verify_components_pooled_over_its_repeats():
+    from specscope.sweep.matrix import _components
+    from specscope.sweep.render import component_words
+
+    runs = [{"id": "a", "results": {"components": {"verify@4": {"steps": 4, "components": {
+                "verify": {"gemm": 6.0, "host_gap": 2.0, "attention": 1.0}}}}}},
+            {"id": "b", "results": {"components": {"verify@4": {"steps": 4, "components": {
+                "verify": {"gemm": 8.0, "host_gap": 2.0, "attention": 1.0}}}}}},
+            {"id": "c", "results": {}}]
+    got = _components(runs)
+    assert got["verify"] == {"ms": {"gemm": 7.0, "host_gap": 2.0, "attention": 1.0}, "tokens": 4, "steps": 8}
+    assert component_words(got) == ["  GEMMs 70% · host gap 20%"]
+    assert _components(runs[2:]) == {} and component_words({}) == []

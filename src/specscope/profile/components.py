@@ -216,8 +216,8 @@ def lines(stored: dict, phases=("verify", "decode", "draft"), unknown: dict | No
 
 
 def pooled(stored: dict, phase: str) -> tuple[dict[str, float], float, int] | None:
-    """(component -> mean ms per step, mean tokens per step, steps) of `phase` over every bucket that has it;
-    None when none does."""
+    """(component -> mean ms per step, mean tokens per step, steps) of `phase` over every bucket that has it (keys
+    "kind@tokens", optionally "#source" after: several runs' buckets pooled); None when none does."""
     comps: dict[str, float] = {}
     tokens = steps = 0
     for key, b in (stored or {}).items():
@@ -226,7 +226,7 @@ def pooled(stored: dict, phase: str) -> tuple[dict[str, float], float, int] | No
         if not parts or not n:
             continue
         steps += n
-        tokens += n * int(key.partition("@")[2] or 0)
+        tokens += n * int(key.partition("@")[2].partition("#")[0] or 0)     # "verify@4" or "verify@4#run"
         for c, ms in parts.items():
             comps[c] = comps.get(c, 0.0) + ms * n
     if not steps:

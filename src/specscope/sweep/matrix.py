@@ -96,6 +96,7 @@ def cell_entry(state: SweepState, cell: Cell, runs: dict, base: tuple[str, list]
     for name, path in fields.items():
         out[name] = _stat([value_of(r, path) for r in recs])
     out["samples"] = sample_counts(recs)
+    out["components"] = _components(recs)
     if not cell.baseline:
         out["breakeven"] = (_breakeven(recs, base[1] if base else None, cell.key, base[0] if base else "")
                             if not out["samples"]["failed_requests"] else {"error": FAILED_WHY})
@@ -103,6 +104,24 @@ def cell_entry(state: SweepState, cell: Cell, runs: dict, base: tuple[str, list]
 
 
 FAILED_WHY = "requests failed in the cell: its numbers are shown, not judged"
+
+
+def _components(recs: list[dict]) -> dict:
+    """What the cell's verify (or decode) spent its time on: each component's mean ms per profiled step over the
+    repeats' plugin windows (why-verify.md); {} when no window ran."""
+    from specscope.profile.components import pooled
+
+    out = {}
+    for phase in ("verify", "decode"):
+        merged: dict = {}
+        for r in recs:
+            for key, b in ((r.get("results") or {}).get("components") or {}).items():
+                merged[f"{key}#{r.get('id')}"] = b      # each run's buckets pooled alike
+        got = pooled(merged, phase)
+        if got is not None:
+            out[phase] = {"ms": {c: round(ms, 4) for c, ms in got[0].items()}, "tokens": round(got[1], 2),
+                          "steps": got[2]}
+    return out
 
 
 def launch_spread(recs: list[dict]) -> list[dict]:

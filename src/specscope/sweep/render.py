@@ -26,6 +26,7 @@ def cell_lines(cell: dict) -> list[str]:
     if cell.get("verify_ms"):
         share = cell.get("verify_share")
         lines.append(f"verify {_pm(cell['verify_ms'], '.1f')} ms" + (f" ({share['mean'] * 100:.0f}%)" if share else ""))
+    lines += component_words(cell.get("components") or {})
     if cell.get("draft_ms"):
         lines.append(f"draft {_pm(cell['draft_ms'], '.1f')} ms")
     if cell.get("decode_ms"):
@@ -41,6 +42,19 @@ def cell_lines(cell: dict) -> list[str]:
         lines.append(f"{cell['n']} of {cell['n'] + cell['failed'] + cell['missing']} repeats"
                      + (f", {cell['failed']} failed" if cell["failed"] else ""))
     return lines
+
+
+def component_words(comps: dict) -> list[str]:
+    """The verify's (or decode's) two largest components in the profiled steps: "  GEMMs 50% · host gap 21%"."""
+    from specscope.profile.components import COMPONENTS
+
+    for phase in ("verify", "decode"):
+        c = comps.get(phase)
+        if c:
+            total = sum(c["ms"].values()) or 1.0
+            top = sorted(c["ms"].items(), key=lambda kv: -kv[1])[:2]
+            return ["  " + " · ".join(f"{COMPONENTS.get(k, k)} {v / total * 100:.0f}%" for k, v in top)]
+    return []
 
 
 def samples_lines(n: dict | None) -> list[str]:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from specscope.economics.cost import CycleCost, check_positive, iid_alpha_for
 from specscope.errors import SpecscopeError
+from specscope.registry.metrics import RunMetrics
 
 
 @dataclass
@@ -226,35 +227,27 @@ def _from_engine(inp: BreakevenInputs, engine) -> BreakevenInputs:
 OTHER_PHASES = ("accept", "commit", "other")
 
 
-def phase_ms(results: dict, name: str) -> float | None:
-    ph = (results or {}).get("phases") or {}
-    v = ph.get(name)
-    if isinstance(v, dict):
-        v = v.get("mean_ms")
-    return float(v) if isinstance(v, (int, float)) else None
-
-
-def draft_ms_of(results: dict) -> float | None:
-    d = phase_ms(results, "draft")
+def draft_ms_of(m: RunMetrics) -> float | None:
+    d = m.phase_ms("draft")
     if d is not None:
         return d
     # a profiler may record only the per-step sub-phases
-    steps = [phase_ms(results, k) for k in (results.get("phases") or {}) if k.startswith("draft.step")]
+    steps = [m.phase_ms(k) for k in (m.phases or {}) if k.startswith("draft.step")]
     steps = [s for s in steps if s is not None]
     return sum(steps) if steps else None
 
 
-def other_ms_of(results: dict) -> float | None:
-    vals = [phase_ms(results, k) for k in OTHER_PHASES]
+def other_ms_of(m: RunMetrics) -> float | None:
+    vals = [m.phase_ms(k) for k in OTHER_PHASES]
     vals = [v for v in vals if v is not None]
     return sum(vals) if vals else None
 
 
-def decode_ms_of(results: dict) -> float | None:
-    v = (results or {}).get("decode_ms_per_token")
-    if isinstance(v, (int, float)) and v > 0:
-        return float(v)
-    return phase_ms(results, "decode")
+def decode_ms_of(m: RunMetrics) -> float | None:
+    v = _num(m.decode_ms_per_token)
+    if v is not None and v > 0:
+        return v
+    return m.phase_ms("decode")
 
 
 def inputs_from_runs(run: dict, baseline: dict | None, given: BreakevenInputs,
@@ -275,7 +268,7 @@ def inputs_from_runs(run: dict, baseline: dict | None, given: BreakevenInputs,
         _fill_from_baseline(inp, run, rid, baseline, given)
     elif inp.decode_ms is None:
         # a speculative run may carry the baseline it was compared against
-        inp.fill("decode_ms", _num((run.get("results") or {}).get("baseline_decode_ms_per_token")), f"run {rid}")
+        inp.fill("decode_ms", _num(RunMetrics.of(run).baseline_decode_ms_per_token), f"run {rid}")
     _check_complete(inp, run, rid, priced)
     return inp
 
@@ -283,10 +276,10 @@ def inputs_from_runs(run: dict, baseline: dict | None, given: BreakevenInputs,
 def _fill_from_run(inp: BreakevenInputs, run: dict, rid: str, priced: bool) -> None:
     """The run's phases, its depth and its τ; with a surface (or an engine's steps) to read, where to read it: this
     run's verify width and context."""
-    res, cfg = run.get("results") or {}, run.get("config") or {}
-    inp.fill("verify_ms", phase_ms(res, "verify"), f"run {rid}")
-    inp.fill("draft_ms", draft_ms_of(res), f"run {rid}")
-    inp.fill("other_ms", other_ms_of(res), f"run {rid} (accept + commit + other)")
+    m, cfg = RunMetrics.of(run), run.get("config") or {}
+    inp.fill("verify_ms", m.phase_ms("verify"), f"run {rid}")
+    inp.fill("draft_ms", draft_ms_of(m), f"run {rid}")
+    inp.fill("other_ms", other_ms_of(m), f"run {rid} (accept + commit + other)")
     steps = cfg.get("steps") if cfg.get("steps") is not None else (cfg.get("drafting") or {}).get("steps")
     ngram = cfg.get("ngram_tokens") or 0
     if steps is not None and ngram:
@@ -295,22 +288,22 @@ def _fill_from_run(inp: BreakevenInputs, run: dict, rid: str, priced: bool) -> N
         steps = max(int(steps), int(cfg.get("draft_tokens") or 1) - 1 + int(ngram))
     inp.fill("steps", int(steps) if steps is not None else None,
              f"run {rid}" + (" (deepest copy chain of the hybrid)" if ngram else ""))
-    inp.fill("measured_accept_length", _num(res.get("accept_length")), f"run {rid}")
-    pos = res.get("per_position_acceptance")
+    inp.fill("measured_accept_length", _num(m.accept_length), f"run {rid}")
+    pos = m.per_position_acceptance
     inp.fill("measured_positions", len(pos) if isinstance(pos, list) and pos else None, f"run {rid}")
     if priced:
-        inp.fill("verify_tokens", _num(res.get("verify_tokens_mean")), f"run {rid}")
-        inp.fill("context", _num(res.get("mean_context")), f"run {rid}")
+        inp.fill("verify_tokens", _num(m.verify_tokens_mean), f"run {rid}")
+        inp.fill("context", _num(m.mean_context), f"run {rid}")
 
 
 def _fill_from_baseline(inp: BreakevenInputs, run: dict, rid: str, baseline: dict, given: BreakevenInputs) -> None:
     """T_decode from the baseline run, and the speedup measured between the two when nothing measured was given."""
-    res = run.get("results") or {}
     bid = baseline.get("id") or baseline.get("run_id") or "?"
-    inp.fill("decode_ms", decode_ms_of(baseline.get("results") or {}), f"baseline run {bid}")
+    base = RunMetrics.of(baseline)
+    inp.fill("decode_ms", decode_ms_of(base), f"baseline run {bid}")
     # tok/s is comparable only between a run and its baseline, so it is used as "measured" only with one
     if given.measured_tok_s is None and given.measured_accept_length is None:
-        t_run, t_base = _num(res.get("tok_per_s")), _num((baseline.get("results") or {}).get("tok_per_s"))
+        t_run, t_base = _num(RunMetrics.of(run).tok_per_s), _num(base.tok_per_s)
         if t_run and t_base:
             inp.measured_speedup = (t_run / t_base, f"run {rid} {t_run:.2f} tok/s vs baseline {bid} "
                                                     f"{t_base:.2f} tok/s")
@@ -318,7 +311,7 @@ def _fill_from_baseline(inp: BreakevenInputs, run: dict, rid: str, baseline: dic
 
 def _check_complete(inp: BreakevenInputs, run: dict, rid: str, priced: bool) -> None:
     """Refuse, naming what the run has and what it lacks, inputs break-even cannot be computed from."""
-    res = run.get("results") or {}
+    m = RunMetrics.of(run)
     missing = []
     if (inp.verify_ms is None and not priced) or inp.draft_ms is None:
         missing.append("per-phase timings (pass --verify-ms and --draft-ms)")
@@ -327,8 +320,8 @@ def _check_complete(inp: BreakevenInputs, run: dict, rid: str, priced: bool) -> 
     if inp.decode_ms is None and not priced:
         missing.append("the plain decode time per token (pass --baseline-run ID or --decode-ms)")
     if missing:
-        have = [f"τ = {res['accept_length']:.2f}" if _num(res.get("accept_length")) else None,
-                f"{res['tok_per_s']:.2f} tok/s" if _num(res.get("tok_per_s")) else None]
+        have = [f"τ = {m.accept_length:.2f}" if _num(m.accept_length) else None,
+                f"{m.tok_per_s:.2f} tok/s" if _num(m.tok_per_s) else None]
         have = ", ".join(h for h in have if h) or "no timings"
         engine = (run.get("config") or {}).get("engine") or run.get("kind", "?")
         raise SpecscopeError(f"run {rid} ({engine}) has {have} but lacks {'; '.join(missing)}")

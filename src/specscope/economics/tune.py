@@ -25,6 +25,7 @@ from specscope.economics.breakeven import decode_ms_of
 from specscope.economics.cost import CycleCost, expected_tree, tree_tau
 from specscope.economics.verify_curve import DEFAULT_BATCHES
 from specscope.errors import SpecscopeError
+from specscope.registry.metrics import RunMetrics
 
 
 # ------------------------------------------------------------------------------------------------ acceptance
@@ -115,15 +116,15 @@ class AcceptanceModel:
 
     @classmethod
     def from_run(cls, run: dict) -> "AcceptanceModel":
-        res, cfg = run.get("results") or {}, run.get("config") or {}
+        m, cfg = RunMetrics.of(run), run.get("config") or {}
         rid = run.get("id", "?")
-        rank = res.get("acceptance_by_depth_rank")
+        rank = m.acceptance_by_depth_rank
         topk = cfg.get("topk") or (cfg.get("drafting") or {}).get("topk")
         if rank:
             acc = cls.from_counts(rank["accepted"], rank["offered"], f"run {rid}: acceptance by depth and rank",
                                   rank.get("top_path_accepted"), rank.get("top_path_offered"))
-            tau = res.get("accept_length")
-            if res.get("hybrid_cycles"):       # calibrate to the drafter's own τ, not the copy's gains
+            tau = m.accept_length
+            if m.hybrid_cycles:       # calibrate to the drafter's own τ, not the copy's gains
                 tau = HybridModel.from_run(run).drafted_tau
             if topk and topk > 1 and cfg.get("steps") and cfg.get("draft_tokens") and tau:
                 model = tree_tau(*expected_tree(acc.rate, cfg["steps"], topk, cfg["draft_tokens"]))
@@ -134,10 +135,10 @@ class AcceptanceModel:
             raise SpecscopeError(f"run {rid} is a tree run (topk {topk}) without acceptance by sibling rank, which "
                                  f"tree predictions need; profile it with `specscope tune --profile ...` or pass a "
                                  f"chain run (topk 1)")
-        cond = res.get("per_position_acceptance_conditional")
+        cond = m.per_position_acceptance_conditional
         if cond:
             return cls.from_conditional(cond, f"run {rid}: per-position acceptance")
-        acc, dr = res.get("accepted_per_pos"), res.get("drafts_per_pos")
+        acc, dr = m.accepted_per_pos, m.drafts_per_pos
         if acc and dr:
             uncond = [a / d if d else 0.0 for a, d in zip(acc, dr)]
             cond = [u / p if p else None for u, p in zip(uncond, [1.0] + uncond[:-1])]
@@ -160,9 +161,9 @@ class HybridModel:
 
     @classmethod
     def from_run(cls, run: dict) -> "HybridModel":
-        res, cfg = run.get("results") or {}, run.get("config") or {}
+        cfg = run.get("config") or {}
         rows = []
-        for key, n in (res.get("hybrid_cycles") or {}).items():
+        for key, n in (RunMetrics.of(run).hybrid_cycles or {}).items():
             mode, *nums = key.split(",")
             rows.append((mode, *map(int, nums), int(n)))
         if not rows:
@@ -201,14 +202,6 @@ class HybridModel:
 
 
 # ------------------------------------------------------------------------------------------------ costs
-
-def _phase(res: dict, name: str, stat: str = "mean") -> float | None:
-    v = ((res or {}).get("phases") or {}).get(name)
-    if not isinstance(v, dict):
-        return None
-    x = v.get(f"{stat}_ms", v.get("mean_ms"))
-    return float(x) if x is not None else None
-
 
 @dataclass
 class CostModel:
@@ -316,17 +309,17 @@ class CostModel:
         per-cycle medians instead, which ignores stalls altogether; the two agree on a quiet machine."""
         if stat not in ("mean", "median"):
             raise SpecscopeError(f"stat must be mean or median, got {stat!r}")
-        res, cfg = run.get("results") or {}, run.get("config") or {}
+        m, cfg = RunMetrics.of(run), run.get("config") or {}
         rid = run.get("id", "?")
-        verify = _phase(res, "verify", stat)
-        draft = _phase(res, "draft", stat)
+        verify = m.phase_ms("verify", stat)
+        draft = m.phase_ms("draft", stat)
         if verify is None or draft is None:
             raise SpecscopeError(f"run {rid} has no per-phase timings (draft, verify); tune needs a profiled "
                                  f"speculative run (e.g. `specscope tune --profile ...`)")
         steps = int(cfg.get("steps") or 1)
         topk = int(cfg.get("topk") or 1)
-        step0 = _phase(res, "draft.step0", stat)
-        later = [_phase(res, f"draft.step{i}", stat) for i in range(1, steps)]
+        step0 = m.phase_ms("draft.step0", stat)
+        later = [m.phase_ms(f"draft.step{i}", stat) for i in range(1, steps)]
         later = [x for x in later if x is not None]
         notes = []
         if step0 is None:
@@ -335,16 +328,16 @@ class CostModel:
             notes.append("draft sub-phases missing: draft time split evenly over the steps")
         expand = statistics.mean(later) if later else step0
         select = max(0.0, draft - step0 - sum(later)) / candidates(steps, topk)
-        other = sum(v for v in (_phase(res, k, stat) for k in ("accept", "commit", "other")) if v is not None)
+        other = sum(v for v in (m.phase_ms(k, stat) for k in ("accept", "commit", "other")) if v is not None)
         if decode_ms is None and baseline is not None:
-            bres = baseline.get("results") or {}
-            med = _phase(bres, "decode", stat) if stat == "median" else None
+            base = RunMetrics.of(baseline)
+            med = base.phase_ms("decode", stat) if stat == "median" else None
             # the baseline's own loop bookkeeping is part of its per-token cost, as "other" is of a cycle's
-            decode_ms = (med + (_phase(bres, "other", stat) or 0.0)) if med else decode_ms_of(bres)
+            decode_ms = (med + (base.phase_ms("other", stat) or 0.0)) if med else decode_ms_of(base)
         if decode_ms is None:
             raise SpecscopeError(f"no plain-decoding time for run {rid}: pass --baseline-run ID or --decode-ms")
-        n0 = res.get("verify_tokens_mean") or (steps + 1 if topk == 1 else cfg.get("draft_tokens") or steps + 1)
-        context = res.get("mean_context") or cfg.get("mean_context") or 256
+        n0 = m.verify_tokens_mean or (steps + 1 if topk == 1 else cfg.get("draft_tokens") or steps + 1)
+        context = m.mean_context or cfg.get("mean_context") or 256
         if cfg.get("draft_budget") == "priced":
             notes.append(f"run {rid} was priced (--draft-budget priced: each cycle verified its own subset of the "
                          f"shape, and the drafter sat some out); these predictions are for fixed shapes "

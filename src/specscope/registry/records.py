@@ -21,6 +21,7 @@ from specscope.errors import SpecscopeError
 from specscope.jsonio import dtype_name
 from specscope.registry.db import open_registry
 from specscope.registry.fingerprint import collect
+from specscope.registry.metrics import RunMetrics
 
 _MIB = 1 << 20
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth")
@@ -66,24 +67,7 @@ def prompt_set_hash(prompts) -> str:
 
 def results_from_summary(summary: dict) -> dict:
     """The registry's `results` fields from a `CycleProfiler.summary()`."""
-    return {
-        "tok_per_s": summary.get("tok_per_s"),
-        "decode_tok_per_s": summary.get("tok_per_s"),      # cycles only; producers may set tok_per_s end to end
-        "accept_length": summary.get("accept_length"),
-        "decode_ms_per_token": summary.get("ms_per_token"),
-        "cycles": summary.get("cycles"),
-        "tokens": summary.get("tokens"),
-        "cycle_ms": summary.get("cycle_ms"),
-        "phases": summary.get("phases", {}),
-        "accept_length_hist": summary.get("accept_length_hist"),
-        "drafted_tokens": summary.get("drafted_tokens"),
-        "accepted_tokens": summary.get("accepted_tokens"),
-        "per_position_acceptance": summary.get("per_position_acceptance", []),
-        "per_position_acceptance_conditional": summary.get("per_position_acceptance_conditional", []),
-        **({k: summary[k] for k in ("accepted_by_source", "accepted_by_source_per_position")}
-           if summary.get("accepted_by_source") else {}),
-        "profiler": {"timer": summary.get("timer"), "overhead": summary.get("profiler_overhead")},
-    }
+    return RunMetrics.from_profile(summary).to_results()
 
 
 def per_prompt_stats(res, index: int | None = None, **extra) -> dict:
@@ -117,21 +101,21 @@ def drafting_config(spec_cfg=None) -> dict:
 
 
 def make_record(kind: str, name: str = "", config: dict | None = None, profiler=None, results: dict | None = None,
-                samples: dict | None = None, tags=(), env: dict | None = None, **extra) -> dict:
-    """A registry record. Results/samples from `profiler` (a CycleProfiler) come first; explicit `results` and
-    `samples` override them key by key. `env` defaults to a fresh fingerprint. Extra keyword arguments become
-    extra top-level keys (preserved by the registry)."""
+                samples: dict | None = None, tags=(), env: dict | None = None, metrics: RunMetrics | None = None,
+                **extra) -> dict:
+    """A registry record. Its `results` are `metrics` (what the run measured; else the `profiler`'s, a
+    CycleProfiler) with explicit `results` over them key by key; `samples` the profiler's, `samples` over them.
+    `env` defaults to a fresh fingerprint. Extra keyword arguments become extra top-level keys (preserved by the
+    registry)."""
     if not kind:
         raise SpecscopeError("make_record needs a kind, e.g. 'bench'")
     config = dict(config or {})
     for key in ("model", "draft"):
         if config.get(key) and not config.get(f"{key}_hash"):
             config[f"{key}_hash"] = model_hash(config[key])
-    res, smp = {}, {}
-    if profiler is not None:
-        res.update(results_from_summary(profiler.summary()))
-        smp.update(profiler.samples())
-    res.update(results or {})
+    metrics = RunMetrics.measured(profiler) if metrics is None else metrics.copy()
+    res = metrics.update(results).to_results()
+    smp = dict(profiler.samples()) if profiler is not None else {}
     smp.update(samples or {})
     return {"kind": kind, "name": name, "tags": list(tags), "config": config,
             "env": env if env is not None else collect(), "results": res, "samples": smp, **extra}

@@ -4,9 +4,10 @@ of them, from which compare draws its intervals."""
 
 from __future__ import annotations
 
-import math
-
 from specscope.profile.cycle import PHASE_LABELS, TOP_PHASES
+from specscope.registry import metrics
+from specscope.registry.metrics import RunMetrics
+from specscope.registry.metrics import number as _num
 
 # Below its noise floor a base is ~0: a change from it is said "from ~0", never a percentage of it (0.009 ->
 # 14.02 ms is not +157377 %). A phase's floor is a share of the run's cycle (0.2 %: the cycle's own noise hides it);
@@ -45,23 +46,14 @@ def _ones(x):
     return [1.0] * len(x)
 
 
-def _res(rec, *path):
-    """A stored result by its path, e.g. _res(rec, "phases", "verify", "mean_ms"); None where it is missing."""
-    v = rec.get("results") or {}
-    for p in path:
-        v = v.get(p) if isinstance(v, dict) else None
-    return v
-
-
-def _num(v) -> float | None:
-    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else None
+def _m(rec) -> RunMetrics:
+    return RunMetrics.of(rec)
 
 
 # ---- the measured numbers every table, chart and sentence reads (one source each) --------------------------
 def phase_total_ms(rec: dict) -> float | None:
     """The top-level phases' mean ms per cycle (a served run's: per engine step), added up; None without phases."""
-    vals = [_num((v or {}).get("mean_ms")) for k, v in (_res(rec, "phases") or {}).items()
-            if "." not in k and isinstance(v, dict)]
+    vals = [_num(v.get("mean_ms")) for k, v in (_m(rec).phases or {}).items() if "." not in k and isinstance(v, dict)]
     vals = [v for v in vals if v is not None]
     return sum(vals) if vals else None
 
@@ -69,9 +61,10 @@ def phase_total_ms(rec: dict) -> float | None:
 def tokens_per_cycle(rec: dict) -> float:
     """Tokens a sequence gains per cycle: τ, and on a server whose policy drafted only in a share of its steps,
     1 + (τ − 1) × that share (a plain step yields one token)."""
-    tau = _num(_res(rec, "accept_length"))
+    m = _m(rec)
+    tau = _num(m.accept_length)
     tau = tau if tau is not None and tau >= 1 else 1.0
-    share = _num(_res(rec, "drafted_step_share"))
+    share = _num(m.drafted_step_share)
     return 1 + (tau - 1) * share if share is not None and 0 <= share <= 1 else tau
 
 
@@ -79,7 +72,7 @@ def decode_ms_per_token(rec: dict) -> float | None:
     """ms per generated token while decoding (prefill left out): the run's own figure, else its phases' total
     over the tokens a cycle yields (a served run's engine steps). The runs table's ms/token and decode tok/s,
     compare's ms/token row and the report's per-token bars all read this."""
-    v = _num(_res(rec, "decode_ms_per_token"))
+    v = _num(_m(rec).decode_ms_per_token)
     if v is not None and v > 0:
         return v
     total = phase_total_ms(rec)
@@ -88,7 +81,8 @@ def decode_ms_per_token(rec: dict) -> float | None:
 
 def cycle_mean_ms(rec: dict) -> float | None:
     """Mean ms per cycle: the profiler's, else the phases' total (a served run: per engine step)."""
-    v = _num(_res(rec, "cycle_ms", "mean_ms"))
+    cm = _m(rec).cycle_ms
+    v = _num(cm.get("mean_ms")) if isinstance(cm, dict) else None
     return v if v is not None else phase_total_ms(rec)
 
 
@@ -96,10 +90,11 @@ def end_to_end_tok_per_s(rec: dict) -> float | None:
     """Tokens per second with prefill and everything around decoding: e2e_tok_per_s where a producer stored it;
     else the stored tok/s unless it is the decode-only figure (a profile's, equal to decode_tok_per_s). A served
     or ingested run's is the server's output throughput over all requests."""
-    v = _num(_res(rec, "e2e_tok_per_s"))
+    m = _m(rec)
+    v = _num(m.e2e_tok_per_s)
     if v is not None:
         return v
-    t, d = _num(_res(rec, "tok_per_s")), _num(_res(rec, "decode_tok_per_s"))
+    t, d = _num(m.tok_per_s), _num(m.decode_tok_per_s)
     if t is None or (d is not None and abs(t - d) <= 1e-9 * max(abs(t), 1.0)):
         return None
     return t
@@ -111,9 +106,10 @@ def cycles_measured(rec: dict) -> int | None:
     acc = (rec.get("samples") or {}).get("accept_lengths")
     if acc:
         return len(acc)
-    n = _num(_res(rec, "cycles"))
+    m = _m(rec)
+    n = _num(m.cycles)
     if n is None:
-        levels = _res(rec, "levels") or [{}]
+        levels = m.extra.get("levels") or [{}]
         sm = (levels[0] if isinstance(levels[0], dict) else {}).get("server_metrics") or {}
         n = _num(sm.get("num_drafts"))
     return int(n) if n is not None else None
@@ -159,13 +155,14 @@ def metric_defs(runs: list[dict]) -> list[dict]:
                      unit="ms"))
     defs += _phase_defs(runs)
     defs += _baseline_defs(runs)
+    defs += _declared_defs(runs)
     for d in defs:
         d.setdefault("floor", lambda rec, u=d["unit"]: FLOORS[u])
     return defs
 
 
 def _failed(rec):
-    v = _res(rec, "failed")         # bench-serve's and the sweep's runs: requests that got no answer
+    v = _m(rec).failed              # bench-serve's and the sweep's runs: requests that got no answer
     return v if isinstance(v, int) and not isinstance(v, bool) else None
 
 
@@ -181,25 +178,25 @@ def _speed_defs(runs: list[dict]) -> list[dict]:
     if all(_per_prompt(r) for r in runs):
         # benchmarks: tok/s as Spec-Bench defines it (mean over prompts, prefill included), paired by prompt
         # when both runs used the same prompt set; the cycles' decode-only tok/s gets its own row
-        defs = [dict(key="tok_per_s", label="tok/s (per prompt)", higher=True, value=lambda r: _res(r, "tok_per_s"),
+        defs = [dict(key="tok_per_s", label="tok/s (per prompt)", higher=True, value=lambda r: _m(r).tok_per_s,
                      samples=_prompt_tok_s_samples, paired=True, unit="tok/s")]
         if any(_tok_s_samples(r) for r in runs):
             defs.append(dict(key="decode_tok_per_s", label="decode tok/s", higher=True,
-                             value=lambda r: _res(r, "decode_tok_per_s"), samples=_tok_s_samples, unit="tok/s"))
+                             value=lambda r: _m(r).decode_tok_per_s, samples=_tok_s_samples, unit="tok/s"))
         return defs
-    return [dict(key="tok_per_s", label="tok/s", higher=True, value=lambda r: _res(r, "tok_per_s"),
+    return [dict(key="tok_per_s", label="tok/s", higher=True, value=lambda r: _m(r).tok_per_s,
                  samples=_tok_s_samples, unit="tok/s")]
 
 
 def _acceptance_defs(runs: list[dict]) -> list[dict]:
     """τ, where some run drafted, and the acceptance at each draft position (the first 8)."""
     defs = []
-    taus = [_res(r, "accept_length") for r in runs]
+    taus = [_m(r).accept_length for r in runs]
     if any(t not in (None, 1, 1.0) for t in taus):
         defs.append(dict(key="accept_length", label="τ (accept length)", higher=True,
-                         value=lambda r: _res(r, "accept_length"), samples=_tau_samples, unit="tokens"))
+                         value=lambda r: _m(r).accept_length, samples=_tau_samples, unit="tokens"))
     # unconditional acceptance per draft position (vLLM's definition): position i accepted ⇔ τ - 1 > i
-    depth = max((len(_res(r, "per_position_acceptance") or []) for r in runs), default=0)
+    depth = max((len(_m(r).per_position_acceptance or []) for r in runs), default=0)
     for i in range(min(depth, 8)):
         def pos_samp(rec, i=i):
             s = rec.get("samples") or {}
@@ -210,7 +207,7 @@ def _acceptance_defs(runs: list[dict]) -> list[dict]:
             return (ind, _ones(ind)) if ind else None
 
         def pos_val(rec, i=i):
-            v = _res(rec, "per_position_acceptance") or []
+            v = _m(rec).per_position_acceptance or []
             return v[i] if i < len(v) else None
 
         defs.append(dict(key=f"acceptance.{i}", label=f"acceptance @{i + 1}", higher=True, value=pos_val,
@@ -222,7 +219,7 @@ def _phase_defs(runs: list[dict]) -> list[dict]:
     """One ms/cycle row per phase any run has, top-level phases in the profiler's order, sub-phases after theirs."""
     phases = []
     for r in runs:
-        for p in (_res(r, "phases") or {}):
+        for p in (_m(r).phases or {}):
             if p not in phases:
                 phases.append(p)
     phases.sort(key=lambda p: (TOP_PHASES.index(p.split(".")[0]) if p.split(".")[0] in TOP_PHASES else 99, p))
@@ -236,16 +233,17 @@ def _phase_defs(runs: list[dict]) -> list[dict]:
             return (col, _ones(col)) if col else None
 
         defs.append(dict(key=f"phase.{p}", label=label, higher=False,
-                         value=lambda r, p=p: _res(r, "phases", p, "mean_ms"), samples=samp, unit="ms",
+                         value=lambda r, p=p: _m(r).phase_ms(p), samples=samp, unit="ms",
                          floor=lambda r: max(FLOORS["ms"], PHASE_FLOOR_SHARE * (cycle_mean_ms(r) or 0.0))))
     return defs
 
 
 def _baseline_defs(runs: list[dict]) -> list[dict]:
     """Plain decoding's ms/token, where a run carries a baseline measurement."""
-    def base_value(r):   # {"baseline": {...}} or the flat key some producers use
-        v = _res(r, "baseline", "decode_ms_per_token")
-        return v if v is not None else _res(r, "baseline_decode_ms_per_token")
+    def base_value(r):   # {"baseline": {...}} or the flat figure some producers store
+        m = _m(r)
+        v = m.baseline.get("decode_ms_per_token") if isinstance(m.baseline, dict) else None
+        return v if v is not None else m.baseline_decode_ms_per_token
 
     if not any(base_value(r) is not None for r in runs):
         return []
@@ -256,3 +254,10 @@ def _baseline_defs(runs: list[dict]) -> list[dict]:
 
     return [dict(key="baseline.decode", label="Baseline decode ms/token", higher=False, value=base_value,
                  samples=base_samp, unit="ms")]
+
+
+def _declared_defs(runs: list[dict]) -> list[dict]:
+    """The metrics declared in `metrics.METRICS`, each where some run has it (point values: no samples)."""
+    return [dict(key=m.key, label=m.label, higher=m.higher, value=lambda r, m=m: m.of(_m(r)),
+                 samples=lambda r: None, unit=m.unit)
+            for m in metrics.METRICS if any(m.of(_m(r)) is not None for r in runs)]

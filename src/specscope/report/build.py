@@ -28,6 +28,7 @@ from specscope.registry.compare import compare_runs, one_sided, speed_change, sp
 from specscope.registry import labels
 from specscope.registry import rows as rows_of
 from specscope.registry.fingerprint import VOLATILE, flatten, load_warning
+from specscope.registry.metrics import RunMetrics
 from specscope.report import charts
 
 LINK_KEYS = ("baseline_run", "verify_curve_run")
@@ -96,7 +97,7 @@ def build_report(runs: list[dict], linked: dict | None = None, title: str | None
 def _summary(runs, perf, by_id, cmp):
     rows = []
     for r in runs:
-        cfg, res = r.get("config") or {}, r.get("results") or {}
+        cfg, m = r.get("config") or {}, RunMetrics.of(r)
         # ingested logs may name only some of the knobs
         shape = ", ".join(f"{k} {cfg[key]}" for k, key in (("steps", "steps"), ("topk", "topk"),
                                                             ("draft tokens", "draft_tokens")) if cfg.get(key))
@@ -105,7 +106,7 @@ def _summary(runs, perf, by_id, cmp):
                      _path(_short(cfg.get("model") or cfg.get("model_name"))),
                      _drafter_cell(r) + (f"<br><small>{esc(shape)}</small>" if shape else ""),
                      _f(1e3 / ms_tok if ms_tok else None), _f(ms_tok), _tau_cell(r),
-                     _f(rows_of.end_to_end_tok_per_s(r)), _f(res.get("speedup"), "×"),
+                     _f(rows_of.end_to_end_tok_per_s(r)), _f(m.speedup, "×"),
                      esc((r.get("created_at") or "")[:19].replace("T", " "))])
     heads = [h for r in runs if (h := _headline(r, perf, by_id, cmp))]
     return heads + ["<h2>Runs</h2>",
@@ -120,7 +121,7 @@ def _summary(runs, perf, by_id, cmp):
 
 def _tau_cell(r: dict) -> str:
     """τ and the number of cycles it rests on."""
-    tau, n = (r.get("results") or {}).get("accept_length"), rows_of.cycles_measured(r)
+    tau, n = RunMetrics.of(r).accept_length, rows_of.cycles_measured(r)
     if not isinstance(tau, (int, float)):
         return "-"
     return _f(tau) + (f"<br><small>{n} cycles</small>" if n else "")
@@ -129,8 +130,8 @@ def _tau_cell(r: dict) -> str:
 def _headline(r: dict, perf: list[dict], by_id: dict, cmp: dict | None) -> str | None:
     """A speculative run's speed against plain decoding in one line, judged by the rule the Compare table uses
     (registry.compare on the same pair), so the page never calls faster what its table calls noise."""
-    res = r.get("results") or {}
-    tau = res.get("accept_length")
+    m = RunMetrics.of(r)
+    tau = m.accept_length
     if r.get("kind") == "verify_curve" or _is_plain(r) or not isinstance(tau, (int, float)):
         return None
     sc = _speed_against_plain(r, perf, by_id, cmp)
@@ -141,7 +142,7 @@ def _headline(r: dict, perf: list[dict], by_id: dict, cmp: dict | None) -> str |
         cls = {"better": "good", "worse": "bad"}.get(sc["verdict"], "dim")
         return (f"<p class=headline><b>{esc(charts.label(r))}</b>: <span class={cls}>{sc['ratio']:.2f}×</span> "
                 f"{esc(speed_words(sc, ratio=False))}{esc(tail)}</p>")
-    sp = res.get("speedup")
+    sp = m.speedup
     if not isinstance(sp, (int, float)):
         return None
     return (f"<p class=headline><b>{esc(charts.label(r))}</b>: <span class=dim>{sp:.2f}×</span> the speed of plain "
@@ -229,7 +230,7 @@ def _profile_section(perf):
     out.append(_img(img, "cycle time breakdown: stacked ms per cycle and per token, by phase"))
     rows = []
     for r in perf:
-        for name, ph in ((r.get("results") or {}).get("phases") or {}).items():
+        for name, ph in (RunMetrics.of(r).phases or {}).items():
             if isinstance(ph, dict):
                 rows.append([_code(charts.label(r)), esc(("  ↳ " if "." in name else "") + _phase_label(name)),
                              _f(ph.get("mean_ms")), _f(ph.get("median_ms")), _f(ph.get("p90_ms")),
@@ -241,14 +242,14 @@ def _profile_section(perf):
 
 
 def _is_plain(r: dict) -> bool:
-    res = r.get("results") or {}
-    return not res.get("drafted_tokens") and "decode" in (res.get("phases") or {})
+    m = RunMetrics.of(r)
+    return not m.drafted_tokens and "decode" in (m.phases or {})
 
 
 def breakeven_analysis(run: dict, by_id: dict, plain: list[dict] = ()) -> dict | None:
     """`specscope breakeven --run` for one stored speculative run, against its linked baseline, else a plain run
     of the same model among `plain` (e.g. `specscope report BASE SPEC` of two generate runs)."""
-    if not (run.get("results") or {}).get("drafted_tokens") and run.get("kind") not in ("speculative",):
+    if not RunMetrics.of(run).drafted_tokens and run.get("kind") not in ("speculative",):
         return None
     base = _baseline_of(run, by_id, plain)
     try:

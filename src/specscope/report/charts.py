@@ -13,6 +13,8 @@ import math
 from specscope.economics.verify_curve import PiecewiseFit, noise_words
 from specscope.profile.cycle import PHASE_LABELS, TOP_PHASES
 from specscope.registry.labels import drafted, drafter_name
+from specscope.registry.metrics import RunMetrics
+from specscope.registry.metrics import number as _num
 from specscope.registry.rows import decode_ms_per_token, tokens_per_cycle
 
 DPI = 100
@@ -115,13 +117,9 @@ def label(rec: dict) -> str:
     return f"{kind} · {rid}" if rid else kind
 
 
-def _num(v):
-    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else None
-
-
 def top_phases(rec: dict) -> dict[str, float]:
     """{phase: mean ms per cycle} of a run's top-level phases, in display order."""
-    ph = (rec.get("results") or {}).get("phases") or {}
+    ph = RunMetrics.of(rec).phases or {}
     out = {}
     for name in list(TOP_PHASES) + sorted(ph):
         v = ph.get(name)
@@ -187,8 +185,7 @@ def _per_token_scale(rec: dict, phases: dict) -> float:
 
 
 def _spec_runs(runs):
-    return [r for r in runs if ((r.get("results") or {}).get("accept_length_hist")
-                                and (r.get("results") or {}).get("drafted_tokens"))]
+    return [r for r in runs if (m := RunMetrics.of(r)).accept_length_hist and m.drafted_tokens]
 
 
 @_chart
@@ -199,14 +196,15 @@ def tau_histogram(runs: list[dict]) -> bytes | None:
         return None
     plt = _plt()
     fig, ax = plt.subplots(figsize=(WIDTH_IN / 2, 3.6 + 0.2 * len(spec)))
-    keys = sorted({int(k) for r in spec for k in r["results"]["accept_length_hist"]})
+    ms = [RunMetrics.of(r) for r in spec]
+    keys = sorted({int(k) for m in ms for k in m.accept_length_hist})
     xs = list(range(min(keys), max(keys) + 1))
     w = 0.8 / len(spec)
-    for i, r in enumerate(spec):
-        hist = {int(k): v for k, v in r["results"]["accept_length_hist"].items()}
+    for i, (r, m) in enumerate(zip(spec, ms)):
+        hist = {int(k): v for k, v in m.accept_length_hist.items()}
         n = sum(hist.values()) or 1
         off = (i - (len(spec) - 1) / 2) * w
-        tau = _num(r["results"].get("accept_length"))
+        tau = _num(m.accept_length)
         ax.bar([x + off for x in xs], [100.0 * hist.get(x, 0) / n for x in xs], width=w, color=f"C{i}",
                label=f"{label(r)}: mean τ = {tau:.2f} (dashed)" if tau else label(r))
         if tau:
@@ -227,17 +225,18 @@ def tau_histogram(runs: list[dict]) -> bytes | None:
 @_chart
 def per_position(runs: list[dict]) -> bytes | None:
     """Acceptance per draft position: unconditional (solid) and conditional on the previous one (dashed)."""
-    spec = [r for r in runs if (r.get("results") or {}).get("per_position_acceptance")]
+    spec = [r for r in runs if RunMetrics.of(r).per_position_acceptance]
     if not spec:
         return None
-    if max(len(r["results"]["per_position_acceptance"]) for r in spec) == 1:
+    depth = max(len(RunMetrics.of(r).per_position_acceptance) for r in spec)
+    if depth == 1:
         return _single_position(spec)
     plt = _plt()
     fig, ax = plt.subplots(figsize=(WIDTH_IN / 2, 3.6 + 0.2 * (len(spec) + 2)))
     for i, r in enumerate(spec):
-        res = r["results"]
-        u = [_num(x) for x in res["per_position_acceptance"]]
-        c = [_num(x) for x in res.get("per_position_acceptance_conditional") or []]
+        m = RunMetrics.of(r)
+        u = [_num(x) for x in m.per_position_acceptance]
+        c = [_num(x) for x in m.per_position_acceptance_conditional or []]
         xs = list(range(1, len(u) + 1))
         ax.plot(xs, [100 * x if x is not None else math.nan for x in u], "o-", color=f"C{i}", label=label(r))
         if c:
@@ -247,7 +246,7 @@ def per_position(runs: list[dict]) -> bytes | None:
     ax.set_xlabel("draft position (1 = first drafted token)")
     ax.set_ylabel("acceptance, % of cycles")
     ax.set_title("per-position acceptance", fontsize=10)
-    ax.set_xticks(range(1, max(len(r["results"]["per_position_acceptance"]) for r in spec) + 1))
+    ax.set_xticks(range(1, depth + 1))
     ax.grid(alpha=0.3)
     ax.plot([], [], "k-", label="solid: accepted, of all cycles")
     ax.plot([], [], "k--", alpha=0.7, label="dashed: given the previous one accepted")
@@ -259,7 +258,7 @@ def _single_position(spec: list[dict]):
     """One draft position (steps 1): a line through one point says nothing; one bar per run does."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(WIDTH_IN / 2, 1.6 + 0.45 * len(spec)))
-    vals = [100 * (_num(r["results"]["per_position_acceptance"][0]) or 0.0) for r in spec]
+    vals = [100 * (_num(RunMetrics.of(r).per_position_acceptance[0]) or 0.0) for r in spec]
     ys = list(range(len(spec)))[::-1]
     ax.barh(ys, vals, color=[f"C{i}" for i in range(len(spec))], height=0.6)
     for y, v in zip(ys, vals):

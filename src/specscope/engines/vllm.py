@@ -22,7 +22,7 @@ EXAMPLE = "vllm serve ... --speculative-config ..."
 START = "vllm serve"
 PHASES_FROM = "plugin"              # `sweep --phases-from auto`: per-phase timings from specscope's plugin
 # The versions the plugin (phases and capture) hooks, read in each release's source; the phases run on each in
-# tests/engines/test_sweep_builds.py. On others it stays off, in one line. What it touches is the same in all three:
+# tests/engines/test_sweep_builds.py. On others it stays off, in one line. What it touches is the same in all four:
 # `vllm.v1.utils._PROFILER_FUNC` behind `record_function_or_nullcontext`; the ten `gpu_model_runner: ...` scopes of
 # SCOPE_PHASE; `GPUModelRunner.execute_model(scheduler_output, intermediate_tensors)` and
 # `.sample_tokens(grammar_output)` (CPUModelRunner overrides neither); `Worker.shutdown` (CPUWorker inherits it);
@@ -30,11 +30,13 @@ PHASES_FROM = "plugin"              # `sweep --phases-from auto`: per-phase timi
 # ModelRunnerOutput's req_ids / sampled_token_ids; the runner's requests / input_batch.req_ids / get_model(); the
 # Llama decoder layer's (hidden, residual) output; Model Runner V2 behind VLLM_USE_V2_MODEL_RUNNER. Where they differ:
 TESTED = {
-    "0.30.0": "the CPU worker owns its torch profiler (CPUWorker.profile, TorchProfilerWrapper with CPU activities); "
-              "the runner fills routed-expert outputs (MoE)",
-    "0.31.0": "the profiler is the base Worker's; a step takes the spec-decode path only when it schedules drafts "
-              "(use_spec_decode from scheduled_spec_decode_tokens); SchedulerOutput still carries "
-              "num_common_prefix_blocks (cascade attention)",
+    "0.29.0": "the CPU runner patches the rejection sampler's kernels and calls them directly; cached requests carry "
+              "block_ids (a dict, not 0.30's resolve_block_ids)",
+    "0.30.0": "EAGLE-3 does not run on a CPU: the rejection sampler's JIT-warm-up wrapper cannot inspect the CPU "
+              "kernel it is patched with (vLLM's engine core dies on the first speculative step, plugin or not), so "
+              "only plain decoding is measured; the CPU worker owns its torch profiler (CPUWorker.profile)",
+    "0.31.0": "the CPU kernels are patched in platforms/cpu.py (EAGLE-3 runs again); the profiler is the base "
+              "Worker's; a step takes the spec-decode path only when it schedules drafts",
     "0.32.0": "every step of a speculative config takes the spec-decode path (use_spec_decode from "
               "speculative_config); cascade attention removed",
 }
@@ -77,7 +79,10 @@ OPS_0_32 = (
     (r"^_C::(eagle_\w+|compute_slot_mapping\w*|\w+_metadata\w*)", "elementwise", None),
     (r"(?i)(rms_norm|rotary|act_and_mul|silu_kernel)", "elementwise", None),
 )
-OP_TABLES = {"0.32.0": OPS_0_32}
+# 0.30 and 0.31 name these ops alike: their sources call the same custom ops, and their profiled CPU steps leave
+# nothing unclassified (0.31: dense + EAGLE-3 and MoE + n-gram; 0.30: MoE plain decoding — its CPU build's rejection
+# sampler fails here with and without the plugin, "Cannot inspect kernel parameters for function")
+OP_TABLES = {"0.30.0": OPS_0_32, "0.31.0": OPS_0_32, "0.32.0": OPS_0_32}
 
 
 def op_table(version: str) -> tuple[tuple | None, str | None]:

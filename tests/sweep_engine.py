@@ -7,9 +7,11 @@ phases the sweep finds are exactly the declared ones however loaded the machine 
 so a client's wall times follow). Only the engines suite runs vLLM itself.
 
     python tests/sweep_engine.py --port P [--steps K] [--verify-ms 2] [--fail] [--die-after N] [--fail-every K]
+                                 [--slow-from K [--slow-env BUILD] [--slow-factor 3]]
 
 --die-after N: the process exits on its (N+1)-th request (an engine that crashes mid-workload); --fail-every K:
-every K-th request is answered 500 (an engine failing some requests)."""
+every K-th request is answered 500 (an engine failing some requests); --slow-from K: a regression planted from
+build K on (verify --slow-factor times dearer where $BUILD >= K), for `specscope bisect` to find."""
 
 from __future__ import annotations
 
@@ -47,6 +49,10 @@ class DeclaredClock:
         time.sleep(ms / 1e3)
 
 
+def planted_slow(a) -> bool:
+    return a.slow_from is not None and int(os.environ.get(a.slow_env, "0")) >= a.slow_from
+
+
 def _args():
     p = argparse.ArgumentParser()
     p.add_argument("--port", type=int, required=True)
@@ -56,6 +62,11 @@ def _args():
     p.add_argument("--fail", action="store_true", help="exit at once, as an engine with a bad flag does")
     p.add_argument("--die-after", type=int, default=None, help="exit on the request after this many")
     p.add_argument("--fail-every", type=int, default=None, help="answer every K-th request with 500")
+    p.add_argument("--slow-from", type=int, default=None,
+                   help="a planted regression: verify costs --slow-factor times more when the environment variable "
+                        "--slow-env holds an integer at least this (a bisection test's builds)")
+    p.add_argument("--slow-env", default="BUILD")
+    p.add_argument("--slow-factor", type=float, default=3.0)
     return p.parse_args()
 
 
@@ -64,6 +75,7 @@ class Engine:
 
     def __init__(self, a):
         self.a, self.n, self.requests = a, 0, 0
+        self.verify_ms = a.verify_ms * (a.slow_factor if planted_slow(a) else 1.0)
         self.lock = threading.Lock()            # one step at a time, as an engine's loop
         self.clock = DeclaredClock()
         cycle.time = self.clock                 # the profiler's timer is the declared clock
@@ -84,7 +96,7 @@ class Engine:
         if self.rec:
             self.rec.begin_step("verify" if a.steps else "decode")
         with self._scope("forward"):
-            self.clock.spend(verify_ms(a.verify_ms, a.steps))
+            self.clock.spend(verify_ms(self.verify_ms, a.steps))
         if a.steps:
             with self._scope("draft"):
                 self.clock.spend(DRAFT_MS_PER_STEP * a.steps)

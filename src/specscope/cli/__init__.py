@@ -36,6 +36,7 @@ COMMANDS = {
     "demo": "specscope.cli.demo:demo",
     "report": "specscope.cli.report:report",
     "sweep": "specscope.cli.sweep:sweep",
+    "bisect": "specscope.cli.bisect:bisect",
 }
 
 

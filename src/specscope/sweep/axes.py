@@ -60,9 +60,10 @@ def _judge(row: dict, pairs: list, small: bool, noise: float | None) -> dict:
 
 
 def compare_cells(ref: list[dict], other: list[dict], ref_label: str, other_label: str,
-                  noise: dict[str, float] | None = None) -> dict:
+                  noise: dict[str, float] | None = None, keep=headline) -> dict:
     """compare_runs on the pooled cells and on each repeat pair; rows judged as sweep.matrix says (`noise`: metric
-    -> launch-to-launch noise, sweep.matrix.launch_noise)."""
+    -> launch-to-launch noise, sweep.matrix.launch_noise); `keep(metric)`: the rows judged (bisect's one metric may
+    be a sub-phase)."""
     from specscope.registry.compare import compare_runs, settings_diff
     from specscope.sweep.pool import pooled
 
@@ -72,7 +73,7 @@ def compare_cells(ref: list[dict], other: list[dict], ref_label: str, other_labe
     rb = {r["sweep"]["repeat"]: r for r in other}
     pairs = [(rep, compare_runs([ra[rep], rb[rep]])) for rep in sorted(set(ra) & set(rb))]
     rows = [_judge(row, pairs, _small(row["metric"], a, b), (noise or {}).get(row["metric"]))
-            for row in main["rows"] if headline(row["metric"])]
+            for row in main["rows"] if keep(row["metric"])]
     att = main["attribution"][0]
     return {"rows": rows, "summary": att["summary"], "likely_causes": att["likely_causes"][:5],
             "settings": sorted(settings_diff([a, b])), "confidence": main["confidence"],
@@ -113,7 +114,7 @@ def axis_report(spec: SweepSpec, axis: Axis, by_cell: dict, noise: dict[str, flo
             else:
                 s.update(compare_cells(ref, other, key(axis.values[0]), key(v), noise))
                 s["verdict"] = _slice_verdict(s["rows"])
-                s["axis_settings"] = _axis_settings(axis, s["settings"])
+                s["axis_settings"] = axis_settings(axis, s["settings"])
                 top = (s["likely_causes"] or [{}])[0].get("key")
                 s["cause"], s["cause_is_axis"] = top, top in s["axis_settings"]
             slices.append(s)
@@ -121,7 +122,7 @@ def axis_report(spec: SweepSpec, axis: Axis, by_cell: dict, noise: dict[str, flo
             "moved": _moved(slices), "slices": slices}
 
 
-def _axis_settings(axis: Axis, differing: list[str]) -> list[str]:
+def axis_settings(axis: Axis, differing: list[str]) -> list[str]:
     """The settings that differ because of the axis: the configuration keys the cells' runs disagree on (the
     engine reports what the axis set, e.g. num_speculative_tokens and steps), or the axis's own variable. Other
     environment keys that differ (the load average, ...) are the machine, not the axis."""

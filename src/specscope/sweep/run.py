@@ -14,7 +14,7 @@ from specscope.sweep.workload import build_workload
 
 
 @contextmanager
-def _interruptible():
+def interruptible():
     """The first SIGINT / SIGTERM raises KeyboardInterrupt; later ones are only noted, so the engine's shutdown that
     the first one started is not itself cut short (a second Ctrl-C would otherwise leave the engine running)."""
     if threading.current_thread() is not threading.main_thread():
@@ -57,24 +57,31 @@ def run_sweep(state: SweepState, *, db=None, startup_s: float = 600.0, workload_
                    enabled=progress, every_s=0.0)
     ran = failed = 0
     try:
-        with _interruptible():
+        with interruptible():
             for key, r in todo:
-                state.started(key, r)
-                try:
-                    outcome = run_cell(ctx, cells[key], r)
-                except BaseException:       # Ctrl-C, or the cell's files could not be written (a full disk)
-                    _note_interrupted(state)
-                    raise
-                state.finished(key, r, outcome)
+                outcome = run_slot(state, ctx, cells[key], r)
                 ran += 1
                 failed += outcome["status"] != "ok"
-                line = _cell_line(key, r, outcome)
+                line = cell_line(key, r, outcome)
                 if not json_mode or outcome["status"] != "ok":
                     bar.note(line)
                 bar.advance(info=f"{failed} failed" if failed else "")
     finally:
         bar.close()
     return {"ran": ran, "failed": failed, "left": len(state.missing(retry_failed)), "adopted": adopted}
+
+
+def run_slot(state: SweepState, ctx: Context, cell, repeat: int) -> dict:
+    """One (cell, repeat) launched and its outcome written to the sweep file; stopped mid-way (Ctrl-C, or the
+    cell's files could not be written: a full disk), the slot is left missing and the exception passes on."""
+    state.started(cell.key, repeat)
+    try:
+        outcome = run_cell(ctx, cell, repeat)
+    except BaseException:
+        _note_interrupted(state)
+        raise
+    state.finished(cell.key, repeat, outcome)
+    return outcome
 
 
 def _note_interrupted(state: SweepState) -> None:
@@ -88,7 +95,7 @@ def _note_interrupted(state: SweepState) -> None:
         pass
 
 
-def _cell_line(key: str, repeat: int, outcome: dict) -> str:
+def cell_line(key: str, repeat: int, outcome: dict) -> str:
     head = f"{key} #{repeat + 1}"
     if outcome["status"] == "ok":
         return f"{head}: run {outcome['run_id']} ({outcome['seconds']:.0f} s)"

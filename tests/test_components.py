@@ -249,3 +249,18 @@ def test_a_sweep_cell_shows_its_verify_components_pooled_over_its_repeats():
     assert got["verify"] == {"ms": {"gemm": 7.0, "host_gap": 2.0, "attention": 1.0}, "tokens": 4, "steps": 8}
     assert component_words(got) == ["  GEMMs 70% · host gap 20%"]
     assert _components(runs[2:]) == {} and component_words({}) == []
+
+
+def test_the_report_draws_the_components_of_each_phase(tmp_path):
+    from specscope.report.build import build_report
+    from specscope.report.components_chart import components_breakdown
+
+    path = tmp_path / "steps.jsonl"
+    _engine(path, steps=8)
+    db = tmp_path / "runs.db"
+    rid = ingest_file(path, db=db)["run_id"]
+    with open_registry(db) as reg:
+        run = reg.get_run(rid)
+    assert components_breakdown.layout_problems([run]) == []
+    page = build_report([run])
+    assert "components of each phase: stacked ms per profiled step" in page

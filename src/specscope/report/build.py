@@ -30,6 +30,7 @@ from specscope.registry import rows as rows_of
 from specscope.registry.fingerprint import VOLATILE, flatten, load_warning
 from specscope.registry.metrics import RunMetrics
 from specscope.report import charts
+from specscope.report.components_chart import components_breakdown
 
 LINK_KEYS = ("baseline_run", "verify_curve_run")
 
@@ -228,6 +229,9 @@ def _profile_section(perf):
         return out + ["<p class=note>No per-phase timings in these runs (e.g. ingested logs carry none).</p>"] \
             + acceptance
     out.append(_img(img, "cycle time breakdown: stacked ms per cycle and per token, by phase"))
+    comps = components_breakdown(perf)
+    if comps is not None:       # plugin windows / vLLM traces: what each phase spent its time on (why-verify.md)
+        out.append(_img(comps, "components of each phase: stacked ms per profiled step"))
     rows = []
     for r in perf:
         for name, ph in (RunMetrics.of(r).phases or {}).items():

@@ -76,7 +76,8 @@ def main(argv=None):
     from specscope.generate import generate
     from specscope.session import load_target, stop_ids_for
     from specscope.models.hub import cache_dir
-    from specscope.speculative.decode import build_drafter, speculative_generate
+    from specscope.generate import speculative_generate
+    from specscope.speculative.decode import build_drafter
     from specscope.train.data import open_for_append, read_jsonl
 
     transformers.logging.set_verbosity_error()

@@ -20,7 +20,8 @@ def main():
     from specscope.progress import Progress
     from specscope.registry.fingerprint import timing_warning
     from specscope.runtime.sampling import SamplingParams
-    from specscope.speculative.decode import SpecConfig, build_drafter, speculative_generate
+    from specscope.generate import speculative_generate
+    from specscope.speculative.decode import SpecConfig, build_drafter
     from specscope.train.data import read_conversations
     from specscope.train.pipeline import load_target
     from specscope.train.trainer import split_indices

@@ -102,7 +102,8 @@ def main(argv=None):
     from specscope.session import load_target, stop_ids_for
     from specscope.models import rowgemm
     from specscope.models.hub import KNOWN_MODELS, _package_file, cache_dir
-    from specscope.speculative.decode import SpecConfig, build_drafter, speculative_generate
+    from specscope.generate import speculative_generate
+    from specscope.speculative.decode import SpecConfig, build_drafter
     from specscope.speculative.hybrid import CopyFirstHybrid
 
     target, tok, _ = load_target("smollm2-135m", args.dtype, "cpu")

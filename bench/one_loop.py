@@ -38,11 +38,19 @@ import json, sys, torch
 torch.set_num_threads(int(sys.argv[3]))
 from specscope import session
 from specscope.generate import generate
-from specscope.speculative.decode import SpecConfig, speculative_generate
+from specscope.speculative import decode
+from specscope.speculative.decode import SpecConfig
+try:                                  # generate.py's since the drafting options were declared once
+    from specscope.generate import speculative_generate
+except ImportError:
+    from specscope.speculative.decode import speculative_generate
 target, tok, _ = session.load_target(sys.argv[1], "auto", "cpu")
 stop = session.stop_ids_for(target, tok)
 draft = sys.argv[2]
-if hasattr(session, "Drafting"):      # this checkout (one DecodeSpec builds every drafter)
+if hasattr(decode, "DraftOptions"):   # this checkout (the flags checked once, into the DecodeSpec that builds)
+    spec = session.decode_spec(sys.argv[1], decode.DraftOptions(draft, budget=sys.argv[5]))
+    drafter, cfg = spec.drafter(target), spec.shape
+elif hasattr(session, "Drafting"):    # one DecodeSpec builds every drafter
     drafting = session.Drafting.from_flags(draft, budget=sys.argv[5])
     drafter, cfg = drafting.build(target), drafting.shape
 else:                                 # an older one

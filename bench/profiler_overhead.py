@@ -94,7 +94,8 @@ def measure_arms(model, ids, sp, stop, args) -> dict:
     from specscope.progress import Progress
 
     try:
-        from specscope.speculative.decode import SpecConfig, build_drafter, speculative_generate
+        from specscope.generate import speculative_generate
+        from specscope.speculative.decode import SpecConfig, build_drafter
     except ImportError:
         speculative_generate = None
     out = {}

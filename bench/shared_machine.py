@@ -60,15 +60,16 @@ if kind == "specscope":
     from specscope import session
     from specscope.generate import generate
     from specscope.models import rowgemm
-    from specscope.speculative.decode import speculative_generate
+    from specscope.generate import speculative_generate
+    from specscope.speculative.decode import DraftOptions
     target, tok, _ = session.load_target(spec["model"], spec["dtype"], "cpu")
-    drafting = session.Drafting.from_flags(spec["draft"], budget="priced") if spec["draft"] else None
-    drafter = drafting.build(target) if drafting else None
+    run_spec = session.decode_spec(spec["model"], DraftOptions(spec["draft"], budget="priced"))
+    drafter = run_spec.drafter(target)
     def run(p, k):
         if drafter is None:
             r = generate(target, p, k, None, sorted(stop))
         else:
-            r = speculative_generate(target, drafter, p, k, None, sorted(stop), drafting.shape)
+            r = speculative_generate(target, drafter, p, k, None, sorted(stop), run_spec.shape)
         return r.token_ids
     info = {"isa": rowgemm.isa(), "threads": torch.get_num_threads(), "specscope": specscope.__file__}
 elif kind == "transformers":

@@ -118,7 +118,8 @@ def main(argv=None):
     from specscope.generate import generate
     from specscope.progress import Progress
     from specscope.session import load_target, stop_ids_for
-    from specscope.speculative.decode import SpecConfig, build_drafter, speculative_generate
+    from specscope.generate import speculative_generate
+    from specscope.speculative.decode import SpecConfig, build_drafter
     from specscope.speculative.hybrid import CopyFirstHybrid
     from specscope.errors import SpecscopeError
     from specscope.train.data import open_for_append, read_jsonl

@@ -60,7 +60,8 @@ def run_vllm(python, model, prompts, max_tokens, spec, phases, log, tick=lambda:
 def run_specscope(prompts, max_tokens, k, tick=lambda name: None):
     from specscope.generate import generate
     from specscope.session import load_target, stop_ids_for
-    from specscope.speculative.decode import DEFAULT_DRAFTER, SpecConfig, build_drafter, speculative_generate
+    from specscope.generate import speculative_generate
+    from specscope.speculative.decode import DEFAULT_DRAFTER, SpecConfig, build_drafter
 
     model, tok, _ = load_target("smollm2-135m", "fp32", "cpu")
     stop = stop_ids_for(model, tok)

@@ -8,7 +8,8 @@ import torch
 
 from specscope.generate import generate
 from specscope.models import load_model
-from specscope.speculative.decode import SpecConfig, speculative_generate
+from specscope.generate import speculative_generate
+from specscope.speculative.decode import SpecConfig
 from specscope.speculative.eagle3 import DrafterConfig, Eagle3Drafter
 from tiny import make_hf_model
 

@@ -20,7 +20,8 @@ from specscope.errors import SpecscopeError
 from specscope.generate import generate
 from specscope.models.linear import pack_linears
 from specscope.runtime.sampling import SamplingParams
-from specscope.speculative.decode import SpecConfig, speculative_generate
+from specscope.generate import speculative_generate
+from specscope.speculative.decode import SpecConfig
 from specscope.speculative.drafters import Eagle3TreeDrafter
 from specscope.speculative.hybrid import CopyFirstHybrid, NgramDrafter
 from spec_helpers import random_eagle3, tiny_target

@@ -132,7 +132,8 @@ def test_kernels_off_is_still_lossless(tmp_path, monkeypatch):
     """The stock oneDNN path (SPECSCOPE_KERNELS=off): speculative greedy output is plain greedy output."""
     from spec_helpers import random_eagle3, tiny_target
     from specscope.generate import generate
-    from specscope.speculative.decode import SpecConfig, speculative_generate
+    from specscope.generate import speculative_generate
+    from specscope.speculative.decode import SpecConfig
     from specscope.speculative.drafters import Eagle3TreeDrafter
     from specscope.speculative.hybrid import NgramDrafter
 

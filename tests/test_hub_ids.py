@@ -143,6 +143,8 @@ def test_id_neither_cached_nor_reachable_is_one_error_line(tmp_path):
 def test_serve_engine_by_ids(hub):
     # `serve --model ID --draft ID`: the engine loads both from the cache and serves the model under its id
     from specscope.server.worker import ServedModel, ServeConfig
+    from specscope.speculative.decode import DraftOptions
 
-    eng = ServedModel(ServeConfig(model="tiny-org/tiny-llama", draft="tiny-org/tiny-eagle3", device="cpu", dtype="fp32"))
+    eng = ServedModel(ServeConfig(model="tiny-org/tiny-llama", device="cpu", dtype="fp32",
+                                  drafting=DraftOptions("tiny-org/tiny-eagle3", budget="fixed")))
     assert eng.name == "tiny-org/tiny-llama" and eng.drafter is not None

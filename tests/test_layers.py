@@ -146,6 +146,24 @@ def test_no_import_cycles():
     assert not found, "import cycles:\n" + "\n".join(" -> ".join(c) for c in found)
 
 
+# within the decoding layer, the order a request goes down: generate.py (one request) -> engine/ (the loop) ->
+# speculative/ (drafters, shapes, acceptance); no arrow back up. Left: the τ predictor replays the engine's stop
+# rule and takes the target's greedy output from `generate` (speculative/predict.py, issue 49)
+DECODING_ORDER = ["generate", "engine", "speculative"]
+BACK_UP_LEFT = {("specscope.speculative.predict", "specscope.generate"),
+                ("specscope.speculative.predict", "specscope.engine.request")}
+
+
+def test_decoding_layer_has_no_arrow_back_up():
+    mods = modules()
+    rank = {name: i for i, name in enumerate(DECODING_ORDER)}
+    bad = [f"{mods[s].relative_to(ROOT.parent)}:{line} imports {d}" for s, d, line in imports(mods)
+           if layer_of(s) in rank and layer_of(d) in rank and rank[layer_of(d)] < rank[layer_of(s)]
+           and (s, d) not in BACK_UP_LEFT]
+    assert not bad, "decoding modules that import one above them (" + " -> ".join(DECODING_ORDER) + "):\n" + \
+        "\n".join(bad)
+
+
 def test_the_checks_can_fail(tmp_path):
     """The checks see an import inside a function, name a climb, and find a cycle."""
     pkg = tmp_path / "specscope"

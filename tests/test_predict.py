@@ -7,7 +7,8 @@ import torch
 from spec_helpers import random_eagle3, tiny_target
 
 from specscope.errors import SpecscopeError
-from specscope.speculative.decode import SpecConfig, speculative_generate
+from specscope.generate import speculative_generate
+from specscope.speculative.decode import SpecConfig
 from specscope.speculative.drafters import Eagle3TreeDrafter
 from specscope.speculative.predict import (continuation_tokens, predict, replay, shapes_for, truths_from_target)
 

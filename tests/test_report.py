@@ -24,7 +24,8 @@ def target(tmp_path_factory):
 def _profiled(target, draft: bool, steps: int = 3):
     from specscope.generate import generate
     from specscope.profile import CycleProfiler
-    from specscope.speculative.decode import SpecConfig, build_drafter, speculative_generate
+    from specscope.generate import speculative_generate
+    from specscope.speculative.decode import SpecConfig, build_drafter
 
     prof = CycleProfiler()
     prompt = [5, 6, 7, 5, 6, 7, 5, 6]       # repetitive: n-gram drafting gets some acceptance

@@ -24,7 +24,8 @@ def records(tmp_path_factory):
     from specscope.generate import generate
     from specscope.models import load_model
     from specscope.profile import CycleProfiler
-    from specscope.speculative.decode import SpecConfig, build_drafter, speculative_generate
+    from specscope.generate import speculative_generate
+    from specscope.speculative.decode import SpecConfig, build_drafter
 
     d = tmp_path_factory.mktemp("render-target")
     make_hf_model(d, "llama", layers=2)

@@ -21,10 +21,13 @@ def _engine(model_dir, draft=None, **kw):
     """A served model; with a drafter, one that drafts every step in its declared shape (these tests count drafts
     and trees on a tiny random model, where the priced defaults soon stop drafting) unless the test says otherwise."""
     from specscope.server.worker import ServedModel, ServeConfig
+    from specscope.speculative.decode import DraftOptions
 
     if draft is not None:
         kw = {"spec_policy": "always", "draft_budget": "fixed", **kw}
-    return ServedModel(ServeConfig(model=str(model_dir), device="cpu", dtype="fp32", draft=draft, **kw))
+    knobs = {k: kw.pop(k) for k in ("steps", "topk", "draft_tokens", "ngram_tokens") if k in kw}
+    drafting = DraftOptions(draft, **knobs, budget=kw.pop("draft_budget", "fixed"))
+    return ServedModel(ServeConfig(model=str(model_dir), device="cpu", dtype="fp32", drafting=drafting, **kw))
 
 
 @pytest.fixture(scope="module")
@@ -288,8 +291,8 @@ def test_served_drafter_is_priced_by_default(model_dir):
     from specscope.server.worker import ServeConfig
 
     eng = _engine(model_dir, draft="ngram", steps=3, spec_policy=ServeConfig.spec_policy,
-                  draft_budget=ServeConfig.draft_budget)      # serve's defaults
-    assert ServeConfig.spec_policy == "priced" and ServeConfig.draft_budget == "fixed"
+                  draft_budget=ServeConfig().drafting.budget)      # serve's defaults
+    assert ServeConfig.spec_policy == "priced" and ServeConfig().drafting.budget == "fixed"
     assert isinstance(eng.policy, PricedPolicy) and eng.drafter.prices is None
     with TestClient(create_app(eng)) as c:
         ids = eng.tokenizer.encode("the quick brown fox")

@@ -400,9 +400,10 @@ def test_engine_logprobs_are_the_targets_under_a_drafting_tree(model_dir, temper
     from specscope.engine import Request
     from specscope.runtime.sampling import SamplingParams
     from specscope.server.worker import ServeConfig, ServedModel
+    from specscope.speculative.decode import DraftOptions
 
-    served = ServedModel(ServeConfig(model=str(model_dir), device="cpu", dtype="fp32", draft=str(model_dir), steps=3,
-                                     topk=2, draft_tokens=6, spec_policy="always", draft_budget="fixed"))
+    served = ServedModel(ServeConfig(model=str(model_dir), device="cpu", dtype="fp32", spec_policy="always",
+                                     drafting=DraftOptions(str(model_dir), 3, 2, 6, budget="fixed")))
     engine = served.new_engine()
     prompt = served.tokenizer.encode(LOOP)
     got = {}

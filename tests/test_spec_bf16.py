@@ -10,7 +10,8 @@ from specscope.generate import generate
 from specscope.models import load_model, rowgemm
 from specscope.models.linear import PackedLinear, pack_linears
 from specscope.models.loader import compute_dtype, round_to_bf16
-from specscope.speculative.decode import SpecConfig, speculative_generate
+from specscope.generate import speculative_generate
+from specscope.speculative.decode import SpecConfig
 from specscope.speculative.drafters import DraftModelDrafter, Eagle3TreeDrafter
 from specscope.speculative.hybrid import CopyFirstHybrid, NgramDrafter
 from spec_helpers import random_eagle3

@@ -15,7 +15,8 @@ from specscope.generate import generate
 from specscope.economics.prices import host_prices, measure_prices, prices_path
 from specscope.speculative.budget import (Calibration, CopyStats, LivePrices, Prices, TreeStats, best_copy,
                                           best_nodes, copy_value, node_probs)
-from specscope.speculative.decode import SpecConfig, speculative_generate
+from specscope.generate import speculative_generate
+from specscope.speculative.decode import SpecConfig
 from specscope.speculative.drafters import DraftModelDrafter, Eagle3TreeDrafter
 from specscope.speculative.hybrid import HybridDrafter, NgramDrafter, PricedDrafter
 from specscope.speculative.tree import COPIED, DRAFTED, DraftTree

@@ -16,7 +16,8 @@ import torch
 from specscope.generate import generate
 from specscope.errors import SpecscopeError
 from specscope.profile import CycleProfiler
-from specscope.speculative.decode import DraftSpec, SpecConfig, build_drafter, speculative_generate
+from specscope.generate import speculative_generate
+from specscope.speculative.decode import DraftSpec, SpecConfig, build_drafter
 from specscope.speculative.drafters import DraftModelDrafter, Eagle3TreeDrafter
 from specscope.speculative.hybrid import CopyFirstHybrid
 from specscope.speculative.ngram import PromptLookup, SuffixIndex

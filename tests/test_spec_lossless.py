@@ -5,7 +5,8 @@ import torch
 
 from specscope.generate import generate
 from specscope.runtime.sampling import SamplingParams
-from specscope.speculative.decode import SpecConfig, speculative_generate
+from specscope.generate import speculative_generate
+from specscope.speculative.decode import SpecConfig
 from specscope.speculative.drafters import DraftModelDrafter, Eagle3TreeDrafter
 from specscope.speculative.hybrid import NgramDrafter
 from spec_helpers import random_eagle3, tiny_target

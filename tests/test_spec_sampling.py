@@ -15,7 +15,8 @@ import specscope.speculative.acceptance as acceptance_mod
 from specscope.generate import generate
 from specscope.runtime.sampling import SamplingParams, probs_from_logits
 from specscope.speculative.acceptance import accept_sampling
-from specscope.speculative.decode import SpecConfig, speculative_generate
+from specscope.generate import speculative_generate
+from specscope.speculative.decode import SpecConfig
 from specscope.speculative.budget import Prices
 from specscope.speculative.drafters import Eagle3TreeDrafter
 from specscope.speculative.hybrid import CopyFirstHybrid, HybridDrafter, PricedDrafter

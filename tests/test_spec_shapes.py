@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from specscope.generate import generate
-from specscope.speculative.decode import SpecConfig, speculative_generate
+from specscope.generate import speculative_generate
+from specscope.speculative.decode import SpecConfig
 from specscope.speculative.drafters import DraftModelDrafter, Eagle3TreeDrafter
 from spec_helpers import check_grid, random_eagle3, sample_cases, tiny_target
 

@@ -56,7 +56,7 @@ def _drafters(target):
 
 def test_speculative_equals_baseline_on_spec_bench(setup):
     from specscope.generate import generate
-    from specscope.speculative.decode import speculative_generate
+    from specscope.generate import speculative_generate
 
     target, tok, stop = setup
     prompts = spread_prompts()

@@ -103,3 +103,42 @@ def test_target_head_reads_only_what_training_needs(tmp_path, tie):
     for part in ("embed_tokens", "lm_head", "norm"):
         assert torch.equal(getattr(head, part).weight, getattr(full, part).weight.float()), part
     assert head.config == full.config and head.device == torch.device("cpu")
+
+
+def test_batched_generate_is_plain_greedy_generate(chat, tmp_path):
+    """The data stage's batched decoding runs through the engine's loop: each greedy row is exactly what plain
+    `generate` decodes for that prompt alone, whatever the other rows' lengths, a stop token included where a row
+    stops early."""
+    from specscope.generate import generate
+    from specscope.runtime.sampling import SamplingParams
+    from specscope.train.data import batched_generate
+
+    model, tok, root = chat
+    convs, _ = read_conversations(write_dataset(tmp_path / "ds.jsonl", n=5, seed=4))
+    prompts = [tok.encode_messages(c[:1], add_generation_prompt=True) for c in convs]
+    assert len({len(p) for p in prompts}) > 1                 # rows of different lengths
+    greedy = SamplingParams()
+    stop = [generate(model, prompts[0], 12, greedy).token_ids[3]]   # row 0 stops at its 4th token
+    alone = [generate(model, p, 12, greedy, stop).token_ids for p in prompts]
+    assert alone[0][-1] == stop[0] and len(alone[0]) <= 4
+    assert batched_generate(model, prompts, 12, greedy, stop) == alone
+
+
+def test_batched_sampling_is_seeded_by_the_generator(chat):
+    """Sampled rows draw from the batch's generator: the same seed decodes the same rows (a resumed synthesis
+    writes what an uninterrupted one would), another seed other rows."""
+    import torch
+
+    from specscope.runtime.sampling import SamplingParams
+    from specscope.train.data import batched_generate
+
+    model, tok, root = chat
+    prompts = [tok.encode_messages([{"role": "user", "content": w}], add_generation_prompt=True)
+               for w in ("w1 w2", "w3 w4 w5 w6", "w7")]
+    sp = SamplingParams(temperature=1.0)
+
+    def run(seed):
+        return batched_generate(model, prompts, 10, sp, tok.eos_ids, torch.Generator().manual_seed(seed))
+
+    first = run(7)
+    assert run(7) == first and run(8) != first and [len(r) for r in first] != [0, 0, 0]

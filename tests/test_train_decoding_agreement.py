@@ -11,7 +11,8 @@ import torch
 from spec_helpers import random_eagle3, tiny_target
 
 from specscope.generate import generate
-from specscope.speculative.decode import SpecConfig, speculative_generate
+from specscope.generate import speculative_generate
+from specscope.speculative.decode import SpecConfig
 from specscope.speculative.drafters import Eagle3TreeDrafter
 from specscope.train.ttt import ttt_unroll
 

@@ -38,7 +38,8 @@ def test_synthesis_dedup_and_resume(smollm2, tmp_path):
 def test_shipped_drafter_fits_smollm2(smollm2):
     from specscope.generate import generate
     from specscope.runtime.sampling import SamplingParams
-    from specscope.speculative.decode import SpecConfig, build_drafter, speculative_generate
+    from specscope.generate import speculative_generate
+    from specscope.speculative.decode import SpecConfig, build_drafter
     from specscope.speculative.formats import load_drafter
 
     model, tok, _ = smollm2

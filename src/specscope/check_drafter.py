@@ -20,11 +20,12 @@ import torch
 from specscope.engines import outside_engine, parse_engine_args
 from specscope.engines.base import MAX_USEFUL_STEPS, DrafterFacts, EngineArgs
 from specscope.errors import SpecscopeError
+from specscope.generate import speculative_generate
 from specscope.models import loader   # loader.load_model looked up per call: tests stub it
 from specscope.models.config import ModelConfig
 from specscope.prompts import load_prompts, warn
 from specscope.runtime.tokenizer import Tokenizer
-from specscope.speculative.decode import SHAPE_FILE, SpecConfig, declared_shape, drafter_for, speculative_generate
+from specscope.speculative.decode import SHAPE_FILE, SpecConfig, declared_shape, drafter_for
 from specscope.speculative.eagle3 import DrafterConfig
 from specscope.speculative.formats import (TargetFacts, aux_conventions, detect_format, load_drafter, map_problems,
                                            nonfinite_tensors, parse_config, read_config, weight_reader)

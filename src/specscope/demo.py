@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 import json
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -24,7 +24,7 @@ from specscope.economics.breakeven import BreakevenInputs, breakeven, describe, 
 from specscope.economics.verify_curve import measure_curve
 from specscope.errors import SpecscopeError
 from specscope.fileio import check_output_file, check_writable, write_atomic
-from specscope.generate import generate
+from specscope.generate import generate, speculative_generate
 from specscope.jsonio import dtype_name
 from specscope.models.hub import KNOWN_MODELS, is_pulled, resolve_model
 from specscope.models.loader import describe_dtype, parse_dtype
@@ -38,7 +38,7 @@ from specscope.report import write_report
 from specscope.runtime.tokenizer import StreamDecoder
 from specscope.speculative import decode
 from specscope.speculative.acceptance import RankCounts, SourceCounts
-from specscope.speculative.decode import DEFAULT_DRAFTER, DraftSpec, speculative_generate
+from specscope.speculative.decode import DEFAULT_DRAFTER, DraftOptions, DraftSpec
 
 # Used only when the packaged Spec-Bench question file is missing (a broken install); said loudly.
 FALLBACK_NAME = "built-in demo prompts (the packaged Spec-Bench file is missing)"
@@ -63,14 +63,9 @@ def demo_drafter() -> str:
 @dataclass
 class DemoOptions:
     model: str = "smollm2-135m"
-    draft: str | None = None              # None: demo_drafter()
-    draft_budget: str = "priced"          # session.Drafting: priced or fixed
+    drafting: DraftOptions = field(default_factory=DraftOptions)   # draft None: demo_drafter()
     prompts: int = 4
     max_new_tokens: int = 112
-    steps: int | None = None
-    topk: int | None = None
-    draft_tokens: int | None = None
-    ngram_tokens: int | None = None
     dtype: str = "auto"
     device: str = "cpu"
     out: str = "specscope-demo"
@@ -78,6 +73,10 @@ class DemoOptions:
     verify_curve: bool = True             # a short T(n) curve for the report (a few seconds)
     report: bool = True
     tags: list = field(default_factory=lambda: ["demo"])
+
+    @property
+    def draft_budget(self) -> str:
+        return self.drafting.budget
 
 
 class DemoUI:
@@ -178,11 +177,10 @@ def _plan(opts: DemoOptions):
     if opts.max_new_tokens < 2:
         raise SpecscopeError(f"--max-new-tokens must be >= 2, got {opts.max_new_tokens}")
     prompts, prompt_set = pick_prompts(opts.prompts)
-    draft = opts.draft or demo_drafter()
+    draft = opts.drafting.draft or demo_drafter()
     _check_shipped(draft)
     # no knobs: the drafter's own best measured shape (a shipped drafter declares it), else the defaults
-    drafting = session.Drafting.from_flags(draft, opts.steps, opts.topk, opts.draft_tokens, opts.ngram_tokens,
-                                           opts.draft_budget)
+    drafting = replace(opts.drafting, draft=draft).checked()
     out_dir = Path(opts.out).expanduser()
     check_writable(out_dir, "--output", is_dir=True)
     for name in ("report.html", "summary.json"):
@@ -191,7 +189,7 @@ def _plan(opts: DemoOptions):
     return prompts, prompt_set, drafting, out_dir
 
 
-def _load(opts: DemoOptions, drafting: session.Drafting, ui: DemoUI):
+def _load(opts: DemoOptions, drafting: DraftOptions, ui: DemoUI):
     """(target, tokenizer, model path, drafter), the target pulled first on a machine's first run."""
     if opts.model in KNOWN_MODELS and not is_pulled(opts.model):
         # first run on this machine: the pull draws its own progress bar, so no spinner meanwhile

@@ -1,6 +1,7 @@
 """One request through the decoding loop: `generate` runs it as a batch of one in the batched engine
-(engine/batch.py), plain or, given a drafter, speculative (speculative/decode.py `speculative_generate` checks the
-drafting shape and calls it). The engine is the only loop; this returns what one request measured."""
+(engine/batch.py), plain or, given a drafter, speculative (`speculative_generate` checks the drafting shape and
+calls it). The engine is the only loop; this returns what one request measured. Above engine/ and speculative/:
+nothing there imports it."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ import torch
 
 from specscope.engine.batch import BatchEngine
 from specscope.engine.request import Request
+from specscope.errors import SpecscopeError
 from specscope.runtime.sampling import SamplingParams
+from specscope.speculative.decode import SpecConfig, check_chain
 from specscope.speculative.stats import SpecTally
 
 if TYPE_CHECKING:
@@ -67,3 +70,20 @@ def generate(model, prompt_ids: list[int], max_new_tokens: int = 128, sampling: 
         stats = SpecTally(cfg, drafter.kind, drafter.model_kind).stats()
     return GenerationResult(f.token_ids, f.prompt_len, f.t_first_token - t0, f.t_finished - f.t_first_token,
                             f.stop_reason, step_ms, stats)
+
+
+def speculative_generate(target, drafter, prompt_ids: list[int], max_new_tokens: int = 128,
+                         sampling: SamplingParams | None = None, stop_ids=(), cfg: SpecConfig | None = None,
+                         on_tokens=None, profiler=None) -> GenerationResult:
+    """Speculative decoding with any drafter, through `generate`'s loop (the batched engine, one sequence);
+    greedy output equals plain `generate`'s, sampling keeps its distribution."""
+    cfg = _checked(cfg or SpecConfig.from_knobs(), drafter)
+    return generate(target, prompt_ids, max_new_tokens, sampling, stop_ids, on_tokens, profiler, drafter, cfg)
+
+
+def _checked(cfg: SpecConfig, drafter) -> SpecConfig:
+    cfg.validate()
+    check_chain(drafter, cfg.topk)
+    if cfg.ngram_tokens and drafter.model_kind is None:
+        raise SpecscopeError("--ngram-tokens is the n-gram branch of a hybrid drafter (--draft DRAFTER+ngram)")
+    return cfg

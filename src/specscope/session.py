@@ -4,13 +4,13 @@ speculative decoding and a JSON-ready result. The CLI, the demo and the server s
 
 from __future__ import annotations
 
-from dataclasses import dataclass, asdict
+from dataclasses import dataclass, asdict, field
 from functools import lru_cache
 from pathlib import Path
 
 from specscope import cpuload
 from specscope.errors import SpecscopeError
-from specscope.generate import GenerationResult, generate
+from specscope.generate import GenerationResult, generate, speculative_generate
 from specscope.models import loader   # loader.load_model looked up per call: tests stub it
 from specscope.models.hub import resolve_model
 from specscope.models.config import ModelConfig
@@ -21,9 +21,7 @@ from specscope.registry import (check_registry, drafting_config, machine_config,
 from specscope.registry.fingerprint import timing_warning
 from specscope.runtime.sampling import SamplingParams
 from specscope.runtime.tokenizer import StreamDecoder, Tokenizer, check_tokenizer_files
-from specscope.speculative.decode import (DraftSpec, SpecConfig, build_drafter, check_chain, drafter_path,
-                                         speculative_generate)
-from specscope.speculative.formats import is_eagle3_config, parse_config, read_config
+from specscope.speculative.decode import DraftOptions, SpecConfig
 
 
 @dataclass
@@ -39,12 +37,7 @@ class GenerateRequest:
     dtype: str = "auto"
     device: str = "cpu"
     threads: int | None = None
-    draft: str | None = None
-    draft_budget: str = "priced"
-    steps: int | None = None
-    topk: int | None = None
-    draft_tokens: int | None = None
-    ngram_tokens: int | None = None
+    drafting: DraftOptions = field(default_factory=DraftOptions)
     record: bool = True
     db: str | None = None
     name: str = ""                 # the stored run's name and tags (registry)
@@ -53,10 +46,16 @@ class GenerateRequest:
     def sampling(self) -> SamplingParams:
         return SamplingParams(self.temperature, self.top_k, self.top_p, self.seed)
 
+    @property
+    def draft(self) -> str | None:
+        return self.drafting.draft
+
+    @property
+    def draft_budget(self) -> str:
+        return self.drafting.budget
+
     def decoding(self) -> "DecodeSpec":
-        drafting = Drafting.from_flags(self.draft, self.steps, self.topk, self.draft_tokens, self.ngram_tokens,
-                                       self.draft_budget)
-        return decode_spec(self.model, drafting, dtype=self.dtype, device=self.device,
+        return decode_spec(self.model, self.drafting, dtype=self.dtype, device=self.device,
                            max_new_tokens=self.max_new_tokens)
 
 
@@ -73,70 +72,17 @@ def stop_ids_for(model, tokenizer) -> list[int]:
     return sorted(ids)
 
 
-DRAFT_BUDGETS = ("priced", "fixed")
-
-
-@dataclass(frozen=True)
-class Drafting:
-    """A drafter as asked for (--draft, its knobs and --draft-budget), checked from flags and files alone: the
-    value given, parsed; the shape it drafts in (the knobs, else the drafter's declared best shape); the budget."""
-    draft: str
-    parsed: DraftSpec
-    shape: SpecConfig
-    budget: str = "priced"
-
-    @classmethod
-    def from_flags(cls, draft: str | None, steps=None, topk=None, draft_tokens=None, ngram_tokens=None,
-                   budget: str = "priced") -> "Drafting | None":
-        """None without --draft (and then no drafting knob may be given)."""
-        if draft is None:
-            if any(v is not None for v in (steps, topk, draft_tokens, ngram_tokens)):
-                raise SpecscopeError("--steps/--topk/--draft-tokens/--ngram-tokens need --draft")
-            return None
-        if budget not in DRAFT_BUDGETS:
-            raise SpecscopeError(f"--draft-budget must be one of {', '.join(DRAFT_BUDGETS)}, got {budget!r}")
-        shape = SpecConfig.for_drafter(draft, steps, topk, draft_tokens, ngram_tokens)
-        parsed = DraftSpec.parse(draft)
-        check_chain(parsed, shape.topk, say_topk=True)
-        if not parsed.ngram_only:
-            drafter_path(draft)          # a missing drafter fails here, before any model loads
-        return cls(draft, parsed, shape, budget)
-
-    def check_against(self, target_cfg) -> None:
-        """The drafter's files against the target: an EAGLE-3 config's layer ids, a draft model's files."""
-        if self.parsed.ngram_only:
-            return
-        dpath = drafter_path(self.draft)
-        raw = read_config(dpath)
-        if is_eagle3_config(raw):
-            parse_config(raw, target_cfg.num_hidden_layers)
-        else:  # a small HF model as the drafter
-            load_config(dpath)
-            weight_files(dpath)
-
-    def build(self, target, note=None):
-        """The drafter, on the target's device and dtype. Budget "priced" prices every drafter's cycles with this
-        host's verify cost by rows (economics/prices.py: measured once, cached) within its shape; "fixed"
-        verifies the shape every cycle."""
-        prices = None
-        if self.budget == "priced":
-            from specscope.economics.prices import host_prices
-
-            prices = host_prices(target, note)
-        return build_drafter(self.draft, target, prices)
-
-
 @dataclass(frozen=True)
 class DecodeSpec:
     """What a run decodes with, checked once before any model loads (8-18 s for a real one): the target (its
-    directory and config), dtype, device, and the drafting (None: plain decoding). `generate`, the demo, `serve`
-    and `tune` each build theirs with `decode_spec`; every drafter they run comes from `drafter()`."""
+    directory and config), dtype, device, and the drafting, checked (None: plain decoding). `generate`, the demo,
+    `serve` and `tune` each build theirs with `decode_spec`; every drafter they run comes from `drafter()`."""
     model: str
     path: Path
     config: ModelConfig
     dtype: str = "auto"
     device: str = "cpu"
-    drafting: Drafting | None = None
+    drafting: DraftOptions | None = None
 
     @property
     def shape(self) -> SpecConfig | None:
@@ -147,13 +93,26 @@ class DecodeSpec:
         return load_target(self.model, self.dtype, self.device)
 
     def drafter(self, target, note=None):
-        return self.drafting.build(target, note) if self.drafting is not None else None
+        """The drafter, on the target's device and dtype (None for plain decoding). Budget "priced" prices every
+        drafter's cycles with this host's verify cost by rows (economics/prices.py: measured once, cached) within
+        its shape; "fixed" verifies the shape every cycle."""
+        if self.drafting is None:
+            return None
+        prices = None
+        if self.drafting.budget == "priced":
+            from specscope.economics.prices import host_prices
+
+            prices = host_prices(target, note)
+        return self.drafting.build(target, prices)
 
 
-def decode_spec(model: str, drafting: Drafting | None = None, *, dtype: str = "auto", device: str = "cpu",
+def decode_spec(model: str, drafting: DraftOptions | None = None, *, dtype: str = "auto", device: str = "cpu",
                 max_new_tokens: int | None = None) -> DecodeSpec:
-    """Everything checkable from flags and files before the model loads: the target's directory, config.json,
+    """Everything checkable from flags and files before the model loads: the drafting options (checked here unless
+    the caller already did: `DraftOptions.checked()` carries its shape), the target's directory, config.json,
     weight files and tokenizer, max_new_tokens against its context, and the drafter's files against it."""
+    if drafting is not None and drafting.shape is None:
+        drafting = drafting.checked()
     path = resolve_model(model)
     cfg, _ = load_config(path)
     weight_files(path)

@@ -79,7 +79,8 @@ def ours(target, prompts):
     """specscope's own greedy outputs and chain-k counters on the prompts, computed before any server starts."""
     from specscope.generate import generate
     from specscope.profile.cycle import CycleProfiler
-    from specscope.speculative.decode import DEFAULT_DRAFTER, SpecConfig, build_drafter, speculative_generate
+    from specscope.generate import speculative_generate
+    from specscope.speculative.decode import DEFAULT_DRAFTER, SpecConfig, build_drafter
 
     model, tok, stop = target
     drafter = build_drafter(DEFAULT_DRAFTER, model)

@@ -115,15 +115,16 @@ def demo(num_prompts, output, draft, max_new_tokens, threads, model_name, draft_
     """The tour: plain vs speculative (EAGLE-3 + n-gram) decoding of a few MT-bench prompts on the demo model, with
     the profile, τ, the speedup and the break-even, both runs stored and an HTML report written."""
     from specscope.demo import DemoOptions, run_demo
+    from specscope.speculative.decode import DraftOptions
     from specscope.fileio import refuse_overlap
     from specscope.registry.db import registry_path
 
     refuse_overlap(output, {"--model": model_name, "--draft": draft, "--db": registry_path(db)})
     dev = setup_runtime(threads, device, fit_load=True)
-    opts = DemoOptions(model=model_name, draft=draft, prompts=num_prompts, max_new_tokens=max_new_tokens,
-                       draft_budget=draft_budget or "priced", steps=steps, topk=topk, draft_tokens=draft_tokens,
-                       ngram_tokens=ngram_tokens, dtype=dtype,
-                       device=str(dev), out=output, db=db, verify_curve=not no_verify_curve)
+    opts = DemoOptions(model=model_name, prompts=num_prompts, max_new_tokens=max_new_tokens, dtype=dtype,
+                       device=str(dev), out=output, db=db, verify_curve=not no_verify_curve,
+                       drafting=DraftOptions(draft, steps, topk, draft_tokens, ngram_tokens,
+                                             draft_budget or "priced"))
     ui = _BarUI(json_mode=True) if as_json else _RichUI()
     try:
         res = run_demo(opts, ui)

@@ -169,16 +169,18 @@ def tune(run_ref, baseline_ref, curve_ref, decode_ms, do_profile, model_name, dr
     crossover concurrency, saved for `serve --spec-policy` with --save-policy."""
     from specscope.economics.tune_session import TuneContext, TuneRequest, run_tune
     from specscope.economics.verify_curve import parse_int_list
+    from specscope.speculative.decode import DraftOptions
 
     if not do_profile and not run_ref:
         raise SpecscopeError("pass --run ID (a profiled speculative run) or --profile to make one")
     # what flags and files decide, decided before a model loads (and before minutes of measuring)
     req = TuneRequest(run_ref=run_ref, baseline_ref=baseline_ref, curve_ref=curve_ref, decode_ms=decode_ms,
-                      profile=do_profile, steps=steps, topk=topk, draft_tokens=draft_tokens, ngram_tokens=ngram_tokens,
-                      max_steps=max_steps, max_topk=max_topk, max_draft_tokens=max_draft_tokens, top=top, stat=stat,
+                      profile=do_profile, max_steps=max_steps, max_topk=max_topk, max_draft_tokens=max_draft_tokens,
+                      top=top, stat=stat,
                       n_validate=n_validate, levels=parse_int_list(concurrency, "--max-concurrency"),
-                      concurrency=concurrency, save_policy=save_policy, output=output, db=db)
-    _check_request(req, draft)
+                      concurrency=concurrency, save_policy=save_policy, output=output, db=db,
+                      drafting=DraftOptions(draft, steps, topk, draft_tokens, ngram_tokens, budget="fixed"))
+    _check_request(req)
     _refuse_overwrite(output, save_policy, {"--model": model_name, "--draft": draft, "--dataset": prompts_file}, db)
     ctx = TuneContext(model_name, draft, dtype, device, threads, prompts_file, num_prompts, max_new_tokens, as_json,
                       loader=_load_workload)
@@ -210,7 +212,7 @@ def _refuse_overwrite(output, save_policy, inputs: dict, db) -> None:
     refuse_overlap(None if save_policy == "auto" else save_policy, inputs, "--save-policy", "--save-policy")
 
 
-def _check_request(req, draft):
+def _check_request(req):
     """The flags' and files' verdicts on a tune, before a model loads (and before minutes of measuring)."""
     if max(req.levels) > MAX_BATCH:
         raise SpecscopeError(f"--max-concurrency values must be <= {MAX_BATCH}, got {max(req.levels)}")
@@ -222,15 +224,16 @@ def _check_request(req, draft):
     if req.output:
         check_writable(req.output, "--output", is_dir=True)
     if req.profile:
-        from specscope.speculative.decode import DraftSpec, SpecConfig, check_chain
+        from specscope.speculative.decode import SpecConfig, check_chain
 
-        if not draft:
+        shape = req.drafting
+        if not shape.draft:
             raise SpecscopeError("--profile needs --draft (e.g. smollm2-135m-eagle3 or ngram)")
         # every n-gram spelling, before the model loads
-        check_chain(DraftSpec.parse(draft), req.topk, hint=f" --draft-tokens {req.steps + 1} to profile it (got --topk "
-                                                           f"{req.topk}; tune profiles a --topk 4 tree by default)")
+        check_chain(shape.parsed, shape.topk, hint=f" --draft-tokens {shape.steps + 1} to profile it (got --topk "
+                                                   f"{shape.topk}; tune profiles a --topk 4 tree by default)")
         # the profiled shape is one the drafter can propose
-        SpecConfig.from_knobs(req.steps, req.topk, req.draft_tokens)
+        SpecConfig.from_knobs(shape.steps, shape.topk, shape.draft_tokens)
     if req.measures:        # these store runs (the profiled pair, a verify curve)
         from specscope.registry import check_registry
 
@@ -242,12 +245,13 @@ def _load_workload(ctx):
     runtime's threads and device), once the tune first measures."""
     from specscope.economics.probe import encode_prompts
     from specscope.economics.tune_session import Workload
-    from specscope.session import Drafting, decode_spec, stop_ids_for
+    from specscope.session import decode_spec, stop_ids_for
+    from specscope.speculative.decode import DraftOptions
 
     # the target's and the drafter's files, and the token budget against the context: before loading. The tuner
     # searches shapes itself and measures every cycle in full: a fixed budget, whatever the drafter declares
-    drafting = Drafting.from_flags(ctx.draft, budget="fixed") if ctx.draft else None
-    spec = decode_spec(ctx.model_name, drafting, dtype=ctx.dtype, max_new_tokens=ctx.max_new_tokens)
+    spec = decode_spec(ctx.model_name, DraftOptions(ctx.draft, budget="fixed"), dtype=ctx.dtype,
+                       max_new_tokens=ctx.max_new_tokens)
     prompts = ctx.prompts = ctx.prompts or read_prompts(ctx.prompts_file, ctx.num_prompts)
     dev = setup_runtime(ctx.threads, ctx.device)
     spec = dataclasses.replace(spec, device=str(dev))

@@ -37,6 +37,7 @@ def generate(model_name, prompt, chat, max_new_tokens, temperature, top_p, top_k
              draft, draft_budget, steps, topk, draft_tokens, ngram_tokens, as_json, no_record, db):
     """Generate text from one prompt with baseline or speculative decoding."""
     from specscope.session import GenerateRequest, run_generate
+    from specscope.speculative.decode import DraftOptions
 
     if draft is None and draft_budget is not None:
         raise SpecscopeError(f"--draft-budget {draft_budget} budgets a drafter's cycles, but no --draft is given; add "
@@ -46,8 +47,9 @@ def generate(model_name, prompt, chat, max_new_tokens, temperature, top_p, top_k
     dev = setup_runtime(threads, device, fit_load=True)
     req = GenerateRequest(model=model_name, prompt=prompt, chat=chat, max_new_tokens=max_new_tokens,
                           temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, dtype=dtype,
-                          device=str(dev), threads=threads, draft=draft, draft_budget=draft_budget or "priced", steps=steps, topk=topk,
-                          draft_tokens=draft_tokens, ngram_tokens=ngram_tokens, record=not no_record, db=db)
+                          device=str(dev), threads=threads, record=not no_record, db=db,
+                          drafting=DraftOptions(draft, steps, topk, draft_tokens, ngram_tokens,
+                                                draft_budget or "priced"))
 
     if as_json:
         emit_json(run_generate(req).report)

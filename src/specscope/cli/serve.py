@@ -36,21 +36,22 @@ def bind_socket(host: str, port: int):
     return sock
 
 
-def _check_flags(model_name, draft, steps, topk, draft_tokens, ngram_tokens, dtype, device, threads, api_key,
-                 max_seq_len, spec_policy, draft_budget):
-    """Every flag that can be wrong, one error line each, before the model loads -> the torch device."""
+def _check_flags(model_name, drafting, dtype, device, threads, api_key, max_seq_len, spec_policy, draft_budget):
+    """Every flag that can be wrong, one error line each, before the model loads -> (the torch device, the
+    DecodeSpec the server then loads: its drafting checked here once)."""
+    import dataclasses
+
     from specscope.cli.common import setup_runtime
     from specscope.economics.policy import spec_policy as check_policy
     from specscope.models.loader import parse_dtype
-    from specscope.session import Drafting, decode_spec
+    from specscope.session import decode_spec
 
     if api_key is not None and not api_key.strip():
         # an unset variable in `--api-key "$KEY"` would otherwise serve with no authentication at all
         raise SpecscopeError("--api-key (or SPECSCOPE_API_KEY) is empty, which would turn authentication off; pass "
                              "a key, or leave both unset to serve without one")
-    spec = decode_spec(model_name, Drafting.from_flags(draft, steps, topk, draft_tokens, ngram_tokens,
-                                                       draft_budget or "fixed"))
-    model_cfg, spec_cfg = spec.config, spec.shape
+    spec = decode_spec(model_name, drafting)
+    model_cfg, spec_cfg, draft = spec.config, spec.shape, drafting.draft
     if max_seq_len is not None and max_seq_len > model_cfg.max_position_embeddings:
         raise SpecscopeError(f"--max-seq-len {max_seq_len} is over the model's context of "
                              f"{model_cfg.max_position_embeddings} tokens (max_position_embeddings); use at most that")
@@ -64,7 +65,7 @@ def _check_flags(model_name, draft, steps, topk, draft_tokens, ngram_tokens, dty
     dev = setup_runtime(threads, device)
     if draft:   # an unknown --spec-policy, or a table that does not fit the shape, is one error line here
         check_policy(spec_policy, spec_cfg, model=model_name, draft=draft, dtype=parse_dtype(dtype, str(dev)))
-    return dev
+    return dev, dataclasses.replace(spec, dtype=dtype, device=str(dev))
 
 
 @click.command()
@@ -139,16 +140,16 @@ def serve(model_name, served_model_name, draft, steps, topk, draft_tokens, ngram
     from specscope.server.app import create_app
     from specscope.server.connections import ListeningServer, connection_limits, fd_limit, guarded_protocol
     from specscope.server.worker import ServeConfig, ServedModel
+    from specscope.speculative.decode import DraftOptions
 
-    dev = _check_flags(model_name, draft, steps, topk, draft_tokens, ngram_tokens, dtype, device, threads, api_key,
-                       max_seq_len, spec_policy, draft_budget)
-    cfg = ServeConfig(model=model_name, served_name=served_model_name, draft=draft, steps=steps, topk=topk,
-                      draft_tokens=draft_tokens, ngram_tokens=ngram_tokens, dtype=dtype, device=str(dev),
-                      max_queue=max_queue, max_num_seqs=max_num_seqs,
+    drafting = DraftOptions(draft, steps, topk, draft_tokens, ngram_tokens, draft_budget or "fixed")
+    dev, spec = _check_flags(model_name, drafting, dtype, device, threads, api_key, max_seq_len, spec_policy,
+                             draft_budget)
+    cfg = ServeConfig(model=model_name, served_name=served_model_name, drafting=drafting, dtype=dtype,
+                      device=str(dev), max_queue=max_queue, max_num_seqs=max_num_seqs,
                       max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
-                      max_seq_len=max_seq_len, spec_policy=spec_policy, draft_budget=draft_budget or "fixed",
-                      max_prompt_tokens=max_prompt_tokens, max_tokens_cap=max_tokens_cap,
-                      api_key=api_key, profile_phases=not no_phase_profile, metrics_prefix=metrics_prefix,
+                      max_seq_len=max_seq_len, spec_policy=spec_policy, max_prompt_tokens=max_prompt_tokens,
+                      max_tokens_cap=max_tokens_cap, api_key=api_key, profile_phases=not no_phase_profile, metrics_prefix=metrics_prefix,
                       body_timeout_s=body_timeout)
     sock = bind_socket(host, port)  # a bad --host or a busy --port is one error line, before any warning
     try:
@@ -157,7 +158,7 @@ def serve(model_name, served_model_name, draft, steps, topk, draft_tokens, ngram
         loopback = host == "localhost"
     if not loopback and not cfg.api_key:
         click.echo(f"warning: serving on {host} without --api-key; anyone who can reach it can use it", err=True)
-    served = ServedModel(cfg)  # load before listening so /health means ready
+    served = ServedModel(cfg, spec)  # load before listening so /health means ready; the spec checked above
     app = create_app(served)
     limits = connection_limits(max_connections, fd_limit())
     real_port = sock.getsockname()[1]

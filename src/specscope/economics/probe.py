@@ -6,11 +6,11 @@ from __future__ import annotations
 import time
 
 from specscope.errors import SpecscopeError
-from specscope.generate import generate
+from specscope.generate import generate, speculative_generate
 from specscope.profile import CycleProfiler
 from specscope.registry import drafting_config, make_record, store_record
 from specscope.speculative.acceptance import RankCounts, SourceCounts
-from specscope.speculative.decode import SpecConfig, check_chain, speculative_generate
+from specscope.speculative.decode import SpecConfig, check_chain
 
 
 def encode_prompts(tokenizer, prompts: list[str], chat: bool = True) -> list[list[int]]:

@@ -15,6 +15,7 @@ from specscope.economics.tune import (AcceptanceModel, CostModel, HybridModel, b
                                       candidate_configs, crossover, error_summary, hybrid_configs, rank)
 from specscope.economics.verify_curve import DEFAULT_BATCHES
 from specscope.errors import SpecscopeError
+from specscope.speculative.decode import DraftOptions
 
 
 def read_prompts(dataset: str | None, limit: int) -> list[str]:
@@ -40,11 +41,10 @@ class TuneRequest:
     baseline_ref: str | None = None      # default: the one recorded with the run
     curve_ref: str | None = None
     decode_ms: float | None = None       # plain decoding, instead of a baseline run
-    profile: bool = False                # first make the profiled pair, at the shape below
-    steps: int = 5
-    topk: int = 4
-    draft_tokens: int = 24
-    ngram_tokens: int | None = None
+    profile: bool = False                # first make the profiled pair, at this shape (the tuner measures every
+    # cycle in full: a fixed budget); its draft is --draft as given, the context's drafter when given
+    drafting: DraftOptions = field(default_factory=lambda: DraftOptions(steps=5, topk=4, draft_tokens=24,
+                                                                        budget="fixed"))
     max_steps: int | None = None
     max_topk: int | None = None
     max_draft_tokens: int = 64
@@ -119,14 +119,15 @@ class TuneContext:
             self._loaded = self.loader(self)
         return self._loaded
 
-    def profile(self, steps, topk, draft_tokens, ngram_tokens, db, say):
-        """The profiled pair at this shape, measured and stored -> (speculative record, baseline record)."""
+    def profile(self, shape: DraftOptions, db, say):
+        """The profiled pair at `shape`'s knobs, measured and stored -> (speculative record, baseline record)."""
         from specscope.economics.probe import profile
         from specscope.models.loader import compute_dtype
         from specscope.progress import Progress
         from specscope.registry import machine_config, prompt_set_hash
         from specscope.speculative.decode import HYBRID_NGRAM_TOKENS, DraftSpec, SpecConfig
 
+        steps, topk, draft_tokens, ngram_tokens = shape.steps, shape.topk, shape.draft_tokens, shape.ngram_tokens
         if ngram_tokens is None and self.draft and DraftSpec.parse(self.draft).hybrid:
             ngram_tokens = 2 * HYBRID_NGRAM_TOKENS    # a hybrid: longer copies profiled than used, to choose from
         SpecConfig.for_drafter(self.draft, steps, topk, draft_tokens, ngram_tokens)   # refuses a misplaced knob
@@ -316,7 +317,7 @@ def run_tune(req: TuneRequest, ctx: TuneContext, say) -> TuneResult:
     if ctx.prompts_file is not None or req.profile:
         ctx.prompts = read_prompts(ctx.prompts_file, ctx.num_prompts)
     if req.profile:
-        runs = TuneRuns(*ctx.profile(req.steps, req.topk, req.draft_tokens, req.ngram_tokens, req.db, say))
+        runs = TuneRuns(*ctx.profile(req.drafting, req.db, say))
     else:
         runs = read_runs(req, ctx)
     acc = AcceptanceModel.from_run(runs.run)

@@ -40,8 +40,8 @@ class DraftingInfo:
         """From a ServeConfig and the SpecConfig it drafts in; None without a drafter."""
         if shape is None:
             return None
-        return cls(cfg.draft, cfg.spec_policy, cfg.draft_budget, shape.steps, shape.topk, shape.draft_tokens,
-                   shape.ngram_tokens)
+        return cls(cfg.drafting.draft, cfg.spec_policy, cfg.drafting.budget, shape.steps, shape.topk,
+                   shape.draft_tokens, shape.ngram_tokens)
 
 
 class ServerMetrics:

@@ -18,7 +18,7 @@ import queue
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from specscope import session   # session.load_target looked up per call: tests stub it
@@ -32,6 +32,7 @@ from specscope.runtime.sampling import SamplingParams
 from specscope.runtime.tokenizer import StreamDecoder
 from specscope.server.metrics import ServerMetrics
 from specscope.server.protocol import ApiError, GenParams
+from specscope.speculative.decode import DraftOptions
 
 log = logging.getLogger("specscope.server")
 
@@ -42,11 +43,9 @@ DEFAULT_MAX_SEQ_LEN = 4096   # the default KV region per sequence is min(model c
 class ServeConfig:
     model: str = "smollm2-135m"
     served_name: str | None = None
-    draft: str | None = None
-    steps: int | None = None
-    topk: int | None = None
-    draft_tokens: int | None = None
-    ngram_tokens: int | None = None
+    # --draft and its knobs; the budget: each sequence's cycles in the declared shape ("fixed") or priced as if it
+    # ran alone ("priced"); the batch-size pricing is spec_policy's
+    drafting: DraftOptions = field(default_factory=lambda: DraftOptions(budget="fixed"))
     dtype: str = "auto"
     device: str = "cpu"
     max_queue: int = 64                    # requests not yet admitted to the engine; more get 429
@@ -55,9 +54,6 @@ class ServeConfig:
     max_seq_len: int | None = None         # prompt + completion per sequence; default min(context, 4096)
     enable_prefix_caching: bool = True     # a new request reuses the keys of the longest prompt prefix it shares
     spec_policy: str = "priced"            # economics.policy.spec_policy: the draft shape per batch size
-    # session.Drafting: each sequence's cycles in the declared shape ("fixed") or priced as if it ran alone
-    # ("priced"); the batch-size pricing is spec_policy's
-    draft_budget: str = "fixed"
     max_prompt_tokens: int | None = None   # default: max_seq_len - 1
     max_tokens_cap: int = 2048
     max_body_bytes: int = 1 << 20
@@ -67,9 +63,7 @@ class ServeConfig:
     metrics_prefix: str = "specscope"
 
     def decoding(self) -> session.DecodeSpec:
-        drafting = session.Drafting.from_flags(self.draft, self.steps, self.topk, self.draft_tokens,
-                                               self.ngram_tokens, self.draft_budget)
-        return session.decode_spec(self.model, drafting, dtype=self.dtype, device=self.device)
+        return session.decode_spec(self.model, self.drafting, dtype=self.dtype, device=self.device)
 
 
 class Cancelled(Exception):
@@ -155,9 +149,10 @@ class ServedModel:
     """Model + tokenizer (+ drafter): encodes requests, makes the engine, turns a job into an engine Request and
     a Finished back into the job's last events."""
 
-    def __init__(self, cfg: ServeConfig):
+    def __init__(self, cfg: ServeConfig, spec: session.DecodeSpec | None = None):
+        """`spec`: the one `serve` checked its flags with (cfg.decoding()'s), used as is; else made here."""
         self.cfg = cfg
-        spec = cfg.decoding()
+        spec = spec or cfg.decoding()
         self.model, self.tokenizer, self.path = spec.load()
         hub = None if Path(cfg.model).expanduser().exists() else parse_hub_id(cfg.model)
         self.name = cfg.served_name or (hub[0] if hub else self.path.name)   # a hub id, as vLLM serves it
@@ -173,7 +168,7 @@ class ServedModel:
         self.spec_cfg, self.drafter, self.policy = spec.shape, spec.drafter(self.model), None
         if spec.drafting is not None:
             prices = host_prices(self.model) if cfg.spec_policy == "priced" else None
-            self.policy = spec_policy(cfg.spec_policy, self.spec_cfg, model=cfg.model, draft=cfg.draft,
+            self.policy = spec_policy(cfg.spec_policy, self.spec_cfg, model=cfg.model, draft=cfg.drafting.draft,
                                       dtype=str(compute_dtype(self.model)), prices=prices)
 
     def new_engine(self) -> BatchEngine:

@@ -1,24 +1,24 @@
-"""What speculative decoding is asked to do: the --draft value (`DraftSpec`), the drafting shape (`SpecConfig`,
-a drafter's declared shape), the drafter it builds (`build_drafter`), and `speculative_generate`. The cycle
-itself (draft -> verify -> accept -> commit) is the batched engine's step (engine/batch.py)."""
+"""What speculative decoding is asked to do: the drafting flags (`DraftOptions`, declared once; checked, they carry
+the shape they draft in), the --draft value's grammar (`DraftSpec`), the drafting shape (`SpecConfig`, a drafter's
+declared shape) and the drafter they build (`build_drafter`, `drafter_for`). The cycle itself (draft -> verify ->
+accept -> commit) is the batched engine's step (engine/batch.py); one request through it is generate.py's."""
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from specscope.errors import SpecscopeError
-from specscope.generate import GenerationResult, generate
 from specscope.models import loader   # loader.load_model looked up per call: tests stub it
 from specscope.models.hub import DRAFTER_ASSETS as ASSETS  # one place for the shipped drafters
 from specscope.models.hub import KNOWN_MODELS, parse_hub_id, resolve_drafter
 from specscope.models.linear import pack_linears
-from specscope.runtime.sampling import SamplingParams
+from specscope.models.loader import load_config, weight_files
 from specscope.speculative.drafters import DraftModelDrafter, Drafter, Eagle3TreeDrafter
 from specscope.speculative.eagle3 import Eagle3Drafter
 from specscope.speculative.hybrid import CopyFirstHybrid, HybridDrafter, NgramDrafter, PricedDrafter
-from specscope.speculative.formats import is_eagle3_config, load_drafter, read_config
+from specscope.speculative.formats import is_eagle3_config, load_drafter, parse_config, read_config
 
 DEFAULT_DRAFTER = "smollm2-135m-eagle3"
 # --draft spellings of n-gram copying -> its source (speculative/ngram.py); "ngram" is the one measured best
@@ -144,6 +144,60 @@ class SpecConfig:
                           self.ngram_tokens)
 
 
+DRAFT_BUDGETS = ("priced", "fixed")
+
+
+@dataclass(frozen=True)
+class DraftOptions:
+    """The drafting flags, declared once (`generate`, the demo, `serve` and `tune` each embed one): --draft, its
+    knobs (None: not given) and --draft-budget. `checked()` checks them from flags and files alone, before any model
+    loads, and returns them with `shape`, the SpecConfig they draft in (the knobs, else the drafter's declared best
+    shape): the one spec between the flags and the drafter, which `build` makes."""
+
+    draft: str | None = None
+    steps: int | None = None
+    topk: int | None = None
+    draft_tokens: int | None = None
+    ngram_tokens: int | None = None
+    budget: str = "priced"
+    shape: SpecConfig | None = None      # set by checked()
+
+    @property
+    def parsed(self) -> DraftSpec:
+        return DraftSpec.parse(self.draft)
+
+    def checked(self) -> "DraftOptions | None":
+        """These options with their shape; None without --draft (and then no drafting knob may be given)."""
+        if self.draft is None:
+            if any(v is not None for v in (self.steps, self.topk, self.draft_tokens, self.ngram_tokens)):
+                raise SpecscopeError("--steps/--topk/--draft-tokens/--ngram-tokens need --draft")
+            return None
+        if self.budget not in DRAFT_BUDGETS:
+            raise SpecscopeError(f"--draft-budget must be one of {', '.join(DRAFT_BUDGETS)}, got {self.budget!r}")
+        shape = SpecConfig.for_drafter(self.draft, self.steps, self.topk, self.draft_tokens, self.ngram_tokens)
+        check_chain(self.parsed, shape.topk, say_topk=True)
+        if not self.parsed.ngram_only:
+            drafter_path(self.draft)          # a missing drafter fails here, before any model loads
+        return replace(self, shape=shape)
+
+    def check_against(self, target_cfg) -> None:
+        """The drafter's files against the target: an EAGLE-3 config's layer ids, a draft model's files."""
+        if self.parsed.ngram_only:
+            return
+        dpath = drafter_path(self.draft)
+        raw = read_config(dpath)
+        if is_eagle3_config(raw):
+            parse_config(raw, target_cfg.num_hidden_layers)
+        else:  # a small HF model as the drafter
+            load_config(dpath)
+            weight_files(dpath)
+
+    def build(self, target, prices=None) -> Drafter:
+        """The drafter, on the target's device and dtype; `prices` (economics/prices.py, looked up by the caller
+        when the budget is "priced") price its cycles, else it verifies its shape every cycle."""
+        return build_drafter(self.draft, target, prices)
+
+
 def build_drafter(draft: str, target, prices=None) -> Drafter:
     """'ngram' (or 'ngram-lookup'), a shipped drafter name, an EAGLE-3 checkpoint directory, a small HF model
     directory/name, or one of those + 'ngram' (the hybrid); placed on the target's device and dtype. `prices`
@@ -224,21 +278,3 @@ def declared_shape(draft: str) -> SpecConfig | None:
                              f'{{"steps": N, "topk": K, "draft_tokens": M}}, or delete it') from None
     cfg.validate()
     return cfg
-
-
-def speculative_generate(target, drafter: Drafter, prompt_ids: list[int], max_new_tokens: int = 128,
-                         sampling: SamplingParams | None = None, stop_ids=(), cfg: SpecConfig | None = None,
-                         on_tokens=None, profiler=None) -> GenerationResult:
-    """Speculative decoding with any drafter, through `generate`'s loop (the batched engine, one sequence);
-    greedy output equals plain `generate`'s, sampling keeps its distribution."""
-    cfg = _checked(cfg or SpecConfig.from_knobs(), drafter)
-    return generate(target, prompt_ids, max_new_tokens, sampling, stop_ids, on_tokens, profiler, drafter, cfg)
-
-
-def _checked(cfg: SpecConfig, drafter: Drafter) -> SpecConfig:
-    cfg.validate()
-    check_chain(drafter, cfg.topk)
-    if cfg.ngram_tokens and drafter.model_kind is None:
-        raise SpecscopeError("--ngram-tokens is the n-gram branch of a hybrid drafter (--draft DRAFTER+ngram)")
-    return cfg
-

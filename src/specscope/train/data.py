@@ -15,16 +15,17 @@ import os
 import re
 import zlib
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from specscope.engine import BatchEngine, Request
 from specscope.errors import SpecscopeError, require_file
 from specscope.fileio import atomic_output, iter_lines, write_atomic
 from specscope.models.loader import SafetensorsReader
-from specscope.runtime.sampling import SamplingParams, next_token
+from specscope.runtime.sampling import SamplingParams
 from specscope.train.shards import open_shard, read_manifest, shard_whole
 from specscope.train.sources import normalise, user_turn_problem
 
@@ -124,39 +125,24 @@ def tokenize_conversation(tok, messages: list[dict], max_len: int) -> tuple[list
 
 # ---------------------------------------------------------------- generation with the target (batched, CPU-friendly)
 
-@torch.no_grad()
+@torch.inference_mode()
 def batched_generate(model, prompts: list[list[int]], max_new: int, sp: SamplingParams, stop_ids: list[int],
                      generator: torch.Generator | None = None) -> list[list[int]]:
-    """Left-padded batch decoding with our Transformer; returns each row's new ids (stop token included).
-    New tokens stay on the device until the end (one host sync per step, for the all-done check)."""
-    B, dev = len(prompts), model.device
-    P = max(len(p) for p in prompts)
-    pad = torch.tensor([P - len(p) for p in prompts], device=dev)
-    ids = torch.zeros(B, P, dtype=torch.long, device=dev)
-    for i, p in enumerate(prompts):
-        ids[i, P - len(p):] = torch.tensor(p, device=dev)
-    S = P + max_new
-    cache = model.new_cache(S, batch=B)
-    ar = torch.arange(S, device=dev)
-    valid = ar[None, :] >= pad[:, None]                                   # [B, S]
-    # pad queries attend to themselves so no row is all-masked (NaN would leak through zero-weighted values)
-    mask = ((ar[:P, None] >= ar[None, :P])[None] & valid[:, None, :P]) | torch.eye(P, dtype=torch.bool, device=dev)
-    pos = (ar[None, :P] - pad[:, None]).clamp(min=0)
-    out = model(ids, pos, cache, ar[None, :P].expand(B, P), mask, logits_idx=[P - 1])
-    stop = torch.tensor(stop_ids or [-1], device=dev)
-    new = torch.full((B, max_new), -1, dtype=torch.long, device=dev)
-    done = torch.zeros(B, dtype=torch.bool, device=dev)
-    nxt = next_token(out.logits[:, -1], sp, generator)
-    for step in range(max_new):
-        new[:, step] = torch.where(done, -1, nxt)
-        done |= torch.isin(nxt, stop)
-        if step == max_new - 1 or (step % 4 == 3 and bool(done.all())):
-            break
-        slot = P + step
-        out = model(nxt[:, None], (pos[:, -1:] + step + 1), cache, torch.full((B, 1), slot, device=dev),
-                    valid[:, None, :slot + 1])
-        nxt = next_token(out.logits[:, -1], sp, generator)
-    return [[t for t in row if t >= 0] for row in new.tolist()]
+    """The prompts decoded together through the engine's loop (engine/batch.py, the only one); returns each row's
+    new ids (stop token included). Greedy rows are plain `generate`'s tokens (the engine's rows are computed as if
+    alone); sampled row i draws from its own seed, the i-th of `generator`'s draws, so a batch seeded alike decodes
+    alike."""
+    seeds = [None] * len(prompts) if sp.greedy or generator is None else \
+        torch.randint(0, 2 ** 62, (len(prompts),), generator=generator, device=generator.device).tolist()
+    engine = BatchEngine(model, max_num_seqs=len(prompts), max_seq_len=max(map(len, prompts)) + max_new,
+                         max_num_batched_tokens=sum(map(len, prompts)), prefix_caching=False)
+    for i, (p, seed) in enumerate(zip(prompts, seeds)):
+        engine.add(Request(str(i), list(p), max_new, replace(sp, seed=seed) if seed is not None else sp,
+                           tuple(stop_ids)))
+    done = {}
+    while engine.busy:
+        done.update((f.id, f.token_ids) for f in engine.step())
+    return [done[str(i)] for i in range(len(prompts))]
 
 
 def magpie_prefix(tok) -> list[int]:

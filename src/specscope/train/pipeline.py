@@ -23,12 +23,13 @@ import torch
 
 from specscope.errors import SpecscopeError
 from specscope.fileio import atomic_output, write_atomic
+from specscope.generate import speculative_generate
 from specscope.models import loader   # loader.load_model looked up per call: tests stub it
 from specscope.models.hub import resolve_drafter, resolve_model
 from specscope.models.loader import SafetensorsReader, load_config, read_json_object, weight_files
 from specscope.runtime.sampling import SamplingParams
 from specscope.runtime.tokenizer import Tokenizer
-from specscope.speculative.decode import SpecConfig, drafter_for, speculative_generate
+from specscope.speculative.decode import SpecConfig, drafter_for
 from specscope.speculative.eagle3 import DrafterConfig, Eagle3Drafter
 from specscope.speculative.formats import load_drafter, map_problems, pair_problems, save_drafter
 from specscope.speculative.predict import (continuation_tokens, default_tree, predict, predict_shapes, shapes_for,

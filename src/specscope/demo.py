@@ -21,10 +21,10 @@ import torch
 
 from specscope import session   # session.load_target, decode.ASSETS looked up per call: tests stub them
 from specscope.economics.breakeven import BreakevenInputs, breakeven, describe, inputs_from_runs
+from specscope.economics.probe import decode_pairs, warm_up
 from specscope.economics.verify_curve import measure_curve
 from specscope.errors import SpecscopeError
 from specscope.fileio import check_output_file, check_writable, write_atomic
-from specscope.generate import generate, speculative_generate
 from specscope.jsonio import dtype_name
 from specscope.models.hub import KNOWN_MODELS, is_pulled, resolve_model
 from specscope.models.loader import describe_dtype, parse_dtype
@@ -34,10 +34,10 @@ from specscope.registry import (check_registry, drafting_config, machine_config,
                                 prompt_set_hash)
 from specscope.registry.compare import compare_runs, speed_change
 from specscope.registry.fingerprint import load_warning
+from specscope.registry.metrics import RunMetrics
 from specscope.report import write_report
 from specscope.runtime.tokenizer import StreamDecoder
 from specscope.speculative import decode
-from specscope.speculative.acceptance import RankCounts, SourceCounts
 from specscope.speculative.decode import DEFAULT_DRAFTER, DraftOptions, DraftSpec
 
 # Used only when the packaged Spec-Bench question file is missing (a broken install); said loudly.
@@ -125,8 +125,8 @@ def run_demo(opts: DemoOptions, ui: DemoUI | None = None) -> dict:
         raise SpecscopeError("a demo prompt is empty after tokenisation")
     method = _method_name(draft, drafter)
     bprof, sprof = CycleProfiler(dev), CycleProfiler(dev)
-    per_prompt, shown_text = _decode_all(target, drafter, tok, prompts, ids, stop, spec_cfg, opts.max_new_tokens,
-                                         (bprof, sprof), method, ui)
+    pairs, per_prompt, shown_text = _decode_all(target, drafter, tok, prompts, ids, stop, spec_cfg,
+                                                opts.max_new_tokens, (bprof, sprof), method, ui)
     config = {**machine_config(path, dtype, dev), "model_name": opts.model,
               "sampling": {"temperature": 0.0, "greedy": True}, "max_new_tokens": opts.max_new_tokens, "chat": True,
               "prompt_set": prompt_set, "prompt_set_hash": _hash([p["prompt"] for p in prompts]),
@@ -137,7 +137,7 @@ def run_demo(opts: DemoOptions, ui: DemoUI | None = None) -> dict:
         ui.stage("measuring the verify-cost curve")
         curve_rec = _verify_curve(target, per_prompt, spec_cfg, config, ui)
     ui.stage("storing runs")
-    brec, srec = _records(config, draft, drafter, spec_cfg, bprof, sprof, per_prompt, opts)
+    brec, srec = _records(config, draft, drafter, spec_cfg, bprof, sprof, pairs, per_prompt, opts)
     brec, srec, curve_rec, db_path = _store(brec, srec, curve_rec, opts.db)
     result = {
         "model": str(path), "draft": draft, "method": method, "drafting": asdict(spec_cfg), "dtype": dtype,
@@ -204,39 +204,39 @@ def _load(opts: DemoOptions, drafting: DraftOptions, ui: DemoUI):
 
 
 def _decode_all(target, drafter, tok, prompts, ids, stop, spec_cfg, max_new_tokens, profs, method, ui):
-    """After a warm-up, each prompt speculative, then plain (profiled by profs = (plain, speculative)): the first
-    streamed, the rest under a progress bar. Returns (per-prompt stats, the streamed text)."""
-    # one short untimed pass of each path: first calls pay for allocator and kernel warm-up
+    """After a warm-up, the pairing over the prompts, each speculative then plain (profiled by profs = (plain,
+    speculative)): the first streamed, the rest under a progress bar. Returns (the pairs, per-prompt stats, the
+    streamed text)."""
     ui.stage("warming up")
-    generate(target, ids[0], min(8, max_new_tokens), None, stop)
-    speculative_generate(target, drafter, ids[0], min(8, max_new_tokens), None, stop, spec_cfg)
-    bprof, sprof = profs
-    per_prompt, shown_text = [], ""
-    for i, (p, pid) in enumerate(zip(prompts, ids)):
-        streaming = i == 0
-        if streaming:
-            dec = StreamDecoder(tok)
-            ui.stream_start(p, method)
-            on_tokens = lambda t: ui.stream(dec.push(t))  # noqa: E731
-        else:
+    warm_up(target, drafter, ids[0], max_new_tokens, stop, spec_cfg)
+    shown = []
+
+    def stream(i):
+        if i > 0:
             if i == 1:
                 ui.progress_start(f"remaining prompts ({method}, then plain decoding)", len(prompts) - 1, "prompt")
-            on_tokens = None
-        # speculative first, then plain, prompt by prompt: load that drifts (shared CPUs) hits both alike
-        s = speculative_generate(target, drafter, pid, max_new_tokens, None, stop, spec_cfg, on_tokens=on_tokens,
-                                 profiler=sprof)
-        if streaming:
+            return None
+        dec = StreamDecoder(tok)
+        ui.stream_start(prompts[0], method)
+        return lambda t: ui.stream(dec.push(t))
+
+    def between(i, s):
+        if i == 0:
             ui.stream_end()
-            shown_text = tok.decode(s.token_ids)
+            shown.append(tok.decode(s.token_ids))
             if len(prompts) > 1:
                 ui.stage("plain decoding of the same prompt")
-        b = generate(target, pid, max_new_tokens, None, stop, profiler=bprof)
-        per_prompt.append(_prompt_stats(p, pid, b, s))
-        if not streaming:
-            ui.progress(i, p.get("category") or "")
+
+    def after(i, pair):
+        if i > 0:
+            ui.progress(i, prompts[i].get("category") or "")
+
+    pairs = decode_pairs(target, drafter, ids, max_new_tokens, stop, spec_cfg, profs, spec_first=True,
+                         streams=stream, between=between, after=after)
     if len(prompts) > 1:
         ui.progress_end()
-    return per_prompt, shown_text
+    per_prompt = [_prompt_stats(p, pid, pair.baseline, pair.speculative) for p, pid, pair in zip(prompts, ids, pairs)]
+    return pairs, per_prompt, shown[0]
 
 
 def _store(brec: dict, srec: dict, curve_rec: dict | None, db) -> tuple[dict, dict, dict | None, str]:
@@ -303,21 +303,13 @@ def _prompt_stats(p: dict, ids: list[int], b, s) -> dict:
                 "tok_per_s": round(r.tok_per_s, 4), "stop_reason": r.stop_reason}
 
     sp = side(s)
-    st = s.stats
-    sp.update(accept_length=round(st.accept_length, 4), cycles=st.cycles, verify_tokens_mean=st.verify_tokens_mean,
-              acceptance_by_depth_rank=st.acceptance_by_depth_rank)
-    if st.hybrid:
-        sp.update(accepted_by_source=st.accepted_by_source, hybrid_cycles=st.hybrid_cycles)
+    sp.update(accept_length=round(s.stats.accept_length, 4), cycles=s.stats.cycles,
+              **RunMetrics.measured(stats=[s.stats]).to_results())
     return {"question_id": p.get("question_id"), "category": p.get("category"), "prompt_tokens": len(ids),
             "baseline": side(b), "speculative": sp, "identical": b.token_ids == s.token_ids}
 
 
-def _weighted(pairs):
-    pairs = [(v, w) for v, w in pairs if v is not None and w]
-    return sum(v * w for v, w in pairs) / sum(w for _, w in pairs) if pairs else None
-
-
-def _records(config, draft, drafter, spec_cfg, bprof, sprof, per_prompt, opts) -> tuple[dict, dict]:
+def _records(config, draft, drafter, spec_cfg, bprof, sprof, pairs, per_prompt, opts) -> tuple[dict, dict]:
     def totals(side):
         toks = sum(r[side]["tokens"] for r in per_prompt)
         secs = sum(r[side]["prefill_s"] + r[side]["decode_s"] for r in per_prompt)
@@ -336,27 +328,22 @@ def _records(config, draft, drafter, spec_cfg, bprof, sprof, per_prompt, opts) -
                        tags=opts.tags)
     env = brec["env"]
     bres = brec["results"]
-    sres = {**totals("speculative"),
-            "baseline_decode_ms_per_token": bres.get("decode_ms_per_token"),
-            "baseline": {"decode_ms_per_token": bres.get("decode_ms_per_token"), "tok_per_s": bres.get("tok_per_s")},
-            "identical_outputs": sum(r["identical"] for r in per_prompt), "prompts": len(per_prompt),
-            "mean_context": sum(r["prompt_tokens"] + r["speculative"]["tokens"] / 2 for r in per_prompt)
-            / len(per_prompt),
-            # acceptance by (depth, sibling rank): `specscope tune --run` predicts other shapes from it
-            "acceptance_by_depth_rank": RankCounts.merge([r["speculative"].get("acceptance_by_depth_rank")
-                                                          for r in per_prompt]),
-            "verify_tokens_mean": _weighted([(r["speculative"].get("verify_tokens_mean"), r["speculative"]["cycles"])
-                                             for r in per_prompt])}
-    hybrid = SourceCounts.merge([r["speculative"].get("hybrid_cycles") for r in per_prompt])
-    if hybrid:   # a hybrid: `specscope tune --run` predicts other n-gram budgets from these
-        sres["hybrid_cycles"] = hybrid
+    # acceptance by (depth, sibling rank), a hybrid's cycles: `specscope tune --run` predicts other shapes from them
+    metrics = RunMetrics.measured(sprof, [p.speculative.stats for p in pairs])
+    metrics.update({**totals("speculative"),
+                    "baseline_decode_ms_per_token": bres.get("decode_ms_per_token"),
+                    "baseline": {"decode_ms_per_token": bres.get("decode_ms_per_token"),
+                                 "tok_per_s": bres.get("tok_per_s")},
+                    "identical_outputs": sum(r["identical"] for r in per_prompt), "prompts": len(per_prompt),
+                    "mean_context": sum(r["prompt_tokens"] + r["speculative"]["tokens"] / 2 for r in per_prompt)
+                    / len(per_prompt)})
     name = (f"demo {draft} s{spec_cfg.steps} k{spec_cfg.topk} n{spec_cfg.draft_tokens}"
             + (f" g{spec_cfg.ngram_tokens}" if spec_cfg.ngram_tokens else "") + f" ({n_prompts})")
     srec = make_record("speculative", name,
                        config={**config, "draft": _draft_ref(draft), "drafter_kind": getattr(drafter, "kind", None),
                                "draft_budget": opts.draft_budget,
                                **drafting_config(spec_cfg), "engine": "speculative"},
-                       profiler=sprof, results=sres, samples={"per_prompt": flat("speculative")},
+                       profiler=sprof, metrics=metrics, samples={"per_prompt": flat("speculative")},
                        tags=opts.tags, env=env)
     srec["results"]["speedup"] = _ratio(srec["results"]["tok_per_s"], bres["tok_per_s"])
     return brec, srec

@@ -19,6 +19,7 @@ from specscope.profile import CycleProfiler
 from specscope.registry import (check_registry, drafting_config, machine_config, make_record, open_registry,
                                 prompt_set_hash)
 from specscope.registry.fingerprint import timing_warning
+from specscope.registry.metrics import RunMetrics
 from specscope.runtime.sampling import SamplingParams
 from specscope.runtime.tokenizer import StreamDecoder, Tokenizer, check_tokenizer_files
 from specscope.speculative.decode import DraftOptions, SpecConfig
@@ -208,13 +209,9 @@ def _record_run(req: GenerateRequest, path, model, spec_cfg, res, prof, out: dic
     results = {"tok_per_s": out["tok_per_s"], "seconds": out["seconds"], "prefill_seconds": out["prefill_seconds"],
                "num_tokens": out["num_tokens"], "prompt_tokens": out["prompt_tokens"],
                "stop_reason": out["stop_reason"]}
-    if spec_cfg is not None:    # so that `specscope tune --run` can predict other tree shapes from this run
-        results.update(acceptance_by_depth_rank=res.stats.acceptance_by_depth_rank,
-                       verify_tokens_mean=res.stats.verify_tokens_mean)
-        if res.stats.hybrid:   # ... and other n-gram budgets of a hybrid
-            results["hybrid_cycles"] = res.stats.hybrid_cycles
     try:
-        rec = make_record("generate", name=req.name, config=config, profiler=prof, results=results, tags=req.tags)
+        rec = make_record("generate", name=req.name, config=config, profiler=prof, results=results, tags=req.tags,
+                          metrics=RunMetrics.measured(prof, [res.stats]))
         with open_registry(req.db) as reg:
             out["run_id"] = reg.add_run(rec)
         lines.append(f"Run stored: {out['run_id']}")

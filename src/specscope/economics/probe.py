@@ -4,12 +4,13 @@ records acceptance by (depth, sibling rank), and the validation runs of predicte
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 from specscope.errors import SpecscopeError
-from specscope.generate import generate, speculative_generate
+from specscope.generate import GenerationResult, generate, speculative_generate
 from specscope.profile import CycleProfiler
 from specscope.registry import drafting_config, make_record, store_record
-from specscope.speculative.acceptance import RankCounts, SourceCounts
+from specscope.registry.metrics import RunMetrics
 from specscope.speculative.decode import SpecConfig, check_chain
 
 
@@ -25,30 +26,66 @@ def _decode(res) -> tuple[int, float]:
     return res.num_tokens - 1, res.decode_s
 
 
+@dataclass
+class PromptPair:
+    """One prompt decoded both ways: plain (None where only speculative decoding was asked for) and speculative."""
+    baseline: GenerationResult | None
+    speculative: GenerationResult
+
+
+def warm_up(target, drafter, ids, max_new_tokens, stop_ids, cfg) -> None:
+    """One short untimed pass of each path: first calls pay for allocator and kernel warm-up."""
+    n = min(8, max_new_tokens)
+    generate(target, ids, n, None, stop_ids)
+    speculative_generate(target, drafter, ids, n, None, stop_ids, cfg)
+
+
+def decode_pairs(target, drafter, prompt_ids, max_new_tokens, stop_ids, cfg, profs=(None, None), baseline=True,
+                 spec_first=False, streams=None, between=None, after=None) -> list[PromptPair]:
+    """The pairing of plain and speculative decoding over prompts (greedy), the demo's and the tuner's: the two
+    alternate prompt by prompt, so that a machine whose load drifts (shared CPUs) slows both sides alike and their
+    ratio stays meaningful. profs: (plain, speculative) profilers; spec_first: speculative first on each prompt
+    (the demo streams it); streams(i): the speculative side's on_tokens for prompt i, or None; between(i, first
+    result) after prompt i's first side, after(i, pair) after both."""
+    out = []
+    for i, ids in enumerate(prompt_ids):
+        def plain():
+            return generate(target, ids, max_new_tokens, None, stop_ids, profiler=profs[0]) if baseline else None
+
+        def spec():
+            return speculative_generate(target, drafter, ids, max_new_tokens, None, stop_ids, cfg,
+                                        on_tokens=streams(i) if streams else None, profiler=profs[1])
+
+        first = spec() if spec_first else plain()
+        if between:
+            between(i, first)
+        pair = PromptPair(plain(), first) if spec_first else PromptPair(first, spec())
+        out.append(pair)
+        if after:
+            after(i, pair)
+    return out
+
+
 def run_pair(target, drafter, prompt_ids, max_new_tokens, stop_ids, cfg, base_prof=None, spec_prof=None,
              baseline=True, tick=None) -> dict:
-    """Plain and speculative decoding alternated prompt by prompt, so that a machine whose load drifts (shared
-    CPUs) slows both sides alike and their ratio stays meaningful. Returns ms/token of each side and τ.
-    tick(): after each prompt (both sides), for progress."""
+    """`decode_pairs` (plain first), summed: ms/token of each side and τ. tick(): after each prompt (both sides),
+    for progress."""
+    pairs = decode_pairs(target, drafter, prompt_ids, max_new_tokens, stop_ids, cfg, (base_prof, spec_prof),
+                         baseline, after=(lambda i, p: tick()) if tick else None)
     bt = bs = st = ss = 0.0
-    acc = cycles = 0
-    stats = []
-    for ids in prompt_ids:
+    for p in pairs:
         if baseline:
-            n, s = _decode(generate(target, ids, max_new_tokens, None, stop_ids, profiler=base_prof))
+            n, s = _decode(p.baseline)
             bt, bs = bt + n, bs + s
-        r = speculative_generate(target, drafter, ids, max_new_tokens, None, stop_ids, cfg, profiler=spec_prof)
-        n, s = _decode(r)
+        n, s = _decode(p.speculative)
         st, ss = st + n, ss + s
-        acc += sum(r.stats.accept_lengths)
-        cycles += r.stats.cycles
-        stats.append(r.stats)
-        if tick:
-            tick()
     if st <= 0 or (baseline and bt <= 0):
         raise SpecscopeError("no decode tokens were produced; raise --max-new-tokens")
+    stats = [p.speculative.stats for p in pairs]
+    cycles = sum(x.cycles for x in stats)
     return {"baseline_ms_per_token": bs * 1e3 / bt if baseline else None, "ms_per_token": ss * 1e3 / st,
-            "tokens": int(st), "accept_length": acc / cycles if cycles else 0.0, "stats": stats}
+            "tokens": int(st), "accept_length": sum(sum(x.accept_lengths) for x in stats) / cycles if cycles else 0.0,
+            "stats": stats}
 
 
 def plain_decode_ms(target, prompt_ids, max_new_tokens, stop_ids, tick=None) -> float:
@@ -73,33 +110,23 @@ def profile(target, drafter, prompt_ids, cfg, max_new_tokens, stop_ids, config: 
     tick(): after each timed prompt (both sides), for progress."""
     check_chain(drafter, cfg.topk)
     dev = str(target.device)
-    # one untimed pass warms caches and the allocator for both paths
-    run_pair(target, drafter, prompt_ids[:1], min(8, max_new_tokens), stop_ids, cfg)
+    warm_up(target, drafter, prompt_ids[0], max_new_tokens, stop_ids, cfg)
     bprof, sprof = CycleProfiler(dev), CycleProfiler(dev)
     t0 = time.perf_counter()
     pair = run_pair(target, drafter, list(prompt_ids) * max(1, rounds), max_new_tokens, stop_ids, cfg, bprof, sprof,
                     tick=tick)
-    stats = pair["stats"]
-    n_cycles = sum(x.cycles for x in stats)
     brec = make_record("baseline", "tune baseline", config={**config, "draft": None, **drafting_config()},
                        profiler=bprof, results={"decode_ms_per_token": pair["baseline_ms_per_token"]})
     gen_per_prompt = pair["tokens"] / (len(prompt_ids) * max(1, rounds))
     mean_prompt = sum(len(p) for p in prompt_ids) / len(prompt_ids)
-    hybrid = {"hybrid_cycles": SourceCounts.merge([x.hybrid_cycles for x in stats])} \
-        if cfg.ngram_tokens else {}
+    # acceptance by (depth, sibling rank) and a hybrid's cycles: what `specscope tune --run` predicts from
+    metrics = RunMetrics.measured(sprof, pair["stats"])
+    metrics.update({"mean_context": mean_prompt + gen_per_prompt / 2, "spec_ms_per_token": pair["ms_per_token"],
+                    "baseline_decode_ms_per_token": pair["baseline_ms_per_token"],
+                    "wall_s": time.perf_counter() - t0})
     srec = make_record("speculative", f"tune profile s{cfg.steps} k{cfg.topk} n{cfg.draft_tokens}"
                                       + (f" g{cfg.ngram_tokens}" if cfg.ngram_tokens else ""),
-                       config={**config, **drafting_config(cfg)},
-                       profiler=sprof,
-                       results={"acceptance_by_depth_rank": RankCounts.merge([x.acceptance_by_depth_rank
-                                                                             for x in stats]),
-                                "verify_tokens_mean": sum(x.verify_tokens_mean * x.cycles for x in stats
-                                                          if x.cycles) / max(1, n_cycles),
-                                **hybrid,
-                                "mean_context": mean_prompt + gen_per_prompt / 2,
-                                "spec_ms_per_token": pair["ms_per_token"],
-                                "baseline_decode_ms_per_token": pair["baseline_ms_per_token"],
-                                "wall_s": time.perf_counter() - t0})
+                       config={**config, **drafting_config(cfg)}, profiler=sprof, metrics=metrics)
     if record:
         brec["id"] = store_record(brec, db)
         srec["config"]["baseline_run"] = brec["id"]

@@ -16,6 +16,7 @@ from specscope.economics.tune import (AcceptanceModel, CostModel, HybridModel, b
 from specscope.economics.verify_curve import DEFAULT_BATCHES
 from specscope.errors import SpecscopeError
 from specscope.speculative.decode import DraftOptions
+from specscope.registry.metrics import RunMetrics
 
 
 def read_prompts(dataset: str | None, limit: int) -> list[str]:
@@ -144,7 +145,7 @@ class TuneContext:
             brec, srec = profile(w.target, w.drafter, w.ids, cfg, self.max_new_tokens, w.stop, config, db,
                                  tick=bar.advance)
         say(f"stored baseline run {brec['id']} and speculative run {srec['id']} "
-            f"(τ {srec['results']['accept_length']:.2f})")
+            f"(τ {RunMetrics.of(srec).accept_length:.2f})")
         return srec, brec
 
     def plain_decode_ms(self, say) -> float:
@@ -166,7 +167,7 @@ class TuneContext:
         from specscope.registry import make_record, store_record
 
         target = self.load().target
-        L = int((run.get("results") or {}).get("mean_context") or 256)
+        L = int(RunMetrics.of(run).mean_context or 256)
         L = max(1, min(L, target.config.max_position_embeddings - max_tokens - 1))
         toks = sorted({n for n in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64) if n <= max_tokens})
         batched = max(levels) > 1
@@ -221,7 +222,7 @@ class TuneRuns:
 def _engine_run(run: dict) -> bool:
     """A serving engine's run with per-step phases (the vLLM plugin's JSONL, a profiler trace): its costs, its
     acceptance; the engine's own plain decoding, not ours, is the baseline."""
-    phases = (run.get("results") or {}).get("phases") or {}
+    phases = RunMetrics.of(run).phases or {}
     return run.get("kind") == "ingest" and {"draft", "verify"} <= set(phases)
 
 
@@ -325,7 +326,7 @@ def run_tune(req: TuneRequest, ctx: TuneContext, say) -> TuneResult:
     policy_file = _policy_file(req, ctx, runs.run, prices.surface) if req.save_policy is not None else None
     cost = cost_model(req, ctx, runs, prices, say)
     configs = candidate_configs(acc, req.max_steps, _max_topk(req, runs.run), req.max_draft_tokens)
-    hyb = HybridModel.from_run(runs.run) if (runs.run.get("results") or {}).get("hybrid_cycles") else None
+    hyb = HybridModel.from_run(runs.run) if RunMetrics.of(runs.run).hybrid_cycles else None
     if hyb is not None:      # a hybrid: the drafter ran in the tree cycles only; choose the n-gram budget too
         cost = cost.drafted_only(1.0 - hyb.copy_share)
         configs = hybrid_configs(configs, hyb)

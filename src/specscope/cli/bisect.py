@@ -105,6 +105,7 @@ def _search(state, key, workload, db, timeouts, retry_failed, quiet):
             return bisect(state, key, Launches(state, ctx, retry_failed=retry_failed, note=note,
                                                advance=bar.advance), note)
     finally:
+        bar.set_total(bar.done)      # the search ended where it ended: its last line says done
         bar.close()
 
 

@@ -60,10 +60,10 @@ def _judge(row: dict, pairs: list, small: bool, noise: float | None) -> dict:
 
 
 def compare_cells(ref: list[dict], other: list[dict], ref_label: str, other_label: str,
-                  noise: dict[str, float] | None = None, keep=headline) -> dict:
+                  noise: dict[str, float] | None = None, keep=headline, causes: int | None = 5) -> dict:
     """compare_runs on the pooled cells and on each repeat pair; rows judged as sweep.matrix says (`noise`: metric
     -> launch-to-launch noise, sweep.matrix.launch_noise); `keep(metric)`: the rows judged (bisect's one metric may
-    be a sub-phase)."""
+    be a sub-phase); `causes`: how many of compare's likely causes to keep (None: all)."""
     from specscope.registry.compare import compare_runs, settings_diff
     from specscope.sweep.pool import pooled
 
@@ -75,7 +75,7 @@ def compare_cells(ref: list[dict], other: list[dict], ref_label: str, other_labe
     rows = [_judge(row, pairs, _small(row["metric"], a, b), (noise or {}).get(row["metric"]))
             for row in main["rows"] if keep(row["metric"])]
     att = main["attribution"][0]
-    return {"rows": rows, "summary": att["summary"], "likely_causes": att["likely_causes"][:5],
+    return {"rows": rows, "summary": att["summary"], "likely_causes": att["likely_causes"][:causes],
             "settings": sorted(settings_diff([a, b])), "confidence": main["confidence"],
             "min_effect": main["min_effect"]}
 

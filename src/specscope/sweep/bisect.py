@@ -166,9 +166,9 @@ class Launches:
             o = run_slot(self.state, self.ctx, cell, repeat)
             self.now += 1
             self.note(cell_line(cell.key, repeat, o))
+            self.advance()
             rec = self._stored(o) if o["status"] == "ok" else None
         self.used += 1
-        self.advance()
         if rec is None:
             return None, o.get("reason") or "no run"
         failed = sample_counts([rec])["failed_requests"]
@@ -214,7 +214,8 @@ def attribution(ref: list[dict], other: list[dict], metric: str, noise: dict, la
     compare's summary, its likely causes, whether the top one is the axis's own setting, and where the axis's
     setting ranks among them (`axis_rank`, 1 first; a machine's difference, such as its load average, can rank
     above a setting compare knows nothing of)."""
-    s = compare_cells(ref, other, labels[0], labels[1], noise, keep=lambda m: m == metric or headline(m))
+    s = compare_cells(ref, other, labels[0], labels[1], noise, keep=lambda m: m == metric or headline(m),
+                      causes=None)
     causes = [c.get("key") for c in s["likely_causes"]]
     own = axis_settings(axis, s["settings"])
     rank = next((i + 1 for i, k in enumerate(causes) if k in own), None)
@@ -337,5 +338,5 @@ def text_lines(res: BisectResult) -> list[str]:
         rank, causes = att["axis_rank"], att["likely_causes"]
         words = [("" if i <= 3 else f"#{i} ") + c["key"] + (" (the axis)" if i == rank else "")
                  for i, c in enumerate(causes, 1) if i <= 3 or i == rank]
-        out.append("    likely causes: " + ", ".join(words))
+        out.append("    compare's likely causes: " + ", ".join(words))
     return out

@@ -79,10 +79,10 @@ OPS_0_32 = (
     (r"^_C::(eagle_\w+|compute_slot_mapping\w*|\w+_metadata\w*)", "elementwise", None),
     (r"(?i)(rms_norm|rotary|act_and_mul|silu_kernel)", "elementwise", None),
 )
-# 0.30 and 0.31 name these ops alike: their sources call the same custom ops, and their profiled CPU steps leave
-# nothing unclassified (0.31: dense + EAGLE-3 and MoE + n-gram; 0.30: MoE plain decoding — its CPU build's rejection
+# 0.29-0.31 name these ops alike: their sources call the same custom ops, and their profiled CPU steps leave nothing
+# unclassified (0.29, 0.31: dense + EAGLE-3 and MoE + n-gram; 0.30: MoE plain decoding — its CPU build's rejection
 # sampler fails here with and without the plugin, "Cannot inspect kernel parameters for function")
-OP_TABLES = {"0.30.0": OPS_0_32, "0.31.0": OPS_0_32, "0.32.0": OPS_0_32}
+OP_TABLES = {v: OPS_0_32 for v in ("0.29.0", "0.30.0", "0.31.0", "0.32.0")}
 
 
 def op_table(version: str) -> tuple[tuple | None, str | None]:

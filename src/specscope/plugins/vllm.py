@@ -80,6 +80,12 @@ def _install(path: str, version: str) -> None:
     execute_model, sample_tokens = GPUModelRunner.execute_model, GPUModelRunner.sample_tokens
     Worker.shutdown = _reported_at_shutdown(Worker.shutdown)
     Worker.profile = _windows_paused_while_profiling(Worker.profile)
+    try:        # vLLM 0.29 / 0.30: the CPU worker runs its own torch profiler (CPUWorker.profile)
+        from vllm.v1.worker.cpu_worker import CPUWorker
+    except ImportError:
+        CPUWorker = None
+    if CPUWorker is not None and "profile" in vars(CPUWorker):
+        CPUWorker.profile = _windows_paused_while_profiling(CPUWorker.profile)
     GPUModelRunner.execute_model = _execute_model_timed(execute_model, path, version)
     GPUModelRunner.sample_tokens = _sample_tokens_timed(sample_tokens)
     _state["installed"] = True

@@ -147,11 +147,10 @@ def test_no_import_cycles():
 
 
 # within the decoding layer, the order a request goes down: generate.py (one request) -> engine/ (the loop) ->
-# speculative/ (drafters, shapes, acceptance); no arrow back up. Left: the τ predictor replays the engine's stop
-# rule and takes the target's greedy output from `generate` (speculative/predict.py, issue 49)
+# speculative/ (drafters, shapes, acceptance); no arrow back up (the τ predictor, which replays the engine's loop, is
+# engine/predict.py; the target's greedy output it replays on comes from generate.py's truths_from_target)
 DECODING_ORDER = ["generate", "engine", "speculative"]
-BACK_UP_LEFT = {("specscope.speculative.predict", "specscope.generate"),
-                ("specscope.speculative.predict", "specscope.engine.request")}
+BACK_UP_LEFT: set = set()
 
 
 def test_decoding_layer_has_no_arrow_back_up():

@@ -1,4 +1,4 @@
-"""Predicted τ (speculative/predict.py): the engine's loop replayed on the target's greedy output equals a real
+"""Predicted τ (engine/predict.py): the engine's loop replayed on the target's greedy output equals a real
 speculative run, exactly on a tiny target, within 5 % per shape on the embedded model; a wrong drafter predicts
 less."""
 
@@ -10,7 +10,8 @@ from specscope.errors import SpecscopeError
 from specscope.generate import speculative_generate
 from specscope.speculative.decode import SpecConfig
 from specscope.speculative.drafters import Eagle3TreeDrafter
-from specscope.speculative.predict import (continuation_tokens, predict, replay, shapes_for, truths_from_target)
+from specscope.engine.predict import continuation_tokens, predict, replay, shapes_for
+from specscope.generate import truths_from_target
 
 VOCAB = 24
 
@@ -72,7 +73,7 @@ def smollm2():
     from specscope.prompts import load_prompts
     from specscope.session import load_target
     from specscope.speculative.decode import DEFAULT_DRAFTER, build_drafter, declared_shape
-    from specscope.speculative.predict import default_tree
+    from specscope.engine.predict import default_tree
 
     try:
         target, tok, _ = load_target("smollm2-135m", "fp32", "cpu")

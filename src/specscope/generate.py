@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from specscope.engine.batch import BatchEngine
+from specscope.engine.predict import Truth
 from specscope.engine.request import Request
 from specscope.errors import SpecscopeError
 from specscope.runtime.sampling import SamplingParams
@@ -87,3 +88,19 @@ def _checked(cfg: SpecConfig, drafter) -> SpecConfig:
     if cfg.ngram_tokens and drafter.model_kind is None:
         raise SpecscopeError("--ngram-tokens is the n-gram branch of a hybrid drafter (--draft DRAFTER+ngram)")
     return cfg
+
+
+@torch.inference_mode()
+def truths_from_target(target, prompts: list[list[int]], new_tokens: int, aux_layers) -> list[Truth]:
+    """Each prompt's greedy continuation of `new_tokens` (no stop token: the replay stops where decoding would)
+    and the target's states over prompt + continuation from one forward."""
+    out = []
+    ctx = int(target.config.max_position_embeddings)
+    for p in prompts:
+        cont = generate(target, p, max(1, min(new_tokens, ctx - len(p))), stop_ids=()).token_ids
+        seq = torch.tensor([list(p) + cont], device=target.device)
+        T = seq.shape[1]
+        fo = target(seq, torch.arange(T, device=target.device)[None], logits_idx=[T - 1],
+                    aux_layers=tuple(aux_layers))
+        out.append(Truth(list(p) + cont, len(p), list(fo.aux_hidden)))
+    return out

@@ -32,8 +32,8 @@ from specscope.runtime.tokenizer import Tokenizer
 from specscope.speculative.decode import SpecConfig, drafter_for
 from specscope.speculative.eagle3 import DrafterConfig, Eagle3Drafter
 from specscope.speculative.formats import load_drafter, map_problems, pair_problems, save_drafter
-from specscope.speculative.predict import (continuation_tokens, default_tree, predict, predict_shapes, shapes_for,
-                                           truths_from_target)
+from specscope.engine.predict import continuation_tokens, default_tree, predict, predict_shapes, shapes_for
+from specscope.generate import truths_from_target
 from specscope.train.data import (_dedup_key, answer_prompts, capture, conv_hash, read_conversations, read_jsonl,
                                   read_synth_state, regenerate as regen, synthesise)
 from specscope.train.datasets import check_dataset_options, load_conversations
@@ -504,7 +504,7 @@ def decoding_tau(target, drafter, prompts: list[list[int]], shape, max_new_token
 def select_stage(workdir: Path, target, tok, data, eval_fraction: float, seed: int, *, n_prompts: int = 12,
                  max_new_tokens: int = 64, steps: int = 3, log=print) -> dict:
     """Pick the training snapshot with the best τ greedy decoding gets with a chain of `steps` on held-out
-    training prompts — predicted (speculative/predict.py: the engine's loop replayed on the target's greedy output,
+    training prompts — predicted (engine/predict.py: the engine's loop replayed on the target's greedy output,
     one target forward per prompt for all snapshots) — and the selected one's τ per shape (chains 1..max(steps, 5),
     the default tree), recorded in it for export; write it as WORKDIR/train/selected.pt (the export source) and
     the table as select.json."""

@@ -1,4 +1,4 @@
-"""A drafter's predicted τ per shape (speculative/predict.py) on the target's own forward, or on features an engine
+"""A drafter's predicted τ per shape (engine/predict.py) on the target's own forward, or on features an engine
 captured (WORKDIR/data, read through shards.py's checker) for a target this toolkit cannot run: `check-drafter
 --predict` and the select stage of `specscope train`."""
 
@@ -13,8 +13,9 @@ from specscope.errors import SpecscopeError
 from specscope.models import loader
 from specscope.speculative.decode import declared_shape, drafter_for
 from specscope.speculative.formats import load_drafter
-from specscope.speculative.predict import (PredictedTau, Truth, continuation_tokens, default_tree, predict_shapes,
-                                           shapes_for, truths_from_target)
+from specscope.engine.predict import (PredictedTau, Truth, continuation_tokens, default_tree, predict_shapes,
+                                      shapes_for)
+from specscope.generate import truths_from_target
 from specscope.train.data import CapturedData
 from specscope.train.pipeline import TargetHead
 

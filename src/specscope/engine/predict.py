@@ -19,7 +19,6 @@ import torch
 
 from specscope.engine.request import StopCriteria
 from specscope.errors import SpecscopeError
-from specscope.generate import generate
 from specscope.models.llama import ForwardOutput
 from specscope.runtime.sampling import SamplingParams
 from specscope.speculative.acceptance import accept_greedy
@@ -163,22 +162,6 @@ def continuation_tokens(max_new_tokens: int, shapes: list[SpecConfig]) -> int:
     """How far the truth must run past the prompt for every shape's last cycle to be verified in full: decoding
     stops at max_new_tokens, but the cycle that gets there drafts (and counts) up to `steps` tokens beyond."""
     return max_new_tokens + max(s.steps for s in shapes) + 1
-
-
-@torch.inference_mode()
-def truths_from_target(target, prompts: list[list[int]], new_tokens: int, aux_layers) -> list[Truth]:
-    """Each prompt's greedy continuation of `new_tokens` (no stop token: the replay stops where decoding would)
-    and the target's states over prompt + continuation from one forward."""
-    out = []
-    ctx = int(target.config.max_position_embeddings)
-    for p in prompts:
-        cont = generate(target, p, max(1, min(new_tokens, ctx - len(p))), stop_ids=()).token_ids
-        seq = torch.tensor([list(p) + cont], device=target.device)
-        T = seq.shape[1]
-        fo = target(seq, torch.arange(T, device=target.device)[None], logits_idx=[T - 1],
-                    aux_layers=tuple(aux_layers))
-        out.append(Truth(list(p) + cont, len(p), list(fo.aux_hidden)))
-    return out
 
 
 @dataclass

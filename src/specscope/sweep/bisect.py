@@ -68,7 +68,7 @@ def check_spec(spec: SweepSpec) -> None:
     """One ordered axis of at least two values, and repeats enough to know the launch noise."""
     if len(spec.axes) != 1:
         raise SpecscopeError(f"bisect searches one ordered axis; got {len(spec.axes)} "
-                             f"({', '.join(a.name for a in spec.axes)}): give one --flag, --env or --engine")
+                             f"({', '.join(a.name for a in spec.axes)}): give one --flag, --env or --engine-build")
     if len(spec.axes[0].values) < 2:
         raise SpecscopeError(f"bisect needs at least 2 values on its axis (the good end first, the bad end last); "
                              f"got {spec.axes[0].name}={','.join(map(shown, spec.axes[0].values))}")

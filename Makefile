@@ -83,7 +83,10 @@ engines-lock: $(VLLM_STAMP)
 	} > engines.lock
 
 # real vLLM servers on loopback with the embedded model and the exported drafter (tests/engines/)
+# the sweep across engine releases takes the oldest and newest tested one unless SPECSCOPE_ENGINE_RELEASES names
+# others (all four add ~21 min on a fresh machine: docs/sweep.md)
 test-engines: $(STAMP) $(VLLM_STAMP)
+	SPECSCOPE_ENGINE_RELEASES=$${SPECSCOPE_ENGINE_RELEASES:-0.29.0,0.32.0} \
 	SPECSCOPE_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(BIN)/python -m pytest -q -p no:cacheprovider \
 	  -o addopts="" tests/engines
 

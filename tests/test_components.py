@@ -264,3 +264,12 @@ def test_the_report_draws_the_components_of_each_phase(tmp_path):
     assert components_breakdown.layout_problems([run]) == []
     page = build_report([run])
     assert "components of each phase: stacked ms per profiled step" in page
+
+
+@pytest.mark.parametrize("name, value", [("SPECSCOPE_WINDOW_EVERY", "abc"), ("SPECSCOPE_WINDOW_STEPS", "2.5"),
+                                         ("SPECSCOPE_WINDOW_FIRST", "-1")])
+def test_a_bad_window_setting_is_named_with_its_fix(monkeypatch, name, value):
+    """The plugin turns windows off in one line on this error (plugins/vllm.py) instead of failing the engine."""
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=f"{name}={value!r} is not a .*number >= 0 .*profiler windows off"):
+        Windows(Classifier(op_table("0.32.0")[0]))

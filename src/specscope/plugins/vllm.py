@@ -231,7 +231,11 @@ def _windows(runner, version: str, device: str):
     from specscope.profile.components import Classifier
 
     rules, note = op_table(version)
-    windows = Windows(Classifier(rules, note), cuda=device.startswith("cuda"))
+    try:
+        windows = Windows(Classifier(rules, note), cuda=device.startswith("cuda"))
+    except ValueError as e:          # a bad SPECSCOPE_WINDOW_* value: one line, the engine serves on
+        log.warning("specscope phases: %s", e)
+        return None
     if not windows.enabled:
         return None
     try:

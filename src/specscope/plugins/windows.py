@@ -38,9 +38,9 @@ class Windows:
     def __init__(self, classifier: Classifier, cuda: bool = False, every_s: float | None = None,
                  steps: int | None = None, first: int | None = None, experts=None):
         self.classifier, self.cuda, self.experts = classifier, cuda, experts
-        self.every_s = float(os.environ.get(ENV_EVERY, "30") if every_s is None else every_s)
-        self.steps = max(1, int(os.environ.get(ENV_STEPS, "4") if steps is None else steps))
-        self.first = int(os.environ.get(ENV_FIRST, "20") if first is None else first)
+        self.every_s = _setting(ENV_EVERY, "30", float) if every_s is None else float(every_s)
+        self.steps = max(1, _setting(ENV_STEPS, "4", int) if steps is None else int(steps))
+        self.first = _setting(ENV_FIRST, "20", int) if first is None else int(first)
         self._prof = None
         self._in_window: list[dict] = []       # the open window's steps: {"i", "kind", "tokens", "measured"}
         self._next_at = None                   # monotonic time the next window may open
@@ -165,6 +165,20 @@ class Windows:
                     spans += mine
             out[i] = step_components(dev_scopes, spans, self.classifier, self.unknown)
         return out
+
+
+def _setting(name: str, default: str, kind):
+    """An environment setting as a number, or ValueError naming it and the fix (the plugin then turns windows off
+    in one line instead of failing the engine's first step)."""
+    raw = os.environ.get(name, default)
+    try:
+        value = kind(raw)
+    except ValueError:
+        value = None
+    if value is None or value < 0:
+        raise ValueError(f"{name}={raw!r} is not a {'whole ' if kind is int else ''}number >= 0 "
+                         f"(default {default}); profiler windows off")
+    return value
 
 
 class _Stamped:

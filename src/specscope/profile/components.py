@@ -215,18 +215,18 @@ def lines(stored: dict, phases=("verify", "decode", "draft"), unknown: dict | No
     return out
 
 
-def pooled(stored: dict, phase: str) -> tuple[dict[str, float], float, int] | None:
-    """(component -> mean ms per step, mean tokens per step, steps) of `phase` over every bucket that has it (keys
-    "kind@tokens", optionally "#source" after: several runs' buckets pooled); None when none does."""
+def pooled(buckets, phase: str) -> tuple[dict[str, float], float, int] | None:
+    """(component -> mean ms per step, mean tokens per step, steps) of `phase` over every bucket that has it;
+    `buckets`: (key "kind@tokens", stored bucket) pairs, from one run or several. None when none has it."""
     comps: dict[str, float] = {}
     tokens = steps = 0
-    for key, b in (stored or {}).items():
+    for key, b in buckets:
         parts = (b.get("components") or {}).get(phase)
         n = int(b.get("steps") or 0)
         if not parts or not n:
             continue
         steps += n
-        tokens += n * int(key.partition("@")[2].partition("#")[0] or 0)     # "verify@4" or "verify@4#run"
+        tokens += n * int(key.partition("@")[2] or 0)
         for c, ms in parts.items():
             comps[c] = comps.get(c, 0.0) + ms * n
     if not steps:
@@ -238,7 +238,7 @@ def change(a: dict, b: dict, phase: str) -> dict | None:
     """How `phase`'s components moved from run a's stored components to run b's: the total, each component's
     delta and share of it (largest in the total's direction first), and the tokens per step on each side; None
     when either run has no profiled step of the phase."""
-    pa, pb = pooled(a, phase), pooled(b, phase)
+    pa, pb = pooled(a.items(), phase), pooled(b.items(), phase)
     if pa is None or pb is None:
         return None
     (ca, ta, na), (cb, tb, nb) = pa, pb

@@ -109,15 +109,12 @@ FAILED_WHY = "requests failed in the cell: its numbers are shown, not judged"
 def _components(recs: list[dict]) -> dict:
     """What the cell's verify (or decode) spent its time on: each component's mean ms per profiled step over the
     repeats' plugin windows (why-verify.md); {} when no window ran."""
-    from specscope.profile.components import pooled
+    from specscope.profile.components import pooled as pooled_components     # not sweep.pool's pooled (runs)
 
     out = {}
     for phase in ("verify", "decode"):
-        merged: dict = {}
-        for r in recs:
-            for key, b in ((r.get("results") or {}).get("components") or {}).items():
-                merged[f"{key}#{r.get('id')}"] = b      # each run's buckets pooled alike
-        got = pooled(merged, phase)
+        buckets = [kb for r in recs for kb in ((r.get("results") or {}).get("components") or {}).items()]
+        got = pooled_components(buckets, phase)
         if got is not None:
             out[phase] = {"ms": {c: round(ms, 4) for c, ms in got[0].items()}, "tokens": round(got[1], 2),
                           "steps": got[2]}

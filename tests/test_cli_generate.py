@@ -66,6 +66,53 @@ def test_json_output_matches_library(good, capsys):
     assert res["text"] == tok.decode(ref)
 
 
+GENERATE_KEYS = ["text", "token_ids", "num_tokens", "prompt_tokens", "seconds", "prefill_seconds", "tok_per_s",
+                 "stop_reason", "model", "dtype", "device", "sampling"]
+SPEC_KEYS = ["draft", "accept_length", "cycles", "drafting"]
+TAIL_KEYS = ["load_warning", "summary_lines", "internal"]
+
+
+def test_json_keys_and_order(good, capsys):
+    """--json prints the typed report's to_json(): the keys, in the order, they had as a dict (threads where the
+    command chose them; a speculative run's drafting; run_id where stored)."""
+    code, out, err = cli(capsys, "generate", "--model", good, "--prompt", "the quick brown fox", "--max-new-tokens",
+                         "6", "--json", "--no-record", "--threads", "1")
+    assert code == 0, err
+    assert list(json.loads(out)) == GENERATE_KEYS + ["threads", "profile"] + TAIL_KEYS
+    code, out, err = cli(capsys, "generate", "--model", good, "--prompt", "the quick brown fox the quick brown fox",
+                         "--max-new-tokens", "6", "--json", "--draft", "ngram", "--draft-budget", "fixed",
+                         "--threads", "1")
+    assert code == 0, err
+    res = json.loads(out)
+    assert list(res) == GENERATE_KEYS + ["threads"] + SPEC_KEYS + ["profile", "run_id"] + TAIL_KEYS
+    assert res["cycles"] >= 1 and res["drafting"]["steps"] >= 1 and res["run_id"]
+
+
+def test_report_is_typed_and_a_registry_that_breaks_mid_run_is_a_warning(good, tmp_path):
+    """The library's GenerateOutcome.report is a GenerateReport read by attribute; a registry that stops being
+    one while the run decodes (another program overwrote it) costs the stored run, not the generation: run_id
+    None, record_error and the warning line."""
+    from specscope.session import GenerateReport, GenerateRequest, run_generate
+    from specscope.speculative.decode import DraftOptions
+
+    db = tmp_path / "runs.db"
+    req = GenerateRequest(model=str(good), prompt="the quick brown fox the quick brown fox", max_new_tokens=6,
+                          db=str(db), drafting=DraftOptions("ngram", budget="fixed"))
+    ok = run_generate(req)
+    assert isinstance(ok.report, GenerateReport) and ok.report.run_id and ok.report.record_error is None
+    assert ok.report.result is ok.result and ok.report.to_json()["cycles"] == ok.result.stats.cycles
+
+    def clobber(text):
+        db.write_bytes(b"not a database" * 100)
+
+    bad = run_generate(req, on_text=clobber).report
+    assert bad.run_id is None and bad.record_error
+    js = bad.to_json()
+    assert js["run_id"] is None and js["record_error"] == bad.record_error
+    assert list(js)[list(js).index("run_id"):] == ["run_id", "record_error"] + TAIL_KEYS
+    assert any(ln.startswith("warning: run not stored: ") for ln in js["summary_lines"])
+
+
 def test_streaming_prints_text_then_summary(good, capsys):
     code, out, err = cli(capsys, "generate", "--model", good, "--prompt", "what is the capital of france",
                          "--max-new-tokens", "5", "--no-record")

@@ -283,6 +283,25 @@ def test_speculative_engine_counts_match_response(model_dir):
         assert parts <= phases["step"]
 
 
+def test_spec_of_several_choices_adds_up(model_dir):
+    """n = 2 greedy choices with a drafter: the answer's `spec` (SpecCounts, typed since issue 50) is the two
+    choices' counters added up, τ weighted by their cycles, in the keys and order a client always read; the stream's
+    usage chunk carries the same."""
+    from specscope.server.app import create_app
+
+    eng = _engine(model_dir, draft="ngram", steps=3, spec_policy="always", draft_budget="fixed")
+    body = {"prompt": "the quick brown fox", "max_tokens": 30, "temperature": 0}
+    with TestClient(create_app(eng)) as c:
+        one = c.post("/v1/completions", json=body).json()["spec"]
+        two = c.post("/v1/completions", json={**body, "n": 2}).json()["spec"]
+        with c.stream("POST", "/v1/completions", json={**body, "n": 2, "stream": True,
+                                                       "stream_options": {"include_usage": True}}) as r:
+            streamed = _sse(r.iter_lines())[-2]["spec"]
+    assert list(one) == ["verify_ct", "accepted_tokens", "draft_tokens", "accept_length"] and one["verify_ct"] > 0
+    assert two == streamed == {"verify_ct": 2 * one["verify_ct"], "accepted_tokens": 2 * one["accepted_tokens"],
+                               "draft_tokens": 2 * one["draft_tokens"], "accept_length": one["accept_length"]}
+
+
 def test_served_drafter_is_priced_by_default(model_dir):
     """serve --draft without --spec-policy prices each step by batch size: the policy is the live PricedPolicy
     (each sequence verifies its declared shape when it drafts), and the output stays lossless."""

@@ -1,6 +1,7 @@
 """The library entry point behind `specscope generate`: what a run decodes with, checked once (`DecodeSpec`, the
 one place every command's target and drafter are resolved and every drafter is built), then baseline or
-speculative decoding and a JSON-ready result. The CLI, the demo and the server stay thin over this."""
+speculative decoding and a typed result (`GenerateReport`: its `to_json()` is what --json prints). The CLI, the
+demo and the server stay thin over this."""
 
 from __future__ import annotations
 
@@ -128,11 +129,57 @@ def decode_spec(model: str, drafting: DraftOptions | None = None, *, dtype: str 
 
 
 @dataclass
+class GenerateReport:
+    """What one `specscope generate` measured and said, typed; `to_json()` is what --json prints (its keys and their
+    order unchanged since they were a dict)."""
+    text: str
+    result: GenerationResult               # ids, counts, timings, stop reason; a speculative run's SpecStats
+    model: str                             # the target's directory
+    dtype: str
+    device: str
+    sampling: SamplingParams
+    profile: dict                          # CycleProfiler.summary()
+    threads: cpuload.ThreadChoice | None = None   # how many CPU threads decoded and why, where a command chose
+    draft: str | None = None               # the --draft value; None: plain decoding
+    drafting: SpecConfig | None = None     # the cycle's shape
+    recorded: bool = False                 # storing was asked for: run_id is stated (None where it failed)
+    run_id: str | None = None
+    record_error: str | None = None
+    load_warning: str | None = None
+    summary_lines: list[str] = field(default_factory=list)
+
+    def figures(self) -> dict:
+        """The run's counts and timings as printed and stored (rounded)."""
+        res = self.result
+        return {"num_tokens": res.num_tokens, "prompt_tokens": res.prompt_len, "seconds": round(res.seconds, 4),
+                "prefill_seconds": round(res.prefill_s, 4), "tok_per_s": round(res.tok_per_s, 3),
+                "stop_reason": res.stop_reason}
+
+    def to_json(self) -> dict:
+        res = self.result
+        out = {"text": self.text, "token_ids": res.token_ids, **self.figures(), "model": self.model,
+               "dtype": self.dtype, "device": self.device, "sampling": self.sampling.to_dict()}
+        if self.threads is not None:
+            out["threads"] = self.threads.to_dict()
+        if self.drafting is not None:
+            out.update({"draft": self.draft, "accept_length": round(res.stats.accept_length, 4),
+                        "cycles": res.stats.cycles, "drafting": asdict(self.drafting)})
+        out["profile"] = self.profile
+        if self.recorded:
+            out["run_id"] = self.run_id
+            if self.record_error is not None:
+                out["record_error"] = self.record_error
+        out.update({"load_warning": self.load_warning, "summary_lines": self.summary_lines,
+                    "internal": {"step_ms": res.step_ms}})
+        return out
+
+
+@dataclass
 class GenerateOutcome:
-    """One `specscope generate`: the decoding `result`, the JSON-ready `report` (what --json prints: text, timings,
-    drafting, profile, run id, and the summary lines) and `lines`, the summary for people."""
+    """One `specscope generate`: the decoding `result`, the typed `report` (`report.to_json()` is what --json
+    prints: text, timings, drafting, profile, run id, and the summary lines) and `lines`, the summary for people."""
     result: GenerationResult
-    report: dict
+    report: GenerateReport
     lines: list[str]
 
 
@@ -155,68 +202,49 @@ def run_generate(req: GenerateRequest, on_text=None) -> GenerateOutcome:
     else:
         res = speculative_generate(model, spec.drafter(model), prompt_ids, req.max_new_tokens, sp, stop, spec_cfg,
                                    on_tokens=on_tokens, profiler=prof)
-    out = {
-        "text": tok.decode(res.token_ids),
-        "token_ids": res.token_ids,
-        "num_tokens": res.num_tokens,
-        "prompt_tokens": res.prompt_len,
-        "seconds": round(res.seconds, 4),
-        "prefill_seconds": round(res.prefill_s, 4),
-        "tok_per_s": round(res.tok_per_s, 3),
-        "stop_reason": res.stop_reason,
-        "model": str(path),
-        "dtype": req.dtype,
-        "device": req.device,
-        "sampling": sp.to_dict(),
-    }
-    out.update(_threads_used(model))
     lines = [f"{res.num_tokens} tokens in {res.seconds:.2f} s: {res.tok_per_s:.2f} tok/s "
              f"(prefill {res.prefill_s * 1e3:.0f} ms)"]
-    if spec_cfg is not None:
-        out.update({"draft": req.draft, "accept_length": round(res.stats.accept_length, 4),
-                    "cycles": res.stats.cycles, "drafting": asdict(spec_cfg)})
     lines += prof.lines()           # per-phase ms/cycle, τ histogram, per-position acceptance
-    out["profile"] = prof.summary()
+    rep = GenerateReport(tok.decode(res.token_ids), res, str(path), req.dtype, req.device, sp, prof.summary(),
+                         threads=_threads_used(model), draft=req.draft, drafting=spec_cfg, recorded=req.record,
+                         summary_lines=lines)
     if req.record:
-        _record_run(req, path, model, spec_cfg, res, prof, out, lines)
-    out["load_warning"] = timing_warning()      # the tok/s above is a timing: say what load it ran under
-    if out["load_warning"]:
-        lines.append(out["load_warning"])
-    out["summary_lines"] = lines
-    out["internal"] = {"step_ms": res.step_ms}
-    return GenerateOutcome(res, out, lines)
+        _record_run(req, path, model, prof, rep)
+    rep.load_warning = timing_warning()      # the tok/s above is a timing: say what load it ran under
+    if rep.load_warning:
+        lines.append(rep.load_warning)
+    return GenerateOutcome(res, rep, lines)
 
 
-def _threads_used(model) -> dict:
-    """{"threads": how many CPU threads decoded and why} where a decode command chose them and the choice is still
-    in force (a library caller may have set others since); else nothing."""
+def _threads_used(model) -> cpuload.ThreadChoice | None:
+    """How many CPU threads decoded and why, where a decode command chose them and the choice is still in force (a
+    library caller may have set others since); else None."""
     import torch
 
     choice = cpuload.thread_choice()
     if choice is None or model.device.type != "cpu" or choice.threads != torch.get_num_threads():
-        return {}
-    return {"threads": choice.to_dict()}
+        return None
+    return choice
 
 
-def _record_run(req: GenerateRequest, path, model, spec_cfg, res, prof, out: dict, lines: list[str]) -> None:
+def _record_run(req: GenerateRequest, path, model, prof, rep: GenerateReport) -> None:
     """Store this run in the registry; a failure to store warns instead of losing the generation."""
+    spec_cfg = rep.drafting
     config = {**machine_config(path, loader.compute_dtype(model), model.device), "draft": req.draft,
               **drafting_config(spec_cfg),
               **({"draft_budget": req.draft_budget} if req.draft else {}),
-              "sampling": out["sampling"], "max_new_tokens": req.max_new_tokens, "chat": req.chat,
+              "sampling": rep.sampling.to_dict(), "max_new_tokens": req.max_new_tokens, "chat": req.chat,
               "prompt_set": "single prompt", "prompt_set_hash": prompt_set_hash([req.prompt]),
               "engine": "baseline" if spec_cfg is None else "speculative"}
-    results = {"tok_per_s": out["tok_per_s"], "seconds": out["seconds"], "prefill_seconds": out["prefill_seconds"],
-               "num_tokens": out["num_tokens"], "prompt_tokens": out["prompt_tokens"],
-               "stop_reason": out["stop_reason"]}
+    f = rep.figures()
+    results = {k: f[k] for k in ("tok_per_s", "seconds", "prefill_seconds", "num_tokens", "prompt_tokens",
+                                 "stop_reason")}
     try:
         rec = make_record("generate", name=req.name, config=config, profiler=prof, results=results, tags=req.tags,
-                          metrics=RunMetrics.measured(prof, [res.stats]))
+                          metrics=RunMetrics.measured(prof, [rep.result.stats]))
         with open_registry(req.db) as reg:
-            out["run_id"] = reg.add_run(rec)
-        lines.append(f"Run stored: {out['run_id']}")
+            rep.run_id = reg.add_run(rec)
+        rep.summary_lines.append(f"Run stored: {rep.run_id}")
     except SpecscopeError as e:
-        out["run_id"] = None
-        out["record_error"] = str(e)
-        lines.append(f"warning: run not stored: {e} (use --no-record to skip)")
-
+        rep.record_error = str(e)
+        rep.summary_lines.append(f"warning: run not stored: {e} (use --no-record to skip)")

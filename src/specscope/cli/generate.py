@@ -52,7 +52,7 @@ def generate(model_name, prompt, chat, max_new_tokens, temperature, top_p, top_k
                                                 draft_budget or "priced"))
 
     if as_json:
-        emit_json(run_generate(req).report)
+        emit_json(run_generate(req).report.to_json())
         return
     out = sys.stdout
 

@@ -10,7 +10,7 @@ import json
 import math
 import time
 import uuid
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 
 from specscope.runtime.params import ParamError, check_sampling
 
@@ -273,6 +273,36 @@ def new_id(kind: str, request_id: str | None = None) -> str:
     return ("chatcmpl-" if kind == "chat" else "cmpl-") + (request_id or uuid.uuid4().hex)
 
 
+@dataclass(frozen=True)
+class SpecCounts:
+    """A request's speculative counters, the answer's `spec` object (like SGLang's meta_info.spec_verify_ct: lets a
+    client compute τ per request): verify cycles, draft tokens accepted and drafted, τ."""
+    verify_ct: int = 0
+    accepted_tokens: int = 0
+    draft_tokens: int = 0
+    accept_length: float = 0.0
+
+    @classmethod
+    def of(cls, stats) -> "SpecCounts":
+        """From a choice's SpecStats; zero counters where no step drafted for it (None)."""
+        if stats is None:
+            return cls()
+        return cls(stats.cycles, sum(stats.accepted_per_pos), sum(stats.drafts_per_pos),
+                   round(stats.accept_length, 4))
+
+    @classmethod
+    def merged(cls, counts: list["SpecCounts | None"]) -> "SpecCounts | None":
+        """The choices' counters added up (τ weighted by their verify cycles); None without a drafter."""
+        if counts[0] is None or len(counts) == 1:
+            return counts[0]
+        n = sum(c.verify_ct for c in counts)
+        tau = round(sum(c.accept_length * c.verify_ct for c in counts) / n, 4) if n else 0.0
+        return cls(n, sum(c.accepted_tokens for c in counts), sum(c.draft_tokens for c in counts), tau)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
     """OpenAI's usage block; prompt_tokens_details.cached_tokens: prompt tokens the prefix cache supplied."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
@@ -294,12 +324,12 @@ def choice(p: GenParams, index: int, text: str, finish: str, logprobs: dict | No
 
 
 def full_response(p: GenParams, rid: str, model: str, choices: list[dict], prompt_tokens: int,
-                  completion_tokens: int, spec: dict | None, cached_tokens: int = 0) -> dict:
+                  completion_tokens: int, spec: SpecCounts | None, cached_tokens: int = 0) -> dict:
     out = {"id": rid, "object": "chat.completion" if p.kind == "chat" else "text_completion",
            "created": int(time.time()), "model": model, "choices": choices,
            "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
     if spec is not None:
-        out["spec"] = spec  # like SGLang's meta_info.spec_verify_ct: lets a client compute τ per request
+        out["spec"] = spec.to_json()
     return out
 
 

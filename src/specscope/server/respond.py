@@ -34,16 +34,6 @@ def choice_params(p: GenParams, i: int) -> GenParams:
     return p if i == 0 or p.seed is None else dataclasses.replace(p, seed=(p.seed + i) % (SEED_MAX + 1))
 
 
-def merge_spec(specs: list[dict | None]) -> dict | None:
-    """The choices' speculative counters added up (τ weighted by their verify cycles)."""
-    if specs[0] is None or len(specs) == 1:
-        return specs[0]
-    out = {k: sum(s[k] for s in specs) for k in ("verify_ct", "accepted_tokens", "draft_tokens")}
-    out["accept_length"] = round(sum(s["accept_length"] * s["verify_ct"] for s in specs) / out["verify_ct"], 4) \
-        if out["verify_ct"] else 0.0
-    return out
-
-
 @dataclasses.dataclass
 class _Sent:
     """What a stream has sent of one choice."""
@@ -103,7 +93,10 @@ class Answer:
             choices.append(P.choice(p, i, text, d.finish, lp, ids))
         prompt_tokens, completion_tokens, cached = self._usage(done)
         return P.full_response(p, self.rid, self.served.name, choices, prompt_tokens, completion_tokens,
-                               merge_spec([done[i].spec for i in range(len(self.jobs))]), cached)
+                               self._spec(done), cached)
+
+    def _spec(self, done: dict[int, Done]) -> P.SpecCounts | None:
+        return P.SpecCounts.merged([done[i].spec for i in range(len(self.jobs))])
 
     def _usage(self, done: dict[int, Done]) -> tuple[int, int, int]:
         """Prompt tokens (each prompt once, however many choices it has), completion tokens, cached tokens."""
@@ -133,9 +126,9 @@ class Answer:
             last = {"id": self.rid, "object": "chat.completion.chunk" if self.p.kind == "chat" else "text_completion",
                     "created": created, "model": self.served.name, "choices": [],
                     "usage": P.usage(*self._usage(done))}
-            spec = merge_spec([done[i].spec for i in range(len(self.jobs))])
+            spec = self._spec(done)
             if spec is not None:
-                last["spec"] = spec
+                last["spec"] = spec.to_json()
             yield P.sse(last)
         yield P.sse("[DONE]")
 

@@ -31,7 +31,7 @@ from specscope.models.loader import compute_dtype
 from specscope.runtime.sampling import SamplingParams
 from specscope.runtime.tokenizer import StreamDecoder
 from specscope.server.metrics import ServerMetrics
-from specscope.server.protocol import ApiError, GenParams
+from specscope.server.protocol import ApiError, GenParams, SpecCounts
 from specscope.speculative.decode import DraftOptions
 
 log = logging.getLogger("specscope.server")
@@ -84,13 +84,13 @@ class Tokens:
 @dataclass(frozen=True)
 class Done:
     """A choice that finished: its whole text and ids, why it stopped, the usage counts and, with a drafter, its
-    speculative counters (`spec`: verify_ct, accepted_tokens, draft_tokens, accept_length)."""
+    speculative counters (`spec`)."""
     text: str
     finish: str
     token_ids: list[int]
     prompt_tokens: int
     cached_tokens: int
-    spec: dict | None
+    spec: SpecCounts | None
 
 
 @dataclass(frozen=True)
@@ -255,9 +255,7 @@ class ServedModel:
             st = f.stats   # None when no step drafted for it (max_tokens 1, --spec-policy off): zero counters
             if st is not None:
                 metrics.observe_spec(st)
-            spec = {"verify_ct": st.cycles if st else 0, "accepted_tokens": sum(st.accepted_per_pos) if st else 0,
-                    "draft_tokens": sum(st.drafts_per_pos) if st else 0,
-                    "accept_length": round(st.accept_length, 4) if st else 0.0}
+            spec = SpecCounts.of(st)
         job.post(Done(text, finish, ids, len(job.prompt_ids), f.cached_tokens, spec))
 
     def _emit(self, job: Job, new_ids: list[int]) -> None:

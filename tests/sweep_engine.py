@@ -7,7 +7,7 @@ phases the sweep finds are exactly the declared ones however loaded the machine 
 so a client's wall times follow). Only the engines suite runs vLLM itself.
 
     python tests/sweep_engine.py --port P [--steps K] [--verify-ms 2] [--fail] [--die-after N] [--fail-every K]
-                                 [--slow-from K [--slow-env BUILD] [--slow-factor 3]]
+                                 [--slow-from K [--slow-env BUILD] [--slow-factor 3]] [--placement-file F]
 
 --die-after N: the process exits on its (N+1)-th request (an engine that crashes mid-workload); --fail-every K:
 every K-th request is answered 500 (an engine failing some requests); --slow-from K: a regression planted from
@@ -67,6 +67,8 @@ def _args():
                         "--slow-env holds an integer at least this (a bisection test's builds)")
     p.add_argument("--slow-env", default="BUILD")
     p.add_argument("--slow-factor", type=float, default=3.0)
+    p.add_argument("--placement-file", default=None,
+                   help="write the cores this process may run on and VLLM_CPU_OMP_THREADS_BIND here at start")
     return p.parse_args()
 
 
@@ -159,6 +161,10 @@ def main():
         print("loading weights ...", flush=True)
         print("ValueError: the model does not fit (stand-in failure)", flush=True)
         raise SystemExit(3)
+    if a.placement_file:        # what a launch inherited from the sweep: its cores and the engine's binding
+        with open(a.placement_file, "w") as f:
+            json.dump({"affinity": sorted(os.sched_getaffinity(0)),
+                       "bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND")}, f)
     engine = Engine(a)
     srv = ThreadingHTTPServer((a.host, a.port), handler(engine))
     try:

@@ -243,6 +243,30 @@ def test_serve_and_bench_serve_end_to_end(model_dir, spec_server, tmp_path):
         keyed.stop()
 
 
+def test_num_warmups_warms_up_until_two_requests_agree_and_measures_after(spec_server, tmp_path):
+    """--num-warmups 2: the first request twice, then until two in a row take the same time per token (at most 8
+    more); the warm-up is not among the measured requests, its times are in the run's results and on stderr."""
+    from specscope.benchserve.warmup import MORE_WARMUP, settled
+
+    r = subprocess.run([sys.executable, "-m", "specscope", "bench-serve", "--base-url", spec_server.url,
+                        "--backend", "openai-chat", "--num-prompts", "3", "--dataset-name", "random",
+                        "--random-input-len", "16", "--random-output-len", "16", "--max-concurrency", "1",
+                        "--num-warmups", "2", "--json", "--no-record"],
+                       capture_output=True, text=True, timeout=600, env=_env())
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout)["results"]
+    warm = res["warmup"]
+    assert 2 <= warm["requests"] <= 2 + MORE_WARMUP and len(warm["tpot_ms"]) == warm["requests"]
+    assert warm["steady"] == settled(warm["tpot_ms"])
+    assert res["levels"][0]["completed"] == 3                   # the measured requests alone
+    r = subprocess.run([sys.executable, "-m", "specscope", "bench-serve", "--base-url", spec_server.url,
+                        "--backend", "openai-chat", "--num-prompts", "1", "--dataset-name", "random",
+                        "--random-input-len", "16", "--random-output-len", "16", "--num-warmups", "1", "--no-record"],
+                       capture_output=True, text=True, timeout=600, env=_env())
+    assert re.search(r"^warm-up: \d+ request\(s\), (steady|not steady) \(ms per output token: [\d.]+, ", r.stderr,
+                     re.M), r.stderr
+
+
 def test_served_run_names_the_drafter_the_server_drafts_with(spec_server, tmp_path):
     """Issue 52 item 4: `specscope serve` exports what it drafts with (spec_decode_info), bench-serve stores it in
     the run's config under a generate run's names, and the report and `compare` name the drafter beside τ instead

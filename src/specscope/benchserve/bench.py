@@ -9,6 +9,7 @@ import math
 from dataclasses import dataclass, field
 
 from specscope.benchserve.run import DEFAULT_METRICS, DEFAULT_PERCENTILES, run_levels
+from specscope.benchserve.warmup import warm_up
 
 # the first level's /metrics deltas that become the run's results (what `compare` and the report read)
 # "phases" (specscope serve's engine-step phases, ingest/prometheus.py step_phases) in the profiler's shape, so a
@@ -41,6 +42,7 @@ class Traffic:
     ignore_eos: bool = False
     temperature: float | None = 0.0
     extra: dict = field(default_factory=dict)    # sampling parameters, then --extra-body
+    warmups: int = 0                             # at least this many warm-up requests, then until steady
 
 
 @dataclass
@@ -149,8 +151,12 @@ def run_bench(setup: BenchSetup, work: Workload, progress=None) -> BenchRun:
         from specscope.registry import check_registry
 
         check_registry(o.db)
+    warm = warm_up(lambda k: send(setup, work, levels=[1], requests=work.requests[:1] * k),
+                   setup.traffic.warmups) if work.requests else None
     out = send(setup, work, progress)
     run = BenchRun(out, summarize(out), run_config(setup, work, out))
+    if warm is not None:
+        run.results["warmup"] = warm.to_dict()
     if not run.succeeded:
         return run
     env = None
@@ -168,11 +174,13 @@ def run_bench(setup: BenchSetup, work: Workload, progress=None) -> BenchRun:
     return run
 
 
-def send(setup: BenchSetup, work: Workload, progress=None) -> dict:
-    """run_levels over every level of the setup; the progress bars are closed however it ends."""
+def send(setup: BenchSetup, work: Workload, progress=None, levels=None, requests=None) -> dict:
+    """run_levels over every level of the setup (or `levels`, with `requests`: the warm-up's); the progress bars
+    are closed however it ends."""
     t, tr, m = setup.target, setup.traffic, setup.metrics
     try:
-        return asyncio.run(run_levels(t.base, work.requests, tr.levels, t.endpoint, t.model, 0, tr.temperature,
+        return asyncio.run(run_levels(t.base, work.requests if requests is None else requests,
+                                      tr.levels if levels is None else levels, t.endpoint, t.model, 0, tr.temperature,
                                       t.api_key, t.timeout_s, progress.request if progress else None,
                                       request_rate=tr.request_rate, burstiness=tr.burstiness, seed=tr.seed,
                                       ignore_eos=tr.ignore_eos, metric_names=m.names, percentiles=m.percentiles,

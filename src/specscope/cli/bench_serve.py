@@ -274,6 +274,9 @@ def _dataset_defaults_help() -> str:
 @alias_option("--max-concurrency", "concurrency", hidden=("--concurrency",), default=None,
               help="Most requests in flight; a comma list (e.g. 1,4,16) runs one level each. Default: unbounded.")
 @click.option("--ignore-eos", is_flag=True, help="Ask the server to decode exactly max_tokens (vLLM/SGLang field).")
+@click.option("--num-warmups", type=click.IntRange(0, 100), default=0, show_default=True,
+              help="Warm-up requests before measuring (the first request, one at a time, not measured), as vLLM's; "
+                   "then more until two in a row take the same time per output token (at most 8 more).")
 @click.option("--seed", type=SEED, default=0, show_default=True,
               help="Seed of the random dataset, shuffling, oversampling and arrivals.")
 # ---- sampling (vLLM sends only those given; specscope sends temperature 0 unless told otherwise)
@@ -325,7 +328,7 @@ def bench_serve(ctx, backend, endpoint, url, host, port, model, tokenizer, token
                 dataset_path, legacy_dataset, category, num_prompts, no_oversample, disable_shuffle,
                 skip_chat_template, input_len, max_tokens, random_input_len, random_output_len, random_range_ratio,
                 spec_bench_output_len, custom_output_len, sharegpt_output_len, request_rate, burstiness, concurrency,
-                ignore_eos, seed, temperature, top_p, top_k, min_p, frequency_penalty, presence_penalty,
+                ignore_eos, num_warmups, seed, temperature, top_p, top_k, min_p, frequency_penalty, presence_penalty,
                 repetition_penalty, extra_body, percentile_metrics, metric_percentiles, goodput, save_result,
                 append_result, save_detailed, result_dir, result_filename, label, metadata, disable_tqdm, api_key,
                 timeout_s, name, tags, no_record, db, as_json):
@@ -355,7 +358,7 @@ def bench_serve(ctx, backend, endpoint, url, host, port, model, tokenizer, token
         check_writable(result_dir or ".", "--result-dir", is_dir=True)
     # vLLM: random prompts decode to exactly their output length
     traffic = Traffic(levels, request_rate, burstiness, seed, ignore_eos or dataset_name == "random", temperature,
-                      extra)
+                      extra, num_warmups)
     prompts = Prompts(dataset_name, dataset_path, num_prompts, tuple(category), max_tokens, input_len,
                       random_input_len, random_output_len, random_range_ratio, spec_bench_output_len,
                       custom_output_len, sharegpt_output_len, shuffle=not (disable_shuffle or legacy),
@@ -418,6 +421,10 @@ def _print_run(run, setup) -> None:
         click.echo(f"stored run {run.run_id}", err=True)
     if run.load_warning:
         click.echo(run.load_warning, err=True)
+    warm = run.results.get("warmup")
+    if warm:
+        click.echo(f"warm-up: {warm['requests']} request(s), " + ("steady" if warm["steady"] else "not steady") +
+                   " (ms per output token: " + ", ".join(f"{t:.1f}" for t in warm["tpot_ms"]) + ")", err=True)
 
 
 class _LevelBars:

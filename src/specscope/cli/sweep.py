@@ -13,7 +13,7 @@ from specscope.cli.checks import FiniteRange
 from specscope.cli.common import SEED, db_option, emit_json, json_option, output_option
 from specscope.errors import SpecscopeError
 
-SPEC_OPTIONS = ("flags", "envs", "engine", "repeats", "phases_from", "baseline_without", "baseline_run",
+SPEC_OPTIONS = ("flags", "envs", "engine", "repeats", "phases_from", "baseline_without", "baseline_run", "pin",
                 "dataset_name", "dataset_path", "num_prompts", "output_len", "max_concurrency", "request_rate", "endpoint",
                 "temperature", "seed", "ignore_eos", "tokenizer", "warmup")
 
@@ -59,6 +59,10 @@ SPEC_OPTIONS = ("flags", "envs", "engine", "repeats", "phases_from", "baseline_w
 @click.option("--tokenizer", default=None, help="Count tokens as vLLM does (see bench-serve --tokenizer).")
 @click.option("--warmup", type=click.IntRange(0, 100), default=None,
               help="Warm-up requests per launch, not measured (default 1).")
+@click.option("--pin", type=click.Choice(["auto", "off"]), default=None,
+              help="Where a launch's processes run: auto (default) binds the engine's compute threads to cores of "
+                   "their own and keeps its API server, its scheduler and the sweep's client on the rest, where the "
+                   "host has cores enough (the matrix says which); off leaves them to the OS.")
 @click.option("--startup-timeout", type=FiniteRange(1, 86_400), default=600.0, show_default=True,
               help="Seconds an engine may take to answer /health; past it the cell fails.")
 @click.option("--workload-timeout", type=FiniteRange(1, 86_400), default=1800.0, show_default=True,
@@ -185,7 +189,7 @@ def _spec(serve_cmd, command, opts, db):
                                    endpoint=opts["endpoint"], temperature=opts["temperature"], seed=opts["seed"],
                                    ignore_eos=opts["ignore_eos"], tokenizer=opts["tokenizer"], warmup=opts["warmup"]),
                      opts["phases_from"] or "auto", [flag_of(f) for f in opts["baseline_without"]],
-                     _resolved(opts["baseline_run"], db))
+                     _resolved(opts["baseline_run"], db), opts["pin"] or "auto")
     spec.check()
     return spec
 

@@ -5,7 +5,8 @@ with `specscope.engine`, specscope's own decoding loop.
 A module gives: NAME, TITLE, EXAMPLE and START (how its launch is recognised and named), PHASES_FROM (where a
 sweep's per-phase timings come from), KNOBS and DRAFT_FLAG (the speculative flags check-drafter checks),
 `from_log` / `claims` / `from_command` (its log line and command line -> `EngineArgs`) and `launch_checks` (a launch
-against an EAGLE-3 drafter -> `Finding`s). Adding an engine is one module and one entry in OUTSIDE_ENGINES."""
+against an EAGLE-3 drafter -> `Finding`s); optionally CPU_BIND_ENV and `cpu_bind` (how its CPU build binds each rank's
+compute threads: a sweep's placement, sweep/placement.py). Adding an engine is one module and one entry in OUTSIDE_ENGINES."""
 
 from __future__ import annotations
 

@@ -41,6 +41,16 @@ TESTED = {
               "speculative_config); cascade attention removed",
 }
 PLUGIN_ENTRY = "specscope_phases"   # specscope's `vllm.general_plugins` entry point (pyproject.toml)
+# Its CPU build binds rank i's OpenMP threads to the i-th '|'-separated core list (the same in 0.29-0.32); "auto"
+# binds them itself but leaves the API server and engine-core process free to run on a compute core
+CPU_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+
+
+def cpu_bind(groups) -> str:
+    """((0, 1), (2, 3)) -> '0,1|2,3': CPU_BIND_ENV's value for these ranks' cores."""
+    return "|".join(",".join(map(str, g)) for g in groups)
+
+
 # `python -m` it: the distribution vllm-cpu has no working `vllm` script
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 HOST = "127.0.0.1"

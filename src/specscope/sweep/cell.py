@@ -11,10 +11,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from specscope.benchserve.warmup import warm_up
 from specscope.engines.builds import BuildFailed, ensure_env
 from specscope.errors import SpecscopeError
 from specscope.fileio import why, write_atomic
 from specscope.serverproc import ServerFailed, ServerProcess, free_port, root_cause
+from specscope.sweep.placement import pinned, plan
 from specscope.sweep.spec import Cell, SweepSpec
 from specscope.sweep.workload import (Workload, WorkloadFailed, config_of, per_prompt, send, serve_results)
 
@@ -66,17 +68,19 @@ def run_cell(ctx: Context, cell: Cell, repeat: int) -> dict:
                 "command": None}
     port = free_port()
     argv = ctx.spec.argv(cell, port, python)
-    eng = ServerProcess(argv, engine_env(ctx, cell, d), d / LOG_FILE, f"http://127.0.0.1:{port}", ctx.startup_s,
-                        ctx.stop_s)
+    place = plan(argv, ctx.spec.env(cell), ctx.spec.pin)
+    eng = ServerProcess(argv, {**engine_env(ctx, cell, d), **place.env}, d / LOG_FILE, f"http://127.0.0.1:{port}",
+                        ctx.startup_s, ctx.stop_s)
     t0 = time.monotonic()
-    out = mark = None
+    out = mark = warm = None
     try:
-        eng.start()
-        if ctx.on_start:
-            ctx.on_start(eng.pgid)
-        eng.wait_healthy()
-        mark = _warm_up(ctx, eng.url, d)
-        out = send(ctx.workload, eng.url, ctx.workload.requests, ctx.workload_s)
+        with pinned(place):         # the engine inherits the client's cores; its compute threads bind to theirs
+            eng.start()
+            if ctx.on_start:
+                ctx.on_start(eng.pgid)
+            eng.wait_healthy()
+            mark, warm = _warm_up(ctx, eng.url, d)
+            out = send(ctx.workload, eng.url, ctx.workload.requests, ctx.workload_s)
         level = out["levels"][0]
         if not level["completed"]:
             first = (level.get("error_examples") or ["none reported"])[0]
@@ -93,7 +97,12 @@ def run_cell(ctx: Context, cell: Cell, repeat: int) -> dict:
     phases, warnings = read_phases(ctx, d, mark)
     if died:            # the workload's failed requests say what it cost; this says why
         warnings.append(f"the engine {died} during the workload; its last lines are in {d / LOG_FILE}")
+    if warm is not None and not warm.steady:
+        warnings.append(warm.words())
     rec = build_record(ctx, cell, repeat, out, phases, argv, warnings)
+    rec["env"]["placement"] = place.to_dict()
+    if warm is not None:
+        rec["results"]["sweep_warmup"] = warm.to_dict()
     from specscope.registry import store_record
 
     run_id = store_record(rec, ctx.db)
@@ -127,17 +136,18 @@ def _build_python(ctx: Context, cell: Cell) -> str | BuildFailed | None:
 
 # ---- warm-up and the phases that follow it --------------------------------------------------------------------
 def _warm_up(ctx: Context, url: str, d: Path):
-    """Send the warm-up requests; return where the measured part of the phase source starts (plugin: the first
-    step index after warm-up; log: the byte offset), so the first, slow steps do not count."""
-    n = ctx.workload.spec["warmup"]
-    if n:
-        send(ctx.workload, url, ctx.workload.requests[:n], ctx.workload_s, concurrency=1)
+    """Warm up (benchserve.warmup: at least --warmup requests, then until steady). Returns (where the measured
+    part of the phase source starts -- plugin: the first step index after warm-up; log: the byte offset -- so the
+    first, slow steps do not count; the WarmUp, None without warm-up)."""
+    first = ctx.workload.requests[:1]
+    warm = warm_up(lambda k: send(ctx.workload, url, first * k, ctx.workload_s, concurrency=1),
+                   ctx.workload.spec["warmup"])
     source = ctx.spec.resolved_phases()
     if source == "plugin":
-        return _settled_steps(d / STEPS_FILE)
+        return _settled_steps(d / STEPS_FILE), warm
     if source == "log":
-        return (d / LOG_FILE).stat().st_size
-    return None
+        return (d / LOG_FILE).stat().st_size, warm
+    return None, warm
 
 
 def _step_count(path: Path) -> int:

@@ -161,16 +161,33 @@ def launch_noise(pairs: list[dict]) -> dict[str, float]:
     return {m: max(v, whole) if timed(m) else v for m, v in own.items()}
 
 
+# what a sweep's resolving power is stated for, in this order: the phase the seed's regression was in first
+RESOLVES = (("phase.verify", "verify"), ("cycle_ms", "ms/cycle"), ("accept_length", "τ"), ("tok_per_s", "tok/s"))
+
+
 def _launch_noise(pairs: list[dict], by_metric: dict[str, float]) -> dict | None:
     """The sweep's headline noise figure (ms/cycle where the runs have cycles, else tok/s), every metric's band
-    (by_metric) and its own repeats' spread (own_by_metric)."""
+    (by_metric), its own repeats' spread (own_by_metric), and the smallest change the repeats can call per
+    headline metric (resolves: the band, which a change must leave)."""
     timed = [p for p in pairs if p["metric"] == "cycle_ms"] or [p for p in pairs if p["metric"] == "tok_per_s"]
     if not timed:
         return None
     return {"metric": timed[0]["metric"], "max_change": max(abs(p["change"]) for p in timed), "pairs": len(timed),
             "called": sum(p["verdict"] in ("better", "worse") for p in timed),
             "by_metric": {m: round(v, 4) for m, v in sorted(by_metric.items())},
-            "own_by_metric": {m: round(v, 4) for m, v in sorted(own_noise(pairs).items())}}
+            "own_by_metric": {m: round(v, 4) for m, v in sorted(own_noise(pairs).items())},
+            "resolves": [{"metric": m, "label": label, "change": round(by_metric[m], 4)} for m, label in RESOLVES
+                         if m in by_metric]}
+
+
+def placements(runs: dict) -> list[str]:
+    """How the launches' processes were placed (sweep.placement's words), each distinct one once."""
+    seen = []
+    for rec in runs.values():
+        w = ((rec.get("env") or {}).get("placement") or {}).get("words")
+        if w and w not in seen:
+            seen.append(w)
+    return seen
 
 
 def _baseline_for(spec: SweepSpec, cell: Cell, by_cell: dict, stored: dict | None) -> tuple[str, list] | None:
@@ -222,7 +239,7 @@ def sweep_document(state: SweepState, db=None) -> dict:
                        "cols": {"axes": [a.name for a in spec.axes[1:]], "values": [list(c) for c in cols]},
                        "cells": grid},
             "baselines": baselines, "axes": [axis_report(spec, a, by_cell, noise) for a in spec.axes],
-            "launch_noise": _launch_noise(spread, noise),
+            "launch_noise": _launch_noise(spread, noise), "placement": placements(runs),
             "failures": failures}
 
 

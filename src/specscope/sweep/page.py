@@ -51,6 +51,9 @@ def _axes(doc: dict) -> list[str]:
            f"<p class=note>{esc(rule if doc.get('launch_noise') else render.axes_header(doc) + '.')}</p>"]
     if doc.get("launch_noise"):
         out.append(f"<p class=note>{esc(render.launch_words(doc))}.</p>")
+        if render.resolves_words(doc):
+            out.append(f"<p class=note>{esc(render.resolves_words(doc))}.</p>")
+    out += [f"<p class=note>placement: {esc(w)}.</p>" for w in doc.get("placement") or []]
     for a in doc["axes"]:
         out.append(f"<p><b>{esc(render.axis_headline(a))}</b></p>")
         out.append("<ul>" + "".join(f"<li>{esc(render.slice_words(a['axis'], s))}</li>" for s in a["slices"])

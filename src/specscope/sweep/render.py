@@ -149,6 +149,15 @@ def launch_words(doc: dict) -> str:
             f"larger than its metric's launch-to-launch spread is not called with {doc['sweep']['repeats']} repeats")
 
 
+def resolves_words(doc: dict) -> str | None:
+    """'resolves changes ≥ 6% in verify, ≥ 4% in tok/s': the bands a change must leave, as a reader asks it."""
+    got = (doc.get("launch_noise") or {}).get("resolves") or []
+    if not got:
+        return None
+    return ("with these repeats the sweep resolves changes " +
+            ", ".join(f"≥ {max(r['change'] * 100, 1):.0f}% in {r['label']}" for r in got))
+
+
 def baseline_words(b: dict) -> str:
     if b["status"] in ("missing", "failed"):
         return f"{b['key']}: {b['status']}"
@@ -173,7 +182,8 @@ def text_lines(doc: dict) -> list[str]:
         out.append("  " + axis_headline(a))
         out += ["    " + slice_words(a["axis"], s) for s in a["slices"]]
     if doc.get("launch_noise"):
-        out += ["", launch_words(doc)]
+        out += ["", launch_words(doc)] + ([resolves_words(doc)] if resolves_words(doc) else [])
+    out += [f"placement: {w}" for w in doc.get("placement") or []]
     why = sorted({be["error"] for line in doc["matrix"]["cells"] for c in line
                   if (be := c.get("breakeven")) and "error" in be})
     out += [f"break-even n/a: {w}" for w in why]

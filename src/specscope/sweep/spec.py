@@ -35,6 +35,7 @@ FLAG_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*$")
 PYTHON = re.compile(r"^python[0-9.]*$")     # an interpreter's name, as a command's first word
 PORT_PLACEHOLDER = "{port}"
 PHASES_FROM = ("auto", "plugin", "log", "none")
+PIN_MODES = ("auto", "off")             # sweep.placement: where the engine's threads, its server and the client run
 RESERVED_FLAGS = ("--port", "--host")      # the sweep owns where each engine listens
 ANY_VERSION = "SPECSCOPE_PHASES_ANY_VERSION"   # the vLLM plugin's: try a version it is not tested on
 
@@ -239,18 +240,21 @@ class SweepSpec:
     phases_from: str = "auto"
     baseline_without: list[str] = field(default_factory=list)
     baseline_run: str | None = None
+    pin: str = "auto"           # sweep.placement: auto (compute threads apart from server and client) or off
 
     def identity(self) -> dict:
-        """What makes two invocations the same sweep (timeouts and output may change between them)."""
+        """What makes two invocations the same sweep (timeouts and output may change between them). `pin` only
+        when not the default: a sweep file written before it existed reads back as it was written."""
         return {"command": self.command, "axes": [a.to_dict() for a in self.axes], "repeats": self.repeats,
                 "workload": self.workload, "phases_from": self.resolved_phases(),
-                "baseline_without": self.baseline_without, "baseline_run": self.baseline_run}
+                "baseline_without": self.baseline_without, "baseline_run": self.baseline_run,
+                **({"pin": self.pin} if self.pin != "auto" else {})}
 
     @classmethod
     def from_identity(cls, d: dict) -> "SweepSpec":
         return cls(list(d["command"]), [Axis.from_dict(a) for a in d["axes"]], int(d["repeats"]),
                    dict(d["workload"]), d["phases_from"], list(d.get("baseline_without") or []),
-                   d.get("baseline_run"))
+                   d.get("baseline_run"), d.get("pin", "auto"))
 
     def resolved_phases(self) -> str:
         """Where per-phase timings come from: vLLM's plugin, SGLang's log (the engine the command names), or nowhere

@@ -6,7 +6,8 @@ written (each axis is parsed again from its stored values), the slots those of i
 from __future__ import annotations
 
 from specscope.errors import SpecscopeError
-from specscope.sweep.spec import PHASES_FROM, SweepSpec, parse_engine_axis, parse_env_axis, parse_flag_axis, shown
+from specscope.sweep.spec import (PHASES_FROM, PIN_MODES, SweepSpec, parse_engine_axis, parse_env_axis, parse_flag_axis,
+                                  shown)
 
 SPEC_KEYS = ("command", "axes", "repeats", "workload", "phases_from", "baseline_without", "baseline_run")
 AXIS_KEYS = ("name", "kind", "values", "flag", "path", "key")
@@ -60,7 +61,9 @@ def check_spec(d) -> SweepSpec:
     """The stored settings as a SweepSpec, or Damaged."""
     from specscope.sweep.workload import DEFAULTS, check_workload
 
-    need(isinstance(d, dict) and set(d) == set(SPEC_KEYS), "'spec' is missing or not a sweep's settings")
+    need(isinstance(d, dict) and set(SPEC_KEYS) <= set(d) <= set(SPEC_KEYS) | {"pin"},
+         "'spec' is missing or not a sweep's settings")
+    need(d.get("pin", "auto") in PIN_MODES, f"'pin' is not one of {', '.join(PIN_MODES)}")
     need(isinstance(d["command"], list) and d["command"] and all(isinstance(a, str) for a in d["command"]),
          "'command' is not a list of words")
     need(isinstance(d["axes"], list) and d["axes"], "'axes' is not a list of axes")

@@ -72,6 +72,7 @@ def launch_rows(doc: dict, db: Path) -> list[dict]:
         for rid in doc["matrix"]["cells"][0][0]["runs"]:
             rec = reg.get_run(rid)
             out.append({"run_id": rid, **{k: value_of(rec, p) for k, p in paths.items()},
+                        "host_gbps": ((rec.get("env") or {}).get("host_reference") or {}).get("gbps"),
                         "warmup": (rec.get("results") or {}).get("sweep_warmup")})
     return out
 
@@ -113,7 +114,7 @@ def main() -> None:
         doc = json.loads(run(["sweep", "-w", dirs[m], "--db", db, "--json", "--no-progress"]).stdout)
         from specscope.sweep import render
 
-        results[m] = {"launches": launch_rows(doc, db), "launch_noise": doc.get("launch_noise"),
+        results[m] = {"launches": launch_rows(doc, db), "launch_noise": doc.get("launch_noise"), "host": doc.get("host"),
                       "resolves": render.resolves_words(doc), "placement": doc.get("placement")}
     print_table(results)
     out = {"bench": "launch_spread", "what": "launch-to-launch spread of one sweep cell, placement on and off",
@@ -126,14 +127,14 @@ def main() -> None:
 
 
 def print_table(results: dict) -> None:
-    print(f"{'pin':<6}{'launch':>7}{'verify ms':>11}{'cycle ms':>10}{'τ':>7}{'tok/s':>8}")
+    print(f"{'pin':<6}{'launch':>7}{'verify ms':>11}{'cycle ms':>10}{'τ':>7}{'tok/s':>8}{'host GB/s':>11}")
     for m, r in results.items():
         for i, ln in enumerate(r["launches"], 1):
             def f(k, fmt):
                 v = ln.get(k)
                 return format(v, fmt) if isinstance(v, (int, float)) else "-"
             print(f"{m:<6}{i:>7}{f('verify_ms', '.2f'):>11}{f('cycle_ms', '.2f'):>10}{f('accept_length', '.2f'):>7}"
-                  f"{f('tok_per_s', '.1f'):>8}")
+                  f"{f('tok_per_s', '.1f'):>8}{f('host_gbps', '.1f'):>11}")
         n = r["launch_noise"] or {}
         print(f"  {m}: launches differ by up to {n.get('max_change', float('nan')) * 100:.1f}% in "
               f"{n.get('metric')}; {r['resolves']}; {'; '.join(r['placement'] or [])}")

@@ -120,6 +120,11 @@ def test_a_sweep_launch_is_placed_and_says_so(tmp_path, capsys, monkeypatch, pin
     warm = rec["results"]["sweep_warmup"]
     assert warm["requests"] >= 2 and len(warm["tpot_ms"]) == warm["requests"]
     assert warm["steady"] == settled(warm["tpot_ms"]) and rec["env"]["placement"]["pinned"] == (pin == "auto")
+    # the host's own speed, read on the compute cores before the engine started and after it stopped
+    ref = rec["env"]["host_reference"]
+    assert ref["before_gbps"] > 0 and ref["after_gbps"] > 0 and ref["cores"] == (cores[:-1] if pin == "auto" else [])
+    assert doc["host"]["readings"] == 4 and doc["host"]["min_gbps"] <= ref["gbps"] <= doc["host"]["max_gbps"]
+    assert "the host's own speed (a fixed 64 MiB read on the compute cores" in text
 
 
 # ---- warm-up and resolving power -----------------------------------------------------------------------------------
@@ -152,3 +157,19 @@ def test_pin_is_stored_only_when_off_and_an_older_file_reads_back():
     assert off["pin"] == "off" and check_spec(off).pin == "off"
     with pytest.raises(Damaged, match="'pin' is not one of auto, off"):
         check_spec(dict(off, pin="sometimes"))
+
+
+# ---- the host's own speed --------------------------------------------------------------------------------------------
+def test_host_spread_and_compare_names_a_slower_host():
+    from specscope.registry.causes import rank
+    from specscope.sweep.hostspeed import host_reference, reference_gbps, spread
+
+    assert reference_gbps([sorted(os.sched_getaffinity(0))[0]]) > 0
+    runs = [{"env": {"host_reference": host_reference(20.0, 22.0, [0])}},
+            {"env": {"host_reference": host_reference(25.0, None, [0])}}, {"env": {}}]
+    assert runs[1]["env"]["host_reference"]["gbps"] == 25.0
+    assert spread(runs) == {"min_gbps": 20.0, "max_gbps": 25.0, "change": 0.25, "readings": 3, "mib": 64}
+    assert spread([{"env": {}}]) is None
+    top = rank({"env.host_reference.gbps": (25.0, 20.0), "env.host_reference.cores": ([0], [0, 1]),
+                "env.os.kernel": ("a", "b")}, {"changed_phases": {"verify", "draft"}})
+    assert top[0]["key"] == "env.host_reference.gbps" and "drift" in top[0]["why"]

@@ -79,6 +79,10 @@ PRIORS: list[tuple[str, float, frozenset, str]] = [
     ("env.git.commit", 0.55, ALL, "different specscope commit"),
     ("env.git.dirty", 0.45, ALL, "uncommitted changes in the checkout"),
     ("env.packages.*", 0.35, ALL, "different package version"),
+    ("env.host_reference.gbps", 0.9, ALL, "the host's own speed differed (a fixed memory read on the compute cores "
+                                          "around the launch: a shared machine's drift)"),
+    ("env.host_reference.*", 0.05, ALL, "the host reference's single readings"),
+    ("env.placement.*", 0.6, ALL, "where the engine's threads, its server and the client ran (sweep --pin)"),
     ("env.host", 0.5, ALL, "different machine"),
     ("env.memory.*", 0.3, ALL, "different memory size"),
     ("env.os.kernel", 0.35, ALL, "different kernel"),

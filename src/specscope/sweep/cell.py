@@ -16,6 +16,7 @@ from specscope.engines.builds import BuildFailed, ensure_env
 from specscope.errors import SpecscopeError
 from specscope.fileio import why, write_atomic
 from specscope.serverproc import ServerFailed, ServerProcess, free_port, root_cause
+from specscope.sweep.hostspeed import host_reference, reference_gbps
 from specscope.sweep.placement import pinned, plan
 from specscope.sweep.spec import Cell, SweepSpec
 from specscope.sweep.workload import (Workload, WorkloadFailed, config_of, per_prompt, send, serve_results)
@@ -73,6 +74,8 @@ def run_cell(ctx: Context, cell: Cell, repeat: int) -> dict:
                         ctx.startup_s, ctx.stop_s)
     t0 = time.monotonic()
     out = mark = warm = None
+    cores = [c for g in place.compute for c in g]
+    before = reference_gbps(cores)          # the host's speed on the compute cores, the engine not yet running
     try:
         with pinned(place):         # the engine inherits the client's cores; its compute threads bind to theirs
             eng.start()
@@ -92,6 +95,7 @@ def run_cell(ctx: Context, cell: Cell, repeat: int) -> dict:
     finally:
         died = eng.proc is not None and not eng.alive() and eng.exit_words()
         eng.stop()      # always, and before the steps are read: the plugin writes its last ones at shutdown
+    after = reference_gbps(cores)
     write_atomic(d / "bench.json", json.dumps({k: out[k] for k in ("model", "levels")}, default=str, indent=1),
                  "the cell's bench.json")
     phases, warnings = read_phases(ctx, d, mark)
@@ -101,6 +105,7 @@ def run_cell(ctx: Context, cell: Cell, repeat: int) -> dict:
         warnings.append(warm.words())
     rec = build_record(ctx, cell, repeat, out, phases, argv, warnings)
     rec["env"]["placement"] = place.to_dict()
+    rec["env"]["host_reference"] = host_reference(before, after, cores)
     if warm is not None:
         rec["results"]["sweep_warmup"] = warm.to_dict()
     from specscope.registry import store_record

@@ -25,6 +25,7 @@ import statistics
 
 from specscope.errors import SpecscopeError
 from specscope.sweep.spec import Cell, SweepSpec
+from specscope.sweep.hostspeed import spread as host_spread
 from specscope.sweep.pool import pooled, sample_counts, value_of
 from specscope.sweep.state import SweepState, slot
 
@@ -240,6 +241,7 @@ def sweep_document(state: SweepState, db=None) -> dict:
                        "cells": grid},
             "baselines": baselines, "axes": [axis_report(spec, a, by_cell, noise) for a in spec.axes],
             "launch_noise": _launch_noise(spread, noise), "placement": placements(runs),
+            "host": host_spread(list(runs.values())),
             "failures": failures}
 
 

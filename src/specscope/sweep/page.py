@@ -54,6 +54,8 @@ def _axes(doc: dict) -> list[str]:
         if render.resolves_words(doc):
             out.append(f"<p class=note>{esc(render.resolves_words(doc))}.</p>")
     out += [f"<p class=note>placement: {esc(w)}.</p>" for w in doc.get("placement") or []]
+    if doc.get("host"):
+        out.append(f"<p class=note>{esc(render.host_words(doc))}.</p>")
     for a in doc["axes"]:
         out.append(f"<p><b>{esc(render.axis_headline(a))}</b></p>")
         out.append("<ul>" + "".join(f"<li>{esc(render.slice_words(a['axis'], s))}</li>" for s in a["slices"])

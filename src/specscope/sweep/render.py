@@ -158,6 +158,14 @@ def resolves_words(doc: dict) -> str | None:
             ", ".join(f"≥ {max(r['change'] * 100, 1):.0f}% in {r['label']}" for r in got))
 
 
+def host_words(doc: dict) -> str:
+    h = doc["host"]
+    return (f"the host's own speed (a fixed {h['mib']} MiB read on the compute cores before and "
+            f"after each launch) ranged {h['min_gbps']:.1f}-{h['max_gbps']:.1f} GB/s over the sweep "
+            f"({h['change'] * 100:.0f}% apart; a launch that ran slow beside a slow reading ran slow for the host's "
+            f"reasons)")
+
+
 def baseline_words(b: dict) -> str:
     if b["status"] in ("missing", "failed"):
         return f"{b['key']}: {b['status']}"
@@ -184,6 +192,7 @@ def text_lines(doc: dict) -> list[str]:
     if doc.get("launch_noise"):
         out += ["", launch_words(doc)] + ([resolves_words(doc)] if resolves_words(doc) else [])
     out += [f"placement: {w}" for w in doc.get("placement") or []]
+    out += [host_words(doc)] if doc.get("host") else []
     why = sorted({be["error"] for line in doc["matrix"]["cells"] for c in line
                   if (be := c.get("breakeven")) and "error" in be})
     out += [f"break-even n/a: {w}" for w in why]

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from specscope.engines import parse_engine_args
-from specscope.engines.vllm import capture_flags
+from specscope.engines.vllm import capture_flags, launch_checks
 from specscope.errors import SpecscopeError
 
 ROOT = Path(__file__).resolve().parent.parent / "src" / "specscope"
@@ -64,3 +64,33 @@ def test_a_speculative_config_that_is_not_an_object_is_one_line(read):
     """JSON, but not an object: refused in one line (it was a traceback: exit 70)."""
     with pytest.raises(SpecscopeError, match="must be a JSON object"):
         read("--speculative-config 3")
+
+
+# vLLM's `non-default args:` log line (vllm serve, v0.10+), its speculative_config spelled as given
+VLLM_ARGS = ("(APIServer pid=1) INFO 08-04 20:40:11 [utils.py:326] non-default args: {'model': 'm', "
+             "'speculative_config': ")
+
+
+@pytest.mark.parametrize("spec", ["{'eagle3'}", "{1, 2}", "{[3]}", "{('method', 'eagle3')}"])
+def test_a_vllm_log_line_whose_speculative_config_is_a_set_is_one_line(spec):
+    """A set where vLLM logs a dict: one line naming it (it was a TypeError, exit 70; "no speculative_config"; or,
+    a set of pairs, read as a dict)."""
+    with pytest.raises(SpecscopeError, match=r"speculative_config is \{.*\}, not a dict .* command line instead"):
+        parse_engine_args(VLLM_ARGS + spec + "}")
+
+
+def test_sets_inside_a_vllm_log_lines_speculative_config_are_read_or_reported():
+    """Nested sets and dicts in the logged dict are read past (it was "holds no speculative_config"); a method given
+    as a set or list is reported as its text and warned about, as the SpeculativeConfig repr's text is (it was a
+    set or list for the checks to call .upper() on: a traceback)."""
+    a = parse_engine_args(VLLM_ARGS + "{'method': 'eagle3', 'x': {1, 2}, 'model': 'd}', 'y': {'z': {'a'}}, "
+                                      "'num_speculative_tokens': 3}, 'seed': 0}")
+    assert (a.engine, a.algorithm, a.draft, a.knobs) == ("vllm", "eagle3", "d}", {"num_speculative_tokens": 3})
+    b = parse_engine_args(VLLM_ARGS + "{'method': {'eagle3'}, 'num_speculative_tokens': {3}}}")
+    c = parse_engine_args("INFO [core.py:74] Initializing a V1 LLM engine with config: model='m', "
+                          "speculative_config=SpeculativeConfig(method={'eagle3'}, num_spec_tokens={3})")
+    assert (b.algorithm, b.knobs) == (c.algorithm, c.knobs) == ("{'eagle3'}", {"num_speculative_tokens": "{3}"})
+    d = parse_engine_args("vllm serve m --speculative-config '{\"method\": [\"eagle3\"]}'")
+    for args in (b, d):
+        [method] = launch_checks(args, None, True)
+        assert method.status == "warn" and "is not eagle3" in method.detail

@@ -162,13 +162,43 @@ def from_log(text: str) -> EngineArgs | None:
     m = re.search(r"SpeculativeConfig\((.*?)\)(?:,|\s|$)", text)
     if m:
         return _engine_args(py_args(m.group(1)), "vllm log line")
-    m = re.search(r"['\"]speculative_config['\"]\s*:\s*(\{.*?\})", text)
-    if m:
-        try:
-            return _engine_args(dict(ast.literal_eval(m.group(1))), "vllm log line")
-        except (ValueError, SyntaxError):
-            pass
+    m = re.search(r"['\"]speculative_config['\"]\s*:\s*(?=\{)", text)
+    node = _literal_at(text, m.end()) if m else None
+    if isinstance(node, ast.Dict):
+        return _engine_args(_dict_items(node), "vllm log line")
+    if node is not None:
+        raise SpecscopeError(f"the vLLM log line's speculative_config is {ast.unparse(node)}, not a dict such as "
+                             f"{{'method': 'eagle3', 'num_speculative_tokens': 3}}; pass the `vllm serve` command "
+                             f"line instead")
     raise SpecscopeError("the vLLM log line holds no speculative_config")
+
+
+def _literal_at(text: str, start: int) -> ast.expr | None:
+    """The Python expression that opens with the brace at text[start], closed by the first '}' that makes it whole
+    (nested dicts and sets, braces inside strings); None when none does."""
+    for close in re.finditer(r"\}", text[start:]):
+        try:
+            return ast.parse(text[start:start + close.end()], mode="eval").body
+        except (SyntaxError, ValueError, RecursionError):
+            continue
+    return None
+
+
+def _dict_items(node: ast.Dict) -> dict:
+    """A logged dict's items: each value as a Python literal, or its text where it is none (a set of lists, a call);
+    an item whose key is no literal is left out (none of ours)."""
+    out = {}
+    for k, v in zip(node.keys, node.values):
+        try:
+            key = ast.literal_eval(k) if k is not None else None
+            hash(key)
+        except (ValueError, TypeError, SyntaxError, RecursionError):
+            continue
+        try:
+            out[key] = ast.literal_eval(v)
+        except (ValueError, TypeError, SyntaxError, RecursionError):
+            out[key] = ast.unparse(v)
+    return out
 
 
 def claims(opts: dict) -> bool:
@@ -192,8 +222,14 @@ def from_command(argv: list[str], opts: dict, pos: list[str], source: str = "vll
 
 def _engine_args(spec: dict, source: str, **launch) -> EngineArgs:
     n = to_int(spec.get("num_speculative_tokens", spec.get("num_spec_tokens")))
-    return EngineArgs(NAME, source, algorithm=spec.get("method"), draft=spec.get("model"),
+    return EngineArgs(NAME, source, algorithm=_name(spec.get("method")), draft=_name(spec.get("model")),
                       knobs={"num_speculative_tokens": n}, **launch)
+
+
+def _name(v) -> str | None:
+    """A method or model as named, or the text of a value that is not a name ({'eagle3'}, ['d']): the checks report
+    it as given (as they do the SpeculativeConfig repr's text), never calling str methods on a set."""
+    return None if v is None else str(v)
 
 
 def launch_checks(args: EngineArgs, drafter: DrafterFacts | None, knobs_ok: bool) -> list[Finding]:

@@ -8,10 +8,13 @@ so a client's wall times follow). Only the engines suite runs vLLM itself.
 
     python tests/sweep_engine.py --port P [--steps K] [--verify-ms 2] [--fail] [--die-after N] [--fail-every K]
                                  [--slow-from K [--slow-env BUILD] [--slow-factor 3]] [--placement-file F]
+                                 [--fail-value V ... [--fail-env BUILD]] [--pid-file F]
 
 --die-after N: the process exits on its (N+1)-th request (an engine that crashes mid-workload); --fail-every K:
 every K-th request is answered 500 (an engine failing some requests); --slow-from K: a regression planted from
-build K on (verify --slow-factor times dearer where $BUILD >= K), for `specscope bisect` to find."""
+build K on (verify --slow-factor times dearer where $BUILD >= K), for `specscope bisect` to find; --fail-value V:
+fails to start, as --fail, where $BUILD is V (a build that does not start, for bisect to skip); --pid-file F: its pid
+appended to F at start (a test checks none is left running)."""
 
 from __future__ import annotations
 
@@ -67,6 +70,10 @@ def _args():
                         "--slow-env holds an integer at least this (a bisection test's builds)")
     p.add_argument("--slow-env", default="BUILD")
     p.add_argument("--slow-factor", type=float, default=3.0)
+    p.add_argument("--fail-value", action="append", default=[],
+                   help="exit at once, as --fail, when the environment variable --fail-env holds this value")
+    p.add_argument("--fail-env", default="BUILD")
+    p.add_argument("--pid-file", default=None, help="append this process's pid to this file at start")
     p.add_argument("--placement-file", default=None,
                    help="write the cores this process may run on and VLLM_CPU_OMP_THREADS_BIND here at start")
     return p.parse_args()
@@ -157,7 +164,10 @@ def handler(engine: Engine):
 
 def main():
     a = _args()
-    if a.fail or a.verify_ms < 0:
+    if a.pid_file:
+        with open(a.pid_file, "a") as f:
+            f.write(f"{os.getpid()}\n")
+    if a.fail or a.verify_ms < 0 or os.environ.get(a.fail_env) in a.fail_value:
         print("loading weights ...", flush=True)
         print("ValueError: the model does not fit (stand-in failure)", flush=True)
         raise SystemExit(3)

@@ -1,8 +1,8 @@
 """`specscope bisect` on the stand-in engine (tests/sweep_engine.py, a real HTTP server process launched per cell,
 its steps through the real step recorder at declared costs): a regression the test plants (verify 3x dearer from
-build K on, a build being an environment variable's value) found at its boundary, within the launch bound; ends
-that differ by nothing beyond launch noise stopped in one line; bad input refused in one line before anything is
-written.
+build K on, a build being an environment variable's value) found at its boundary, within the launch bound; probes
+whose engine fails to start skipped, the boundary found around them, no engine left running; ends that differ by
+nothing beyond launch noise stopped in one line; bad input refused in one line before anything is written.
 
 Launch count rule (docs/sweep.md): both ends `--repeats` times each (2 here: the noise), then one launch per probe,
 at most ⌈log2(n − 1)⌉ probes for n values (plus one per skipped probe); ⌈log2(n − 1)⌉ ≤ log2(n) + 1."""
@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import re
 import sys
 from pathlib import Path
 
@@ -80,6 +82,58 @@ def test_the_planted_regression_is_found_at_its_boundary(tmp_path, capsys):
     # another metric over the same launches: τ does not move with the verify's cost, so there is nothing to find
     tau = _bisect(capsys, wd, "--metric", "tau")
     assert tau["status"] == "no change" and tau["launched_now"] == 0 and tau["first_bad"] is None
+
+
+def _running(marker: str) -> list[int]:
+    """Pids of the processes (zombies aside) whose command line holds `marker`, read from /proc."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit() or int(d.name) == os.getpid():
+            continue
+        try:
+            cmd = (d / "cmdline").read_bytes().decode(errors="replace")
+            state = (d / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue                                # not a process, or gone meanwhile
+        if marker in cmd and state != "Z":
+            out.append(int(d.name))
+    return out
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="processes are read from Linux's /proc")
+def test_a_probe_whose_engine_fails_to_start_is_skipped(tmp_path, capsys):
+    """Builds 4 and 6 do not start (regression from 6 on): 4 is skipped and its neighbour probed; 6, skipped at the
+    boundary, is named between the last good and the first bad; no engine is left running."""
+    n, k, fails = 9, 6, ("4", "6")
+    wd, pids = tmp_path / "skips", tmp_path / "engine.pids"
+    args = ["--metric", "verify", "--env", "BUILD=" + ",".join(map(str, range(n))), *WORKLOAD, "--serve-cmd",
+            " ".join(STAND_IN + ["--slow-from", str(k), "--pid-file", str(pids)] +
+                     [a for v in fails for a in ("--fail-value", v)])]
+    res = _bisect(capsys, wd, *args)
+    assert res["status"] == "found"
+    # the search halves around a skip: 4 (the middle) fails, 3 (nearest the middle, untried) goes next
+    assert [(p["value"], p["side"]) for p in res["probes"]] == \
+        [("4", "skipped"), ("3", "good"), ("5", "good"), ("6", "skipped"), ("7", "bad")]
+    skipped = [p for p in res["probes"] if p["side"] == "skipped"]
+    assert all(p["runs"] == [] and p["judgement"] is None and "the model does not fit" in p["reason"]
+               for p in skipped)
+    # the boundary around the skipped 6: the true first bad lies in (last good, first bad], the skip between
+    assert (res["last_good"], res["first_bad"], res["skipped_between"]) == ("5", "7", ["6"])
+    att = res["attribution"]
+    assert (att["from"], att["to"]) == ("BUILD=5", "BUILD=7")
+    # every probe one launch, skipped ones too, and the bound grows by one per skip: 4 + 3 + 2
+    assert res["launches"] == res["launched_now"] == 4 + 5 == res["most_launches"]
+    assert {r["env"]["vars"]["BUILD"] for r in _runs("sweep:skips")} == {"0", "3", "5", "7", "8"}
+    assert len(pids.read_text().split()) == res["launches"]     # each launch's engine wrote its pid
+    assert _running(str(pids)) == []
+
+    # run again: the same answer from the sweep file, the failed values not launched again; the terminal words
+    code, out, err = cli(capsys, "bisect", "-w", wd, *args)
+    assert code == 0, err
+    assert "first bad: BUILD=7    last good: BUILD=5" in out and ", 0 now" in out
+    assert "  not judged between them (skipped): 6" in out.splitlines()
+    assert re.search(r"^    probe BUILD=4: skipped \(.*the model does not fit", out, re.M), out
+    assert len(pids.read_text().split()) == 9 and _running(str(pids)) == []
 
 
 def test_ends_that_differ_by_nothing_beyond_launch_noise_stop_in_one_line(tmp_path, capsys):

@@ -246,7 +246,7 @@ def test_serve_and_bench_serve_end_to_end(model_dir, spec_server, tmp_path):
 def test_num_warmups_warms_up_until_two_requests_agree_and_measures_after(spec_server, tmp_path):
     """--num-warmups 2: the first request twice, then until two in a row take the same time per token (at most 8
     more); the warm-up is not among the measured requests, its times are in the run's results and on stderr."""
-    from specscope.benchserve.warmup import MORE_WARMUP, settled
+    from specscope.benchserve.warmup import MORE_WARMUP
 
     r = subprocess.run([sys.executable, "-m", "specscope", "bench-serve", "--base-url", spec_server.url,
                         "--backend", "openai-chat", "--num-prompts", "3", "--dataset-name", "random",
@@ -257,7 +257,7 @@ def test_num_warmups_warms_up_until_two_requests_agree_and_measures_after(spec_s
     res = json.loads(r.stdout)["results"]
     warm = res["warmup"]
     assert 2 <= warm["requests"] <= 2 + MORE_WARMUP and len(warm["tpot_ms"]) == warm["requests"]
-    assert warm["steady"] == settled(warm["tpot_ms"])
+    assert warm["steady"] or warm["requests"] == 2 + MORE_WARMUP      # unsettled only once the extra ones ran out
     assert res["levels"][0]["completed"] == 3                   # the measured requests alone
     r = subprocess.run([sys.executable, "-m", "specscope", "bench-serve", "--base-url", spec_server.url,
                         "--backend", "openai-chat", "--num-prompts", "1", "--dataset-name", "random",

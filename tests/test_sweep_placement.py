@@ -18,7 +18,7 @@ import pytest
 
 from cli_util import cli
 
-from specscope.benchserve.warmup import WarmUp, settled
+from specscope.benchserve.warmup import MORE_WARMUP, WarmUp, settled
 from specscope.sweep.placement import Placement, pinned, plan
 from specscope.sweep.spec import SweepSpec, parse_flag_axis
 from specscope.sweep.statecheck import Damaged, check_spec
@@ -119,7 +119,8 @@ def test_a_sweep_launch_is_placed_and_says_so(tmp_path, capsys, monkeypatch, pin
         rec = reg.get_run(doc["matrix"]["cells"][0][0]["runs"][0])
     warm = rec["results"]["sweep_warmup"]
     assert warm["requests"] >= 2 and len(warm["tpot_ms"]) == warm["requests"]
-    assert warm["steady"] == settled(warm["tpot_ms"]) and rec["env"]["placement"]["pinned"] == (pin == "auto")
+    assert warm["steady"] or warm["requests"] == 1 + MORE_WARMUP      # unsettled only once the extra ones ran out
+    assert rec["env"]["placement"]["pinned"] == (pin == "auto")
     # the host's own speed, read on the compute cores before the engine started and after it stopped
     ref = rec["env"]["host_reference"]
     assert ref["before_gbps"] > 0 and ref["after_gbps"] > 0 and ref["cores"] == (cores[:-1] if pin == "auto" else [])

@@ -19,7 +19,7 @@ LAYERS = [
     ("records", {"registry"}),
     ("tools", {"economics", "train", "ingest"}),
     ("outputs", {"report", "plugins", "benchserve"}),
-    ("runs", {"session", "check_drafter", "sweep"}),         # what one command's run does, end to end
+    ("runs", {"session", "check_drafter", "served_check", "sweep"}),         # what one command's run does, end to end
     ("front ends", {"demo", "server"}),
     ("cli", {"cli", "__main__"}),
 ]

@@ -25,6 +25,7 @@ from specscope.models import loader   # loader.load_model looked up per call: te
 from specscope.models.config import ModelConfig
 from specscope.prompts import load_prompts, warn
 from specscope.runtime.tokenizer import Tokenizer
+from specscope.served_check import Served, served_check
 from specscope.speculative.decode import SHAPE_FILE, SpecConfig, declared_shape, drafter_for
 from specscope.speculative.eagle3 import DrafterConfig
 from specscope.speculative.formats import (TargetFacts, aux_conventions, detect_format, load_drafter, map_problems,
@@ -48,6 +49,7 @@ class Report:
     engine: dict | None = None
     acceptance: dict | None = None
     prediction: dict | None = None      # check-drafter --predict: train/predicted.py's PredictedTau.to_dict()
+    served: dict | None = None          # check-drafter --served: served_check.py's counters, prediction, readings
 
     def add(self, name: str, status: str, detail: str, **data):
         self.checks.append({"check": name, "status": status, "detail": detail, **data})
@@ -59,7 +61,7 @@ class Report:
     def to_dict(self) -> dict:
         return {"ok": not self.faults, "faults": self.faults, "drafter": self.drafter, "target": self.target,
                 "checks": self.checks, "engine": self.engine, "acceptance": self.acceptance,
-                "prediction": self.prediction}
+                "prediction": self.prediction, "served": self.served}
 
 
 # ---------------------------------------------------------------- an outside engine's launch against the drafter
@@ -390,7 +392,7 @@ def _ticking(items, tick):
 def check_drafter(drafter_path: str | Path, facts: TargetFacts, engine_args: str | None = None,
                   run: bool = True, prompts: list[str] | None = None, max_new_tokens: int = 48,
                   steps: int = 5, device: str = "cpu", progress=None, predict: bool = False,
-                  features: str | None = None) -> Report:
+                  features: str | None = None, served: str | None = None) -> Report:
     """progress(total): a specscope.progress.Progress over the measured prompts (made only when they are)."""
     path = Path(drafter_path)
     if not path.is_dir():
@@ -401,6 +403,8 @@ def check_drafter(drafter_path: str | Path, facts: TargetFacts, engine_args: str
                             "rope_scaling": facts.rope_scaling,
                             "max_position_embeddings": facts.max_position_embeddings})
     eng = parse_engine_args(engine_args) if engine_args else None     # a bad command line fails before the work
+    srv = Served(served) if served else None
+    engine = srv.connect() if srv else None          # as does a server without the counters --served reads
     shape_check(report, path)
     drafter, cfg, has_map = static_checks(report, path, facts)
     tok = tokenizer_checks(report, path, facts)
@@ -408,6 +412,8 @@ def check_drafter(drafter_path: str | Path, facts: TargetFacts, engine_args: str
         engine_checks(report, eng, cfg, has_map, path)
     if not run:
         report.add("acceptance", SKIP, "not measured (--no-run)")
+    elif served:
+        report.add("acceptance", SKIP, "measured by the served engine (--served)")
     elif report.faults:
         report.add("acceptance", SKIP, "not measured: fix the faults above first")
     elif (why := can_run(facts)) or tok is None:
@@ -417,6 +423,11 @@ def check_drafter(drafter_path: str | Path, facts: TargetFacts, engine_args: str
         with (progress(len(prompts)) if progress else nullcontext()) as bar:
             measure(report, path, facts, tok, prompts, max_new_tokens, steps, device,
                     tick=bar.advance if bar else None)
+    if served and report.faults:
+        report.add("served τ", SKIP, "not measured: fix the faults above first")
+    elif served:
+        served_check(report, srv, engine, path, facts, tok, prompts or default_prompts(), max_new_tokens, device,
+                     "--no-run" if not run else can_run(facts), dtype=eng.dtype if eng is not None else None)
     recorded = cfg.meta.predicted_tau if cfg is not None else None
     if predict or features:
         why = "fix the faults above first" if report.faults else None if features else "--no-run" if not run \

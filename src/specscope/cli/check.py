@@ -36,10 +36,14 @@ MARK = {"ok": "ok  ", "warn": "WARN", "fail": "FAIL", "skip": "skip"}
 @click.option("--features", type=click.Path(file_okay=False), default=None,
               help="Predict from the target's states captured in a training run's data directory (WORKDIR/data, "
                    "greedy answers) instead of running the target; implies --predict.")
+@click.option("--served", metavar="URL", default=None,
+              help="A running engine serving the target with this drafter (vLLM, or specscope serve): run the "
+                   "prompts through it, read its spec-decode counters, set its τ against the prediction and name "
+                   "the cause of a gap.")
 @device_option(default="cpu")
 @json_option("Print the checks, faults and acceptance as one JSON object.")
 def check_drafter(drafter, target_name, engine_args, num_prompts, max_new_tokens, steps, no_run, predict, features,
-                  device, as_json):
+                  served, device, as_json):
     """One report of everything that decides whether DRAFTER (a directory, shipped name or Hugging Face id) works
     with the target.
     Exit status 1 when it names a fault."""
@@ -66,10 +70,10 @@ def check_drafter(drafter, target_name, engine_args, num_prompts, max_new_tokens
 
     # the acceptance measurement decodes every prompt (seconds to minutes): the progress every command shows
     report = run_check(path, facts, engine_args, run=not no_run,
-                       prompts=None if no_run and not predict else default_prompts(num_prompts),
+                       prompts=None if no_run and not (predict or served) else default_prompts(num_prompts),
                        max_new_tokens=max_new_tokens, steps=steps, device=str(dev),
                        progress=lambda n: Progress("check-drafter acceptance", n, "prompt", json_mode=as_json),
-                       predict=predict, features=features)
+                       predict=predict, features=features, served=served)
     d = report.to_dict()
     if as_json:
         emit_json(d)

@@ -1,0 +1,101 @@
+"""`check-drafter --served`: causes planted into the good pair (the embedded model + the shipped drafter exported to
+speculators), each served by a real vLLM on loopback, and check-drafter names each one with its fix. The good pair
+and the SGLang layout (aux layer ids vLLM counts from another origin) are checked on test_vllm.py's servers.
+
+One server per planted configuration, each stopped before the next starts."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from engine_util import specscope_cli
+
+from specscope.benchserve.launch import VLLMServer
+
+PROMPTS, TOKENS = "3", "48"
+
+
+def served_report(drafter, model_dir, url, *extra) -> tuple[int, dict]:
+    r = specscope_cli("check-drafter", drafter, "--model", model_dir, "--served", url, "--num-prompts", PROMPTS,
+                      "--max-new-tokens", TOKENS, "--json", *extra, check=False)
+    assert r.returncode in (0, 1), r.stdout + r.stderr
+    return r.returncode, json.loads(r.stdout)
+
+
+def checks_of(rep: dict) -> dict:
+    return {c["check"]: c for c in rep["checks"]}
+
+
+def planted_copy(src, dst, edit_config=None, edit_weights=None):
+    shutil.copytree(src, dst, dirs_exist_ok=True)
+    if edit_config:
+        cfg = json.loads((dst / "config.json").read_text())
+        edit_config(cfg)
+        (dst / "config.json").write_text(json.dumps(cfg, indent=2))
+    if edit_weights:
+        from safetensors.torch import load_file, save_file
+
+        f = next(dst.glob("*.safetensors"))
+        sd = load_file(str(f))
+        edit_weights(sd)
+        save_file(sd, str(f))
+    return dst
+
+
+def serve(request, vllm_python, model_dir, work, name, drafter, args=()):
+    srv = VLLMServer(vllm_python, model_dir, spec={"method": "eagle3", "model": str(drafter),
+                                                   "num_speculative_tokens": 3},
+                     log=work / f"{name}.log", extra_args=list(args))
+    srv.__enter__()
+    request.addfinalizer(srv.stop)
+    return srv
+
+
+def test_norm_placement_is_named(request, vllm_python, model_dir, work, exports):
+    """A speculators config.json without norm_before_residual: vLLM (and specscope) assume true, the drafter was
+    trained with false."""
+    bad = planted_copy(exports["speculators"], work / "drafter-no-nbr",
+                       edit_config=lambda c: c.pop("norm_before_residual", None))
+    srv = serve(request, vllm_python, model_dir, work, "served-nbr", bad)
+    rc, rep = served_report(bad, model_dir, srv.url)
+    srv.stop()
+    c = checks_of(rep)
+    assert rc == 1 and c["served: norm placement"]["status"] == "fail", json.dumps(rep["checks"], indent=1)
+    assert "norm_before_residual" in c["served: norm placement"]["detail"]
+    assert '"norm_before_residual": false' in c["served: norm placement"]["detail"]
+
+
+def test_vocabulary_map_is_named(request, vllm_python, model_dir, work, exports):
+    """d2t re-aligned after training (a permutation of the same target ids: every static check still passes)."""
+    import torch
+
+    def shuffle(sd):
+        d2t = sd["d2t"].to(torch.long)
+        ids = torch.arange(len(d2t)) + d2t
+        perm = torch.randperm(len(ids), generator=torch.Generator().manual_seed(0))
+        sd["d2t"] = (ids[perm] - torch.arange(len(ids))).to(sd["d2t"].dtype)
+
+    bad = planted_copy(exports["speculators"], work / "drafter-shuffled-map", edit_weights=shuffle)
+    srv = serve(request, vllm_python, model_dir, work, "served-map", bad)
+    rc, rep = served_report(bad, model_dir, srv.url)
+    srv.stop()
+    c = checks_of(rep)
+    assert rc == 1 and c["served: vocabulary map"]["status"] == "fail", json.dumps(rep["checks"], indent=1)
+    assert "ascending" in c["served: vocabulary map"]["detail"]
+    assert c["token map"]["status"] == "ok"          # invisible to the static check
+
+
+def test_chat_template_is_named(request, vllm_python, model_dir, work, exports):
+    """The good drafter, served with another chat template than the target's (vLLM --chat-template)."""
+    tpl = work / "other-template.jinja"
+    tpl.write_text("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant: ")
+    srv = serve(request, vllm_python, model_dir, work, "served-template", exports["speculators"],
+                args=["--chat-template", str(tpl)])
+    rc, rep = served_report(exports["speculators"], model_dir, srv.url)
+    srv.stop()
+    c = checks_of(rep)
+    assert rc == 1 and c["served: chat template"]["status"] == "fail", json.dumps(rep["checks"], indent=1)
+    assert c["served: tokenizer"]["status"] == "ok"
+    assert "--chat-template" in c["served: chat template"]["detail"]

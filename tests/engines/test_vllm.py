@@ -197,6 +197,17 @@ class TestEagle3Chain3:
         RESULTS["k3_metrics"] = got
         assert got == ours[3], f"vLLM {got} != specscope {ours[3]}"
 
+    def test_check_drafter_served_calls_the_good_pair_good(self, srv, exports, model_dir):
+        """check-drafter --served on this server: vLLM's counters equal the prediction, every check passes."""
+        r = specscope_cli("check-drafter", exports["speculators"], "--model", model_dir, "--served", srv.url,
+                          "--num-prompts", "3", "--max-new-tokens", "48", "--json", check=False)
+        rep = json.loads(r.stdout)
+        checks = {c["check"]: c for c in rep["checks"]}
+        print("\n" + checks["served τ"]["detail"])
+        assert r.returncode == 0 and checks["served τ"]["status"] == "ok", r.stdout
+        assert "equal the prediction exactly" in checks["served τ"]["detail"]
+        assert all(c["status"] == "ok" for n, c in checks.items() if n.startswith("served")), checks
+
     def test_trace_of_vllms_own_profiler_ingests(self, srv, prompts, work):
         httpx.post(srv.url + "/start_profile", timeout=60).raise_for_status()
         srv.chat(prompts[0], 24)
@@ -293,6 +304,16 @@ class TestEagle3SGLangLayout:
         got = vllm_counters(srv.metrics())
         assert got == ours["3_layers_minus_1"], f"vLLM {got} != specscope with layers - 1 {ours['3_layers_minus_1']}"
         assert got != ours[3]     # else this prompt set cannot tell the conventions apart
+
+    def test_check_drafter_served_names_the_aux_layer_ids(self, srv, exports, model_dir):
+        """--served: vLLM's counters are those of the drafter fed the states one layer early, exactly."""
+        r = specscope_cli("check-drafter", exports["sglang"], "--model", model_dir, "--served", srv.url,
+                          "--num-prompts", "3", "--max-new-tokens", "48", "--json", check=False)
+        checks = {c["check"]: c for c in json.loads(r.stdout)["checks"]}
+        aux = checks.get("served: aux layer ids")
+        print("\n" + checks["served τ"]["detail"] + "\n" + (aux or {}).get("detail", ""))
+        assert r.returncode == 1 and aux and aux["status"] == "fail", r.stdout
+        assert "exactly" in aux["detail"] and "[1, 14, 26]" in aux["detail"] and "--format speculators" in aux["detail"]
 
     def test_check_drafter_warns_about_this_launch(self, srv, exports, model_dir):
         r = specscope_cli("check-drafter", exports["sglang"], "--model", model_dir, "--no-run", "--json",

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from specscope.errors import SpecscopeError
+
 STEADY = 0.03           # two warm-up requests in a row this close in time per output token: the engine is warm
 MORE_WARMUP = 8         # at most this many warm-up requests past the asked count before measuring anyway
 
@@ -42,13 +44,21 @@ def settled(times: list[float]) -> bool:
 
 def warm_up(send, n: int) -> WarmUp | None:
     """`send(k)`: k copies of the first request sent one at a time, returning run_levels' output. At least `n`,
-    then one at a time until settled, at most MORE_WARMUP more; None when n is 0 (no warm-up asked)."""
+    then one at a time until settled, at most MORE_WARMUP more; None when n is 0 (no warm-up asked). The extra
+    ones stop at the first that fails: an engine that dies or refuses is the measured workload's to report (with
+    its log's root cause), not the warm-up's."""
     if not n:
         return None
     warm = WarmUp(tpot_ms(send(n)))
     for _ in range(MORE_WARMUP):
         if settled(warm.tpot_ms):
             break
-        warm.tpot_ms += tpot_ms(send(1))
+        try:
+            got = tpot_ms(send(1))
+        except (SpecscopeError, OSError):       # the engine gone (connection refused): the workload says why
+            break
+        if not got:
+            break
+        warm.tpot_ms += got
     warm.steady = settled(warm.tpot_ms)
     return warm

@@ -83,7 +83,7 @@ def run_cell(ctx: Context, cell: Cell, repeat: int) -> dict:
                 ctx.on_start(eng.pgid)
             eng.wait_healthy()
             mark, warm = _warm_up(ctx, eng.url, d)
-            out = send(ctx.workload, eng.url, ctx.workload.requests, ctx.workload_s)
+            out = _workload(ctx, eng.url, d)
         level = out["levels"][0]
         if not level["completed"]:
             first = (level.get("error_examples") or ["none reported"])[0]
@@ -113,6 +113,18 @@ def run_cell(ctx: Context, cell: Cell, repeat: int) -> dict:
     run_id = store_record(rec, ctx.db)
     return {"status": "ok", "run_id": run_id, "pgid": eng.pgid, "seconds": round(time.monotonic() - t0, 1),
             "warnings": warnings}
+
+
+def _workload(ctx: Context, url: str, d: Path) -> dict:
+    """The measured requests; an engine gone before them (it died in the warm-up: nothing answers) is a workload
+    whose every request failed, named by the engine's log as any other."""
+    try:
+        return send(ctx.workload, url, ctx.workload.requests, ctx.workload_s)
+    except WorkloadFailed:
+        raise
+    except SpecscopeError as e:
+        raise WorkloadFailed(f"no request succeeded ({len(ctx.workload.requests)} failed; first error: {e})"
+                             + _engine_cause(d)) from None
 
 
 def _engine_cause(d: Path) -> str:

@@ -99,3 +99,37 @@ def test_chat_template_is_named(request, vllm_python, model_dir, work, exports):
     assert rc == 1 and c["served: chat template"]["status"] == "fail", json.dumps(rep["checks"], indent=1)
     assert c["served: tokenizer"]["status"] == "ok"
     assert "--chat-template" in c["served: chat template"]["detail"]
+
+
+def test_a_target_served_in_another_dtype_is_named(request, vllm_python, model_dir, work, exports):
+    """The good drafter, the target served in bfloat16 (the drafter is predicted on the fp32 target): the served
+    greedy answers differ from the target's, and the check names the dtype the launch gives."""
+    srv = serve(request, vllm_python, model_dir, work, "served-bf16", exports["speculators"],
+                args=["--dtype", "bfloat16"])
+    rc, rep = served_report(exports["speculators"], model_dir, srv.url, "--engine-args", srv.command)
+    srv.stop()
+    c = checks_of(rep)
+    row = c.get("served: target dtype / quantisation")
+    assert row and row["status"] in ("warn", "fail"), json.dumps(rep["checks"], indent=1)
+    assert "--dtype bfloat16" in row["detail"]
+    assert c["served: tokenizer"]["status"] == "ok" and c["served: chat template"]["status"] == "ok"
+
+
+def test_another_tokenizer_is_named(request, vllm_python, model_dir, work, exports):
+    """The target served with another tokenizer revision (vLLM --tokenizer): the target's tokenizer with its first
+    2,000 BPE merges dropped, so common words split into other ids; the same vocabulary, nothing fails to load."""
+    tok_dir = work / "tokenizer-other-revision"
+    tok_dir.mkdir(exist_ok=True)
+    for f in model_dir.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges", "chat_template")) and f.is_file():
+            shutil.copy(f, tok_dir / f.name)
+    tj = json.loads((tok_dir / "tokenizer.json").read_text())
+    tj["model"]["merges"] = tj["model"]["merges"][2000:]
+    (tok_dir / "tokenizer.json").write_text(json.dumps(tj))
+    srv = serve(request, vllm_python, model_dir, work, "served-tokenizer", exports["speculators"],
+                args=["--tokenizer", str(tok_dir)])
+    rc, rep = served_report(exports["speculators"], model_dir, srv.url)
+    srv.stop()
+    c = checks_of(rep)
+    assert rc == 1 and c["served: tokenizer"]["status"] == "fail", json.dumps(rep["checks"], indent=1)
+    assert "token ids differ from the target's" in c["served: tokenizer"]["detail"]

@@ -53,15 +53,21 @@ def serve(request, vllm_python, model_dir, work, name, drafter, args=()):
     return srv
 
 
+def served_checks(request, vllm_python, model_dir, work, name, drafter, args=(), engine_args=False):
+    """One server for one planted configuration, check-drafter --served against it (with the launch as
+    --engine-args when asked), the server stopped: (exit code, the checks by name, the report)."""
+    srv = serve(request, vllm_python, model_dir, work, name, drafter, args)
+    rc, rep = served_report(drafter, model_dir, srv.url, *(["--engine-args", srv.command] if engine_args else []))
+    srv.stop()
+    return rc, checks_of(rep), rep
+
+
 def test_norm_placement_is_named(request, vllm_python, model_dir, work, exports):
     """A speculators config.json without norm_before_residual: vLLM (and specscope) assume true, the drafter was
     trained with false."""
     bad = planted_copy(exports["speculators"], work / "drafter-no-nbr",
                        edit_config=lambda c: c.pop("norm_before_residual", None))
-    srv = serve(request, vllm_python, model_dir, work, "served-nbr", bad)
-    rc, rep = served_report(bad, model_dir, srv.url)
-    srv.stop()
-    c = checks_of(rep)
+    rc, c, rep = served_checks(request, vllm_python, model_dir, work, "served-nbr", bad)
     assert rc == 1 and c["served: norm placement"]["status"] == "fail", json.dumps(rep["checks"], indent=1)
     assert "norm_before_residual" in c["served: norm placement"]["detail"]
     assert '"norm_before_residual": false' in c["served: norm placement"]["detail"]
@@ -78,10 +84,7 @@ def test_vocabulary_map_is_named(request, vllm_python, model_dir, work, exports)
         sd["d2t"] = (ids[perm] - torch.arange(len(ids))).to(sd["d2t"].dtype)
 
     bad = planted_copy(exports["speculators"], work / "drafter-shuffled-map", edit_weights=shuffle)
-    srv = serve(request, vllm_python, model_dir, work, "served-map", bad)
-    rc, rep = served_report(bad, model_dir, srv.url)
-    srv.stop()
-    c = checks_of(rep)
+    rc, c, rep = served_checks(request, vllm_python, model_dir, work, "served-map", bad)
     assert rc == 1 and c["served: vocabulary map"]["status"] == "fail", json.dumps(rep["checks"], indent=1)
     assert "ascending" in c["served: vocabulary map"]["detail"]
     assert c["token map"]["status"] == "ok"          # invisible to the static check
@@ -91,11 +94,8 @@ def test_chat_template_is_named(request, vllm_python, model_dir, work, exports):
     """The good drafter, served with another chat template than the target's (vLLM --chat-template)."""
     tpl = work / "other-template.jinja"
     tpl.write_text("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant: ")
-    srv = serve(request, vllm_python, model_dir, work, "served-template", exports["speculators"],
-                args=["--chat-template", str(tpl)])
-    rc, rep = served_report(exports["speculators"], model_dir, srv.url)
-    srv.stop()
-    c = checks_of(rep)
+    rc, c, rep = served_checks(request, vllm_python, model_dir, work, "served-template", exports["speculators"],
+                               args=["--chat-template", str(tpl)])
     assert rc == 1 and c["served: chat template"]["status"] == "fail", json.dumps(rep["checks"], indent=1)
     assert c["served: tokenizer"]["status"] == "ok"
     assert "--chat-template" in c["served: chat template"]["detail"]
@@ -104,11 +104,8 @@ def test_chat_template_is_named(request, vllm_python, model_dir, work, exports):
 def test_a_target_served_in_another_dtype_is_named(request, vllm_python, model_dir, work, exports):
     """The good drafter, the target served in bfloat16 (the drafter is predicted on the fp32 target): the served
     greedy answers differ from the target's, and the check names the dtype the launch gives."""
-    srv = serve(request, vllm_python, model_dir, work, "served-bf16", exports["speculators"],
-                args=["--dtype", "bfloat16"])
-    rc, rep = served_report(exports["speculators"], model_dir, srv.url, "--engine-args", srv.command)
-    srv.stop()
-    c = checks_of(rep)
+    rc, c, rep = served_checks(request, vllm_python, model_dir, work, "served-bf16", exports["speculators"],
+                               args=["--dtype", "bfloat16"], engine_args=True)
     row = c.get("served: target dtype / quantisation")
     assert row and row["status"] in ("warn", "fail"), json.dumps(rep["checks"], indent=1)
     assert "--dtype bfloat16" in row["detail"]
@@ -126,10 +123,7 @@ def test_another_tokenizer_is_named(request, vllm_python, model_dir, work, expor
     tj = json.loads((tok_dir / "tokenizer.json").read_text())
     tj["model"]["merges"] = tj["model"]["merges"][2000:]
     (tok_dir / "tokenizer.json").write_text(json.dumps(tj))
-    srv = serve(request, vllm_python, model_dir, work, "served-tokenizer", exports["speculators"],
-                args=["--tokenizer", str(tok_dir)])
-    rc, rep = served_report(exports["speculators"], model_dir, srv.url)
-    srv.stop()
-    c = checks_of(rep)
+    rc, c, rep = served_checks(request, vllm_python, model_dir, work, "served-tokenizer", exports["speculators"],
+                               args=["--tokenizer", str(tok_dir)])
     assert rc == 1 and c["served: tokenizer"]["status"] == "fail", json.dumps(rep["checks"], indent=1)
     assert "token ids differ from the target's" in c["served: tokenizer"]["detail"]

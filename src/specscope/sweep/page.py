@@ -51,8 +51,8 @@ def _axes(doc: dict) -> list[str]:
            f"<p class=note>{esc(rule if doc.get('launch_noise') else render.axes_header(doc) + '.')}</p>"]
     if doc.get("launch_noise"):
         out.append(f"<p class=note>{esc(render.launch_words(doc))}.</p>")
-        if render.resolves_words(doc):
-            out.append(f"<p class=note>{esc(render.resolves_words(doc))}.</p>")
+        if (words := render.resolves_words(doc)):
+            out.append(f"<p class=note>{esc(words)}.</p>")
     out += [f"<p class=note>placement: {esc(w)}.</p>" for w in doc.get("placement") or []]
     if doc.get("host"):
         out.append(f"<p class=note>{esc(render.host_words(doc))}.</p>")

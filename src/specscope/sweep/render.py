@@ -190,7 +190,7 @@ def text_lines(doc: dict) -> list[str]:
         out.append("  " + axis_headline(a))
         out += ["    " + slice_words(a["axis"], s) for s in a["slices"]]
     if doc.get("launch_noise"):
-        out += ["", launch_words(doc)] + ([resolves_words(doc)] if resolves_words(doc) else [])
+        out += ["", launch_words(doc)] + [w for w in (resolves_words(doc),) if w]
     out += [f"placement: {w}" for w in doc.get("placement") or []]
     out += [host_words(doc)] if doc.get("host") else []
     why = sorted({be["error"] for line in doc["matrix"]["cells"] for c in line

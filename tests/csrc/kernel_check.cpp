@@ -6,6 +6,7 @@
 
 #include <stdio.h>
 #include <stdlib.h>
+#include <unistd.h>
 
 #include <atomic>
 
@@ -339,6 +340,71 @@ static void check_pool() {
     }
 }
 
+// Programs (pool.h run_program). A job whose chunks sleep 3 ms now and then (a thread "preempted" while holding
+// one): the stage after it must find every output written once with its value; a late thread must never write
+// after its job is over (each stage overwrites the last stage's outputs with a sentinel, and they still hold it
+// when run_program has returned and 10 ms more passed); other threads compute a late chunk again and carry the
+// program's serial parts forward while the caller sleeps.
+struct SleepyJob {
+    float* out;
+    int64_t stage;
+    size_t scratch(int64_t b, int64_t e) const { return (size_t)(e - b); }
+    void compute(int64_t b, int64_t e, float* to) const {
+        if ((b + stage) % 5 == 0) usleep(3000);
+        for (int64_t i = b; i < e; ++i) (to ? to[i - b] : out[i]) = (float)(i * 7 + stage);
+    }
+    void commit(int64_t b, int64_t e, const float* from) const { memcpy(out + b, from, (size_t)(e - b) * 4); }
+};
+
+struct SleepyProg {
+    std::vector<std::vector<float>>* outs;
+    int64_t items, stages;
+    int nthreads;
+    pthread_t caller;
+    std::atomic<int>* bad;
+    std::atomic<int>* elsewhere;   // serial parts run by a thread other than the caller
+};
+
+static bool sleepy_stage(void* vp, int64_t s, pool::Job* job) {
+    SleepyProg& P = *(SleepyProg*)vp;
+    job->items = 0;
+    if (!pthread_equal(pthread_self(), P.caller)) P.elsewhere->fetch_add(1);
+    if (s > 0) {   // the last stage's outputs: each written once, with its value; then the sentinel
+        std::vector<float>& prev = (*P.outs)[s - 1];
+        for (int64_t i = 0; i < P.items; ++i)
+            if (prev[i] != (float)(i * 7 + s - 1)) P.bad->fetch_add(1);
+        std::fill(prev.begin(), prev.end(), -2.0f);
+    }
+    if (s == P.stages) return false;
+    pool::Later{job, P.nthreads}(SleepyJob{(*P.outs)[s].data(), s}, P.items);
+    return true;
+}
+
+static void check_programs() {
+    const uint64_t before = pool::redone();
+    for (int nt : {2, 3, 5}) {
+        const int64_t items = 64, stages = 60;
+        std::vector<std::vector<float>> outs(stages, std::vector<float>(items, -1.0f));
+        std::atomic<int> bad{0}, elsewhere{0};
+        SleepyProg prog{&outs, items, stages, nt, pthread_self(), &bad, &elsewhere};
+        pool::run_program(nt, sleepy_stage, &prog);
+        CHECK(bad.load() == 0, "programs (%d threads): %d outputs were wrong when the next stage read them", nt, bad.load());
+        usleep(10000);
+        for (int64_t s = 0; s < stages; ++s)
+            for (int64_t i = 0; i < items; ++i)
+                CHECK(outs[s][i] == -2.0f, "programs (%d threads): a late thread wrote stage %ld item %ld after its job",
+                      nt, (long)s, (long)i);
+        CHECK(elsewhere.load() > 0, "programs (%d threads): no serial part ran on a thread other than the caller", nt);
+    }
+    CHECK(pool::redone() > before, "programs: no late chunk was ever computed again");
+    // one thread: the same program inline, stage after stage
+    std::vector<std::vector<float>> outs(4, std::vector<float>(8, -1.0f));
+    std::atomic<int> bad{0}, elsewhere{0};
+    SleepyProg prog{&outs, 8, 4, 1, pthread_self(), &bad, &elsewhere};
+    pool::run_program(1, sleepy_stage, &prog);
+    CHECK(bad.load() == 0 && elsewhere.load() == 0, "programs: the inline run differs");
+}
+
 int main() {
     check_gemm();
     check_gemm_bf16();
@@ -348,6 +414,7 @@ int main() {
     check_rope_attention();
     check_attention_bf16kv();
     check_pool();
+    check_programs();
     printf("ok %s %d\n", rows_gemm_isa(), checks);
     return 0;
 }

@@ -28,7 +28,10 @@ speed, never the result.
 Threads: `torch.get_num_threads()` of them (during a decode step, `step_threads`: torch's count, while torch's own
 ops run on the calling thread), in csrc/pool.h's pool (not OpenMP): chunks of a layer's work are claimed by
 whichever thread is running, so beside other busy processes a preempted thread costs its chunk, not a barrier per
-kernel; bits never depend on which thread computed a row.
+kernel; a forward's decoder layers (`rows_layers`) run as one pool program: whichever thread completes a stage runs
+the next serial part (norms, rope, residuals) and publishes the next job, and a chunk whose holder was preempted is
+computed again by a thread with nothing to do, so the step moves while either thread has a core. Bits never depend
+on which thread computed a row.
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ from specscope.errors import SpecscopeError
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCE = CSRC / "rows_gemm.cpp"
 SOURCES = (SOURCE, CSRC / "simd.h", CSRC / "pool.h")
-ABI = 11
+ABI = 12
 # -ffp-contract=off: the compiler may fuse a*b-c into an FMA in one copy of a loop (vectorised) and not in another
 # (scalar), which broke verify == decode for the rotary embedding under -O3 on aarch64; every FMA we want is explicit
 COMMON_FLAGS = ["-O3", "-std=c++17", "-ffp-contract=off", "-fPIC", "-shared"]
@@ -349,6 +352,7 @@ _I64, _P, _INT, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_f
 # each entry point's (return type, argument types), as rows_gemm.cpp declares them
 SIGNATURES = {
     "rows_gemm_isa": (ctypes.c_char_p, None),
+    "rows_pool_redone": (ctypes.c_uint64, []),
     "rows_gemm_variants": (_INT, [_P, _P, _INT]),
     "rows_gemm_f32": (_INT, [_P, _I64, _P, _I64, _I64, _I64, _P, _P, _INT, _INT]),
     "rows_gemm_pack": (None, [_P, _I64, _I64, _I64, _P]),

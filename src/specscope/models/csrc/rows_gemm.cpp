@@ -3,7 +3,9 @@
 // written once over the vector operations of simd.h and built per instruction set (AVX-512 with or without
 // AVX512_BF16, AVX2+FMA, NEON) by models/rowgemm.py
 // (no torch headers; called through ctypes). Threads: pool.h's pool, whose chunks are claimed rather than assigned,
-// so a thread preempted by another process costs its chunk, not the step (OpenMP's barriers waited for it).
+// so a thread preempted by another process costs its chunk, not the step (OpenMP's barriers waited for it); a
+// whole stack of layers (rows_layers) runs as one pool program that whichever of our threads is running carries
+// forward, so beside busy processes the step moves while either thread has a core.
 //
 // Linear, memory-bound design: W is packed once into column panels of NB = V*L outputs, [out/NB][in][NB], so each
 // panel is one sequential stream; a panel is read from DRAM once and applied to every activation row (the rows are
@@ -71,28 +73,55 @@ static inline void tail(int64_t rem, const float* x, int64_t in, const WT* p, co
     }
 }
 
+// A linear's panels [b0, b1) as a pool job (pool.h Job): their outputs, columns
+// [b0*NB, min(b1*NB, out)) of every row, go to y, or to scratch laid out [n][those columns] and copied later. The
+// tile writes the same bits wherever it writes them.
+struct PanelOut {
+    float* y;
+    int64_t n, out, NB;
+    int64_t cols(int64_t b0, int64_t b1) const { return (b1 * NB < out ? b1 * NB : out) - b0 * NB; }
+    size_t scratch(int64_t b0, int64_t b1) const { return (size_t)(n * cols(b0, b1)); }
+    // where panel b's row 0 goes, and the stride between rows
+    float* at(int64_t b0, int64_t b1, int64_t b, float* to, int64_t& ld) const {
+        ld = to ? cols(b0, b1) : out;
+        return (to ? to : y + b0 * NB) + (b - b0) * NB;
+    }
+    void commit(int64_t b0, int64_t b1, const float* from) const {
+        const int64_t w = cols(b0, b1);
+        for (int64_t r = 0; r < n; ++r) memcpy(y + r * out + b0 * NB, from + r * w, (size_t)w * sizeof(float));
+    }
+};
+
 template <int V, int RB, typename WT>
-static void run(const float* x, int64_t n, const WT* p, int64_t out, int64_t in, const float* bias, float* y,
-                int nthreads) {
-    const int64_t NB = V * L, npan = (out + NB - 1) / NB;
-    pool::run(nthreads, npan, pool::chunk_for(npan, nthreads), [&](int64_t b0, int64_t b1) {
+struct GemmJob : PanelOut {
+    const float* x;
+    const WT* p;
+    const float* bias;
+    int64_t in;
+    void compute(int64_t b0, int64_t b1, float* to) const {
         for (int64_t b = b0; b < b1; ++b) {
-            int64_t left = out - b * NB;
+            int64_t left = out - b * NB, ld;
             int valid = left < NB ? (int)left : (int)NB;
             const WT* pb = p + b * NB * in;
             const float* bb = bias ? bias + b * NB : nullptr;
+            float* yb = at(b0, b1, b, to, ld);
             int64_t r = 0;
-            for (; r + RB <= n; r += RB) tile<V, RB>(x + r * in, in, pb, bb, valid, y + r * out + b * NB, out);
-            tail<V, RB - 1, WT>(n - r, x + r * in, in, pb, bb, valid, y + r * out + b * NB, out);
+            for (; r + RB <= n; r += RB) tile<V, RB>(x + r * in, in, pb, bb, valid, yb + r * ld, ld);
+            tail<V, RB - 1, WT>(n - r, x + r * in, in, pb, bb, valid, yb + r * ld, ld);
         }
-    });
-}
+    }
+};
 
-// panel width nb and register tile rb (tuned; results identical) pick the instantiation; -1 if not built
-template <typename WT>
+// panel width nb and register tile rb (tuned; results identical) pick the instantiation, handed to `sink` (pool.h
+// Now: run it; Later: a program's stage); -1 if not built
+template <typename WT, typename Sink>
 static int gemm_dispatch(const float* x, int64_t n, const WT* p, int64_t nb, int64_t out, int64_t in,
-                         const float* bias, float* y, int nthreads, int rb) {
-#define CASE(V_, RB_) if (nb == (V_) * L && rb == (RB_)) { run<V_, RB_, WT>(x, n, p, out, in, bias, y, nthreads); return 0; }
+                         const float* bias, float* y, int rb, const Sink& sink) {
+#define CASE(V_, RB_)                                                                        \
+    if (nb == (V_) * L && rb == (RB_)) {                                                     \
+        sink(GemmJob<V_, RB_, WT>{{y, n, out, (V_) * L}, x, p, bias, in}, (out + nb - 1) / nb); \
+        return 0;                                                                            \
+    }
     TILES(CASE)
 #undef CASE
     return -1;
@@ -165,20 +194,36 @@ static inline void tail_dp(int64_t rem, const uint16_t* x, int64_t kp, const uin
 }
 
 template <int V, int RB>
-static void run_dp(const uint16_t* x, int64_t n, const uint16_t* p, int64_t out, int64_t kp, const float* bias,
-                   float* y, int nthreads) {
-    const int64_t NB = V * L, npan = (out + NB - 1) / NB;
-    pool::run(nthreads, npan, pool::chunk_for(npan, nthreads), [&](int64_t b0, int64_t b1) {
+struct GemmDpJob : PanelOut {
+    const uint16_t* x;
+    const uint16_t* p;
+    const float* bias;
+    int64_t kp;
+    void compute(int64_t b0, int64_t b1, float* to) const {
         for (int64_t b = b0; b < b1; ++b) {
-            int64_t left = out - b * NB;
+            int64_t left = out - b * NB, ld;
             int valid = left < NB ? (int)left : (int)NB;
             const uint16_t* pb = p + b * NB * 2 * kp;
             const float* bb = bias ? bias + b * NB : nullptr;
+            float* yb = at(b0, b1, b, to, ld);
             int64_t r = 0;
-            for (; r + RB <= n; r += RB) tile_dp<V, RB>(x + 2 * r * kp, kp, pb, bb, valid, y + r * out + b * NB, out);
-            tail_dp<V, RB - 1>(n - r, x + 2 * r * kp, kp, pb, bb, valid, y + r * out + b * NB, out);
+            for (; r + RB <= n; r += RB) tile_dp<V, RB>(x + 2 * r * kp, kp, pb, bb, valid, yb + r * ld, ld);
+            tail_dp<V, RB - 1>(n - r, x + 2 * r * kp, kp, pb, bb, valid, yb + r * ld, ld);
         }
-    });
+    }
+};
+
+template <typename Sink>
+static int dp_dispatch(const uint16_t* x, int64_t n, const uint16_t* p, int64_t nb, int64_t out, int64_t kp,
+                       const float* bias, float* y, int rb, const Sink& sink) {
+#define CASE(V_, RB_)                                                                         \
+    if (nb == (V_) * L && rb == (RB_)) {                                                      \
+        sink(GemmDpJob<V_, RB_>{{y, n, out, (V_) * L}, x, p, bias, kp}, (out + nb - 1) / nb);   \
+        return 0;                                                                             \
+    }
+    TILES(CASE)
+#undef CASE
+    return -1;
 }
 #endif
 
@@ -195,9 +240,39 @@ static void pack_panels(const float* w, int64_t out, int64_t in, int64_t nb, WT*
             }
 }
 
+// a bf16-input linear's rows, rounded to bf16 once: as k pairs (vdpbf16ps builds) or as fp32 values of bf16
+#if defined(SPECSCOPE_DPBF16)
+using bf16a_elem = uint16_t;
+static size_t bf16a_size(int64_t n, int64_t in) { return (size_t)(2 * n * ((in + 1) / 2)); }
+#else
+using bf16a_elem = float;
+static size_t bf16a_size(int64_t n, int64_t in) { return (size_t)(n * in); }
+#endif
+
+// y = bf16(x) W^T + bias (W packed by rows_gemm_pack_bf16a): x's rows rounded into `buf` (bf16a_size elements),
+// the linear handed to `sink`
+template <typename Sink>
+static int bf16a_dispatch(const float* x, int64_t n, const uint16_t* p, int64_t nb, int64_t out, int64_t in,
+                          const float* bias, float* y, int rb, bf16a_elem* buf, const Sink& sink) {
+#if defined(SPECSCOPE_DPBF16)
+    const int64_t kp = (in + 1) / 2;   // a row's bf16 values in k order are its k pairs (low half: even k)
+    rows_to_bf16(x, n, in, 2 * kp, buf);
+    return dp_dispatch(buf, n, p, nb, out, kp, bias, y, rb, sink);
+#else
+    for (int64_t i = 0; i < n * in; ++i) {   // the bf16 values, as fp32
+        uint32_t u = (uint32_t)to_bf16(x[i]) << 16;
+        memcpy(buf + i, &u, 4);
+    }
+    return gemm_dispatch((const float*)buf, n, p, nb, out, in, bias, y, rb, sink);
+#endif
+}
+
 extern "C" {
 
-int rows_gemm_abi() { return 11; }
+int rows_gemm_abi() { return 12; }
+
+// program chunks computed again because their holder was late, in this process's pool (pool.h; tests: the path ran)
+uint64_t rows_pool_redone() { return pool::redone(); }
 
 const char* rows_gemm_isa() { return simd::ISA; }
 
@@ -224,12 +299,12 @@ void rows_gemm_pack_bf16(const float* w, int64_t out, int64_t in, int64_t nb, ui
 
 int rows_gemm_f32(const float* x, int64_t n, const float* p, int64_t nb, int64_t out, int64_t in, const float* bias,
                   float* y, int nthreads, int rb) {
-    return gemm_dispatch(x, n, p, nb, out, in, bias, y, nthreads, rb);
+    return gemm_dispatch(x, n, p, nb, out, in, bias, y, rb, pool::Now{nthreads});
 }
 
 int rows_gemm_bf16(const float* x, int64_t n, const uint16_t* p, int64_t nb, int64_t out, int64_t in,
                    const float* bias, float* y, int nthreads, int rb) {
-    return gemm_dispatch(x, n, p, nb, out, in, bias, y, nthreads, rb);
+    return gemm_dispatch(x, n, p, nb, out, in, bias, y, rb, pool::Now{nthreads});
 }
 
 // 1 where bf16-input linears use vdpbf16ps and its k-pair panels, 0 where they widen the bf16 panels
@@ -262,27 +337,11 @@ void rows_gemm_pack_bf16a(const float* w, int64_t out, int64_t in, int64_t nb, u
 // products exact, fp32 accumulation in k order per output, so each row's bits are independent of n
 int rows_gemm_bf16a(const float* x, int64_t n, const uint16_t* p, int64_t nb, int64_t out, int64_t in,
                     const float* bias, float* y, int nthreads, int rb) {
-    // the caller's rows rounded once per call, into a buffer kept per thread (a fresh one cost as much as a
-    // small linear); one grown past 64 MB by a long prefill is given back after the call
-    int rc = -1;
-#if defined(SPECSCOPE_DPBF16)
-    static thread_local std::vector<uint16_t> buf;
-    const int64_t kp = (in + 1) / 2;   // a row's bf16 values in k order are its k pairs (low half: even k)
-    if (buf.size() < (size_t)(2 * n * kp)) buf.resize((size_t)(2 * n * kp));
-    rows_to_bf16(x, n, in, 2 * kp, buf.data());
-#define CASE(V_, RB_) if (nb == (V_) * L && rb == (RB_)) { run_dp<V_, RB_>(buf.data(), n, p, out, kp, bias, y, nthreads); rc = 0; }
-    TILES(CASE)
-#undef CASE
-#else
-    static thread_local std::vector<float> buf;
-    if (buf.size() < (size_t)(n * in)) buf.resize((size_t)(n * in));
-    float* xr = buf.data();
-    for (int64_t i = 0; i < n * in; ++i) {   // the bf16 values, as fp32
-        uint32_t u = (uint32_t)to_bf16(x[i]) << 16;
-        memcpy(xr + i, &u, 4);
-    }
-    rc = gemm_dispatch((const float*)xr, n, p, nb, out, in, bias, y, nthreads, rb);
-#endif
+    // the rows rounded into a buffer kept per thread (a fresh one cost as much as a small linear); one grown past
+    // 64 MB by a long prefill is given back after the call
+    static thread_local std::vector<bf16a_elem> buf;
+    if (buf.size() < bf16a_size(n, in)) buf.resize(bf16a_size(n, in));
+    const int rc = bf16a_dispatch(x, n, p, nb, out, in, bias, y, rb, buf.data(), pool::Now{nthreads});
     if (buf.size() * sizeof(buf[0]) > ((size_t)64 << 20)) decltype(buf)().swap(buf);
     return rc;
 }
@@ -370,13 +429,24 @@ int rows_attention(const float* q, int64_t q_row, int64_t T, int64_t Hq, int64_t
 // with i + D/2). Slots outside the cache are refused (-3) before anything is written.
 int rows_rope_attention(const float* qkv, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, const float* cos,
                         const float* sin, const int64_t* slots, void* kc, void* vc, int64_t kv_fmt, int64_t kv_head,
-                        int64_t max_len, int64_t S, const uint8_t* mask, int64_t mask_row, float* out, int nthreads) {
+                        int64_t max_len, int64_t S, const uint8_t* mask, int64_t mask_row, float* out, int nthreads);
+
+}  // extern "C"
+
+// the checks of rows_rope_attention, before anything is written: 0, or its error code
+static int rope_check(int64_t T, int64_t D, const int64_t* slots, int64_t max_len, int64_t S) {
     if (D % 2 || D > 256) return -1;
     if (S > max_len) return -2;
     for (int64_t t = 0; t < T; ++t)
-        if (slots[t] < 0 || slots[t] >= max_len) return -3;   // checked before anything is written
+        if (slots[t] < 0 || slots[t] >= max_len) return -3;
+    return 0;
+}
+
+// k heads rotated and written with v at `slots` (bf16 for a bf16 cache), q heads rotated into qr [T, Hq*D]
+static void rope_write(const float* qkv, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, const float* cos,
+                       const float* sin, const int64_t* slots, void* kc, void* vc, int64_t kv_fmt, int64_t kv_head,
+                       float* qr) {
     const int64_t H = Hq + 2 * Hkv, half = D / 2;
-    std::vector<float> qr((size_t)(T * Hq * D));
     float kr[256];
     for (int64_t t = 0; t < T; ++t) {
         const float* row = qkv + t * H * D;
@@ -401,6 +471,16 @@ int rows_rope_attention(const float* qkv, int64_t T, int64_t Hq, int64_t Hkv, in
             else memcpy((float*)vc + at, x, D * sizeof(float));
         }
     }
+}
+
+extern "C" {
+
+int rows_rope_attention(const float* qkv, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, const float* cos,
+                        const float* sin, const int64_t* slots, void* kc, void* vc, int64_t kv_fmt, int64_t kv_head,
+                        int64_t max_len, int64_t S, const uint8_t* mask, int64_t mask_row, float* out, int nthreads) {
+    if (int rc = rope_check(T, D, slots, max_len, S)) return rc;
+    std::vector<float> qr((size_t)(T * Hq * D));
+    rope_write(qkv, T, Hq, Hkv, D, cos, sin, slots, kc, vc, kv_fmt, kv_head, qr.data());
     return rows_attention(qr.data(), Hq * D, T, Hq, Hkv, D, kc, vc, kv_fmt, kv_head, S, mask, mask_row, out,
                           nthreads);
 }
@@ -700,30 +780,24 @@ static const group_fn* group_fns(int64_t D, int64_t kv_fmt) {
     return D == 64 ? d64 : D == 128 ? d128 : any_d;
 }
 
-extern "C" {
+// ---- attention in pieces a program can run: a plan (serial), then key transposes and rows (jobs) ---------------
+// The plan: the visible slots of every row, in order, listed once per call (every kv head's pass reads them), and
+// for the vdpbf16ps path every key block that holds a slot some row sees, numbered as met.
+struct AttnPlan {
+    std::vector<int32_t> idx, pos;
+    std::vector<int64_t> m;
+    std::vector<uint32_t> kt;   // the used key blocks, transposed (the transpose job writes them)
+    int64_t need = 1, used = 0, nblk = 0, ND = 0;
+};
 
-int rows_attention(const float* q, int64_t q_row, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, const void* k,
-                   const void* v, int64_t kv_fmt, int64_t kv_head, int64_t S, const uint8_t* mask, int64_t mask_row,
-                   float* out, int nthreads) {
-    if (D > 256 || D < 1 || Hq % Hkv || kv_fmt < 0 || kv_fmt > 1) return -1;
-    const int64_t G = Hq / Hkv;
-    // groups of up to 4 heads per pass (registers); larger groups take several passes
-    const int64_t gb = G % 4 == 0 ? 4 : G % 3 == 0 ? 3 : G % 2 == 0 ? 2 : 1;
-    const group_fn* fns = group_fns(D, kv_fmt);
-    const size_t es = kv_fmt ? 2 : 4;
-    const float scale = 1.0f / sqrtf((float)D);
-    const int64_t passes = G / gb, items = Hkv * passes * T;
-    // the visible slots of every row, in order, listed once per call (every kv head's pass reads them)
-    static thread_local std::vector<int32_t> idx_all;
-    static thread_local std::vector<int64_t> m_all;
-    const size_t need = (size_t)(S > 0 ? S : 1);
-    if (idx_all.size() < (size_t)T * need) idx_all.resize((size_t)T * need);
-    if (m_all.size() < (size_t)T) m_all.resize((size_t)T);
-    int32_t* idx_rows = idx_all.data();
-    int64_t* ms = m_all.data();
+static void attn_plan(AttnPlan& pl, int64_t T, int64_t Hkv, int64_t D, int64_t kv_fmt, int64_t S, const uint8_t* mask,
+                      int64_t mask_row) {
+    pl.need = S > 0 ? S : 1;
+    if (pl.idx.size() < (size_t)(T * pl.need)) pl.idx.resize((size_t)(T * pl.need));
+    if (pl.m.size() < (size_t)T) pl.m.resize((size_t)T);
     for (int64_t t = 0; t < T; ++t) {
         const uint8_t* mr = mask ? mask + t * mask_row : nullptr;
-        int32_t* idx = idx_rows + t * need;
+        int32_t* idx = pl.idx.data() + t * pl.need;
         int64_t m = 0;
         for (int64_t s = 0; s < S;) {
             // a batch's row opens one region of many: skip closed slots 64, then 8 at a time; a verify's row sees
@@ -746,73 +820,130 @@ int rows_attention(const float* q, int64_t q_row, int64_t T, int64_t Hq, int64_t
             if (!mr || mr[s]) idx[m++] = (int32_t)s;
             ++s;
         }
-        ms[t] = m;
+        pl.m[t] = m;
     }
-    const int64_t ND = dp_chunks(D, kv_fmt);
-    // the vdpbf16ps path's key blocks: every block that holds a slot some row sees, numbered as met
-    static thread_local std::vector<int32_t> pos_all;
-    static thread_local std::vector<uint32_t> kt_all;
-    const int64_t nblk = (S + 15) / 16;
-    int64_t used = 0;
-    if (ND) {
-        if (pos_all.size() < (size_t)nblk) pos_all.resize((size_t)nblk);
-        std::fill(pos_all.begin(), pos_all.begin() + nblk, -1);
-        for (int64_t t = 0; t < T; ++t) {
-            const int32_t* idx = idx_rows + t * need;
-            for (int64_t i = 0; i < ms[t];) {
-                int32_t& p = pos_all[idx[i] >> 4];
-                if (p < 0) p = (int32_t)used++;
-                // a whole block of visible slots: on to the next
-                i += (idx[i] & 15) == 0 && i + 15 < ms[t] && idx[i + 15] == idx[i] + 15 ? 16 : 1;
-            }
+    pl.ND = dp_chunks(D, kv_fmt);
+    pl.nblk = (S + 15) / 16;
+    pl.used = 0;
+    if (!pl.ND) return;
+    if (pl.pos.size() < (size_t)pl.nblk) pl.pos.resize((size_t)pl.nblk);
+    std::fill(pl.pos.begin(), pl.pos.begin() + pl.nblk, -1);
+    for (int64_t t = 0; t < T; ++t) {
+        const int32_t* idx = pl.idx.data() + t * pl.need;
+        for (int64_t i = 0; i < pl.m[t];) {
+            int32_t& p = pl.pos[idx[i] >> 4];
+            if (p < 0) p = (int32_t)pl.used++;
+            // a whole block of visible slots: on to the next
+            i += (idx[i] & 15) == 0 && i + 15 < pl.m[t] && idx[i + 15] == idx[i] + 15 ? 16 : 1;
         }
-        if (kt_all.size() < (size_t)(Hkv * used * 256 * ND)) kt_all.resize((size_t)(Hkv * used * 256 * ND));
     }
-    const int32_t* pos = pos_all.data();
-    uint32_t* kt = kt_all.data();
-    // kv-head-major: a thread's chunk of items shares one kv head's keys and values (read from memory once per
-    // chunk, not once per row), every row of it in turn
+    if (pl.kt.size() < (size_t)(Hkv * pl.used * 256 * pl.ND)) pl.kt.resize((size_t)(Hkv * pl.used * 256 * pl.ND));
+}
+
 #if defined(SPECSCOPE_DPBF16)
-    if (ND) {   // every kv head's used key blocks transposed, before any row reads them (its own dispatch)
-        const int64_t nt = Hkv * nblk;
-        pool::run(nthreads, nt, pool::chunk_for(nt, nthreads, 4), [&](int64_t i0, int64_t i1) {
-            for (int64_t it = i0; it < i1; ++it) {
-                const int64_t g = it / nblk, b = it % nblk;
-                if (pos[b] < 0) continue;
-                uint32_t* dst = kt + (g * used + pos[b]) * 256 * ND;
-                const uint16_t* kh = (const uint16_t*)k + g * kv_head;
-                if (ND == 2) transpose_keys<2>(kh, D, b, S, dst);
-                else transpose_keys<4>(kh, D, b, S, dst);
-            }
-        });
+// every kv head's used key blocks transposed (item: kv head g, block b), before any row reads them
+struct TransposeJob {
+    const uint16_t* k;
+    uint32_t* kt;
+    const int32_t* pos;
+    int64_t nblk, used, ND, D, S, kv_head;
+    size_t scratch(int64_t i0, int64_t i1) const { return (size_t)((i1 - i0) * 256 * ND); }
+    uint32_t* dst(int64_t it) const { return kt + ((it / nblk) * used + pos[it % nblk]) * 256 * ND; }
+    void compute(int64_t i0, int64_t i1, float* to) const {
+        for (int64_t it = i0; it < i1; ++it) {
+            const int64_t g = it / nblk, b = it % nblk;
+            if (pos[b] < 0) continue;
+            uint32_t* d = to ? (uint32_t*)to + (it - i0) * 256 * ND : dst(it);
+            if (ND == 2) transpose_keys<2>(k + g * kv_head, D, b, S, d);
+            else transpose_keys<4>(k + g * kv_head, D, b, S, d);
+        }
     }
+    void commit(int64_t i0, int64_t i1, const float* from) const {
+        for (int64_t it = i0; it < i1; ++it)
+            if (pos[it % nblk] >= 0)
+                memcpy(dst(it), (const uint32_t*)from + (it - i0) * 256 * ND, (size_t)(256 * ND) * sizeof(uint32_t));
+    }
+};
 #endif
-    pool::run(nthreads, items, pool::chunk_for(items, nthreads), [&](int64_t i0, int64_t i1) {
+
+// the rows (item: kv head, head pass, row), kv-head-major: a chunk of items shares one kv head's keys and values
+// (read from memory once per chunk, not once per row), every row of it in turn
+struct AttendJob {
+    const float* q;
+    const void* k;
+    const void* v;
+    const group_fn* fns;
+    const uint32_t* kt;
+    const int32_t* pos;
+    const int32_t* idx;
+    const int64_t* ms;
+    float* out;
+    int64_t q_row, T, Hq, D, G, gb, passes, kv_head, used, ND, need, es;
+    float scale;
+    size_t scratch(int64_t i0, int64_t i1) const { return (size_t)((i1 - i0) * gb * D); }
+    float* row_out(int64_t it) const {
+        const int64_t t = it % T, gp = it / T, h0 = (gp / passes) * G + (gp % passes) * gb;
+        return out + t * Hq * D + h0 * D;
+    }
+    void compute(int64_t i0, int64_t i1, float* to) const {
         // per-thread scratch kept across calls: sized by the mask's width (all regions of a batch), so zero-filling
         // fresh vectors cost more than the attention itself at 16 regions of 4096 slots
         static thread_local std::vector<float> sc_buf;
         static thread_local std::vector<uint32_t> pp_buf;
-        if (sc_buf.size() < (size_t)gb * need) sc_buf.resize((size_t)gb * need);
-        if (ND && pp_buf.size() < (size_t)gb * (need / 2 + 16)) pp_buf.resize((size_t)gb * (need / 2 + 16));
-        float* sc = sc_buf.data();
-        uint32_t* pp = pp_buf.data();
+        if (sc_buf.size() < (size_t)(gb * need)) sc_buf.resize((size_t)(gb * need));
+        if (ND && pp_buf.size() < (size_t)(gb * (need / 2 + 16))) pp_buf.resize((size_t)(gb * (need / 2 + 16)));
         for (int64_t it = i0; it < i1; ++it) {
             const int64_t t = it % T, gp = it / T, g = gp / passes, h0 = g * G + (gp % passes) * gb;
             const int64_t m = ms[t];
+            float* o = to ? to + (it - i0) * gb * D : row_out(it);
             const float* qs[4];
             float* outs[4];
-            for (int64_t u = 0; u < gb; ++u) {
-                qs[u] = q + t * q_row + (h0 + u) * D;
-                outs[u] = out + t * Hq * D + (h0 + u) * D;
-            }
+            for (int64_t u = 0; u < gb; ++u) qs[u] = q + t * q_row + (h0 + u) * D, outs[u] = o + u * D;
             if (m == 0) {   // no visible key: zeros (SDPA would give NaN; callers never ask for this)
-                for (int64_t u = 0; u < gb; ++u) memset(outs[u], 0, D * sizeof(float));
+                memset(o, 0, (size_t)(gb * D) * sizeof(float));
                 continue;
             }
-            fns[gb](qs, (const char*)k + g * kv_head * es, kt + g * used * 256 * ND, pos,
-                    (const char*)v + g * kv_head * es, D, idx_rows + t * need, m, scale, sc, pp, outs);
+            fns[gb](qs, (const char*)k + g * kv_head * es, kt + g * used * 256 * ND, pos, (const char*)v + g * kv_head * es,
+                    D, idx + t * need, m, scale, sc_buf.data(), pp_buf.data(), outs);
         }
-    });
+    }
+    void commit(int64_t i0, int64_t i1, const float* from) const {
+        for (int64_t it = i0; it < i1; ++it)
+            memcpy(row_out(it), from + (it - i0) * gb * D, (size_t)(gb * D) * sizeof(float));
+    }
+};
+
+static bool attention_ok(int64_t Hq, int64_t Hkv, int64_t D, int64_t kv_fmt) {
+    return D <= 256 && D >= 1 && Hkv >= 1 && Hq % Hkv == 0 && kv_fmt >= 0 && kv_fmt <= 1;
+}
+
+// the rows' job over plan pl (groups of up to 4 heads per pass: registers; larger groups take several passes)
+static AttendJob attend_job(const AttnPlan& pl, const float* q, int64_t q_row, int64_t T, int64_t Hq, int64_t Hkv,
+                            int64_t D, const void* k, const void* v, int64_t kv_fmt, int64_t kv_head, float* out,
+                            int64_t& items) {
+    const int64_t G = Hq / Hkv, gb = G % 4 == 0 ? 4 : G % 3 == 0 ? 3 : G % 2 == 0 ? 2 : 1;
+    items = Hkv * (G / gb) * T;
+    return AttendJob{q, k, v, group_fns(D, kv_fmt), pl.kt.data(), pl.pos.data(), pl.idx.data(), pl.m.data(), out,
+                     q_row, T, Hq, D, G, gb, G / gb, kv_head, pl.used, pl.ND, pl.need, kv_fmt ? 2 : 4,
+                     1.0f / sqrtf((float)D)};
+}
+
+extern "C" {
+
+int rows_attention(const float* q, int64_t q_row, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, const void* k,
+                   const void* v, int64_t kv_fmt, int64_t kv_head, int64_t S, const uint8_t* mask, int64_t mask_row,
+                   float* out, int nthreads) {
+    if (!attention_ok(Hq, Hkv, D, kv_fmt)) return -1;
+    static thread_local AttnPlan pl;
+    attn_plan(pl, T, Hkv, D, kv_fmt, S, mask, mask_row);
+    const pool::Now now{nthreads};
+#if defined(SPECSCOPE_DPBF16)
+    if (pl.ND) now(TransposeJob{(const uint16_t*)k, pl.kt.data(), pl.pos.data(), pl.nblk, pl.used, pl.ND, D, S, kv_head},
+                   Hkv * pl.nblk, 4);
+#endif
+    int64_t items;
+    const AttendJob job = attend_job(pl, q, q_row, T, Hq, Hkv, D, k, v, kv_fmt, kv_head, out, items);
+    now(job, items);
     return 0;
 }
 
@@ -836,40 +967,130 @@ struct RowLayer {          // one Llama-family decoder layer (no q/k norm)
     RowLinear qkv, o, gate_up, down;
 };
 
+// rows_layers as a pool program (pool.h run_program): per layer seven stages, each a serial part (norms, rope and
+// the cache write, SiLU, residual adds) run by whichever of our threads completed the stage before, and a job
+enum { ST_NORM, ST_ROPE, ST_ATTEND, ST_O, ST_MLP_NORM, ST_DOWN, ST_RESIDUAL, STAGES };
+
+struct LayersProg {
+    int64_t nl;
+    const RowLayer* layers;
+    float* h;
+    int64_t T, H, Hq, Hkv, D, inter;
+    float eps;
+    const float *cos, *sin;
+    const int64_t* slots;
+    void *kc, *vc;
+    int64_t kv_fmt, layer_stride, kv_head, S;
+    float* const* aux;
+    int nthreads;
+    float *x, *qkv, *qr, *att, *o, *gu, *act, *hn;
+    bf16a_elem* conv;   // a bf16-input linear's rows, rounded
+    const AttnPlan* plan;
+};
+
+// a packed linear of `T` rows from `in` into `out`, handed to `sink`; -1 if its panel width / tile is not built
+template <typename Sink>
+static int lin_emit(const RowLinear& w, const float* in, int64_t T, float* out, bf16a_elem* conv, const Sink& sink) {
+    if (w.fmt == 2)
+        return bf16a_dispatch(in, T, (const uint16_t*)w.p, w.nb, w.out, w.in, w.bias, out, (int)w.rb, conv, sink);
+    if (w.fmt == 1) return gemm_dispatch(in, T, (const uint16_t*)w.p, w.nb, w.out, w.in, w.bias, out, (int)w.rb, sink);
+    return gemm_dispatch(in, T, (const float*)w.p, w.nb, w.out, w.in, w.bias, out, (int)w.rb, sink);
+}
+
+struct Probe {   // a sink that runs nothing: whether a linear's instantiation is built
+    template <typename F>
+    void operator()(const F&, int64_t, int64_t = 1) const {}
+};
+
+static bool lin_built(const RowLinear& w, int64_t T) {
+    if (w.fmt == 2) {
+#if defined(SPECSCOPE_DPBF16)
+        return dp_dispatch(nullptr, T, (const uint16_t*)w.p, w.nb, w.out, (w.in + 1) / 2, w.bias, nullptr, (int)w.rb,
+                           Probe{}) == 0;
+#else
+        return gemm_dispatch((const float*)nullptr, T, (const uint16_t*)w.p, w.nb, w.out, w.in, w.bias, nullptr,
+                             (int)w.rb, Probe{}) == 0;
+#endif
+    }
+    return lin_emit(w, nullptr, T, nullptr, nullptr, Probe{}) == 0;
+}
+
+static bool layers_stage(void* vp, int64_t s, pool::Job* job) {
+    const LayersProg& P = *(const LayersProg*)vp;
+    const int64_t T = P.T, l = s / STAGES;
+    job->items = 0;
+    if (l >= P.nl) {
+        if (P.aux && P.aux[P.nl]) memcpy(P.aux[P.nl], P.h, (size_t)(T * P.H) * sizeof(float));
+        return false;
+    }
+    const RowLayer& w = P.layers[l];
+    const pool::Later later{job, P.nthreads};
+    const int64_t at = l * P.layer_stride * (P.kv_fmt ? 2 : 4);   // bytes
+    char *kc = (char*)P.kc + at, *vc = (char*)P.vc + at;
+    switch (s % STAGES) {
+        case ST_NORM:
+            if (P.aux && P.aux[l]) memcpy(P.aux[l], P.h, (size_t)(T * P.H) * sizeof(float));
+            rows_rmsnorm(P.h, nullptr, T, P.H, w.in_norm, P.eps, nullptr, P.x);
+            lin_emit(w.qkv, P.x, T, P.qkv, P.conv, later);
+            break;
+        case ST_ROPE:
+            rope_write(P.qkv, T, P.Hq, P.Hkv, P.D, P.cos, P.sin, P.slots, kc, vc, P.kv_fmt, P.kv_head, P.qr);
+#if defined(SPECSCOPE_DPBF16)
+            if (P.plan->ND)
+                later(TransposeJob{(const uint16_t*)kc, (uint32_t*)P.plan->kt.data(), P.plan->pos.data(), P.plan->nblk,
+                                   P.plan->used, P.plan->ND, P.D, P.S, P.kv_head},
+                      P.Hkv * P.plan->nblk, 4);
+#endif
+            break;
+        case ST_ATTEND: {
+            int64_t items;
+            const AttendJob att = attend_job(*P.plan, P.qr, P.Hq * P.D, T, P.Hq, P.Hkv, P.D, kc, vc, P.kv_fmt,
+                                             P.kv_head, P.att, items);
+            later(att, items);
+            break;
+        }
+        case ST_O: lin_emit(w.o, P.att, T, P.o, P.conv, later); break;
+        case ST_MLP_NORM:
+            rows_rmsnorm(P.h, P.o, T, P.H, w.post_norm, P.eps, P.hn, P.x);   // h + attn, and its norm
+            lin_emit(w.gate_up, P.x, T, P.gu, P.conv, later);
+            break;
+        case ST_DOWN:
+            rows_silu_mul(P.gu, T, P.inter, P.act);
+            lin_emit(w.down, P.act, T, P.o, P.conv, later);
+            break;
+        default:   // ST_RESIDUAL: the MLP's residual add
+            for (int64_t i = 0; i < T * P.H; ++i) P.h[i] = P.hn[i] + P.o[i];
+    }
+    return true;
+}
+
 extern "C" {
 
 // h [T, H] is updated in place through layers 0..nl-1. k/v caches (fp32, or bf16 for kv_fmt 1): layer l, kv
 // head g, slot s at element kc + l*layer_stride + g*kv_head + s*D. aux: nl+1 pointers, aux[i] (if not null)
-// receives h entering layer i (aux[nl]: leaving the last). Returns 0, or the first kernel's error code.
+// receives h entering layer i (aux[nl]: leaving the last). Returns 0, or an error code before anything is written.
 int rows_layers(int64_t nl, const RowLayer* layers, float* h, int64_t T, int64_t H, int64_t Hq, int64_t Hkv,
                 int64_t D, int64_t inter, float eps, const float* cos, const float* sin, const int64_t* slots,
                 void* kc, void* vc, int64_t kv_fmt, int64_t layer_stride, int64_t kv_head, int64_t max_len, int64_t S,
                 const uint8_t* mask, int64_t mask_row, float* const* aux, int nthreads) {
-    std::vector<float> x((size_t)(T * H)), qkv((size_t)(T * (Hq + 2 * Hkv) * D)), att((size_t)(T * Hq * D)),
-        o((size_t)(T * H)), gu((size_t)(T * 2 * inter)), act((size_t)(T * inter)), hn((size_t)(T * H));
-    auto lin = [&](const RowLinear& w, const float* in, float* out) {
-        if (w.fmt == 2)
-            return rows_gemm_bf16a(in, T, (const uint16_t*)w.p, w.nb, w.out, w.in, w.bias, out, nthreads, (int)w.rb);
-        return w.fmt ? rows_gemm_bf16(in, T, (const uint16_t*)w.p, w.nb, w.out, w.in, w.bias, out, nthreads, (int)w.rb)
-                     : rows_gemm_f32(in, T, (const float*)w.p, w.nb, w.out, w.in, w.bias, out, nthreads, (int)w.rb);
-    };
-    for (int64_t l = 0; l < nl; ++l) {
-        const RowLayer& w = layers[l];
-        if (aux && aux[l]) memcpy(aux[l], h, (size_t)(T * H) * sizeof(float));
-        rows_rmsnorm(h, nullptr, T, H, w.in_norm, eps, nullptr, x.data());
-        int rc = lin(w.qkv, x.data(), qkv.data());
-        const int64_t at = l * layer_stride * (kv_fmt ? 2 : 4);   // bytes
-        if (!rc) rc = rows_rope_attention(qkv.data(), T, Hq, Hkv, D, cos, sin, slots, (char*)kc + at, (char*)vc + at,
-                                          kv_fmt, kv_head, max_len, S, mask, mask_row, att.data(), nthreads);
-        if (!rc) rc = lin(w.o, att.data(), o.data());
-        if (rc) return rc;
-        rows_rmsnorm(h, o.data(), T, H, w.post_norm, eps, hn.data(), x.data());   // h + attn, and its norm
-        if ((rc = lin(w.gate_up, x.data(), gu.data()))) return rc;
-        rows_silu_mul(gu.data(), T, inter, act.data());
-        if ((rc = lin(w.down, act.data(), o.data()))) return rc;
-        for (int64_t i = 0; i < T * H; ++i) h[i] = hn[i] + o[i];                    // the MLP's residual add
-    }
-    if (aux && aux[nl]) memcpy(aux[nl], h, (size_t)(T * H) * sizeof(float));
+    if (int rc = rope_check(T, D, slots, max_len, S)) return rc;
+    if (!attention_ok(Hq, Hkv, D, kv_fmt)) return -1;
+    int64_t widest = H > Hq * D ? H : Hq * D;
+    widest = widest > inter ? widest : inter;
+    for (int64_t l = 0; l < nl; ++l)
+        for (const RowLinear* w : {&layers[l].qkv, &layers[l].o, &layers[l].gate_up, &layers[l].down})
+            if (!lin_built(*w, T)) return -1;
+    // everything the program's stages read lives until run_program returns (no late thread reads it after)
+    std::vector<float> x((size_t)(T * H)), qkv((size_t)(T * (Hq + 2 * Hkv) * D)), qr((size_t)(T * Hq * D)),
+        att((size_t)(T * Hq * D)), o((size_t)(T * H)), gu((size_t)(T * 2 * inter)), act((size_t)(T * inter)),
+        hn((size_t)(T * H));
+    std::vector<bf16a_elem> conv(bf16a_size(T, widest));
+    AttnPlan plan;   // the same visible slots for every layer: planned once
+    attn_plan(plan, T, Hkv, D, kv_fmt, S, mask, mask_row);
+    const LayersProg prog{nl, layers, h, T, H, Hq, Hkv, D, inter, eps, cos, sin, slots, kc, vc, kv_fmt,
+                          layer_stride, kv_head, S, aux, nthreads, x.data(), qkv.data(), qr.data(), att.data(),
+                          o.data(), gu.data(), act.data(), hn.data(), conv.data(), &plan};
+    pool::run_program(nthreads, layers_stage, (void*)&prog);
     return 0;
 }
 

@@ -25,14 +25,9 @@ the stock oneDNN path.
 Tuning (models/tuning.py): the panel width (per weight shape) and the register tile (per row count) only change
 speed, never the result.
 
-Threads: `torch.get_num_threads()` of them (during a decode step, `step_threads`: torch's count, while torch's own
-ops run on the calling thread), in csrc/pool.h's pool (not OpenMP): chunks of a layer's work are claimed by
-whichever thread is running, so beside other busy processes a preempted thread costs its chunk, not a barrier per
-kernel; a forward's decoder layers (`rows_layers`) run as one pool program: whichever thread completes a stage runs
-the next serial part (norms, rope, residuals) and publishes the next job, and a chunk whose holder was preempted is
-computed again by a thread with nothing to do, so the step moves while either thread has a core. Bits never depend
-on which thread computed a row.
-"""
+Threads: `torch.get_num_threads()` (in a decode step `step_threads`) in csrc/pool.h's pool: chunks are claimed by
+whichever thread runs, a forward's layers (`rows_layers`) are one program any of its threads carries forward (a
+preempted thread's chunk is recomputed), so beside busy processes the step moves while either thread runs."""
 
 from __future__ import annotations
 

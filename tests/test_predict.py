@@ -4,6 +4,7 @@ less."""
 
 import pytest
 import torch
+from serve_util import LoopbackThread, QuietHandler
 from spec_helpers import random_eagle3, tiny_target
 
 from specscope.errors import SpecscopeError
@@ -188,3 +189,79 @@ def test_features_without_captured_data_are_refused_before_any_decoding(tmp_path
     code, _, err = cli(capsys, "check-drafter", "smollm2-135m-eagle3", "--model", "smollm2-135m", "--features",
                        tmp_path / "nothing")
     assert code == 2 and err.strip().startswith("error: --features") and "manifest.json" in err, err
+
+
+# ---------------------------------------------------------------- check-drafter --served --features
+
+def test_served_features_are_the_captures_own_prompts(trained):
+    """--served --features serves the capture's prompts: each one recovered as the user turn the capture tokenised
+    (re-encoding it gives the captured prompt ids), each asking for no more new tokens than its greedy answer
+    verifies with the deepest chain."""
+    import json
+
+    from specscope.runtime.tokenizer import Tokenizer
+    from specscope.speculative.formats import resolve_target
+    from specscope.train.predicted import captured_prompts
+
+    root, tgt, ds, work = trained
+    tok = Tokenizer(tgt)
+    rows = [json.loads(ln) for ln in ds.read_text().splitlines()]
+    users = {r["messages"][0]["content"] if "messages" in r else r["conversations"][0]["value"] for r in rows}
+    cap = captured_prompts(work / "data", tok, resolve_target(str(tgt)), [], 3, 40, 2)
+    assert len(cap.texts) == 3 and set(cap.texts) <= users, cap.texts
+    assert [tok.encode(t, chat=True) for t in cap.texts] == cap.prompt_ids
+    assert 1 <= cap.max_new_tokens <= 40
+    assert all(len(t.ids) - t.prompt_len >= cap.max_new_tokens + 3 for t in cap.truths)
+
+
+class DraftingVLLM(QuietHandler):
+    """A vLLM serving with a drafter, as far as check-drafter looks before its first request: /metrics with the
+    spec-decode counters and /v1/models. Every POST is recorded and refused."""
+    posts: list = []
+
+    def do_GET(self):
+        if self.path == "/v1/models":
+            self._send(200, b'{"data": [{"id": "m"}]}')
+            return
+        lab = 'engine="0",model_name="m"'
+        self._send(200, "".join(f"vllm:spec_decode_num_{n}_total{{{lab}}} 0\n"
+                                for n in ("drafts", "draft_tokens", "accepted_tokens")).encode(), "text/plain")
+
+    def do_POST(self):
+        DraftingVLLM.posts.append(self.path)
+        self._send(500, b"{}")
+
+
+@pytest.mark.parametrize("case", ["another chat template", "another target"])
+def test_served_features_of_another_target_are_one_line_before_any_request(trained, tmp_path, capsys, case):
+    """--served --features DIR where DIR was captured from another target (another width), or with another chat
+    template than the drafter's target has: one line naming --features, exit 2, and nothing sent to the engine."""
+    import json
+    import shutil
+    import time
+
+    from cli_util import cli, one_error_line
+
+    root, tgt, _, work = trained
+    if case == "another target":
+        drafter, target = "smollm2-135m-eagle3", "smollm2-135m"
+    else:
+        drafter, target = root / "spec", shutil.copytree(tgt, tmp_path / "target")
+        other = "{% for m in messages %}{{ m['role'] + ' : ' + m['content'] + ' ' }}{% endfor %}"
+        cfg = json.loads((target / "tokenizer_config.json").read_text())
+        (target / "chat_template.jinja").unlink(missing_ok=True)
+        (target / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": other}))
+    DraftingVLLM.posts = []
+    srv = LoopbackThread(DraftingVLLM)
+    try:
+        t0 = time.monotonic()
+        code, out, err = cli(capsys, "check-drafter", drafter, "--model", target, "--served", srv.url,
+                             "--features", work / "data")
+        took = time.monotonic() - t0
+    finally:
+        srv.close()
+    line = one_error_line(code, err)
+    assert line.startswith("error: --features") and "pass the data directory captured from this target" in line
+    assert ("hidden size 64" in line) if case == "another target" else ("chat template" in line), line
+    assert DraftingVLLM.posts == [] and out == "", (DraftingVLLM.posts, out)
+    print(f"\n{case}: refused in {took:.1f} s: {line}")

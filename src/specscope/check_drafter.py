@@ -427,7 +427,8 @@ def check_drafter(drafter_path: str | Path, facts: TargetFacts, engine_args: str
         report.add("served τ", SKIP, "not measured: fix the faults above first")
     elif served:
         served_check(report, srv, engine, path, facts, tok, prompts or default_prompts(), max_new_tokens, device,
-                     "--no-run" if not run else can_run(facts), dtype=eng.dtype if eng is not None else None)
+                     "--no-run" if not run else None if features else can_run(facts),
+                     dtype=eng.dtype if eng is not None else None, features=features, steps=steps)
     recorded = cfg.meta.predicted_tau if cfg is not None else None
     if predict or features:
         why = "fix the faults above first" if report.faults else None if features else "--no-run" if not run \

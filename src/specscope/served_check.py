@@ -17,7 +17,11 @@ order vocabulary builders write it, the prompts as the server tokenizes them):
 The server's tokenizer and chat template are compared with the target's through its /tokenize; its greedy text
 with the target's (a target served in another dtype or quantisation answers differently). Nothing else is guessed:
 a gap no check explains is reported with its numbers, and a server without the counters is one line naming the
-missing metric."""
+missing metric.
+
+For a target this toolkit cannot run (`--features WORKDIR/data`), the capture stands in for the target's forward:
+its own prompts are served (as it tokenised them) and the prediction replays them on its states and greedy answers;
+the readings that need states the capture does not hold are reported as not run."""
 
 from __future__ import annotations
 
@@ -36,6 +40,7 @@ from specscope.ingest.prometheus import PER_POS, engine_of, parse_text, spec_del
 from specscope.models import loader
 from specscope.speculative.decode import SpecConfig, drafter_for
 from specscope.speculative.formats import load_drafter
+from specscope.train.predicted import CapturedPrompts, captured_prompts, embedding_only
 
 Z = 2.0                 # the band: Z standard errors of the τ difference (~95 %)
 TIMEOUT_S = 600.0       # one greedy request on a loaded CPU server can take minutes
@@ -265,27 +270,59 @@ def _select(truths: list[Truth], union: list[int], layers) -> list[Truth]:
     return [Truth(t.ids, t.prompt_len, [t.aux[union.index(i)] for i in layers]) for t in truths]
 
 
-def predictions(target, net, prompt_ids, server_ids, k: int, max_new_tokens: int):
-    """(the prediction as the files say, the readings, each prompt's greedy truth): every variant on the same
-    greedy truths (one target forward per prompt, at every aux layer any variant reads), and the prompts as the
-    server tokenized them when they differ."""
+@dataclass
+class Predicted:
+    """The prediction as the drafter's files say, the readings, the greedy truth of each prompt as the engine
+    served it, and the checks that could not run (row, why)."""
+    counters: Counters
+    readings: list[Reading]
+    truths: list[Truth]
+    not_run: list[tuple[str, str]] = field(default_factory=list)
+
+
+def readings_on(target, net, alts: list[Variant], truths: list[Truth], union: list[int], shape: SpecConfig,
+                max_new_tokens: int) -> tuple[Counters, list[Reading]]:
+    """The drafter as its files say and each variant, replayed on the same truths (states at the `union` layers)."""
+    def count(n) -> Counters:
+        return Counters.of_prediction(predict(drafter_for(n, target), _select(truths, union, n.aux_layers), shape,
+                                              max_new_tokens))
+
+    return count(net), [Reading(a.cause, a.what, count(a.net), a.engine_fix, a.file_fix) for a in alts]
+
+
+def predictions(target, net, prompt_ids, server_ids, k: int, max_new_tokens: int) -> Predicted:
+    """Every variant on the same greedy truths (one target forward per prompt, at every aux layer any variant
+    reads), and the prompts as the server tokenized them when they differ."""
     shape = SpecConfig.from_knobs(steps=k, topk=1)
     alts = variants(net, int(target.config.num_hidden_layers))
     union = sorted({i for v in [net, *(a.net for a in alts)] for i in v.aux_layers})
     new = continuation_tokens(max_new_tokens, [shape])
     truths = truths_from_target(target, prompt_ids, new, union)
-
-    def count(n, ts) -> Counters:
-        return Counters.of_prediction(predict(drafter_for(n, target), _select(ts, union, n.aux_layers), shape,
-                                              max_new_tokens))
-
-    readings = [Reading(a.cause, a.what, count(a.net, truths), a.engine_fix, a.file_fix) for a in alts]
+    predicted, readings = readings_on(target, net, alts, truths, union, shape, max_new_tokens)
     served_truths = truths
     if server_ids != prompt_ids:
         served_truths = truths_from_target(target, server_ids, new, union)
         readings.append(Reading("prompt ids", "the prompts as the server tokenized them",
-                                count(net, served_truths), "", ""))
-    return count(net, truths), readings, served_truths
+                                readings_on(target, net, [], served_truths, union, shape, max_new_tokens)[0], "", ""))
+    return Predicted(predicted, readings, served_truths)
+
+
+def captured_predictions(facts, net, cap: CapturedPrompts, k: int) -> Predicted:
+    """predictions() on the states a capture holds (a target this toolkit cannot run): the variants that read
+    layers the capture does not hold are checks not run, one line each, never guessed."""
+    target = embedding_only(facts)
+    shape = SpecConfig.from_knobs(steps=k, topk=1)
+    alts = variants(net, int(facts.num_hidden_layers))
+    held = [a for a in alts if set(a.net.aux_layers) <= set(cap.layers)]
+    not_run = []
+    for cause in dict.fromkeys(a.cause for a in alts if a not in held):
+        missing = [a for a in alts if a.cause == cause and a not in held]
+        need = sorted({i for a in missing for i in a.net.aux_layers} - set(cap.layers))
+        not_run.append((f"served: {cause}", f"not run: {' and '.join(a.what for a in missing)} need the target's "
+                                            f"states at layers {need}, which the capture (layers {cap.layers}) does "
+                                            f"not hold, and this target's forward does not run here"))
+    predicted, readings = readings_on(target, net, held, cap.truths, cap.layers, shape, cap.max_new_tokens)
+    return Predicted(predicted, readings, list(cap.truths), not_run)
 
 
 @dataclass
@@ -337,26 +374,28 @@ def ids_check(report, name: str, ours: list[list[int]], theirs: list[list[int]],
     return False
 
 
-def output_check(report, tok, truths: list[Truth], texts: list[str], max_new_tokens: int, dtype: str | None) -> bool:
-    """The server's greedy answers against the target's own (fp32, up to its first end-of-sequence token); True
-    when they agree."""
+def output_check(report, tok, truths: list[Truth], texts: list[str], max_new_tokens: int, dtype: str | None,
+                 whose: str = "the target's own fp32 answers") -> bool:
+    """The server's greedy answers against `whose` (the truths' continuations, up to the first end-of-sequence
+    token); True when they agree."""
     eos, bad = set(tok.eos_ids), []
     for i, (t, text) in enumerate(zip(truths, texts)):
         cont = t.ids[t.prompt_len:t.prompt_len + max_new_tokens]
         cut = next((j for j, x in enumerate(cont) if x in eos), len(cont))
-        if not text.strip().startswith(tok.decode(cont[:cut]).strip()):
+        # a prefix of the ids can end inside a character: decoded as U+FFFD, which the whole answer does not have
+        if not text.strip().startswith(tok.decode(cont[:cut]).rstrip("\ufffd").strip()):
             bad.append(i)
     if not bad:
-        report.add("served: target output", "ok", f"the server's greedy answers equal the target's (fp32) on all "
-                                                  f"{len(texts)} prompts")
+        report.add("served: target output", "ok", f"the server's greedy answers equal {whose} on all {len(texts)} "
+                                                  f"prompts")
         return True
     said = f"; the launch says --dtype {dtype}" if dtype else ""
     report.add("served: target dtype / quantisation", "warn",
-               f"the server's greedy answers differ from the target's own fp32 answers on {len(bad)} of "
-               f"{len(texts)} prompts (prompt {bad[0] + 1}): it serves the target in another dtype or quantisation "
-               f"(or other weights) than the one the drafter is predicted on{said}; serve it in the dtype the "
-               f"drafter's features came from, or train on features captured from the served target (`specscope "
-               f"train --capture vllm` with the serving flags)")
+               f"the server's greedy answers differ from {whose} on {len(bad)} of {len(texts)} prompts (prompt "
+               f"{bad[0] + 1}): it serves the target in another dtype or quantisation (or other weights) than the one "
+               f"the drafter is predicted on{said}; serve it in the dtype the drafter's features came from, or train "
+               f"on features captured from the served target (`specscope train --capture vllm` with the serving "
+               f"flags)")
     return False
 
 
@@ -397,36 +436,66 @@ def verdict_rows(report, d: Diagnosis, where: str, output_differs: bool) -> None
 
 
 def served_check(report, srv: Served, engine: str, path, facts, tok, prompts: list[str], max_new_tokens: int,
-                 device: str, why_not: str | None, dtype: str | None = None) -> None:
+                 device: str, why_not: str | None, dtype: str | None = None, features=None, steps: int = 5) -> None:
     """check-drafter --served: the engine's counters on `prompts` (`srv` connected: `engine` is whose counters),
     the prediction, the checks; rows on `report` and `report.served`. `why_not`: why the target cannot run here
-    (the served τ alone is reported)."""
+    (the served τ alone is reported). `features`: a capture's data directory: its own prompts are served (as many,
+    each asking for as many new tokens as its greedy answer verifies with a chain of up to `steps`) and predicted
+    from its states and answers, with no target forward."""
     if tok is None:
         raise SpecscopeError("--served needs the target's tokenizer (tokenizer.json beside its config.json): pass "
                              "--model as the target's directory or hub id")
     chat = bool(tok.tok.chat_template)
+    cap = net = None
+    if features is not None:     # before any request: a capture of another target is refused in a second
+        net = load_drafter(path, facts, dtype=torch.float32, device="cpu")
+        cap = captured_prompts(features, tok, facts, net.aux_layers, len(prompts), max_new_tokens, steps)
+        prompts, max_new_tokens = cap.texts, cap.max_new_tokens
     run = run_served(srv, engine, prompts, chat, max_new_tokens)
-    where = f"{engine} at {srv.url} (chain {len(run.counters.per_pos)}, {len(prompts)} prompts x {max_new_tokens} " \
-            f"tokens)"
+    k = len(run.counters.per_pos)
+    where = f"{engine} at {srv.url} (chain {k}, {len(prompts)} prompts x {max_new_tokens} tokens" + \
+            (f", captured in {features})" if cap else ")")
     report.served = {"url": srv.url, "engine": engine, "model": srv.model, "served": run.counters.to_dict()}
+    ours = cap.prompt_ids if cap else [tok.encode(p, chat=chat) for p in prompts]
+    prompt_rows(report, tok, prompts, ours, run, chat)
+    why_not = why_not or (captured_problem(cap, run, k, steps) if cap else None)
+    if why_not:
+        report.add("served τ", "skip", f"{where}: served {tau_text(run.counters)}; not predicted: {why_not}")
+        return
+    if cap:
+        pred = captured_predictions(facts, net, cap, k)
+    else:
+        target = loader.load_model(facts.path, "fp32", device)
+        pred = predictions(target, load_drafter(path, target), ours, run.chat_ids, k, max_new_tokens)
+    same = output_check(report, tok, pred.truths, run.texts, max_new_tokens, dtype,
+                        f"the answers captured in {features}" if cap else "the target's own fp32 answers")
+    for row, why in pred.not_run:
+        report.add(row, "skip", why)
+    d = diagnose(run.counters, pred.counters, pred.readings)
+    report.served.update(predicted=pred.counters.to_dict(), band=round(d.band, 4), verdict=d.verdict,
+                         readings=[{"cause": r.cause, "what": r.what, **r.counters.to_dict()} for r in pred.readings])
+    verdict_rows(report, d, where, not same)
+
+
+def prompt_rows(report, tok, prompts: list[str], ours: list[list[int]], run: ServedRun, chat: bool) -> None:
+    """The server's tokenizer and chat template against the target's: its ids of each prompt, raw and templated,
+    against `ours` (the target's, or the capture's)."""
     raw_ok = ids_check(report, "served: tokenizer", [tok.encode(p) for p in prompts], run.raw_ids,
                        "the server runs another tokenizer (or revision) than the target's; serve with the target's "
                        "(vLLM --tokenizer TARGET_DIR), or train the drafter on the served one")
-    ours = [tok.encode(p, chat=chat) for p in prompts]
     if raw_ok and chat:
         ids_check(report, "served: chat template", ours, run.chat_ids,
                   "the server formats chat prompts with another template than the target's, the one the drafter "
                   "is predicted (and was trained) on; serve with the target's template (drop --chat-template) or "
                   "train on the served one")
-    if why_not:
-        report.add("served τ", "skip", f"{where}: served {tau_text(run.counters)}; not predicted: {why_not}")
-        return
-    target = loader.load_model(facts.path, "fp32", device)
-    net = load_drafter(path, target)
-    k = len(run.counters.per_pos)
-    predicted, readings, truths = predictions(target, net, ours, run.chat_ids, k, max_new_tokens)
-    same = output_check(report, tok, truths, run.texts, max_new_tokens, dtype)
-    d = diagnose(run.counters, predicted, readings)
-    report.served.update(predicted=predicted.to_dict(), band=round(d.band, 4), verdict=d.verdict,
-                         readings=[{"cause": r.cause, "what": r.what, **r.counters.to_dict()} for r in readings])
-    verdict_rows(report, d, where, not same)
+
+
+def captured_problem(cap: CapturedPrompts, run: ServedRun, k: int, steps: int) -> str | None:
+    """Why the served counters cannot be set against a prediction from the capture, if they cannot."""
+    if k > steps:
+        return (f"the engine drafts {k} tokens a cycle, more than the --steps {steps} the requests were sized for "
+                f"(each captured answer must run past the deepest draft); pass --steps {k}")
+    if run.chat_ids != cap.prompt_ids:
+        return ("the server's prompt ids are not the capture's (the tokenizer / chat template rows say where), and "
+                "predicting on its ids needs this target's forward")
+    return None

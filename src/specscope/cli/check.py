@@ -35,7 +35,9 @@ MARK = {"ok": "ok  ", "warn": "WARN", "fail": "FAIL", "skip": "skip"}
                    "decoding replayed on the target's greedy output, one target forward per prompt.")
 @click.option("--features", type=click.Path(file_okay=False), default=None,
               help="Predict from the target's states captured in a training run's data directory (WORKDIR/data, "
-                   "greedy answers) instead of running the target; implies --predict.")
+                   "greedy answers) instead of running the target; implies --predict. With --served: the capture's "
+                   "own prompts are served (each asking for what its answer verifies with chains up to --steps) and "
+                   "predicted from its states, for a target this toolkit cannot run.")
 @click.option("--served", metavar="URL", default=None,
               help="A running engine serving the target with this drafter (vLLM, or specscope serve): run the "
                    "prompts through it, read its spec-decode counters, set its τ against the prediction and name "

@@ -69,3 +69,70 @@ def make_moe(path: Path, tokenizer_dir: Path, layers: int = 8, experts: int = 8,
         if (tokenizer_dir / f).exists():
             shutil.copy(tokenizer_dir / f, path / f)
     return path
+
+
+# ---- check-drafter --served against one vLLM per planted configuration (test_served.py, test_capture.py's MoE)
+PROMPTS, TOKENS = "3", "48"
+
+
+def served_report(drafter, model_dir, url, *extra) -> tuple[int, dict]:
+    import json
+
+    r = specscope_cli("check-drafter", drafter, "--model", model_dir, "--served", url, "--num-prompts", PROMPTS,
+                      "--max-new-tokens", TOKENS, "--json", *extra, check=False)
+    assert r.returncode in (0, 1), r.stdout + r.stderr
+    return r.returncode, json.loads(r.stdout)
+
+
+def checks_of(rep: dict) -> dict:
+    return {c["check"]: c for c in rep["checks"]}
+
+
+def planted_copy(src, dst, edit_config=None, edit_weights=None):
+    import json
+    import shutil
+
+    shutil.copytree(src, dst, dirs_exist_ok=True)
+    if edit_config:
+        cfg = json.loads((dst / "config.json").read_text())
+        edit_config(cfg)
+        (dst / "config.json").write_text(json.dumps(cfg, indent=2))
+    if edit_weights:
+        from safetensors.torch import load_file, save_file
+
+        f = next(dst.glob("*.safetensors"))
+        sd = load_file(str(f))
+        edit_weights(sd)
+        save_file(sd, str(f))
+    return dst
+
+
+def serve(request, vllm_python, model_dir, work, name, drafter, args=()):
+    from specscope.benchserve.launch import VLLMServer
+
+    srv = VLLMServer(vllm_python, model_dir, spec={"method": "eagle3", "model": str(drafter),
+                                                   "num_speculative_tokens": 3},
+                     log=work / f"{name}.log", extra_args=list(args))
+    srv.__enter__()
+    request.addfinalizer(srv.stop)
+    return srv
+
+
+def served_checks(request, vllm_python, model_dir, work, name, drafter, args=(), engine_args=False, check_args=()):
+    """One server for one planted configuration, check-drafter --served against it (with the launch as
+    --engine-args when asked, and `check_args`), the server stopped: (exit code, the checks by name, the report)."""
+    srv = serve(request, vllm_python, model_dir, work, name, drafter, args)
+    rc, rep = served_report(drafter, model_dir, srv.url, *(["--engine-args", srv.command] if engine_args else []),
+                            *check_args)
+    srv.stop()
+    return rc, checks_of(rep), rep
+
+
+def shuffled_d2t(sd) -> None:
+    """d2t re-aligned after training: a permutation of the same target ids (every static check still passes)."""
+    import torch
+
+    d2t = sd["d2t"].to(torch.long)
+    ids = torch.arange(len(d2t)) + d2t
+    perm = torch.randperm(len(ids), generator=torch.Generator().manual_seed(0))
+    sd["d2t"] = (ids[perm] - torch.arange(len(ids))).to(sd["d2t"].dtype)

@@ -9,57 +9,7 @@ from __future__ import annotations
 import json
 import shutil
 
-import pytest
-from engine_util import specscope_cli
-
-from specscope.benchserve.launch import VLLMServer
-
-PROMPTS, TOKENS = "3", "48"
-
-
-def served_report(drafter, model_dir, url, *extra) -> tuple[int, dict]:
-    r = specscope_cli("check-drafter", drafter, "--model", model_dir, "--served", url, "--num-prompts", PROMPTS,
-                      "--max-new-tokens", TOKENS, "--json", *extra, check=False)
-    assert r.returncode in (0, 1), r.stdout + r.stderr
-    return r.returncode, json.loads(r.stdout)
-
-
-def checks_of(rep: dict) -> dict:
-    return {c["check"]: c for c in rep["checks"]}
-
-
-def planted_copy(src, dst, edit_config=None, edit_weights=None):
-    shutil.copytree(src, dst, dirs_exist_ok=True)
-    if edit_config:
-        cfg = json.loads((dst / "config.json").read_text())
-        edit_config(cfg)
-        (dst / "config.json").write_text(json.dumps(cfg, indent=2))
-    if edit_weights:
-        from safetensors.torch import load_file, save_file
-
-        f = next(dst.glob("*.safetensors"))
-        sd = load_file(str(f))
-        edit_weights(sd)
-        save_file(sd, str(f))
-    return dst
-
-
-def serve(request, vllm_python, model_dir, work, name, drafter, args=()):
-    srv = VLLMServer(vllm_python, model_dir, spec={"method": "eagle3", "model": str(drafter),
-                                                   "num_speculative_tokens": 3},
-                     log=work / f"{name}.log", extra_args=list(args))
-    srv.__enter__()
-    request.addfinalizer(srv.stop)
-    return srv
-
-
-def served_checks(request, vllm_python, model_dir, work, name, drafter, args=(), engine_args=False):
-    """One server for one planted configuration, check-drafter --served against it (with the launch as
-    --engine-args when asked), the server stopped: (exit code, the checks by name, the report)."""
-    srv = serve(request, vllm_python, model_dir, work, name, drafter, args)
-    rc, rep = served_report(drafter, model_dir, srv.url, *(["--engine-args", srv.command] if engine_args else []))
-    srv.stop()
-    return rc, checks_of(rep), rep
+from engine_util import planted_copy, served_checks, shuffled_d2t
 
 
 def test_norm_placement_is_named(request, vllm_python, model_dir, work, exports):
@@ -75,15 +25,7 @@ def test_norm_placement_is_named(request, vllm_python, model_dir, work, exports)
 
 def test_vocabulary_map_is_named(request, vllm_python, model_dir, work, exports):
     """d2t re-aligned after training (a permutation of the same target ids: every static check still passes)."""
-    import torch
-
-    def shuffle(sd):
-        d2t = sd["d2t"].to(torch.long)
-        ids = torch.arange(len(d2t)) + d2t
-        perm = torch.randperm(len(ids), generator=torch.Generator().manual_seed(0))
-        sd["d2t"] = (ids[perm] - torch.arange(len(ids))).to(sd["d2t"].dtype)
-
-    bad = planted_copy(exports["speculators"], work / "drafter-shuffled-map", edit_weights=shuffle)
+    bad = planted_copy(exports["speculators"], work / "drafter-shuffled-map", edit_weights=shuffled_d2t)
     rc, c, rep = served_checks(request, vllm_python, model_dir, work, "served-map", bad)
     assert rc == 1 and c["served: vocabulary map"]["status"] == "fail", json.dumps(rep["checks"], indent=1)
     assert "ascending" in c["served: vocabulary map"]["detail"]

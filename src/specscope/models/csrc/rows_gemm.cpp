@@ -90,25 +90,46 @@ struct PanelOut {
         const int64_t w = cols(b0, b1);
         for (int64_t r = 0; r < n; ++r) memcpy(y + r * out + b0 * NB, from + r * w, (size_t)w * sizeof(float));
     }
-};
-
-template <int V, int RB, typename WT>
-struct GemmJob : PanelOut {
-    const float* x;
-    const WT* p;
-    const float* bias;
-    int64_t in;
-    void compute(int64_t b0, int64_t b1, float* to) const {
+    // tile(b, valid outputs, bias or null, where row 0 goes, row stride) for each panel b of [b0, b1)
+    template <typename Tile>
+    void each_panel(int64_t b0, int64_t b1, const float* bias, float* to, const Tile& tile) const {
         for (int64_t b = b0; b < b1; ++b) {
             int64_t left = out - b * NB, ld;
-            int valid = left < NB ? (int)left : (int)NB;
-            const WT* pb = p + b * NB * in;
-            const float* bb = bias ? bias + b * NB : nullptr;
             float* yb = at(b0, b1, b, to, ld);
-            int64_t r = 0;
-            for (; r + RB <= n; r += RB) tile<V, RB>(x + r * in, in, pb, bb, valid, yb + r * ld, ld);
-            tail<V, RB - 1, WT>(n - r, x + r * in, in, pb, bb, valid, yb + r * ld, ld);
+            tile(b, left < NB ? (int)left : (int)NB, bias ? bias + b * NB : nullptr, yb, ld);
         }
+    }
+};
+
+// a linear's chunk of panels: RB rows at a time by Tiles::full, the rest by Tiles::rest; x holds k values per row
+// and a panel NB*k weights (fp32 rows: k = in; bf16 k-pair rows: k = 2*ceil(in/2))
+template <typename Tiles, int RB>
+struct GemmJob : PanelOut {
+    const typename Tiles::X* x;
+    const typename Tiles::W* p;
+    const float* bias;
+    int64_t k;
+    void compute(int64_t b0, int64_t b1, float* to) const {
+        each_panel(b0, b1, bias, to, [&](int64_t b, int valid, const float* bb, float* yb, int64_t ld) {
+            const typename Tiles::W* pb = p + b * NB * k;
+            int64_t r = 0;
+            for (; r + RB <= n; r += RB) Tiles::full(x + r * k, k, pb, bb, valid, yb + r * ld, ld);
+            Tiles::rest(n - r, x + r * k, k, pb, bb, valid, yb + r * ld, ld);
+        });
+    }
+};
+
+// fp32 rows on fp32 or bf16 panels (tile / tail above)
+template <int V, int RB, typename WT>
+struct FloatTiles {
+    using X = float;
+    using W = WT;
+    static void full(const float* x, int64_t in, const WT* p, const float* b, int valid, float* y, int64_t ld) {
+        tile<V, RB>(x, in, p, b, valid, y, ld);
+    }
+    static void rest(int64_t rem, const float* x, int64_t in, const WT* p, const float* b, int valid, float* y,
+                     int64_t ld) {
+        tail<V, RB - 1, WT>(rem, x, in, p, b, valid, y, ld);
     }
 };
 
@@ -119,7 +140,7 @@ static int gemm_dispatch(const float* x, int64_t n, const WT* p, int64_t nb, int
                          const float* bias, float* y, int rb, const Sink& sink) {
 #define CASE(V_, RB_)                                                                        \
     if (nb == (V_) * L && rb == (RB_)) {                                                     \
-        sink(GemmJob<V_, RB_, WT>{{y, n, out, (V_) * L}, x, p, bias, in}, (out + nb - 1) / nb); \
+        sink(GemmJob<FloatTiles<V_, RB_, WT>, RB_>{{y, n, out, (V_) * L}, x, p, bias, in}, (out + nb - 1) / nb); \
         return 0;                                                                            \
     }
     TILES(CASE)
@@ -193,23 +214,17 @@ static inline void tail_dp(int64_t rem, const uint16_t* x, int64_t kp, const uin
     }
 }
 
+// bf16 k-pair rows on k-pair panels (tile_dp / tail_dp above; they count k in pairs)
 template <int V, int RB>
-struct GemmDpJob : PanelOut {
-    const uint16_t* x;
-    const uint16_t* p;
-    const float* bias;
-    int64_t kp;
-    void compute(int64_t b0, int64_t b1, float* to) const {
-        for (int64_t b = b0; b < b1; ++b) {
-            int64_t left = out - b * NB, ld;
-            int valid = left < NB ? (int)left : (int)NB;
-            const uint16_t* pb = p + b * NB * 2 * kp;
-            const float* bb = bias ? bias + b * NB : nullptr;
-            float* yb = at(b0, b1, b, to, ld);
-            int64_t r = 0;
-            for (; r + RB <= n; r += RB) tile_dp<V, RB>(x + 2 * r * kp, kp, pb, bb, valid, yb + r * ld, ld);
-            tail_dp<V, RB - 1>(n - r, x + 2 * r * kp, kp, pb, bb, valid, yb + r * ld, ld);
-        }
+struct PairTiles {
+    using X = uint16_t;
+    using W = uint16_t;
+    static void full(const uint16_t* x, int64_t k, const uint16_t* p, const float* b, int valid, float* y, int64_t ld) {
+        tile_dp<V, RB>(x, k / 2, p, b, valid, y, ld);
+    }
+    static void rest(int64_t rem, const uint16_t* x, int64_t k, const uint16_t* p, const float* b, int valid, float* y,
+                     int64_t ld) {
+        tail_dp<V, RB - 1>(rem, x, k / 2, p, b, valid, y, ld);
     }
 };
 
@@ -218,7 +233,7 @@ static int dp_dispatch(const uint16_t* x, int64_t n, const uint16_t* p, int64_t 
                        const float* bias, float* y, int rb, const Sink& sink) {
 #define CASE(V_, RB_)                                                                         \
     if (nb == (V_) * L && rb == (RB_)) {                                                      \
-        sink(GemmDpJob<V_, RB_>{{y, n, out, (V_) * L}, x, p, bias, kp}, (out + nb - 1) / nb);   \
+        sink(GemmJob<PairTiles<V_, RB_>, RB_>{{y, n, out, (V_) * L}, x, p, bias, 2 * kp}, (out + nb - 1) / nb); \
         return 0;                                                                             \
     }
     TILES(CASE)
@@ -903,8 +918,8 @@ struct AttendJob {
                 memset(o, 0, (size_t)(gb * D) * sizeof(float));
                 continue;
             }
-            fns[gb](qs, (const char*)k + g * kv_head * es, kt + g * used * 256 * ND, pos, (const char*)v + g * kv_head * es,
-                    D, idx + t * need, m, scale, sc_buf.data(), pp_buf.data(), outs);
+            fns[gb](qs, (const char*)k + g * kv_head * es, kt + g * used * 256 * ND, pos,
+                    (const char*)v + g * kv_head * es, D, idx + t * need, m, scale, sc_buf.data(), pp_buf.data(), outs);
         }
     }
     void commit(int64_t i0, int64_t i1, const float* from) const {
@@ -938,8 +953,9 @@ int rows_attention(const float* q, int64_t q_row, int64_t T, int64_t Hq, int64_t
     attn_plan(pl, T, Hkv, D, kv_fmt, S, mask, mask_row);
     const pool::Now now{nthreads};
 #if defined(SPECSCOPE_DPBF16)
-    if (pl.ND) now(TransposeJob{(const uint16_t*)k, pl.kt.data(), pl.pos.data(), pl.nblk, pl.used, pl.ND, D, S, kv_head},
-                   Hkv * pl.nblk, 4);
+    if (pl.ND)
+        now(TransposeJob{(const uint16_t*)k, pl.kt.data(), pl.pos.data(), pl.nblk, pl.used, pl.ND, D, S, kv_head},
+            Hkv * pl.nblk, 4);
 #endif
     int64_t items;
     const AttendJob job = attend_job(pl, q, q_row, T, Hq, Hkv, D, k, v, kv_fmt, kv_head, out, items);

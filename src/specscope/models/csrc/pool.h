@@ -305,6 +305,7 @@ class Pool {
         uint64_t seen_ready = 0, beats = 0, seen_beat = 0;
         clock::time_point since{}, redo_at{}, ready_at{}, beat_at = clock::now();
         clock::duration per{};
+        const auto redo_wait = [&] { return 3 * per > REDO_AFTER ? 3 * per : clock::duration(REDO_AFTER); };
         for (int spin = 0;; ++spin) {
             busy.store(1, std::memory_order_seq_cst);   // before anything of the program is touched (see the top)
             if (over_.load(std::memory_order_seq_cst) >= P) break;
@@ -342,9 +343,9 @@ class Pool {
             const auto now = clock::now();
             if (g != stuck_g) {   // this job's chunks are all taken: wait a little before doing one again
                 stuck_g = g, since = now;
-                redo_at = now + (3 * per > REDO_AFTER ? 3 * per : clock::duration(REDO_AFTER));
+                redo_at = now + redo_wait();
             } else if (now > redo_at && redo(g, scratch, busy, P, slot)) {
-                redo_at = clock::now() + (3 * per > REDO_AFTER ? 3 * per : clock::duration(REDO_AFTER));
+                redo_at = clock::now() + redo_wait();
                 spin = 0;
                 continue;
             }

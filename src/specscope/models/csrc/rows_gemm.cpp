@@ -879,6 +879,15 @@ struct TransposeJob {
                 memcpy(dst(it), (const uint32_t*)from + (it - i0) * 256 * ND, (size_t)(256 * ND) * sizeof(uint32_t));
     }
 };
+
+// the key transposes plan pl asks of cache k (none off the vdpbf16ps path), handed to `sink`
+template <typename Sink>
+static void transposes(AttnPlan& pl, const void* k, int64_t Hkv, int64_t D, int64_t S, int64_t kv_head,
+                       const Sink& sink) {
+    if (pl.ND)
+        sink(TransposeJob{(const uint16_t*)k, pl.kt.data(), pl.pos.data(), pl.nblk, pl.used, pl.ND, D, S, kv_head},
+             Hkv * pl.nblk, 4);
+}
 #endif
 
 // the rows (item: kv head, head pass, row), kv-head-major: a chunk of items shares one kv head's keys and values
@@ -953,9 +962,7 @@ int rows_attention(const float* q, int64_t q_row, int64_t T, int64_t Hq, int64_t
     attn_plan(pl, T, Hkv, D, kv_fmt, S, mask, mask_row);
     const pool::Now now{nthreads};
 #if defined(SPECSCOPE_DPBF16)
-    if (pl.ND)
-        now(TransposeJob{(const uint16_t*)k, pl.kt.data(), pl.pos.data(), pl.nblk, pl.used, pl.ND, D, S, kv_head},
-            Hkv * pl.nblk, 4);
+    transposes(pl, k, Hkv, D, S, kv_head, now);
 #endif
     int64_t items;
     const AttendJob job = attend_job(pl, q, q_row, T, Hq, Hkv, D, k, v, kv_fmt, kv_head, out, items);
@@ -1001,7 +1008,7 @@ struct LayersProg {
     int nthreads;
     float *x, *qkv, *qr, *att, *o, *gu, *act, *hn;
     bf16a_elem* conv;   // a bf16-input linear's rows, rounded
-    const AttnPlan* plan;
+    AttnPlan* plan;   // its key blocks are rewritten per layer by the transposes
 };
 
 // a packed linear of `T` rows from `in` into `out`, handed to `sink`; -1 if its panel width / tile is not built
@@ -1052,10 +1059,7 @@ static bool layers_stage(void* vp, int64_t s, pool::Job* job) {
         case ST_ROPE:
             rope_write(P.qkv, T, P.Hq, P.Hkv, P.D, P.cos, P.sin, P.slots, kc, vc, P.kv_fmt, P.kv_head, P.qr);
 #if defined(SPECSCOPE_DPBF16)
-            if (P.plan->ND)
-                later(TransposeJob{(const uint16_t*)kc, (uint32_t*)P.plan->kt.data(), P.plan->pos.data(), P.plan->nblk,
-                                   P.plan->used, P.plan->ND, P.D, P.S, P.kv_head},
-                      P.Hkv * P.plan->nblk, 4);
+            transposes(*P.plan, kc, P.Hkv, P.D, P.S, P.kv_head, later);
 #endif
             break;
         case ST_ATTEND: {

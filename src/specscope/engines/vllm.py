@@ -12,6 +12,7 @@ import ast
 import json
 import os
 import re
+from dataclasses import dataclass
 
 from specscope.engines.base import (FAIL, OK, WARN, DrafterFacts, EngineArgs, Finding, Knob, options, py_args,
                                     split_args, to_int)
@@ -267,3 +268,57 @@ def _aux_layers_warning(drafter: DrafterFacts) -> Finding:
                    f"it feeds the drafter the states entering layers {wrong} instead of {list(drafter.aux_layer_ids)} "
                    f"(no error; acceptance is no longer what the drafter was trained for); give vLLM "
                    f"`specscope export DRAFTER --format speculators` instead")
+
+
+# ---- draft tokens per batch size: vLLM's dynamic speculative decoding (speculative_config's
+# num_speculative_tokens_per_batch_size, vLLM >= 0.29; vllm/v1/spec_decode/dynamic/utils.py validates it: entries
+# (start, end, k), inclusive, positive, sorted, non-overlapping, the first starting at 1, k >= 0; past the last end
+# vLLM carries the last k forward, and it clips every k to num_speculative_tokens)
+SCHEDULE_KEY = "num_speculative_tokens_per_batch_size"
+SCHEDULE_RULE = ("a measured level's k covers batch sizes from it up to just below the next level (below the first "
+                 "level: the first's k); vLLM carries the last k past the highest level")
+
+
+@dataclass(frozen=True)
+class DraftSchedule:
+    """Draft tokens per batch size in vLLM's form: `ranges` ((start, end, k), ...) and num_speculative_tokens, the
+    largest k (vLLM clips each range's k to it)."""
+
+    ranges: tuple
+    num_speculative_tokens: int
+
+    def config(self, base: dict | None = None) -> dict:
+        """The speculative config: `base`'s keys (method, model), then the two of the schedule."""
+        return {**(base or {}), "num_speculative_tokens": self.num_speculative_tokens,
+                SCHEDULE_KEY: [list(r) for r in self.ranges]}
+
+    def flag(self, base: dict | None = None) -> str:
+        """One copy-pasteable `--speculative-config '{...}'`."""
+        return f"--speculative-config '{json.dumps(self.config(base))}'"
+
+
+def draft_schedule(choices) -> DraftSchedule | None:
+    """((batch level, k), ...), a k per measured concurrency level (0: plain decoding there) -> vLLM's schedule,
+    consecutive levels of one k merged (SCHEDULE_RULE); None when every k is 0 (speculation pays at no level)."""
+    choices = sorted((_whole(b, "batch level", 1), _whole(k, "draft token count", 0)) for b, k in choices)
+    if not choices:
+        raise SpecscopeError("no concurrency level to make a draft-token schedule from")
+    levels = [b for b, _ in choices]
+    if len(set(levels)) != len(levels):
+        raise SpecscopeError(f"batch levels repeat in {levels}: one draft-token count per level")
+    ranges = []
+    for i, (b, k) in enumerate(choices):
+        start = 1 if i == 0 else b
+        end = choices[i + 1][0] - 1 if i + 1 < len(choices) else b
+        if ranges and ranges[-1][2] == k:
+            ranges[-1] = (ranges[-1][0], end, k)
+        else:
+            ranges.append((start, end, k))
+    top = max(k for _, k in choices)
+    return DraftSchedule(tuple(ranges), top) if top > 0 else None
+
+
+def _whole(v, what: str, least: int) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < least:
+        raise SpecscopeError(f"a {what} must be a whole number >= {least}, got {v!r}")
+    return v

@@ -50,7 +50,8 @@ MAX_BREAKEVEN_STEPS = 10**9   # closed-form arithmetic: a billion steps cost wha
                    "(batch 1) are scaled by --verify-curve.")
 @click.option("--verify-curve", "curve_ref", default=None,
               help="A verify_curve run (with --batch: one measured with `verify-curve --batch`) for the decode and "
-                   "verify times not given.")
+                   "verify times not given; or a run of an engine's own steps (a sweep's engine surface): every "
+                   "time from it at --batch, no --run needed.")
 @click.option("--verify-tokens", type=float, default=None,
               help="Tokens one sequence verifies per cycle, to read --verify-curve at (default: the run's mean, "
                    "else steps + 1).")
@@ -61,7 +62,7 @@ def breakeven(decode_ms, verify_ms, draft_ms, other_ms, steps, measured_tok_s, m
     """The τ (and i.i.d. acceptance α) a configuration needs to beat plain decoding, the most it can reach, and
     the speedup actually achieved — from numbers or from stored runs; --batch B: the τ needed at B sequences."""
     from specscope.economics.breakeven import (BreakevenInputs, at_batch, breakeven as compute, describe,
-                                               inputs_from_runs)
+                                               inputs_from_runs, prices_for)
     from specscope.economics.verify_curve import MAX_BATCH
 
     real = math.isfinite   # nan and inf pass every comparison below the wrong way
@@ -82,36 +83,65 @@ def breakeven(decode_ms, verify_ms, draft_ms, other_ms, steps, measured_tok_s, m
                             batch=batch, verify_tokens=verify_tokens)
     if baseline_ref and not run_ref:
         raise SpecscopeError("--baseline-run needs --run (the speculative run to analyse)")
-    surface = engine = no_engine = None
-    if curve_ref:
-        from specscope.economics.verify_curve import VerifySurface
-
-        with _open(db) as reg:
-            surface = VerifySurface.from_run(reg.get_run(curve_ref, samples=False))
-    if run_ref:
-        with _open(db) as reg:
-            run = reg.get_run(run_ref, samples=False)
-            # a run may name the baseline it was measured against
-            bref = baseline_ref or (run.get("config") or {}).get("baseline_run")
-            base = reg.get_run(bref, samples=False) if bref else None
-        if run.get("kind") in ("baseline",) and base is None:
-            raise SpecscopeError(f"run {run['id']} is a baseline run; pass the speculative run as --run and this one "
-                                 f"as --baseline-run")
-        if surface is None:     # a serving engine's plugin run prices itself by batch size from its own steps
-            from specscope.economics.engine_steps import EngineCosts
-
-            engine, no_engine = EngineCosts.from_runs(run, base)   # means, as the run's phases are read
-        inp = inputs_from_runs(run, base, given, surface, engine)
-    else:
-        inp = given
+    run, base, curve_run = _breakeven_runs(run_ref, baseline_ref, curve_ref, db)
+    surface, engine, no_engine = prices_for(run, base, curve_run)
+    sole = engine is not None and engine.sole          # an engine surface as --verify-curve prices everything
+    if sole and run is None and steps is None and verify_tokens is None:
+        return _breakeven_by_width(given, engine, as_json)
+    inp = inputs_from_runs(run, base, given, surface, engine) if run is not None else given
+    if sole:
+        inp.notes.extend(engine.notes())
     res = compute(at_batch(inp, surface, engine, no_engine))
     if as_json:
-        emit_json(res)
+        emit_json({**res, "engine_surface": engine.summary()} if sole else res)
         return
     for line in describe(res, inp):
         click.echo(line)
     if inp.sources:
         click.echo("from runs: " + ", ".join(f"{k.replace('_ms', '')} ← {v}" for k, v in inp.sources.items()))
+
+
+def _breakeven_by_width(given, engine, as_json) -> None:
+    """No draft depth asked and no run: the τ needed at each chain width the engine surface measured."""
+    from specscope.economics.breakeven import at_batch, breakeven as compute
+
+    rows = []
+    for n in (n for n in engine.tokens if n > 1):
+        inp = dataclasses.replace(given, verify_tokens=float(n), sources={}, notes=[])
+        rows.append({"verify_tokens": n, "steps": n - 1, **compute(at_batch(inp, None, engine))})
+    if as_json:
+        emit_json({"batch": given.batch, "by_tokens": rows, "engine_surface": engine.summary()})
+        return
+    click.echo(f"at batch {given.batch}, τ needed per chain width (pass --steps or --verify-tokens for one):")
+    for r in rows:
+        a = f"α {r['break_even_alpha']:.3f}" if r["break_even_alpha"] is not None else "out of reach"
+        click.echo(f"  n = {r['verify_tokens']} ({r['steps']} draft token(s)): τ needed "
+                   f"{r['break_even_accept_length']:.2f} of at most {r['max_accept_length']:.0f} ({a}); cycle "
+                   f"{r['cycle_ms']:.2f} ms")
+    for note in engine.notes():
+        click.echo(f"note: {note}")
+
+
+def _breakeven_runs(run_ref, baseline_ref, curve_ref, db) -> tuple:
+    """The stored runs breakeven reads -> (run, its baseline, the --verify-curve run), each None when not asked."""
+    if not (run_ref or curve_ref):
+        return None, None, None
+    with _open(db) as reg:
+        curve_run = reg.get_run(curve_ref, samples=False) if curve_ref else None
+        run = reg.get_run(run_ref, samples=False) if run_ref else None
+        # a run may name the baseline it was measured against
+        bref = baseline_ref or ((run or {}).get("config") or {}).get("baseline_run")
+        base = reg.get_run(bref, samples=False) if run and bref else None
+    if run is None:
+        return None, None, curve_run
+    if run.get("kind") == "baseline" and base is None:
+        raise SpecscopeError(f"run {run['id']} is a baseline run; pass the speculative run as --run and this one "
+                             f"as --baseline-run")
+    if run.get("kind") == "engine_surface":
+        from specscope.economics.engine_steps import surface_as_run
+
+        raise SpecscopeError(surface_as_run(run))
+    return run, base, curve_run
 
 
 # ------------------------------------------------------------------------------------------------ tune
@@ -120,7 +150,9 @@ def breakeven(decode_ms, verify_ms, draft_ms, other_ms, steps, measured_tok_s, m
 @click.option("--run", "run_ref", default=None, help="A profiled speculative run to tune from (id, prefix or last).")
 @click.option("--baseline-run", "baseline_ref", default=None,
               help="Baseline run for T_decode (default: the one recorded with the run).")
-@click.option("--verify-curve", "curve_ref", default=None, help="A verify_curve run to scale verify cost by n.")
+@click.option("--verify-curve", "curve_ref", default=None,
+              help="A verify_curve run to scale verify cost by n; or a run of an engine's own steps (a sweep's "
+                   "engine surface): every cost by batch size from it, acceptance still from --run.")
 @click.option("--decode-ms", type=FiniteFloat(min=0, min_open=True), default=None,
               help="Plain decoding ms/token (instead of a baseline run).")
 @click.option("--profile", "do_profile", is_flag=True,
@@ -193,6 +225,8 @@ def tune(run_ref, baseline_ref, curve_ref, decode_ms, do_profile, model_name, dr
     _print_tune(out, res.rows[:top], res.acc, res.cost, out.get("validation"))
     if req.batched:
         _print_concurrency(out, res.prices.surface, res.prices.engine)
+    if out.get("engine_config"):
+        _print_engine_form(out["engine_config"])
     for p in out.get("plots", []):
         click.echo(f"plot: {p}")
     if out.get("policy"):
@@ -297,6 +331,16 @@ def _print_concurrency(out, surface, engine=None):
     else:
         click.echo(f"crossover: past ~{cross:.1f} concurrent sequences plain decoding is predicted faster; "
                    f"speculate below it")
+
+
+def _print_engine_form(form: dict) -> None:
+    """The best draft tokens per level in the engine's own form, on one line to paste into its launch."""
+    if form["speculative_config"] is None:
+        click.echo(f"vLLM: {form['verdict']}")
+        return
+    click.echo("vLLM, draft tokens per batch size (each level's best k, 0 where plain decoding is predicted "
+               f"faster; {form['rule']}):")
+    click.echo(form["flag"])
 
 
 def _print_tune(out, rows, acc, cost, validation):

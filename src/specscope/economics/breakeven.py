@@ -168,7 +168,7 @@ def at_batch(inp: BreakevenInputs, surface=None, engine=None, no_engine: str | N
         inp.measured_speedup = None
         inp.notes.append(f"the runs' measured speedup is at batch 1; the one shown is the cycle model's at batch {B}, "
                          f"from the run's τ")
-    if surface is None and engine is not None and (engine.covers(B) or B > 1):
+    if surface is None and engine is not None and (engine.covers(B) or B > 1 or engine.sole):
         return _from_engine(inp, engine)
     if surface is None and no_engine and B > 1:
         raise SpecscopeError(f"--batch {B}: {no_engine}")
@@ -210,16 +210,38 @@ def _from_engine(inp: BreakevenInputs, engine) -> BreakevenInputs:
     if n is None:
         raise SpecscopeError("reading verify times off the engine's steps needs the tokens verified per cycle: pass "
                              "--verify-tokens or --steps")
+    if inp.steps is None:       # no run, no --steps: the engine verifies a chain of n - 1 drafts
+        if n < 2:
+            raise SpecscopeError(f"--verify-tokens {n:g} verifies no draft token; pass 2 or more")
+        inp.fill("steps", math.ceil(n) - 1, f"--verify-tokens {n:g} (a chain)")
     steps = f"the steps of run {engine.run_id}"
+    at_n = f", {n:g} token(s)" if engine.by_width is not None else ""
     for key, value, what in (("decode_ms", engine.decode(B), f"the plain steps of run {engine.plain_id} at batch {B}"),
                              ("verify_ms", engine.verify(n, B), f"{steps}: T({B}, {n:g})"),
-                             ("draft_ms", engine.draft_per_seq(B) * B, f"{steps} at batch {B}, the batch's"),
+                             ("draft_ms", engine.drafting(B, n), f"{steps} at batch {B}{at_n}, the batch's"),
                              ("other_ms", engine.other_per_seq(B), f"{steps} at batch {B} (all but forward and "
                                                                    f"draft), per sequence")):
         if key in inp.sources or getattr(inp, key) is None:
             setattr(inp, key, value)
             inp.sources[key] = what
     return inp
+
+
+def prices_for(run: dict | None, base: dict | None, curve_run: dict | None) -> tuple:
+    """What prices the times the command line left out -> (verify surface, EngineCosts, why a plugin run has no
+    costs): a --verify-curve run of an engine's own steps (a sweep's engine surface) prices everything from them;
+    another --verify-curve run is a verify surface; without one a plugin run prices itself from its own steps."""
+    from specscope.economics.engine_steps import EngineCosts, engine_surface, surface_costs
+
+    if curve_run is not None and engine_surface(curve_run) is not None:
+        return None, surface_costs(curve_run, run, "mean"), None     # means, as a run's phases are read
+    if curve_run is not None:
+        from specscope.economics.verify_curve import VerifySurface
+
+        return VerifySurface.from_run(curve_run), None, None
+    if run is not None:
+        return (None, *EngineCosts.from_runs(run, base))
+    return None, None, None
 
 
 # ---------------------------------------------------------------------------------------------- from stored runs

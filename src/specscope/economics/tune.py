@@ -275,9 +275,12 @@ class CostModel:
 
     def draft_at(self, steps: int, topk: int, batch: int = 1) -> float:
         """The batch's drafting per cycle at `batch`: draft_ms, or from the engine's steps its drafting at that
-        batch size (per sequence x B) scaled by this shape's draft_ms over the run's own."""
+        batch size: for a chain, where the steps measured several widths, at this one (`EngineCosts.drafting`);
+        else their drafting (per sequence x B) scaled by this shape's draft_ms over the run's own."""
         if not self._engine(batch):
             return self.draft_ms(steps, topk, batch)
+        if topk == 1 and self.engine.by_width is not None:
+            return self.engine.drafting(batch, steps + 1)
         d = self.draft_ms(steps, topk)
         per_seq = self.engine.draft_per_seq(batch)
         return batch * (per_seq * d / self.draft_ref_ms if self.draft_ref_ms else per_seq)
@@ -345,7 +348,7 @@ class CostModel:
         if curve is None and not (engine is not None and engine.covers(1)):
             notes.append("no verify curve: verify and draft-step costs taken as flat in the number of tokens")
         if engine is not None:
-            notes.append(engine.describe())
+            notes.extend(engine.notes())
         return cls(decode_ms, step0, expand, select, verify, other, topk, float(n0), float(context), curve, notes,
                    surface, engine, draft)
 

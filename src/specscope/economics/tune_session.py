@@ -241,10 +241,14 @@ def read_runs(req: TuneRequest, ctx: TuneContext) -> TuneRuns:
         if req.n_validate:
             raise SpecscopeError(f"run {run['id']} was measured inside {engine}; --validate runs specscope's own "
                                  f"engine. Measure the picks in {engine} (bench-serve) instead")
-        if base is None and req.decode_ms is None:
+        if base is None and req.decode_ms is None and not _priced_by_surface(req, curve_run):
             raise SpecscopeError(f"run {run['id']} was measured inside {engine}: pass --baseline-run (a plain "
                                  f"run of the same engine, e.g. the plugin's JSONL without speculation) or "
                                  f"--decode-ms")
+    elif run.get("kind") == "engine_surface":
+        from specscope.economics.engine_steps import surface_as_run
+
+        raise SpecscopeError(surface_as_run(run))
     elif run.get("kind") not in ("speculative", "bench", "generate"):
         raise SpecscopeError(f"run {run['id']} is a {run.get('kind')!r} run without draft and verify timings; "
                              f"tune needs a profiled speculative run")
@@ -253,8 +257,18 @@ def read_runs(req: TuneRequest, ctx: TuneContext) -> TuneRuns:
     return TuneRuns(run, base, curve_run)
 
 
-def _max_topk(req: TuneRequest, run: dict) -> int | None:
-    if req.max_topk is None and _engine_run(run) and (run.get("config") or {}).get("engine") == "vllm":
+def _priced_by_surface(req: TuneRequest, curve_run: dict | None) -> bool:
+    """Whether --verify-curve is a run of an engine's own steps (a sweep's engine surface), which prices plain
+    decoding itself."""
+    from specscope.economics.engine_steps import engine_surface
+
+    return bool(req.curve_ref and not req.profile and engine_surface(curve_run) is not None)
+
+
+def _max_topk(req: TuneRequest, run: dict, prices: "Pricing") -> int | None:
+    vllm = (_engine_run(run) and (run.get("config") or {}).get("engine") == "vllm") or \
+        (prices.engine is not None and prices.engine.engine == "vllm")
+    if req.max_topk is None and vllm:
         return 1           # vLLM's EAGLE-3 proposes chains (num_speculative_tokens)
     return req.max_topk
 
@@ -275,6 +289,8 @@ class Pricing:
 def pricing(req: TuneRequest, ctx: TuneContext, runs: TuneRuns, say) -> Pricing:
     """The verify curve given; else, when this tune measures anyway, a quick one measured here; else a serving
     engine's plugin run prices itself by batch size from its own steps."""
+    if _priced_by_surface(req, runs.curve_run):
+        return _surface_pricing(req, runs)
     if req.curve_ref and not req.profile:
         from specscope.economics.verify_curve import VerifySurface
 
@@ -287,9 +303,40 @@ def pricing(req: TuneRequest, ctx: TuneContext, runs: TuneRuns, say) -> Pricing:
     return Pricing(engine=engine, no_engine=no_engine)
 
 
+def _surface_pricing(req: TuneRequest, runs: TuneRuns) -> Pricing:
+    """Every cost from the engine's own steps given as --verify-curve (acceptance stays the run's); refused where
+    they cannot price what was asked."""
+    from specscope.economics.engine_steps import surface_costs
+
+    sid = runs.curve_run.get("id")
+    engine = surface_costs(runs.curve_run, runs.run, req.stat)
+    name = engine.engine or "the engine"
+    if req.n_validate:
+        raise SpecscopeError(f"--validate measures specscope's own engine, and --verify-curve {sid} prices "
+                             f"{name}'s steps: measure the picks in {name} instead")
+    if req.save_policy is not None:
+        raise SpecscopeError(f"--save-policy writes a table for `specscope serve`, and --verify-curve {sid} prices "
+                             f"{name}'s steps: leave --save-policy out (tune prints {name}'s own form where it has "
+                             f"one)")
+    if not any(engine.covers(B) for B in req.levels):
+        raise SpecscopeError(f"--verify-curve {sid}: {engine.uncovered(req.levels, 'concurrency')}")
+    return Pricing(engine=engine)
+
+
+def _plain_at_one(prices: Pricing) -> float:
+    """Plain decoding at batch 1 from an engine surface given as --verify-curve (nothing else gives it)."""
+    e = prices.engine
+    if not e.covers(1):
+        raise SpecscopeError(f"{e.uncovered([1])}; tune ranks shapes at batch 1: pass --baseline-run or "
+                             f"--decode-ms for plain decoding there")
+    return e.decode(1)
+
+
 def cost_model(req: TuneRequest, ctx: TuneContext, runs: TuneRuns, prices: Pricing, say) -> CostModel:
     decode_ms = req.decode_ms
-    if runs.base is None and decode_ms is None:
+    if runs.base is None and decode_ms is None and prices.engine is not None and prices.engine.sole:
+        decode_ms = _plain_at_one(prices)
+    elif runs.base is None and decode_ms is None:
         # a run made without a baseline (e.g. `specscope generate --draft ...`): measure plain decoding here
         decode_ms = ctx.plain_decode_ms(say)
     cost = CostModel.from_runs(runs.run, runs.base, prices.curve, decode_ms, req.stat,
@@ -325,7 +372,7 @@ def run_tune(req: TuneRequest, ctx: TuneContext, say) -> TuneResult:
     prices = pricing(req, ctx, runs, say)
     policy_file = _policy_file(req, ctx, runs.run, prices.surface) if req.save_policy is not None else None
     cost = cost_model(req, ctx, runs, prices, say)
-    configs = candidate_configs(acc, req.max_steps, _max_topk(req, runs.run), req.max_draft_tokens)
+    configs = candidate_configs(acc, req.max_steps, _max_topk(req, runs.run, prices), req.max_draft_tokens)
     hyb = HybridModel.from_run(runs.run) if RunMetrics.of(runs.run).hybrid_cycles else None
     if hyb is not None:      # a hybrid: the drafter ran in the tree cycles only; choose the n-gram budget too
         cost = cost.drafted_only(1.0 - hyb.copy_share)
@@ -335,6 +382,9 @@ def run_tune(req: TuneRequest, ctx: TuneContext, say) -> TuneResult:
     conc, skipped = by_concurrency(acc, cost, configs, req.levels, hyb)
     cross = crossover([r["batch"] for r in conc], [r["speedup"] for r in conc])
     out.update({"concurrency": conc, "crossover": cross, "concurrency_not_predicted": skipped})
+    form = engine_form(runs.run, prices.engine, conc)
+    if form is not None:
+        out["engine_config"] = form
     if policy_file and ctx.curve_loaded:
         out["policy_not_saved"] = (f"--save-policy: not saved, the verify curve was measured while "
                                    f"{ctx.curve_loaded}; run the tune again on a quieter machine")
@@ -356,12 +406,41 @@ def run_tune(req: TuneRequest, ctx: TuneContext, say) -> TuneResult:
 def _summary(req, runs, acc, cost, prices, rows) -> dict:
     """The --json document's head: the runs read, acceptance, costs, the top predictions."""
     no_engine = prices.no_engine
+    sole = prices.engine is not None and prices.engine.sole
     return {"run": runs.run.get("id"), "baseline_run": (runs.base or {}).get("id"),
-            "verify_curve": getattr(prices.curve, "run_id", None),
+            "verify_curve": prices.engine.run_id if sole else getattr(prices.curve, "run_id", None),
             "acceptance": {"source": acc.source, "rates": acc.rates}, "cost_notes": cost.notes,
             "decode_ms": cost.decode(1) if cost.covers(1) else cost.decode_ms, "predictions": rows[:req.top],
             "engine_surface": (prices.engine.summary() if prices.engine is not None
                                else {"unavailable": no_engine} if no_engine else None)}
+
+
+def engine_form(run: dict, engine, conc: list[dict]) -> dict | None:
+    """The best draft tokens per concurrency level in the engine's own form (vLLM's per-batch-size schedule): k the
+    best chain's depth, 0 where plain decoding is predicted faster; None where the costs are not vLLM's or a level's
+    best shape is no chain."""
+    if engine is None or engine.engine != "vllm" or not conc:
+        return None
+    if any(r["topk"] != 1 or "ngram_tokens" in r for r in conc):
+        return None
+    from specscope.engines.vllm import SCHEDULE_RULE, draft_schedule
+
+    sched = draft_schedule([(r["batch"], r["steps"] if r["speedup"] > 1.0 else 0) for r in conc])
+    if sched is None:
+        return {"engine": "vllm", "speculative_config": None,
+                "verdict": "speculation is predicted not to pay at any concurrency level: serve it without "
+                           "--speculative-config"}
+    cfg = run.get("config") or {}
+    # the drafter as vLLM names it: a vLLM run's, else the surface's (a specscope run names it specscope's way)
+    keys = _spec_keys(cfg) if cfg.get("engine") == "vllm" else {}
+    keys = keys or _spec_keys(engine.config)
+    return {"engine": "vllm", "speculative_config": sched.config(keys), "flag": sched.flag(keys),
+            "rule": SCHEDULE_RULE}
+
+
+def _spec_keys(cfg: dict) -> dict:
+    """A run's speculative method and drafter, as keys of vLLM's speculative config."""
+    return {k: cfg[c] for k, c in (("method", "method"), ("model", "draft")) if cfg.get(c)}
 
 
 def _validated(ctx: TuneContext, picks: list[dict]) -> list[dict]:

@@ -440,7 +440,7 @@ class VerifySurface:
         """The stored surface (refused, as VerifyCurve.from_run, when measured under load unless `loaded_ok`)."""
         res = run.get("results") or {}
         surface = res.get("surface")
-        if surface and run.get("kind") == "ingest":
+        if surface and run.get("kind") in ("ingest", "engine_surface"):
             return cls.from_results(surface, run.get("id"))     # an engine's own steps (economics/engine_steps.py)
         if not surface or run.get("kind") != "verify_curve":
             return cls({1: VerifyCurve.from_run(run, loaded_ok)}, run.get("id"))    # the old format: batch 1 alone

@@ -5,7 +5,8 @@ Enable it in the server's environment:
     SPECSCOPE_PHASES=/tmp/vllm-phases.jsonl python -m vllm.entrypoints.openai.api_server ...
 
 vLLM loads every `vllm.general_plugins` entry point in each of its processes (`VLLM_PLUGINS` selects them); without
-SPECSCOPE_PHASES this one does nothing (SPECSCOPE_CAPTURE turns on its capture mode: plugins/capture.py).
+SPECSCOPE_PHASES this one does nothing (SPECSCOPE_CAPTURE turns on its capture mode: plugins/capture.py; on a CPU build it always gives vLLM's synthetic
+rejection sampling the loop that build lacks: plugins/synthetic.py).
 Enabled, in the worker it
 - installs a timer behind vLLM's own phase scopes (`record_function_or_nullcontext` in `vllm/v1/utils.py`, the
   hook VLLM_CUSTOM_SCOPES_FOR_PROFILING uses; torch-profiler / NVTX annotations still happen when those are on):
@@ -44,8 +45,9 @@ _state: dict = {"installed": False, "recorder": None}
 def register() -> None:
     """vLLM's entry point (`vllm.general_plugins`); called once per vLLM process. Its capture mode (hidden states
     for drafter training, SPECSCOPE_CAPTURE) is plugins/capture.py, behind the same entry point."""
-    from specscope.plugins import capture
+    from specscope.plugins import capture, synthetic
 
+    synthetic.register(TESTED)
     capture.register(supported_version)
     path = os.environ.get(ENV_PATH)
     if not path or _state["installed"]:

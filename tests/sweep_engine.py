@@ -6,7 +6,8 @@ steps. The recorder reads those costs from the stand-in's own clock (`DeclaredCl
 phases the sweep finds are exactly the declared ones however loaded the machine is (the stand-in still sleeps them,
 so a client's wall times follow). Only the engines suite runs vLLM itself.
 
-    python tests/sweep_engine.py --port P [--steps K] [--verify-ms 2] [--fail] [--die-after N] [--fail-every K]
+    python tests/sweep_engine.py --port P [--steps K | --speculative-config JSON] [--verify-ms 2] [--fail]
+                                 [--die-after N] [--fail-every K] [--requests-file F] [--gather-ms 30]
                                  [--slow-from K [--slow-env BUILD] [--slow-factor 3]] [--placement-file F]
                                  [--fail-value V ... [--fail-env BUILD]] [--pid-file F]
 
@@ -14,7 +15,10 @@ so a client's wall times follow). Only the engines suite runs vLLM itself.
 every K-th request is answered 500 (an engine failing some requests); --slow-from K: a regression planted from
 build K on (verify --slow-factor times dearer where $BUILD >= K), for `specscope bisect` to find; --fail-value V:
 fails to start, as --fail, where $BUILD is V (a build that does not start, for bisect to skip); --pid-file F: its pid
-appended to F at start (a test checks none is left running)."""
+appended to F at start (a test checks none is left running). --speculative-config JSON: vLLM's spelling, its
+num_speculative_tokens sets --steps. Steps batch the requests in flight (B of them: verify costs 1 + 0.5 (B - 1) times
+one sequence's), so concurrency makes steps of several batch sizes; --requests-file F: "launch" at start, then per
+request as it arrives the requests in flight."""
 
 from __future__ import annotations
 
@@ -32,9 +36,9 @@ ACCEPT = (2, 0, 1, 2, 1)        # accepted drafts per step, cycled (clipped to -
 DRAFT_MS_PER_STEP = 0.5
 
 
-def verify_ms(verify: float, steps: int) -> float:
-    """The declared cost of one target forward over 1 + steps tokens."""
-    return verify * (1 + 0.25 * steps)
+def verify_ms(verify: float, steps: int, batch: int = 1) -> float:
+    """The declared cost of one target forward over `batch` sequences of 1 + steps tokens each."""
+    return verify * (1 + 0.25 * steps) * (1 + 0.5 * (batch - 1))
 
 
 class DeclaredClock:
@@ -61,6 +65,12 @@ def _args():
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--steps", type=int, default=0)
+    p.add_argument("--speculative-config", default=None,
+                   help="vLLM's JSON spelling: its num_speculative_tokens sets --steps")
+    p.add_argument("--gather-ms", type=float, default=30.0,
+                   help="an idle engine waits this long before its first step, so requests sent together batch")
+    p.add_argument("--requests-file", default=None,
+                   help="append, per request as it arrives, the requests in flight (itself included)")
     p.add_argument("--verify-ms", type=float, default=2.0, help="below 0: exit at once, as --fail")
     p.add_argument("--fail", action="store_true", help="exit at once, as an engine with a bad flag does")
     p.add_argument("--die-after", type=int, default=None, help="exit on the request after this many")
@@ -76,16 +86,27 @@ def _args():
     p.add_argument("--pid-file", default=None, help="append this process's pid to this file at start")
     p.add_argument("--placement-file", default=None,
                    help="write the cores this process may run on and VLLM_CPU_OMP_THREADS_BIND here at start")
-    return p.parse_args()
+    a = p.parse_args()
+    if a.speculative_config is not None:
+        a.steps = int(json.loads(a.speculative_config).get("num_speculative_tokens") or 0)
+    return a
+
+
+class Request:
+    def __init__(self, want: int):
+        self.want, self.done, self.chunks, self.finished = want, 0, [], False
 
 
 class Engine:
-    """The stand-in's steps, timed by the step recorder when SPECSCOPE_PHASES is set."""
+    """The stand-in's steps, timed by the step recorder when SPECSCOPE_PHASES is set: one loop over the requests in
+    flight, each step verifying (or decoding) all of them at once, as an engine's continuous batching does."""
 
     def __init__(self, a):
         self.a, self.n, self.requests = a, 0, 0
         self.verify_ms = a.verify_ms * (a.slow_factor if planted_slow(a) else 1.0)
-        self.lock = threading.Lock()            # one step at a time, as an engine's loop
+        self.lock = threading.Lock()            # the request count
+        self.cond = threading.Condition()       # the requests in flight and their tokens
+        self.active: list[Request] = []
         self.clock = DeclaredClock()
         cycle.time = self.clock                 # the profiler's timer is the declared clock
         path = os.environ.get("SPECSCOPE_PHASES")
@@ -93,25 +114,58 @@ class Engine:
                "num_speculative_tokens": a.steps or None, "method": "eagle3" if a.steps else None}
         self.rec = StepRecorder(path, "stand-in", "0", {k: v for k, v in cfg.items() if v is not None},
                                 every_s=3600, out=open(os.devnull, "w")) if path else None
+        threading.Thread(target=self.loop, daemon=True).start()
 
     def _scope(self, phase):
         return self.rec.scope(phase) if self.rec else _null()
 
-    def step(self) -> int:
-        """One engine step: verify (or decode) and draft; returns the tokens it produced."""
+    def submit(self, want: int) -> Request:
+        r = Request(want)
+        with self.cond:
+            self.active.append(r)
+            in_flight = len(self.active)
+            self.cond.notify_all()
+        if self.a.requests_file:
+            with open(self.a.requests_file, "a") as f:
+                f.write(f"{in_flight}\n")
+        return r
+
+    def loop(self):
+        while True:
+            with self.cond:
+                idle = not self.active
+                while not self.active:
+                    self.cond.wait()
+            if idle:
+                time.sleep(self.a.gather_ms / 1e3)
+            with self.cond:
+                batch = list(self.active)
+            acc = self.step(len(batch))
+            with self.cond:
+                for r in batch:
+                    k = min(acc + 1, r.want - r.done)
+                    r.done += k
+                    r.chunks.append(k)
+                    if r.done >= r.want:
+                        r.finished = True
+                        self.active.remove(r)
+                self.cond.notify_all()
+
+    def step(self, batch: int) -> int:
+        """One engine step over `batch` requests: verify (or decode) and draft; returns the drafts accepted."""
         a = self.a
         acc = min(ACCEPT[self.n % len(ACCEPT)], a.steps)
         self.n += 1
         if self.rec:
             self.rec.begin_step("verify" if a.steps else "decode")
         with self._scope("forward"):
-            self.clock.spend(verify_ms(self.verify_ms, a.steps))
+            self.clock.spend(verify_ms(self.verify_ms, a.steps, batch))
         if a.steps:
             with self._scope("draft"):
                 self.clock.spend(DRAFT_MS_PER_STEP * a.steps)
         if self.rec:
-            self.rec.end_step([a.steps], [acc] if a.steps else [0])
-        return acc + 1
+            self.rec.end_step([a.steps] * batch, [acc if a.steps else 0] * batch)
+        return acc
 
 
 def handler(engine: Engine):
@@ -150,14 +204,18 @@ def handler(engine: Engine):
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
             self.end_headers()
-            done = 0
-            while done < want:
-                with engine.lock:
-                    k = min(engine.step(), want - done)
-                done += k
-                chunk = {"choices": [{"delta": {"content": " w" * k}, "finish_reason": None}]}
-                self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
-            usage = {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": done}}
+            req = engine.submit(want)
+            while True:
+                with engine.cond:
+                    while not req.chunks and not req.finished:
+                        engine.cond.wait()
+                    chunks, req.chunks, last = req.chunks, [], req.finished and not req.chunks
+                if last:
+                    break
+                for k in chunks:
+                    chunk = {"choices": [{"delta": {"content": " w" * k}, "finish_reason": None}]}
+                    self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            usage = {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": req.done}}
             self.wfile.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
     return Handler
 
@@ -175,6 +233,9 @@ def main():
         with open(a.placement_file, "w") as f:
             json.dump({"affinity": sorted(os.sched_getaffinity(0)),
                        "bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND")}, f)
+    if a.requests_file:         # each launch's requests after its own line
+        with open(a.requests_file, "a") as f:
+            f.write("launch\n")
     engine = Engine(a)
     srv = ThreadingHTTPServer((a.host, a.port), handler(engine))
     try:

@@ -78,6 +78,9 @@ DAMAGE = {
     "workload prompts as text": _set("3", "spec", "workload", "num_prompts"),
     "workload rate 0": _set(0, "spec", "workload", "request_rate"),
     "not an object": lambda d: d.clear() or d.update({"__list__": True}),
+    "surfaces a list": _set([], "surfaces"),
+    "a surface of no group": _set({"X=a": {"run_id": "abc", "runs": ["abc"], "batches": [1], "tokens": [1],
+                                          "steps": 5, "warnings": []}}, "surfaces"),
 }
 
 

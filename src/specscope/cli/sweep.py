@@ -48,7 +48,10 @@ SPEC_OPTIONS = ("flags", "envs", "engine", "repeats", "phases_from", "baseline_w
 @click.option("--num-prompts", type=click.IntRange(1, 100_000), default=None, help="Requests per run (default 8).")
 @click.option("--output-len", type=click.IntRange(1, 1 << 20), default=None,
               help="max_tokens per request (default 64).")
-@click.option("--max-concurrency", type=click.IntRange(1, 1024), default=None, help="Requests in flight (default 1).")
+@click.option("--max-concurrency", default=None, metavar="N[,N...]",
+              help="Requests in flight (default 1); several levels (1,2,4,8) run in turn inside each launch, each "
+                   "level's numbers kept in the run (results.serve_levels), its tok/s and latencies those of the "
+                   "highest level (what the matrix compares); phases and τ are over every level's steps.")
 @click.option("--request-rate", type=FiniteRange(min=0.001, allow_inf=True), default=None,
               help="Requests per second (default inf: all at once, up to --max-concurrency).")
 @click.option("--endpoint", type=click.Choice(["chat", "completions"]), default=None,
@@ -83,6 +86,9 @@ def sweep(workdir, serve_cmd, command, startup_timeout, workload_timeout, stop_t
     """Launch the engine once per cell of a grid of flags and environment variables (plugin on), run bench-serve's
     workload on each, store one run per cell and repeat, and print the matrix: verify / draft ms, τ, tok/s per
     cell, what compare says about each axis, and the break-even τ per cell. Resumable: run it again to continue.
+    With an axis over speculative-config.num_speculative_tokens (plugin's phases), the cells' steps (and the plain
+    baseline's, n = 1) are joined into one stored engine surface per combination of the other axes (kind
+    engine_surface), which `tune --verify-curve ID` and `breakeven --verify-curve ID` read.
 
     \b
       SERVE="python -m vllm.entrypoints.openai.api_server --model M --speculative-config.method eagle3
@@ -162,6 +168,7 @@ def _spec(serve_cmd, command, opts, db):
     """The sweep the options describe, or None when only -w is given (continue or show the stored sweep)."""
     from specscope.sweep import SweepSpec, parse_env_axis, parse_flag_axis, workload_spec
     from specscope.sweep.spec import flag_of, parse_engine_axis
+    from specscope.sweep.workload import parse_levels
 
     given = [k for k in SPEC_OPTIONS if opts.get(k) not in (None, ())]
     if serve_cmd is not None and command:
@@ -184,7 +191,8 @@ def _spec(serve_cmd, command, opts, db):
                      opts["repeats"] or 2,
                      workload_spec(dataset_name=opts["dataset_name"], dataset_path=opts["dataset_path"],
                                    num_prompts=opts["num_prompts"], output_len=opts["output_len"],
-                                   max_concurrency=opts["max_concurrency"],
+                                   max_concurrency=None if opts["max_concurrency"] is None
+                                   else parse_levels(opts["max_concurrency"]),
                                    request_rate=None if rate is None else ("inf" if math.isinf(rate) else rate),
                                    endpoint=opts["endpoint"], temperature=opts["temperature"], seed=opts["seed"],
                                    ignore_eos=opts["ignore_eos"], tokenizer=opts["tokenizer"], warmup=opts["warmup"]),

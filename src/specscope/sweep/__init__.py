@@ -12,8 +12,9 @@ the break-even τ per cell.
 
 Modules: spec (axes, cells, ABBA order, the command per cell), workload (bench-serve's requests and client), cell
 (one cell and its run), state (the resumable sweep file and the workdir's lock), statecheck (every field of a
-sweep file checked), run (the loop), pool (a cell's repeats as one record), matrix and axes (the document), render
-(its words), page (its HTML page, with the report module's parts).
+sweep file checked), run (the loop), pool (a cell's repeats as one record), surface (the engine's verify surface
+joined over the num_speculative_tokens axis, one stored run per combination of the other axes), matrix and axes
+(the document), render (its words), page (its HTML page, with the report module's parts).
 """
 
 from specscope.sweep.matrix import sweep_document

@@ -19,9 +19,10 @@ from specscope.serverproc import ServerFailed, ServerProcess, free_port, root_ca
 from specscope.sweep.hostspeed import host_reference, reference_gbps
 from specscope.sweep.placement import pinned, plan
 from specscope.sweep.spec import Cell, SweepSpec
-from specscope.sweep.workload import (Workload, WorkloadFailed, config_of, per_prompt, send, serve_results)
+from specscope.sweep.workload import (Workload, WorkloadFailed, config_of, headline_level, levels_results, per_prompt,
+                                     send, serve_results)
 
-STEPS_FILE, LOG_FILE = "steps.jsonl", "engine.log"
+STEPS_FILE, LOG_FILE, MEASURED_STEPS = "steps.jsonl", "engine.log", "steps.measured.jsonl"
 SETTLE_S = 1.0          # the plugin's step count must stay put this long after warm-up before it is read
 
 
@@ -41,8 +42,13 @@ class Context:
     builds: dict = field(default_factory=dict)   # engine build -> its interpreter, or why it cannot be made
 
     def cell_dir(self, cell: Cell, repeat: int) -> Path:
-        index = [c.key for c in self.spec.cells()].index(cell.key)
-        return self.workdir / "cells" / f"{index:02d}-r{repeat + 1}"
+        return cell_dir(self.spec, self.workdir, cell.key, repeat)
+
+
+def cell_dir(spec: SweepSpec, workdir: Path, key: str, repeat: int) -> Path:
+    """Where a (cell, repeat)'s engine log and steps are: WORKDIR/cells/NN-rR."""
+    index = [c.key for c in spec.cells()].index(key)
+    return Path(workdir) / "cells" / f"{index:02d}-r{repeat + 1}"
 
 
 def engine_env(ctx: Context, cell: Cell, d: Path) -> dict:
@@ -59,7 +65,7 @@ def run_cell(ctx: Context, cell: Cell, repeat: int) -> dict:
     d = ctx.cell_dir(cell, repeat)
     try:
         d.mkdir(parents=True, exist_ok=True)
-        for stale in (STEPS_FILE, "steps.measured.jsonl"):      # a rerun of an interrupted cell starts clean
+        for stale in (STEPS_FILE, MEASURED_STEPS):      # a rerun of an interrupted cell starts clean
             (d / stale).unlink(missing_ok=True)
     except OSError as e:
         raise SpecscopeError(f"cannot write the cell's files in {d} ({why(e)})") from None
@@ -84,11 +90,7 @@ def run_cell(ctx: Context, cell: Cell, repeat: int) -> dict:
             eng.wait_healthy()
             mark, warm = _warm_up(ctx, eng.url, d)
             out = _workload(ctx, eng.url, d)
-        level = out["levels"][0]
-        if not level["completed"]:
-            first = (level.get("error_examples") or ["none reported"])[0]
-            raise WorkloadFailed(f"no request succeeded ({level['failed']} failed; first error: {first})"
-                                 + _engine_cause(d))
+        _some_succeeded(ctx, out, d)
     except (ServerFailed, WorkloadFailed) as e:
         return {"status": "failed", "reason": str(e), "log_tail": getattr(e, "log_tail", "") or eng.log_tail(),
                 "pgid": eng.pgid, "seconds": round(time.monotonic() - t0, 1), "command": shlex.join(argv)}
@@ -125,6 +127,16 @@ def _workload(ctx: Context, url: str, d: Path) -> dict:
     except SpecscopeError as e:
         raise WorkloadFailed(f"no request succeeded ({len(ctx.workload.requests)} failed; first error: {e})"
                              + _engine_cause(d)) from None
+
+
+def _some_succeeded(ctx: Context, out: dict, d: Path) -> None:
+    """WorkloadFailed when a concurrency level had no request succeed (the engine died, or refuses them all)."""
+    for c, level in zip(ctx.workload.levels, out["levels"]):
+        if not level["completed"]:
+            first = (level.get("error_examples") or ["none reported"])[0]
+            at = f" at concurrency {c}" if len(out["levels"]) > 1 else ""
+            raise WorkloadFailed(f"no request succeeded{at} ({level['failed']} failed; first error: {first})"
+                                 + _engine_cause(d))
 
 
 def _engine_cause(d: Path) -> str:
@@ -206,7 +218,7 @@ def _measured_file(ctx: Context, d: Path, mark) -> Path | None:
                 except (ValueError, KeyError, TypeError):
                     pass            # a torn line: ingest counts it as malformed
             keep.append(ln)
-        return write_atomic(d / "steps.measured.jsonl", "\n".join(keep) + "\n", "the cell's measured steps")
+        return write_atomic(d / MEASURED_STEPS, "\n".join(keep) + "\n", "the cell's measured steps")
     if source == "log":
         raw = (d / LOG_FILE).read_bytes()
         head = [ln for ln in raw[:mark or 0].decode(errors="replace").splitlines() if "server_args=" in ln]
@@ -238,7 +250,7 @@ def build_record(ctx: Context, cell: Cell, repeat: int, out: dict, phases: dict 
     from specscope.registry import make_record
     from specscope.registry.fingerprint import collect
 
-    level = out["levels"][0]
+    level = headline_level(ctx.workload, out)
     config = config_of(ctx.workload, out)
     if phases is not None:
         config.update(phases["config"])
@@ -262,7 +274,9 @@ def build_record(ctx: Context, cell: Cell, repeat: int, out: dict, phases: dict 
     if results.get("accept_length") is None and srv["serve"].get("accept_length") is not None:
         results["accept_length"] = srv["serve"]["accept_length"]     # the server's own counters, for this run
     results.update(srv)
-    pp = per_prompt(out)
+    if len(out["levels"]) > 1:
+        results["serve_levels"] = levels_results(ctx.workload, out)
+    pp = per_prompt(out, ctx.workload.headline if len(out["levels"]) > 1 else None)
     if pp:
         samples["per_prompt"] = pp
     if warnings:

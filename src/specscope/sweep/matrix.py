@@ -28,6 +28,7 @@ from specscope.sweep.spec import Cell, SweepSpec
 from specscope.sweep.hostspeed import spread as host_spread
 from specscope.sweep.pool import pooled, sample_counts, value_of
 from specscope.sweep.state import SweepState, slot
+from specscope.sweep.surface import surface_entries
 
 CELL_FIELDS = {"verify_ms": ("phases", "verify", "mean_ms"), "verify_share": ("phases", "verify", "share"),
                "draft_ms": ("phases", "draft", "mean_ms"), "tau": ("accept_length",), "tok_per_s": ("tok_per_s",)}
@@ -241,7 +242,7 @@ def sweep_document(state: SweepState, db=None) -> dict:
                        "cells": grid},
             "baselines": baselines, "axes": [axis_report(spec, a, by_cell, noise) for a in spec.axes],
             "launch_noise": _launch_noise(spread, noise), "placement": placements(runs),
-            "host": host_spread(list(runs.values())),
+            "host": host_spread(list(runs.values())), "engine_surfaces": surface_entries(state),
             "failures": failures}
 
 

@@ -21,6 +21,12 @@ def build_sweep_report(doc: dict) -> str:
             f"<p class=note>launch: <code>{esc(sw['command'])}</code></p>",
             "<h2>Matrix</h2>", f"<p class=note>{esc(render.LEGEND)}.</p>", _matrix(doc)]
     body += _axes(doc)
+    if doc.get("engine_surfaces"):
+        body.append("<h2>Engine surface</h2>")
+        for sf in doc["engine_surfaces"]:
+            head, *rest = render.surface_lines(sf)
+            body.append(f"<p><b>{esc(head)}</b></p>" + ("<ul>" + "".join(f"<li>{esc(x.strip())}</li>" for x in rest)
+                                                         + "</ul>" if rest else ""))
     if doc["baselines"]:
         body += ["<h2>Baselines</h2>", "<ul>" + "".join(f"<li>{esc(render.baseline_words(b))}</li>"
                                                         for b in doc["baselines"]) + "</ul>"]

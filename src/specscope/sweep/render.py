@@ -166,6 +166,21 @@ def host_words(doc: dict) -> str:
             f"reasons)")
 
 
+def surface_lines(s: dict) -> list[str]:
+    """A joined engine surface (sweep.surface): its run, batch sizes × tokens and the commands that read it, or what
+    it waits for; the warnings of its making (points left out), said once here."""
+    at = f" at {s['key']}" if s["at"] else ""
+    if s.get("run_id"):
+        lines = [f"engine surface{at}: run {s['run_id']}, batch {', '.join(map(str, s['batches']))} × tokens "
+                 f"{', '.join(map(str, s['tokens']))} ({s['steps']} steps pooled from {len(s['runs'])} runs)"]
+        lines += [f"  read by: {c}" for c in s["commands"]]
+    elif "run_id" in s:
+        lines = [f"engine surface{at}: none made from its {len(s['runs'])} runs"]
+    else:
+        lines = [f"engine surface{at}: waiting for {s['runs_left']} run(s) of its cells"]
+    return lines + [f"  note: {w}" for w in s.get("warnings") or []]
+
+
 def baseline_words(b: dict) -> str:
     if b["status"] in ("missing", "failed"):
         return f"{b['key']}: {b['status']}"
@@ -196,6 +211,8 @@ def text_lines(doc: dict) -> list[str]:
     why = sorted({be["error"] for line in doc["matrix"]["cells"] for c in line
                   if (be := c.get("breakeven")) and "error" in be})
     out += [f"break-even n/a: {w}" for w in why]
+    for sf in doc.get("engine_surfaces") or []:
+        out += [""] + surface_lines(sf)
     if doc["baselines"]:
         out += ["", "baselines (plain decoding, for the break-even):"] + ["  " + baseline_words(b)
                                                                          for b in doc["baselines"]]

@@ -10,6 +10,7 @@ from contextlib import contextmanager
 
 from specscope.sweep.cell import Context, run_cell
 from specscope.sweep.state import SweepState
+from specscope.sweep.surface import store_surfaces
 from specscope.sweep.workload import build_workload
 
 
@@ -37,7 +38,8 @@ def interruptible():
 def run_sweep(state: SweepState, *, db=None, startup_s: float = 600.0, workload_s: float = 1800.0,
               stop_s: float = 30.0, max_cells: int | None = None, retry_failed: bool = False,
               progress: bool = True, json_mode: bool = False, workload=None) -> dict:
-    """Run what the sweep is missing (at most max_cells of it); returns {"ran", "failed", "left", "adopted"}.
+    """Run what the sweep is missing (at most max_cells of it), then store the engine surfaces whose cells are all
+    done (sweep.surface); returns {"ran", "failed", "left", "adopted", "surfaces" (made now)}.
     `workload`: the sweep's workload already built (the command builds it before it writes anything)."""
     from specscope.progress import Progress
 
@@ -48,7 +50,8 @@ def run_sweep(state: SweepState, *, db=None, startup_s: float = 600.0, workload_
         todo = todo[:max_cells]
     total = len(spec.schedule())
     if not todo:
-        return {"ran": 0, "failed": 0, "left": len(state.missing(retry_failed)), "adopted": adopted}
+        return {"ran": 0, "failed": 0, "left": len(state.missing(retry_failed)), "adopted": adopted,
+                "surfaces": store_surfaces(state, db)}
     ctx = Context(spec, workload or build_workload(spec.workload), state.path.parent, state.id, state.name, db,
                   startup_s, workload_s, stop_s, on_start=state.engine_up)
     cells = {c.key: c for c in spec.cells()}
@@ -68,7 +71,8 @@ def run_sweep(state: SweepState, *, db=None, startup_s: float = 600.0, workload_
                 bar.advance(info=f"{failed} failed" if failed else "")
     finally:
         bar.close()
-    return {"ran": ran, "failed": failed, "left": len(state.missing(retry_failed)), "adopted": adopted}
+    return {"ran": ran, "failed": failed, "left": len(state.missing(retry_failed)), "adopted": adopted,
+            "surfaces": store_surfaces(state, db)}
 
 
 def run_slot(state: SweepState, ctx: Context, cell, repeat: int) -> dict:

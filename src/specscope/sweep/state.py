@@ -198,7 +198,7 @@ class SweepState:
                 for row in reg.list_runs(tag=f"sweep:{self.name}"):
                     rec = reg.get_run(row["id"], samples=False)
                     sw = rec.get("sweep") or {}
-                    if sw.get("id") != self.id:
+                    if sw.get("id") != self.id or "cell" not in sw:      # not a cell's run: the engine surface
                         continue
                     k = slot(sw.get("cell"), int(sw.get("repeat", -1)))
                     if k not in self.data["done"]:

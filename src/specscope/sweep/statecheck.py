@@ -118,7 +118,25 @@ def check_state(d, version: int) -> SweepSpec:
         need(isinstance(d.get(key, []), list), f"{key!r} is not a list")
         for o in d.get(key, []):
             _ref(o, cells, spec.repeats, f"an entry of {key!r}")
+    _surfaces(d.get("surfaces", {}), spec)
     need("running" in d, "'running' is missing")
     if d["running"] is not None:
         _ref(d["running"], cells, spec.repeats, "'running'")
     return spec
+
+
+def _surfaces(d, spec: SweepSpec) -> None:
+    """The engine surfaces made (sweep.surface): each names one of the sweep's groups, its run (or none) and the
+    cell runs it pooled."""
+    from specscope.sweep.surface import group_keys
+
+    need(isinstance(d, dict), "'surfaces' is not an object")
+    keys = group_keys(spec)
+    for k, e in d.items():
+        need(k in keys and isinstance(e, dict), f"surfaces holds {k!r}, not an engine surface of this sweep")
+        need(e.get("run_id") is None or _text(e.get("run_id")), f"surface {k!r}: its run id is not text")
+        for f in ("runs", "batches", "tokens", "warnings"):
+            need(isinstance(e.get(f), list), f"surface {k!r}: {f!r} is not a list")
+        need(all(_text(r) for r in e["runs"]) and all(isinstance(w, str) for w in e["warnings"])
+             and all(_int(x, 1) for x in e["batches"] + e["tokens"]) and _int(e.get("steps"), 0),
+             f"surface {k!r} is malformed")

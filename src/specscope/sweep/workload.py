@@ -28,6 +28,15 @@ class Workload:
     tokenizer: object = None
 
     @property
+    def levels(self) -> list[int]:
+        return concurrency_levels(self.spec["max_concurrency"])
+
+    @property
+    def headline(self) -> int:
+        """The level whose tok/s and latencies are the run's own (what the matrix compares): the highest."""
+        return max(self.levels)
+
+    @property
     def rate(self) -> float:
         r = self.spec["request_rate"]
         return math.inf if r == "inf" else float(r)
@@ -47,8 +56,38 @@ def workload_spec(**given) -> dict:
 
 
 # the range of each whole-number option, as the command line's option has it
-_INT_RANGES = {"num_prompts": (1, 100_000), "output_len": (1, 1 << 20), "max_concurrency": (1, 1024),
-               "warmup": (0, 100)}
+_INT_RANGES = {"num_prompts": (1, 100_000), "output_len": (1, 1 << 20), "warmup": (0, 100)}
+CONCURRENCY = (1, 1024)
+
+
+def concurrency_levels(stored) -> list[int]:
+    """--max-concurrency's levels: one whole number (as sweeps always stored it) or a list of several."""
+    return list(stored) if isinstance(stored, list) else [stored]
+
+
+def parse_levels(text: str) -> int | list[int]:
+    """`--max-concurrency 1,2,4,8` -> [1, 2, 4, 8]; one value -> that int (stored as a sweep always stored it, so a
+    sweep of one level is the same sweep as before levels existed). Checked as check_workload checks it."""
+    words = [w.strip() for w in str(text).split(",")]
+    try:
+        vals = [int(w) for w in words]
+    except ValueError:
+        raise SpecscopeError(f"--max-concurrency takes whole numbers in {CONCURRENCY[0]}..{CONCURRENCY[1]}, one or "
+                             f"comma-separated (e.g. 1,2,4,8); got {text!r}") from None
+    out = vals[0] if len(vals) == 1 else vals
+    _check_levels(out)
+    return out
+
+
+def _check_levels(v) -> None:
+    lo, hi = CONCURRENCY
+    vals = v if isinstance(v, list) else [v]
+    if (isinstance(v, list) and len(v) < 2) or not all(type(x) is int and lo <= x <= hi for x in vals):
+        raise SpecscopeError(f"--max-concurrency takes whole numbers in {lo}..{hi}, one or comma-separated (e.g. "
+                             f"1,2,4,8); got {','.join(map(str, vals)) if isinstance(v, list) else v!r}")
+    dup = sorted({x for x in vals if vals.count(x) > 1})
+    if dup:
+        raise SpecscopeError(f"--max-concurrency repeats {dup[0]}; give each level once, e.g. 1,2,4,8")
 
 
 def check_workload(w: dict) -> None:
@@ -61,6 +100,7 @@ def check_workload(w: dict) -> None:
     for k, (lo, hi) in _INT_RANGES.items():
         if type(w[k]) is not int or not lo <= w[k] <= hi:
             raise SpecscopeError(f"{flag(k)} must be a whole number in {lo}..{hi}, got {w[k]!r}")
+    _check_levels(w["max_concurrency"])
     for k in ("dataset_name", "dataset_path", "tokenizer"):
         if not (isinstance(w[k], str) or (w[k] is None and k != "dataset_name")):
             raise SpecscopeError(f"{flag(k)} must be text, got {w[k]!r}")
@@ -92,11 +132,12 @@ def build_workload(spec: dict) -> Workload:
 
 
 def send(w: Workload, base: str, requests: list, timeout_s: float, concurrency: int | None = None) -> dict:
-    """bench-serve's run of `requests` against `base` (one concurrency level), bounded by timeout_s in all."""
+    """bench-serve's run of `requests` against `base` at each concurrency level in turn (the workload's, or the
+    one given), bounded by timeout_s in all."""
     from specscope.benchserve.run import run_levels
 
     s = w.spec
-    coro = run_levels(base, requests, [concurrency or s["max_concurrency"]], s["endpoint"], None, 0,
+    coro = run_levels(base, requests, [concurrency] if concurrency else w.levels, s["endpoint"], None, 0,
                       s["temperature"], None, timeout_s, request_rate=w.rate, seed=s["seed"],
                       ignore_eos=s["ignore_eos"], path=PATHS[s["endpoint"]], tokenizer=w.tokenizer)
     try:
@@ -110,8 +151,9 @@ def config_of(w: Workload, out: dict) -> dict:
     s = w.spec
     return {"served_model": out["model"], "endpoint": s["endpoint"], "prompt_set": w.dataset["name"],
             "dataset_path": w.dataset["path"], "prompt_set_hash": w.dataset["hash"], "num_prompts": len(w.requests),
-            "max_tokens": s["output_len"], "max_concurrency": s["max_concurrency"], "request_rate": s["request_rate"],
-            "ignore_eos": s["ignore_eos"], "seed": s["seed"], "sampling": {"temperature": s["temperature"]}}
+            "max_tokens": s["output_len"], "max_concurrency": w.headline, "request_rate": s["request_rate"],
+            "ignore_eos": s["ignore_eos"], "seed": s["seed"], "sampling": {"temperature": s["temperature"]},
+            **({"concurrency_levels": w.levels} if len(w.levels) > 1 else {})}
 
 
 SERVE_KEYS = ("completed", "failed", "duration", "total_input_tokens", "total_output_tokens", "request_throughput",
@@ -130,10 +172,20 @@ def serve_results(level: dict) -> dict:
     return out
 
 
-def per_prompt(out: dict) -> list[dict] | None:
-    """Spec-Bench's per-request tok/s (new tokens over the request's wall time, prefill included), so `compare`
-    tests tok/s paired by prompt; None when a request failed (the pairs would not line up)."""
-    rows = out["per_request"]
+def headline_level(w: Workload, out: dict) -> dict:
+    """The run's headline level (the highest concurrency) of bench-serve's levels."""
+    return out["levels"][w.levels.index(w.headline)]
+
+
+def levels_results(w: Workload, out: dict) -> list[dict]:
+    """Every level's numbers, in the order they ran: results["serve_levels"]."""
+    return [{"concurrency": c, **serve_results(level)} for c, level in zip(w.levels, out["levels"])]
+
+
+def per_prompt(out: dict, concurrency: int | None = None) -> list[dict] | None:
+    """Spec-Bench's per-request tok/s (new tokens over the request's wall time, prefill included) at one level,
+    so `compare` tests tok/s paired by prompt; None when a request failed (the pairs would not line up)."""
+    rows = [r for r in out["per_request"] if concurrency is None or r.get("concurrency") == concurrency]
     if not rows or not all(r.get("ok") and (r.get("e2e_s") or 0) > 0 for r in rows):
         return None
     return [{"index": r["index"], "tokens": r["completion_tokens"], "seconds": round(r["e2e_s"], 6),

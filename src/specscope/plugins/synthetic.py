@@ -19,6 +19,7 @@ module's kernel wrappers when the CPU model runner is built).
 from __future__ import annotations
 
 import logging
+import sys
 
 log = logging.getLogger("specscope.plugins.synthetic")
 _said: list = []        # the one log line, said at the first synthetic step
@@ -50,8 +51,10 @@ def synthetic_sample(output_token_ids, cu_num_draft_tokens, draft_token_ids, rep
 
     if not _said:
         _said.append(True)
-        log.warning("specscope: synthetic rejection sampling on vLLM's CPU build (specscope.plugins.synthetic): drafts "
-                    "are accepted at the pinned rates, not by the target, so outputs are not the target's")
+        # printed as the phase report is: vLLM's worker processes drop this package's log records
+        print("specscope: synthetic rejection sampling on vLLM's CPU build (specscope.plugins.synthetic): drafts are "
+              "accepted at the pinned rates, not by the target, so outputs are not the target's", file=sys.stderr,
+              flush=True)
     ends = cu_num_draft_tokens.tolist()
     drafts, replacement = draft_token_ids.tolist(), replacement_ids.tolist()
     uniform, rate = uniform_probs.tolist(), rates.tolist()

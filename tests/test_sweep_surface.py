@@ -101,7 +101,7 @@ def test_levels_run_in_turn_and_each_is_kept_and_the_surface_joins_the_cells(tmp
             run = stored[s["run_id"]]
             cells = [c for line in doc["matrix"]["cells"] for c in line if c["values"]["X"] == key[2:]]
             base = next(b for b in doc["baselines"] if b["values"] == {"X": key[2:]})
-            assert run["kind"] == "engine_surface" and set(run["tags"]) == {"sweep", "sweep:w", "engine-surface"}
+            assert run["kind"] == "engine_surface" and set(run["tags"]) == {"engine-surface", "engine-surface:w"}
             cfg = run["config"]
             assert cfg["runs"] == [c["runs"][0] for c in cells] + base["runs"]
             assert cfg["num_speculative_tokens"] == [1, 3] and cfg["sweep"] == "w"

@@ -18,6 +18,8 @@ from specscope.errors import SpecscopeError
 from specscope.sweep.spec import Axis, Cell, SweepSpec, _scalar, flag_value, json_of_flag, shown
 
 AXIS_KEY = "num_speculative_tokens"
+# not tagged sweep:NAME: `compare --tag sweep:NAME` and the sweep's own listings read the measured runs, and a surface
+# pooled from them is no run of one configuration
 KIND, TAG = "engine_surface", "engine-surface"
 # the engine's settings the surface belongs to, kept where every speculative cell agrees on them
 SHARED = ("engine", "engine_version", "model", "model_hash", "served_model", "method", "draft", "draft_hash",
@@ -150,7 +152,7 @@ def surface_config(spec: SweepSpec, g: Group, runs: list[dict], name: str, workl
 def _stored_before(reg, state, g: Group, run_ids: list[str]) -> str | None:
     """A surface of these very cell runs the registry holds though the sweep file does not name it (stored just
     before a kill): taken back, not stored twice."""
-    for row in reg.list_runs(kind=KIND, tag=f"sweep:{state.name}"):
+    for row in reg.list_runs(kind=KIND, tag=f"{TAG}:{state.name}"):
         rec = reg.get_run(row["id"], samples=False)
         sw = rec.get("sweep") or {}
         if sw.get("id") == state.id and sw.get("surface") == g.key and rec["config"].get("runs") == run_ids:
@@ -183,7 +185,7 @@ def build_surface(state, g: Group, run_ids: list[str], db=None) -> dict:
             rec = make_record(KIND, f"sweep {state.name}: engine surface" + (f" at {g.key}" if g.at else ""),
                               config=surface_config(spec, g, runs, state.name, levels),
                               results={"surface": surface, "surface_steps": len(rows), "surface_warnings": warnings},
-                              tags=["sweep", f"sweep:{state.name}", TAG], env=dict(runs[0].get("env") or {}),
+                              tags=[TAG, f"{TAG}:{state.name}"], env=dict(runs[0].get("env") or {}),
                               sweep={"id": state.id, "name": state.name, "surface": g.key, "at": dict(g.at),
                                      "axis": AXIS_KEY})
             entry["run_id"] = reg.add_run(rec)

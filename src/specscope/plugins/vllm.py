@@ -214,7 +214,7 @@ def _start(runner, path: str, version: str):
     """The recorder, made at the worker's first step (only the worker process gets here)."""
     from specscope.plugins.steps import StepRecorder
 
-    rank = int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) or 0)
+    rank = _rank()
     if rank:
         root, ext = os.path.splitext(path)
         path = f"{root}.rank{rank}{ext}"
@@ -224,6 +224,17 @@ def _start(runner, path: str, version: str):
                        windows=_windows(runner, version, device))
     _state["recorder"] = rec
     return rec
+
+
+def _rank() -> int:
+    """This worker's rank in vLLM's world (tensor x pipeline parallel), so each rank writes its own steps file: vLLM
+    0.32's workers set no RANK / LOCAL_RANK, and two ranks appending to one file read as one engine to ingest."""
+    try:
+        from vllm.distributed import get_world_group
+
+        return int(get_world_group().rank)
+    except Exception:  # noqa: BLE001 - no world group (a runner outside vLLM's workers): the launcher's variables
+        return int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) or 0)
 
 
 def _windows(runner, version: str, device: str):

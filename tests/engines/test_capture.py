@@ -285,16 +285,12 @@ class TestMoETarget:
     def test_tensor_parallel_2_equals_tensor_parallel_1(self, vllm_python, moe, work):
         """2 worker processes x 1 thread (SmolLM2's 9 heads do not split in 2; this target's 4 do)."""
         w = work / "moe-tp2"
-        phases = work / "moe-tp2-phases.jsonl"     # the phase plugin beside the capture: one file per rank
-        env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0|1", SPECSCOPE_PHASES=str(phases))
+        env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0|1")
         r = specscope_cli(*capture_args(w, moe, work / "moe" / "regenerated.jsonl", regenerate="none",
                                         engine=ENGINE + " --tensor-parallel-size 2"),
                           python=vllm_python, check=False, env=env, timeout=1800)
         assert r.returncode == 0, r.stderr[-3000:]
         assert json.loads(r.stdout)["data"]["captured_by"]["tensor_parallel_size"] == 2
-        for path in (phases, phases.with_name("moe-tp2-phases.rank1.jsonl")):
-            headers = [ln for ln in path.read_text().splitlines() if ln.startswith('{"specscope_steps"')]
-            assert len(headers) == 1, (path, headers)     # vLLM sets no RANK: both ranks once wrote one file
         cmp = compare(features(work / "moe"), features(w))
         RESULTS["moe_tp2"] = cmp
         print("\nMoE, tensor parallel 2 vs 1:", json.dumps(cmp))

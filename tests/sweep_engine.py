@@ -8,12 +8,14 @@ so a client's wall times follow). Only the engines suite runs vLLM itself.
 
     python tests/sweep_engine.py --port P [--steps K | --speculative-config JSON] [--verify-ms 2] [--fail]
                                  [--die-after N] [--fail-every K] [--requests-file F] [--gather-ms 30]
-                                 [--slow-from K [--slow-env BUILD] [--slow-factor 3]] [--placement-file F]
+                                 [--slow-from K [--slow-env BUILD] [--slow-factor 3]] [--drift-from J --drift-factor F]
+                                 [--placement-file F]
                                  [--fail-value V ... [--fail-env BUILD]] [--pid-file F]
 
 --die-after N: the process exits on its (N+1)-th request (an engine that crashes mid-workload); --fail-every K:
 every K-th request is answered 500 (an engine failing some requests); --slow-from K: a regression planted from
-build K on (verify --slow-factor times dearer where $BUILD >= K), for `specscope bisect` to find; --fail-value V:
+build K on (verify --slow-factor times dearer where $BUILD >= K), for `specscope bisect` to find, and --drift-from J
+a smaller step before it (--drift-factor times dearer where J <= $BUILD < K); --fail-value V:
 fails to start, as --fail, where $BUILD is V (a build that does not start, for bisect to skip); --pid-file F: its pid
 appended to F at start (a test checks none is left running). --speculative-config JSON: vLLM's spelling, its
 num_speculative_tokens sets --steps. Steps batch the requests in flight (B of them: verify costs 1 + 0.5 (B - 1) times
@@ -56,8 +58,13 @@ class DeclaredClock:
         time.sleep(ms / 1e3)
 
 
-def planted_slow(a) -> bool:
-    return a.slow_from is not None and int(os.environ.get(a.slow_env, "0")) >= a.slow_from
+def planted_factor(a) -> float:
+    """The verify's planted cost factor at this build: --slow-factor from --slow-from on, --drift-factor from
+    --drift-from on before that, 1 elsewhere."""
+    build = int(os.environ.get(a.slow_env, "0"))
+    if a.slow_from is not None and build >= a.slow_from:
+        return a.slow_factor
+    return a.drift_factor if a.drift_from is not None and build >= a.drift_from else 1.0
 
 
 def _args():
@@ -80,6 +87,9 @@ def _args():
                         "--slow-env holds an integer at least this (a bisection test's builds)")
     p.add_argument("--slow-env", default="BUILD")
     p.add_argument("--slow-factor", type=float, default=3.0)
+    p.add_argument("--drift-from", type=int, default=None,
+                   help="a smaller step before the regression: verify --drift-factor times dearer from this build on")
+    p.add_argument("--drift-factor", type=float, default=1.5)
     p.add_argument("--fail-value", action="append", default=[],
                    help="exit at once, as --fail, when the environment variable --fail-env holds this value")
     p.add_argument("--fail-env", default="BUILD")
@@ -103,7 +113,7 @@ class Engine:
 
     def __init__(self, a):
         self.a, self.n, self.requests = a, 0, 0
-        self.verify_ms = a.verify_ms * (a.slow_factor if planted_slow(a) else 1.0)
+        self.verify_ms = a.verify_ms * planted_factor(a)
         self.lock = threading.Lock()            # the request count
         self.cond = threading.Condition()       # the requests in flight and their tokens
         self.active: list[Request] = []

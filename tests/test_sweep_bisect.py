@@ -56,6 +56,7 @@ def test_the_planted_regression_is_found_at_its_boundary(tmp_path, capsys):
     assert res["ends"]["verdict"] == "worse" and res["ends"]["change"] == pytest.approx(2.0, abs=1e-3)
     probes = res["probes"]
     assert all(p["side"] == ("bad" if int(p["value"]) >= k else "good") for p in probes)
+    assert all(p["share"] == pytest.approx(1.0 if int(p["value"]) >= k else 0.0, abs=1e-3) for p in probes)
     # the count rule: 2 x 2 launches at the ends, one per probe, at most ceil(log2(n - 1)) probes
     assert len(probes) <= math.ceil(math.log2(n - 1)) <= math.log2(n) + 1
     assert res["launches"] == res["launched_now"] == 2 * 2 + len(probes) <= res["most_launches"] == 7
@@ -82,6 +83,21 @@ def test_the_planted_regression_is_found_at_its_boundary(tmp_path, capsys):
     # another metric over the same launches: τ does not move with the verify's cost, so there is nothing to find
     tau = _bisect(capsys, wd, "--metric", "tau")
     assert tau["status"] == "no change" and tau["launched_now"] == 0 and tau["first_bad"] is None
+
+
+def test_a_probe_goes_to_the_end_it_lies_nearer(tmp_path, capsys):
+    """A small step before the regression (verify 1.5x from build 1, 3x from build 3): build 2 leaves the launch
+    noise against build 0 but lies a quarter of the way to the bad end, so it is good, and the boundary is the
+    large step's (the rule: a probe is bad at half the ends' change or more)."""
+    wd = tmp_path / "drift"
+    res = _bisect(capsys, wd, "--metric", "verify", "--env", "BUILD=0,1,2,3,4", *WORKLOAD, "--serve-cmd",
+                  " ".join(STAND_IN + ["--slow-from", "3", "--drift-from", "1", "--drift-factor", "1.5"]))
+    assert res["status"] == "found" and (res["last_good"], res["first_bad"]) == ("2", "3"), res
+    first, second = res["probes"]
+    assert (first["value"], first["side"], second["value"], second["side"]) == ("2", "good", "3", "bad")
+    # the step is called a change against the good end, yet it carries a quarter of the ends' change
+    assert first["judgement"]["verdict"] == "worse" and first["judgement"]["change"] > res["noise"]
+    assert first["share"] == pytest.approx(0.25, abs=0.01) and second["share"] == pytest.approx(1.0, abs=0.01)
 
 
 def _running(marker: str) -> list[int]:

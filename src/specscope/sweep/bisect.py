@@ -5,7 +5,7 @@
         result = bisect(state, metric_key("verify"), Launches(state, Context(...)))
 
 Each launch is one sweep cell (`cell.run_cell`: one engine launch stored as one registry run, recorded in the
-sweep file, so a rerun launches only what is missing and `specscope sweep -w` shows the same runs), and every
+sweep file, so a rerun launches only what is missing and `specscope sweep -w` shows the same runs), and the ends'
 judgement is the sweep's (`axes.compare_cells` against `matrix.launch_noise`): a change is called when compare
 calls it on the pooled runs, no repeat pair points the other way, and it is larger than the metric's
 launch-to-launch noise, here measured on the two ends.
@@ -13,9 +13,10 @@ launch-to-launch noise, here measured on the two ends.
 The search. Both ends are launched `repeats` times each, in ABBA order; their repeats give the noise. Ends that
 do not differ beyond it leave nothing to find, and that is the answer. Otherwise the ends' change gives the bad
 direction, and the open interval between the last value known good and the first known bad is halved: its middle
-value is launched once (a probe), bad when its change from the good end is called in that direction, good
-otherwise. Launches: 2 × repeats at the ends, then at most ⌈log2(n − 1)⌉ probes. A probe whose engine fails, or
-whose requests fail, tells nothing: it is skipped (as `git bisect skip`), the untried value nearest the middle
+value is launched once (a probe) and goes to the end it lies nearer to: bad when its change from the good end is
+at least half the ends' change, good otherwise (a single launch that merely leaves the noise band, which two
+repeats measure loosely, is not yet a bad build). Launches: 2 × repeats at the ends, then at most ⌈log2(n − 1)⌉
+probes. A probe whose engine fails, or whose requests fail, tells nothing: it is skipped (as `git bisect skip`), the untried value nearest the middle
 goes next, and the answer names the skipped values between the boundary's two sides. At the boundary comes
 compare's attribution between the last good value's runs and the first bad value's.
 """
@@ -95,10 +96,6 @@ class Judgement:
     note: str | None = None
     pooled: str | None = None
 
-    def towards(self, direction: float) -> bool:
-        """Called changed, the way `direction` points (+1: the metric grew)."""
-        return self.verdict in CHANGED and (self.change or 0.0) * direction > 0
-
     def words(self) -> str:
         ch = "?" if self.change is None else f"{self.change * 100:+.1f}%"
         return f"{ch} ({self.verdict})"
@@ -112,6 +109,7 @@ class Probe:
     side: str                   # good | bad | skipped
     judgement: Judgement | None = None
     reason: str | None = None   # why it was skipped
+    share: float | None = None  # how far it lies from the good end towards the bad one (0 good, 1 bad)
 
 
 @dataclass
@@ -267,10 +265,9 @@ def bisect(state: SweepState, metric: str, launches: Launches, note=None) -> Bis
 
 
 def _search(res: BisectResult, launches: Launches, known: dict, band: dict, note) -> tuple[dict, int, int, set]:
-    """Halve (last good, first bad) until they are neighbours, skipped values aside; probes judged against the
-    good end's runs."""
+    """Halve (last good, first bad) until they are neighbours, skipped values aside; a probe's change is measured
+    from the good end's runs and it goes to the nearer end (the ends' change is called, so it is not zero)."""
     keys = [c.key for c in launches.cells]
-    direction = 1.0 if (res.ends.change or 0.0) > 0 else -1.0
     lo, hi, skipped = 0, len(keys) - 1, set()
     while True:
         todo = [i for i in range(lo + 1, hi) if i not in skipped]
@@ -285,11 +282,18 @@ def _search(res: BisectResult, launches: Launches, known: dict, band: dict, note
             note(f"{keys[i]}: skipped ({why})")
             continue
         j = judge(known[0], [rec], res.metric, band, (keys[0], keys[i]))
-        side = "bad" if j and j.towards(direction) else "good"
+        if j is None or j.change is None:
+            skipped.add(i)
+            why = f"run {rec['id']} has no {res.label} to judge"
+            res.probes.append(Probe(res.values[i], i, [rec["id"]], "skipped", j, reason=why))
+            note(f"{keys[i]}: skipped ({why})")
+            continue
+        share = j.change / res.ends.change
+        side = "bad" if share >= 0.5 else "good"
         known[i] = [rec]
         lo, hi = (lo, i) if side == "bad" else (i, hi)
-        res.probes.append(Probe(res.values[i], i, [rec["id"]], side, j))
-        note(f"{keys[i]}: {side} ({res.label} {j.words() if j else 'not measured'} against {keys[0]})")
+        res.probes.append(Probe(res.values[i], i, [rec["id"]], side, j, share=share))
+        note(f"{keys[i]}: {side} ({res.label} {probe_words(res.probes[-1])} against {keys[0]})")
 
 
 def _counted(res: BisectResult, launches: Launches) -> BisectResult:
@@ -311,6 +315,11 @@ def _band_words(res: BisectResult) -> str:
 
 
 # ---- words ----------------------------------------------------------------------------------------------------
+def probe_words(p: Probe) -> str:
+    """'+31.0% (worse), 41% of the ends' change'."""
+    return f"{p.judgement.words()}, {p.share * 100:.0f}% of the ends' change"
+
+
 def text_lines(res: BisectResult) -> list[str]:
     """The answer as the terminal prints it."""
     ax = res.axis
@@ -329,7 +338,7 @@ def text_lines(res: BisectResult) -> list[str]:
     if res.skipped_between:
         out.append(f"  not judged between them (skipped): {', '.join(map(shown, res.skipped_between))}")
     for p in res.probes:
-        what = p.reason if p.side == "skipped" else p.judgement.words() if p.judgement else "not measured"
+        what = p.reason if p.side == "skipped" else probe_words(p)
         out.append(f"    probe {ax}={shown(p.value)}: {p.side} ({what})")
     out.append(count)
     att = res.attribution

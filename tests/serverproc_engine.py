@@ -3,8 +3,9 @@ until it serves (a launcher's death did not stop a starting vLLM), has a worker 
 that left it (a double fork into a new session: its parent gone, it belongs to no one), writes a line to its log
 every 0.1 s, and binds /health only after --start-s. It writes its own pid, the worker's and the daemon's to --pids
 as soon as they exist. --fail: prints a vLLM-like start-up failure (the root cause, then the wrappers) and exits 1.
+--shm NAME: maps a /dev/shm segment of that name and never unlinks it, as vLLM's CPU all-reduce leaves its own.
 
-    python tests/serverproc_engine.py --port P --pids FILE [--start-s 5] [--fail]
+    python tests/serverproc_engine.py --port P --pids FILE [--start-s 5] [--fail] [--shm NAME]
 """
 
 from __future__ import annotations
@@ -52,18 +53,29 @@ def _daemon() -> int:
     return pid
 
 
+def _mapped_segment(name: str):
+    import mmap
+
+    fd = os.open(f"/dev/shm/{name}", os.O_CREAT | os.O_RDWR, 0o600)
+    os.ftruncate(fd, 1 << 16)
+    return mmap.mmap(fd, 1 << 16)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--pids", required=True)
     p.add_argument("--start-s", type=float, default=5.0)
     p.add_argument("--fail", action="store_true")
+    p.add_argument("--shm", default=None)
     a = p.parse_args()
     if a.fail:
         print(FAILURE.format(p=os.getpid()), end="", flush=True)
         sys.exit(1)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, signal.SIG_IGN)
+    if a.shm:
+        held = _mapped_segment(a.shm)         # noqa: F841 (kept mapped while the engine lives)
     daemon = _daemon()
     worker = subprocess.Popen(["sleep", "300"])
     with open(a.pids, "w") as f:

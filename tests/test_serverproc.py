@@ -141,6 +141,40 @@ def test_a_stop_ends_the_daemon_the_engine_started_in_a_new_session(tmp_path):
     assert not (tmp_path / "engine.log.pid").exists()
 
 
+@pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="vLLM's CPU all-reduce segments live in /dev/shm")
+def test_a_stop_removes_the_shared_memory_the_engine_left_and_no_live_one(tmp_path):
+    """vLLM's CPU all-reduce leaves its /dev/shm segments behind a stopped launch (8-16 MiB each, a sweep's fill a
+    container's 64 MiB): with vLLM's leftovers (what every vLLM launch of specscope's passes), a stop removes those
+    that appeared during the launch and no process maps; a segment another live process maps stays."""
+    from specscope.engines.vllm import shm_leftovers
+
+    tag = f"{os.getpid()}-{tmp_path.name}"
+    mine, theirs = f"vllm_dist_test-{tag}-cpushm_0", f"vllm_dist_test-{tag}-live"
+    argv, url, pids_file = _engine(tmp_path, "a", "--start-s", "0", "--shm", mine)
+    holder = None
+    try:
+        with ServerProcess(argv, {**os.environ, "PYTHONUNBUFFERED": "1"}, tmp_path / "engine.log", url,
+                           startup_s=120, stop_s=5, leftovers=shm_leftovers):
+            holder = subprocess.Popen([sys.executable, str(ENGINE), "--port", "0", "--pids",
+                                       str(tmp_path / "holder.pids"), "--start-s", "300", "--shm", theirs])
+            deadline = time.monotonic() + 30
+            while not all(Path(f"/dev/shm/{n}").exists() for n in (mine, theirs)) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert Path(f"/dev/shm/{mine}").exists() and Path(f"/dev/shm/{theirs}").exists()
+        assert not Path(f"/dev/shm/{mine}").exists()
+        assert Path(f"/dev/shm/{theirs}").exists()      # mapped by a process still running: not ours to remove
+    finally:
+        if holder is not None:
+            holder.kill()
+            holder.wait()
+            held = tmp_path / "holder.pids"
+            for pid in (_pids(held).values() if held.exists() else ()):     # its worker and daemon
+                if _alive(pid):
+                    os.kill(pid, signal.SIGKILL)
+        for n in (mine, theirs):
+            Path(f"/dev/shm/{n}").unlink(missing_ok=True)
+
+
 def test_a_failed_start_is_named_by_its_root_cause_line(tmp_path):
     argv, url, _ = _engine(tmp_path, "a", "--fail")
     log = tmp_path / "engine.log"

@@ -94,12 +94,15 @@ class ServerProcess:
     """`start()`, `wait_healthy()`, `stop()`; a context manager that starts, waits and always stops."""
 
     def __init__(self, argv: list[str], env: dict, log_path: Path, url: str, startup_s: float = 600.0,
-                 stop_s: float = 30.0):
+                 stop_s: float = 30.0, leftovers=None):
         self.argv, self.env, self.log_path, self.url = list(argv), dict(env), Path(log_path), url
         self.startup_s, self.stop_s = startup_s, stop_s
         self.proc: subprocess.Popen | None = None       # the watchdog, the server's parent (its status is theirs)
         self.engine_pid: int | None = None
         self._log = None
+        # called at start, it returns what removes, once the server is stopped, what the engine leaves behind
+        # (engines.vllm.shm_leftovers: vLLM's CPU all-reduce segments in /dev/shm)
+        self.leftovers, self._tidy = leftovers, None
 
     @property
     def pgid(self) -> int | None:
@@ -131,6 +134,7 @@ class ServerProcess:
         return f"exited with status {rc}"
 
     def start(self) -> None:
+        self._tidy = self.leftovers() if self.leftovers else None
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         _claim(self.pid_path, self.stop_s)
         self.log_path.unlink(missing_ok=True)   # a new file: nothing an earlier writer holds open writes into it
@@ -199,6 +203,8 @@ class ServerProcess:
                 f.close()
         if ("watchdog", self.proc.pid) in {(k, pid) for k, pid, _ in _marks(self.pid_path)}:
             self.pid_path.unlink(missing_ok=True)
+        if self._tidy is not None:
+            self._tidy()
 
     def __enter__(self):
         self.start()

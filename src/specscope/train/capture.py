@@ -64,7 +64,8 @@ class VLLMLaunch:
         if env.get("VLLM_PLUGINS") and vllm.PLUGIN_ENTRY not in env["VLLM_PLUGINS"].split(","):
             env["VLLM_PLUGINS"] += "," + vllm.PLUGIN_ENTRY     # the entry point that holds the capture mode
         # no startup limit: a sharded 1T target can take many minutes to load; its progress is logged
-        self.env, self.server = env, ServerProcess(self.argv, env, self.log, self.url, startup_s=float("inf"))
+        self.env, self.server = env, ServerProcess(self.argv, env, self.log, self.url, startup_s=float("inf"),
+                                                   leftovers=vllm.shm_leftovers)
 
     @property
     def command(self) -> str:

@@ -46,6 +46,21 @@ def test_outermost_classified_op_wins_unknown_is_unclassified_and_the_rest_is_ho
     assert unknown == {"_C::some_new_kernel": 10, "my_wrapper": 10}
 
 
+def test_torch_compiles_wrappers_are_host_time_and_their_ops_are_painted_as_themselves():
+    """torch.compile's regions (in vLLM even with --enforce-eager) wrap the forward's ops: their own time is the
+    host's, never `unclassified`, and never swallows the ops inside, known or not."""
+    c = Classifier(op_table("0.32.0")[0])
+    sc = Scope("verify", "forward", 0.0, 100.0)
+    spans = [Span("Torch-Compiled Region: 0/0", 0, 90), Span("TorchDynamo Cache Lookup", 1, 3),
+             Span("## Call CompiledFxGraph fabc123 ##", 5, 85), Span("Pregraph bytecode", 5, 6),
+             Span("AOTDispatcher Runtime Wrapper Prologue", 6, 8), Span("aten::linear", 10, 40),
+             Span("vllm::unified_attention_with_output", 40, 55), Span("_C::some_new_kernel", 60, 70)]
+    unknown = {}
+    got = paint(sc, spans, c, unknown)
+    assert got == {"host_gap": 10 + 5 + 20 + 10, "gemm": 30, "attention": 15, "unclassified": 10}
+    assert unknown == {"_C::some_new_kernel": 10}
+
+
 def test_a_scope_part_decides_what_its_ops_are():
     c = Classifier(op_table("0.32.0")[0])
     assert c.component("_C::onednn_mm", "forward") == "gemm"
@@ -193,6 +208,47 @@ def test_compare_names_collectives_when_the_verify_grows_by_an_all_reduce(tmp_pa
     assert "collectives +" in att["summary"] and "verify tokens" not in att["summary"]
 
 
+def test_a_sweep_slice_names_the_component_over_its_pooled_repeats(tmp_path, gloo):
+    """A sweep judges a cell's repeats pooled: their profiled steps are merged bucket by bucket, so the slice's
+    compare names the component that moved, as compare does for two runs."""
+    from specscope.profile.components import merged
+    from specscope.sweep.axes import compare_cells
+
+    db, cells = tmp_path / "runs.db", {}
+    for name, coll in (("plain", False), ("allreduce", True)):
+        for rep in range(2):
+            path = tmp_path / f"{name}-{rep}.jsonl"
+            _engine(path, steps=8 + 4 * rep, collective=coll)
+            with open_registry(db) as reg:
+                run = reg.get_run(ingest_file(path, db=db)["run_id"])
+            cells.setdefault(name, []).append(dict(run, sweep={"repeat": rep}))
+    s = compare_cells(cells["plain"], cells["allreduce"], "plain", "allreduce")
+    assert s["components"]["phase"] == "verify" and s["components"]["lead"] == "collectives", s
+    assert "collectives +" in s["summary"]
+    # the pooled bucket: each repeat's per-step means weighted by its steps (6 and 10 profiled steps)
+    two = [r["results"]["components"] for r in cells["allreduce"]]
+    m = merged(two)["verify@4"]
+    steps = [c["verify@4"]["steps"] for c in two]
+    assert m["steps"] == sum(steps) == 16
+    want = sum(c["verify@4"]["components"]["verify"]["collectives"] * n for c, n in zip(two, steps)) / 16
+    assert m["components"]["verify"]["collectives"] == pytest.approx(want, abs=1e-3)
+
+
+def test_merged_buckets_weigh_each_run_by_its_steps_and_keep_the_experts():
+    from specscope.profile.components import merged
+
+    a = {"verify@4": {"steps": 1, "components": {"verify": {"experts": 10.0}}, "measured": {"verify": 12.0},
+                      "experts": {"distinct_per_layer": 8.0, "bytes": 800, "of": 32, "steps": 1}}}
+    b = {"verify@4": {"steps": 3, "components": {"verify": {"experts": 14.0}}, "measured": {"verify": 16.0},
+                      "experts": {"distinct_per_layer": 12.0, "bytes": 1200, "of": 32, "steps": 3}},
+         "decode@1": {"steps": 2, "components": {"decode": {"gemm": 5.0}}}}
+    m = merged([a, b, {}])
+    assert m["verify@4"]["steps"] == 4 and m["verify@4"]["components"]["verify"]["experts"] == 13.0
+    assert m["verify@4"]["measured"]["verify"] == 15.0
+    assert m["verify@4"]["experts"] == {"distinct_per_layer": 11.0, "bytes": 1100, "of": 32, "steps": 4}
+    assert m["decode@1"]["components"] == {"decode": {"gemm": 5.0}} and "experts" not in m["decode@1"]
+
+
 def test_component_change_says_when_the_verify_ran_more_tokens():
     a = {"verify@2": {"steps": 4, "components": {"verify": {"gemm": 10.0, "host_gap": 5.0}}}}
     b = {"verify@4": {"steps": 4, "components": {"verify": {"gemm": 14.0, "host_gap": 5.2}}}}
@@ -200,6 +256,10 @@ def test_component_change_says_when_the_verify_ran_more_tokens():
     assert moved["lead"] == "gemm" and moved["tokens"] == [2, 4]
     assert "GEMMs +4.00 (95%)" in moved["words"] and "verify tokens per step 2 -> 4" in moved["words"]
     assert change(a, b, "draft") is None
+    # a draft runs inside a verify step: the tokens it is told with are the verify's
+    a["verify@2"]["components"]["draft"] = {"gemm": 3.0}
+    b["verify@4"]["components"]["draft"] = {"gemm": 9.0}
+    assert "; verify tokens per step 2 -> 4" in change(a, b, "draft")["words"]
 
 
 # ---- vLLM's own trace, read the same way -----------------------------------------------------------------------------

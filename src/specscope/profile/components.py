@@ -9,7 +9,8 @@ given to exactly one component, so a scope's components sum to its duration:
 - covered by a classified op: that op's component, the *outermost* classified one (`aten::linear` holds
   `aten::addmm`; vLLM's attention op holds its kernels' ops: the caller's name wins);
 - covered only by ops no table knows: `unclassified` (never guessed; the names are kept for the one-line note);
-- covered by no op: `host_gap`, time the host spent between ops (Python, scheduling, launch latency).
+- covered by no op, or only by a wrapper whose own time is the host's (torch.compile's regions): `host_gap`, time
+  the host spent between ops (Python, guards, scheduling, launch latency).
 
 Used by the vLLM plugin's profiler windows (`plugins/windows.py`) and by `ingest` of vLLM's own torch traces, so
 both read a step the same way.
@@ -37,6 +38,10 @@ HOST_GAP, UNCLASSIFIED = "host_gap", "unclassified"
 
 # torch's and CUDA's own names, the same under every engine version: (regex, component, engine scope parts or None)
 TORCH_RULES = (
+    # torch.compile's wrappers (there even under vLLM's --enforce-eager): their own time is the host's (guards,
+    # Python between the compiled graph's ops); the ops inside them are painted as themselves
+    (r"^(Torch-Compiled Region|TorchDynamo Cache Lookup|## Call CompiledFxGraph|Pregraph bytecode|AOTDispatcher )",
+     "host_gap", None),
     (r"^(c10d::|_?c10d_functional::|gloo:|nccl:|record_param_comms)", "collectives", None),
     (r"(?i)^nccl.*(kernel|allreduce|allgather|reducescatter|sendrecv)", "collectives", None),
     (r"^aten::(_?scaled_dot_product|_flash_attention|_efficient_attention)", "attention", None),
@@ -112,11 +117,13 @@ def paint(scope: Scope, spans: list[Span], classifier: Classifier, unknown: dict
         while nxt < len(items) and items[nxt][0] <= t0:
             bisect.insort(active, items[nxt])
             nxt += 1
-        comp = next((i[4] for i in active if i[4] is not None), None)
+        # a host-gap wrapper is transparent: an op inside it, known or not, is painted as itself
+        comp = next((i[4] for i in active if i[4] not in (None, HOST_GAP)), None)
         if comp is None:
-            comp = UNCLASSIFIED if active else HOST_GAP
-            if active and unknown is not None:
-                name = active[-1][3]
+            nameless = [i for i in active if i[4] is None]
+            comp = UNCLASSIFIED if nameless else HOST_GAP
+            if nameless and unknown is not None:
+                name = nameless[-1][3]
                 unknown[name] = unknown.get(name, 0.0) + (t1 - t0)
         out[comp] = out.get(comp, 0.0) + (t1 - t0)
     return out
@@ -187,6 +194,40 @@ class Bucket:
         return out
 
 
+def merged(runs: list[dict]) -> dict:
+    """Several runs' stored components (bucket key -> `Bucket.mean()` form) as one: each bucket's per-step means
+    weighted by its steps in each run (a sweep cell's repeats pooled for compare)."""
+    out: dict[str, dict] = {}
+    for stored in runs:
+        for key, b in (stored or {}).items():
+            n = int(b.get("steps") or 0)
+            if not n:
+                continue
+            m = out.setdefault(key, {"steps": 0, "components": {}, "measured": {}, "scopes": {}, "_experts": []})
+            m["steps"] += n
+            for ph, parts in (b.get("components") or {}).items():
+                mine = m["components"].setdefault(ph, {})
+                for c, ms in parts.items():
+                    mine[c] = mine.get(c, 0.0) + ms * n
+            for field_ in ("measured", "scopes"):
+                for ph, v in (b.get(field_) or {}).items():
+                    m[field_][ph] = m[field_].get(ph, 0.0) + v * n
+            if b.get("experts"):
+                m["_experts"].append(b["experts"])
+    for m in out.values():
+        n = m["steps"]
+        m["components"] = {ph: {c: round(v / n, 4) for c, v in parts.items()} for ph, parts in m["components"].items()}
+        for field_ in ("measured", "scopes"):
+            m[field_] = {ph: round(v / n, 4) for ph, v in m[field_].items()}
+        ex = m.pop("_experts")
+        k = sum(int(e.get("steps") or 0) for e in ex)
+        if k:
+            m["experts"] = {"distinct_per_layer": round(sum(e["distinct_per_layer"] * e["steps"] for e in ex) / k, 3),
+                            "bytes": round(sum(e["bytes"] * e["steps"] for e in ex) / k), "of": ex[0].get("of"),
+                            "steps": k}
+    return out
+
+
 def lines(stored: dict, phases=("verify", "decode", "draft"), unknown: dict | None = None, note: str | None = None) -> list[str]:
     """The report's lines under `Target verify:` from stored buckets ({key: Bucket.mean()}): per phase and bucket,
     each component's ms and share; experts touched beside it."""
@@ -252,8 +293,8 @@ def change(a: dict, b: dict, phase: str) -> dict | None:
     if lead is not None and lead["share"] is not None:
         words += f": {COMPONENTS.get(lead['component'], lead['component'])} {lead['delta_ms']:+.2f} " \
                  f"({lead['share'] * 100:.0f}%)"
-    if abs(ta - tb) >= 0.5:
-        words += f"; {phase} tokens per step {ta:g} -> {tb:g}"
+    if abs(ta - tb) >= 0.5:     # a bucket's tokens are its step's: a draft or accept runs in a verify step
+        words += f"; {'decode' if phase == 'decode' else 'verify'} tokens per step {ta:g} -> {tb:g}"
     return {"phase": phase, "delta_ms": round(total, 4), "by": by, "tokens": [round(ta, 3), round(tb, 3)],
             "lead": lead["component"] if lead else None, "words": words}
 

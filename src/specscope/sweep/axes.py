@@ -75,7 +75,8 @@ def compare_cells(ref: list[dict], other: list[dict], ref_label: str, other_labe
     rows = [_judge(row, pairs, _small(row["metric"], a, b), (noise or {}).get(row["metric"]))
             for row in main["rows"] if keep(row["metric"])]
     att = main["attribution"][0]
-    return {"rows": rows, "summary": att["summary"], "likely_causes": att["likely_causes"][:causes],
+    return {"rows": rows, "summary": att["summary"], "components": att.get("components"),
+            "likely_causes": att["likely_causes"][:causes],
             "settings": sorted(settings_diff([a, b])), "confidence": main["confidence"],
             "min_effect": main["min_effect"]}
 

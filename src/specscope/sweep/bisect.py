@@ -218,6 +218,7 @@ def attribution(ref: list[dict], other: list[dict], metric: str, noise: dict, la
     own = axis_settings(axis, s["settings"])
     rank = next((i + 1 for i, k in enumerate(causes) if k in own), None)
     return {"from": labels[0], "to": labels[1], "rows": s["rows"], "summary": s["summary"],
+            "components": s["components"],
             "likely_causes": s["likely_causes"], "cause": causes[0] if causes else None,
             "cause_is_axis": rank == 1, "axis_rank": rank, "axis_settings": own}
 

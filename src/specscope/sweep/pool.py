@@ -1,5 +1,6 @@
 """A sweep cell's repeats as one record for `compare` and `breakeven`: their per-cycle and per-prompt samples end
-to end, the phases summarised over all cycles, tok/s and τ the mean of the repeats'."""
+to end, the phases summarised over all cycles, tok/s and τ the mean of the repeats', their profiled steps'
+components merged bucket by bucket."""
 
 from __future__ import annotations
 
@@ -49,6 +50,11 @@ def pooled(recs: list[dict], label: str) -> dict:
         vals = [value_of(r, (key,)) for r in recs]
         if all(v is not None for v in vals):
             results[key] = statistics.fmean(vals)
+    stored = [(r.get("results") or {}).get("components") for r in recs]
+    if any(stored):                     # the repeats' profiled steps, for compare's component split
+        from specscope.profile.components import merged
+
+        results["components"] = merged(stored)
     first = recs[0]
     return {"id": label, "name": label, "kind": first.get("kind"), "config": dict(first.get("config") or {}),
             "env": first.get("env") or {}, "results": results, "samples": samples}

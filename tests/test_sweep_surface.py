@@ -164,3 +164,29 @@ def test_bad_concurrency_levels_are_one_error_line(tmp_path, capsys, value, need
                        "--serve-cmd", "engine --port {port}")
     assert needle in one_error_line(code, err)
     assert not (tmp_path / "w").exists()
+
+
+def test_a_moe_surface_names_the_experts_its_steps_touched_beside_their_forward():
+    """Experts touched per step size come from the cells' profiled steps (merged over the repeats, by the tokens a
+    step ran through the target), each beside the surface's forward at that many tokens (batch 1's point first)."""
+    from specscope.sweep.render import experts_lines
+    from specscope.sweep.surface import experts_touched
+
+    def run(steps, distinct):
+        return {"results": {"components": {
+            "verify@2": {"steps": steps, "components": {"verify": {"experts": 1.0}},
+                         "experts": {"distinct_per_layer": distinct, "bytes": 1000, "of": 32, "steps": steps}},
+            "verify@4": {"steps": steps, "components": {"verify": {"experts": 2.0}},
+                         "experts": {"distinct_per_layer": 2 * distinct, "bytes": 2000, "of": 32, "steps": steps}}}}}
+
+    surface = {"points": [{"batch": 1, "tokens": 2, "median_ms": 9.0}, {"batch": 2, "tokens": 2, "median_ms": 13.0},
+                          {"batch": 1, "tokens": 4, "median_ms": 10.5}]}
+    got = experts_touched([run(1, 6.0), run(3, 8.0), {"results": {}}], surface)
+    assert got == [{"kind": "verify", "tokens": 2, "distinct_per_layer": 7.5, "of": 32, "bytes": 1000, "steps": 4,
+                    "experts_ms": 1.0, "forward_ms": 9.0},
+                   {"kind": "verify", "tokens": 4, "distinct_per_layer": 15.0, "of": 32, "bytes": 2000, "steps": 4,
+                    "experts_ms": 2.0, "forward_ms": 10.5}]
+    assert experts_lines(got) == ["  experts touched per layer (of 32): verify, 2 tokens 7.5 (experts 1.00 ms of "
+                                  "forward 9.00 ms) · verify, 4 tokens 15.0 (experts 2.00 ms of forward 10.50 ms)"]
+    assert experts_touched([{"results": {"components": {"verify@4": {"steps": 2, "components": {}}}}}],
+                           surface) == [] and experts_lines([]) == []

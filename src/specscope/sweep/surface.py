@@ -178,18 +178,45 @@ def build_surface(state, g: Group, run_ids: list[str], db=None) -> dict:
         return entry
     entry.update(batches=surface["batches"], tokens=surface["tokens"])
     with open_registry(db) as reg:
+        runs = [reg.get_run(i, samples=False) for i in run_ids]
+        entry["experts"] = experts_touched(runs, surface)
         entry["run_id"] = _stored_before(reg, state, g, run_ids)
         if entry["run_id"] is None:
-            runs = [reg.get_run(i, samples=False) for i in run_ids]
             levels = concurrency_levels(spec.workload["max_concurrency"])
             rec = make_record(KIND, f"sweep {state.name}: engine surface" + (f" at {g.key}" if g.at else ""),
                               config=surface_config(spec, g, runs, state.name, levels),
-                              results={"surface": surface, "surface_steps": len(rows), "surface_warnings": warnings},
+                              results={"surface": surface, "surface_steps": len(rows), "surface_warnings": warnings,
+                                       "experts_touched": entry["experts"]},
                               tags=[TAG, f"{TAG}:{state.name}"], env=dict(runs[0].get("env") or {}),
                               sweep={"id": state.id, "name": state.name, "surface": g.key, "at": dict(g.at),
                                      "axis": AXIS_KEY})
             entry["run_id"] = reg.add_run(rec)
     return entry
+
+
+def experts_touched(runs: list[dict], surface: dict) -> list[dict]:
+    """A MoE's side of the surface: per step kind and tokens the step ran through the target (B × n: a step reads
+    the union of its tokens' experts, however they split into requests), the distinct experts per layer the cells'
+    profiled steps routed to (the plugin's windows) and the mean ms of their MoE experts component there, beside the
+    surface's median forward at that many tokens (batch 1's point where there is one). [] for a dense target or
+    without windows."""
+    from specscope.profile.components import merged
+
+    fwd: dict[int, tuple[int, float]] = {}
+    for p in surface.get("points") or []:
+        t = p["batch"] * p["tokens"]
+        if t not in fwd or p["batch"] < fwd[t][0]:
+            fwd[t] = (p["batch"], p["median_ms"])
+    out = []
+    for key, b in merged([(r.get("results") or {}).get("components") for r in runs]).items():
+        kind, _, t = key.partition("@")
+        ex = b.get("experts")
+        if ex and t.isdigit():
+            experts_ms = (b.get("components") or {}).get(kind, {}).get("experts")
+            out.append({"kind": kind, "tokens": int(t), "distinct_per_layer": ex["distinct_per_layer"],
+                        "of": ex.get("of"), "bytes": ex["bytes"], "steps": ex["steps"], "experts_ms": experts_ms,
+                        "forward_ms": round(fwd[int(t)][1], 4) if int(t) in fwd else None})
+    return sorted(out, key=lambda d: (d["tokens"], d["kind"]))
 
 
 def _done_runs(state, g: Group) -> list[str] | None:
@@ -252,6 +279,7 @@ def surface_entries(state) -> list[dict]:
                 "baseline": g.baseline.key if g.baseline else None, "runs_left": left}
         if e is not None and not left:
             item.update({k: e[k] for k in ("run_id", "runs", "batches", "tokens", "steps", "warnings")})
+            item["experts"] = e.get("experts") or []
             if e["run_id"]:
                 item["commands"] = commands(e["run_id"], e["batches"], e["tokens"])
         out.append(item)

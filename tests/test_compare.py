@@ -157,6 +157,10 @@ def test_cause_priors_and_ranking():
     ranked = rank({"env.gpu.sm_clock_mhz": (1980, 1965), "env.gpu.sm_clock_max_mhz": (1980, 1410)},
                   {"out_of_proportion": None, "tau_changed": False, "changed_phases": {"verify", "draft"}})
     assert ranked[0]["key"] == "env.gpu.sm_clock_max_mhz"       # jitter in the current clock counts less
+    # vLLM CPU's thread binding moves everything, the all-reduce most: above a load average that differed too
+    shape = {"out_of_proportion": None, "tau_changed": False, "changed_phases": {"verify", "draft", "accept"}}
+    ranked = rank({"env.vars.VLLM_CPU_OMP_THREADS_BIND": ("0|1", "0|0"), "env.cpu.load_1m": (1.2, 2.9)}, shape)
+    assert ranked[0]["key"] == "env.vars.VLLM_CPU_OMP_THREADS_BIND"
 
 
 def test_settings_diff_and_lookup():

@@ -61,6 +61,10 @@ PRIORS: list[tuple[str, float, frozenset, str]] = [
     ("env.torch.*", 0.4, ALL, "torch build differs"),
     ("env.vars.NCCL_*", 0.75, frozenset({"verify"}),
      "NCCL settings change all-reduce latency; multi-token verify (larger messages) reacts more than decode"),
+    ("env.vars.VLLM_CPU_OMP_THREADS_BIND", 0.95, ALL,
+     "vLLM's CPU build: the cores each tensor-parallel rank's threads bind to (ranks sharing a core spin in every "
+     "all-reduce)"),
+    ("env.vars.VLLM_CPU_*", 0.7, ALL, "vLLM CPU build settings (threads, KV cache space)"),
     ("env.vars.CUDA_LAUNCH_BLOCKING", 0.9, ALL, "synchronous kernel launches"),
     ("env.vars.CUDA_*", 0.5, ALL, "CUDA environment differs"),
     ("env.vars.OMP_*", 0.7, ALL, "OpenMP thread pool settings"),

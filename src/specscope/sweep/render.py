@@ -128,6 +128,8 @@ def slice_words(axis: str, s: dict) -> str:
     cause = s.get("cause")
     if cause:
         parts[-1] += f"; likely cause {cause}" + (" (the axis)" if s.get("cause_is_axis") else " (not the axis)")
+    if s.get("components"):     # what the moved phase spent it on, in the profiled steps
+        parts[-1] += f"; {s['components']['words']}"
     return f"{head}: " + ", ".join(parts) + tail
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import time
@@ -244,7 +245,8 @@ MOE_PROMPTS = 8
 
 @pytest.fixture(scope="module")
 def moe(work, model_dir) -> Path:
-    return make_moe(work / "qwen3-moe", model_dir, layers=MOE_LAYERS)
+    # 32 experts, top-4: a verify of n tokens reads the union of their experts (item 4 of issue 47)
+    return make_moe(work / "qwen3-moe", model_dir, layers=MOE_LAYERS, experts=32, top_k=4, expert_dim=128)
 
 
 def _ingest(path: Path, db: Path) -> str:
@@ -269,7 +271,7 @@ class TestMoETarget:
         assert r.returncode == 0, r.stderr[-3000:]
         assert m["weight_bytes_opened"] == 0, m
         r, mt = measured(vllm_python, moe, work / "moe-train.json", "train", "--workdir", w, "--model", moe,
-                         "--stages", "vocab,train", "--draft-vocab", "2048", "--num-epochs", "6", "--batch-size", "4",
+                         "--stages", "vocab,train", "--draft-vocab", "2048", "--num-epochs", "12", "--batch-size", "4",
                          "--lr", "3e-3", "--warmup", "5", "--ttt-steps", "3", "--seed", "0", "--no-progress",
                          timeout=1800)
         assert r.returncode == 0, r.stderr[-3000:]
@@ -393,3 +395,70 @@ class TestMoETarget:
         assert rc == 1 and c["served: chat template"]["status"] == "fail", json.dumps(rep["checks"], indent=1)
         assert "--chat-template" in c["served: chat template"]["detail"]
         assert c["served τ"]["status"] == "skip" and "not the capture's" in c["served τ"]["detail"]
+
+
+# ---- the seed's case on this MoE: tensor parallel 2, the collective's setting × draft tokens (issue 47 item 4) ----
+BIND = "VLLM_CPU_OMP_THREADS_BIND"
+
+
+@pytest.mark.timeout(2400)      # 8 vLLM launches at tensor parallel 2, ~60-80 s each on 2 cores
+def test_tp2_sweep_names_the_collective_setting_and_the_verify_tokens(vllm_python, moe, work):
+    """The seed's matrix reproduced on this MoE with its captured drafter, served at tensor parallel 2: the
+    collective's setting on vLLM's CPU build (`VLLM_CPU_OMP_THREADS_BIND`: `0|1` one core per rank, `0|0` both ranks
+    on one core, where the shared-memory all-reduce's barriers spin against each other: docs/why-verify.md) × EAGLE-3
+    draft tokens 1 / 3, 2 repeats. compare, on each axis's slices, names the collective for the setting (not the
+    verify tokens, which are the same there) and the verify tokens for the draft-tokens axis; the engine surface
+    of each setting shows the verify's tokens beside the experts they touched."""
+    drafter = work / "moe-drafter"
+    assert (drafter / "config.json").exists(), "test_capture_vocab_train_export exports the drafter"
+    prompts = [json.loads(ln)["messages"][0]["content"] for ln in
+               (work / "moe" / "regenerated.jsonl").read_text().splitlines()][:4]
+    data = work / "moe-sweep-prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    spec = {"method": "eagle3", "model": str(drafter), "num_speculative_tokens": 3}
+    serve = shlex.join([vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(moe),
+                        "--served-model-name", "specscope-target", "--dtype", "float32", "--max-model-len", "2048",
+                        "--enforce-eager", "--tensor-parallel-size", "2", "--host", "127.0.0.1", "--port", "{port}",
+                        "--speculative-config", json.dumps(spec)])
+    # a window every second from step 10: a cell serves for ~20 s, the default (every 30 s) would profile 0-1 windows
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2", SPECSCOPE_WINDOW_EVERY="1", SPECSCOPE_WINDOW_FIRST="10")
+    wd, db = work / "moe-tp2-sweep", work / "moe-tp2-sweep.db"
+    r = specscope_cli("sweep", "-w", wd, "--db", db, "--json", "--env", f"{BIND}=0|1,0|0", "--flag",
+                      "speculative-config.num_speculative_tokens=1,3", "--repeats", "2", "--dataset-name", "custom",
+                      "--dataset-path", data, "--num-prompts", "4", "--output-len", "64", "--ignore-eos",
+                      "--serve-cmd", serve, env=env, timeout=2300)
+    doc = json.loads(r.stdout)
+    RESULTS["moe_tp2_sweep"] = {"axes": [{k: a[k] for k in ("axis", "verdict")} for a in doc["axes"]],
+                                "surfaces": doc.get("engine_surfaces")}
+    cells = [c for line in doc["matrix"]["cells"] for c in line]
+    assert len(cells) == 4 and all(c["status"] == "ok" and c["n"] == 2 for c in cells), cells
+    axes = {a["axis"]: a for a in doc["axes"]}
+    for s in axes[BIND]["slices"]:
+        print(f"\n{BIND} 0|1 -> 0|0 at {s['at']}: {s['summary']}")
+        moved = s["components"]
+        assert moved and moved["phase"] == "verify" and moved["lead"] == "collectives", s["summary"]
+        assert moved["delta_ms"] > 0 and moved["tokens"][0] == moved["tokens"][1], moved
+        verify = {row["metric"]: row for row in s["rows"]}["phase.verify"]
+        assert verify["verdict"] == "worse", verify
+        assert s["cause_is_axis"], s["likely_causes"]
+    for s in axes["num_speculative_tokens"]["slices"]:
+        print(f"\ndraft tokens 1 -> 3 at {s['at']}: {s['summary']}")
+        assert s["components"] and s["components"]["tokens"] == [2, 4], s["summary"]
+        assert "verify tokens per step 2 -> 4" in s["summary"]
+    # each setting's surface: the verify of 2 and of 4 tokens, each beside the experts its tokens touched
+    surfaces = doc["engine_surfaces"]
+    assert len(surfaces) == 2 and all(sf["run_id"] for sf in surfaces), surfaces
+    for sf in surfaces:
+        print(f"\nsurface at {sf['key']}: {sf['experts']}")
+        touched = {e["tokens"]: e for e in sf["experts"] if e["kind"] == "verify"}
+        assert sorted(touched) == [2, 4], sf["experts"]
+        assert all(e["of"] == 32 and e["forward_ms"] and e["experts_ms"] for e in touched.values()), touched
+        # the union of n tokens' top-4 experts, and the expert weights it reads, grow with n. By how much is the
+        # model's: this random one routes neighbouring tokens nearly alike (measured 5.0 of 32 per layer at 2
+        # tokens, 5.4 at 4; docs/why-verify.md), where independent routing would give 7.5 and 13.1
+        assert 4 <= touched[2]["distinct_per_layer"] < touched[4]["distinct_per_layer"] <= 16, touched
+        assert touched[2]["bytes"] < touched[4]["bytes"]
+    text = specscope_cli("sweep", "-w", wd, "--db", db).stdout
+    assert text.count("experts touched per layer (of 32): verify, 2 tokens") == 2, text
+    bind_lines = [ln for ln in text.splitlines() if f"{BIND} 0|1 → 0|0 at" in ln]
+    assert len(bind_lines) == 2 and all(": collectives +" in ln for ln in bind_lines), bind_lines

